@@ -1,0 +1,21 @@
+"""The appliance: an OpenAI-compatible inference server for Qwen3.5 and Qwen3-VL.
+
+Offline use: `from appliance import LLM, SamplingParams`.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from appliance.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from appliance.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)

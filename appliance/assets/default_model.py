@@ -1,0 +1,61 @@
+"""The embedded default model: a tiny random Qwen3.5 dense checkpoint with the test BPE tokenizer.
+
+Called by the engine runner when no model is configured, so the appliance starts (and CI runs end to
+end) without any download. Built once, deterministically, under APPLIANCE_HOME/default-model-v<N>.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+from appliance import envs
+from appliance.logging import get_logger
+
+logger = get_logger(__name__)
+
+# Bump when the recipe below changes so old builds are not reused.
+DEFAULT_MODEL_VERSION = 1
+_RECIPE = {
+    "moe": False,
+    "layer_types": ["linear", "full", "linear", "full"],
+    "seed": 0,
+    "tokenizer": "bpe",
+    "mtp": True,
+}
+_REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+
+
+def default_model_dir() -> pathlib.Path:
+    home = pathlib.Path(os.path.expanduser(envs.APPLIANCE_HOME))
+    return home / f"default-model-v{DEFAULT_MODEL_VERSION}"
+
+
+def _complete(path: pathlib.Path) -> bool:
+    return all((path / name).is_file() for name in _REQUIRED)
+
+
+def ensure_default_model() -> pathlib.Path:
+    """Path of the default model directory, building it first if it is missing (a few seconds)."""
+    target = default_model_dir()
+    if _complete(target):
+        return target
+    from appliance.testing.tiny import build_qwen3_5  # torch + transformers only when building
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("building the embedded default model in %s", target)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))
+    try:
+        build_qwen3_5(tmp, **_RECIPE)
+        if target.exists() and not _complete(target):
+            shutil.rmtree(target)  # leftover of an interrupted older layout
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process renamed its build first
+            if not _complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,114 @@
+"""Frozen configuration dataclasses, one per role; CLI defaults come from here (appliance/cli.py).
+
+Validation raises ValueError naming the field and the accepted values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def _check(cond: bool, name: str, accepted: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: expected {accepted}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str = ""  # checkpoint folder (HF layout); "" = the embedded default model
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
+    max_model_len: int = 0  # context length; 0 = the checkpoint's max_position_embeddings
+    seed: int = 0  # seed for dummy weights
+
+    def __post_init__(self) -> None:
+        _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+               "auto, float32, bfloat16 or float16")
+        _check(self.max_model_len >= 0, "max_model_len", "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests at most (request slots)
+    max_num_batched_tokens: int = 2048  # token budget per step (prefill chunk + decodes)
+    num_kv_slots: int = 0  # KV token slots; 0 = sized from memory by the worker
+    max_waiting: int = 1024  # queue length before new requests get 429
+    mtp_step: int = 0  # draft tokens per step (0 = MTP off)
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")
+        _check(self.num_kv_slots >= 0, "num_kv_slots", "an integer >= 0")
+        _check(0 <= self.mtp_step <= 3, "mtp_step", "0, 1, 2 or 3")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel ranks
+    device: str = "auto"  # auto | cpu | cuda
+
+    def __post_init__(self) -> None:
+        _check(self.tp >= 1, "tp", "an integer >= 1")
+        _check(self.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | fp8_e4m3
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def field_names(cls) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # HTTP bind address (0.0.0.0 to listen on every interface)
+    port: int = 8000  # HTTP port
+    served_model_name: str = ""  # model id in the API; "" = the model folder's name
+    max_prompt_chars: int = 0  # prompt characters accepted before tokenizing; 0 = 16 x max_model_len
+    max_n: int = 16  # largest `n` (choices per request) accepted
+    reasoning: str = "auto"  # <think> text to reasoning_content: auto (prompt opens <think>) | on | off
+    access_log: bool = True  # one INFO line per HTTP request (method, path, status, latency, id)
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", "an integer in [0, 65535]")
+        _check(self.max_prompt_chars >= 0, "max_prompt_chars", "an integer >= 0")
+        _check(self.max_n >= 1, "max_n", "an integer >= 1")
+        _check(self.reasoning in ("auto", "on", "off"), "reasoning", "auto, on or off")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    transport: str = "ipc"  # ZMQ transport between roles: ipc (sockets in a temp dir) | tcp (loopback)
+    runner: str = "appliance.engine.runner:ModelRunner"  # model runner class, module:Class
+    drain_timeout_s: float = 30.0  # on SIGTERM, seconds open requests get to finish before abort
+    fatal_grace_s: float = 1.0  # after a role dies, seconds to deliver errors before stopping
+
+    def __post_init__(self) -> None:
+        _check(self.transport in ("ipc", "tcp"), "transport", "ipc or tcp")
+        _check(":" in self.runner, "runner", "module.path:ClassName")
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s", "a number >= 0")
+        _check(self.fatal_grace_s >= 0, "fatal_grace_s", "a number >= 0")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `appliance serve` needs: the engine plus the server and launcher roles."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)

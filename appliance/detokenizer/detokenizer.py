@@ -1,0 +1,94 @@
+"""The detokenizer's logic: RouterOutput batches in, DetokOutput batches (text deltas) out.
+
+Driven by the detokenizer process loop (process.py); no sockets here, so tests call `process()` directly.
+"""
+
+from __future__ import annotations
+
+from appliance.detokenizer.incremental import RequestDetokenizer
+from appliance.detokenizer.tokenizer import TextTokenizer
+from appliance.messages import (
+    DetokOutput,
+    FinishRequest,
+    RouterOutput,
+    TextDelta,
+    TokenLogprob,
+    TokenUpdate,
+)
+
+
+class Detokenizer:
+    """Keeps one RequestDetokenizer per live request; forgets it when the request finishes."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestDetokenizer] = {}
+        self._cached_tokens: dict[str, int] = {}
+
+    @property
+    def num_live(self) -> int:
+        return len(self._requests)
+
+    def process(self, out: RouterOutput) -> tuple[DetokOutput, list[FinishRequest]]:
+        """Returns the deltas for the server and the stop-string finishes for the router."""
+        for reg in out.registers:
+            self._requests[reg.req_id] = RequestDetokenizer(self.tokenizer, reg.params)
+        deltas: list[TextDelta] = []
+        finishes: list[FinishRequest] = []
+        for update in out.updates:
+            delta = self._apply(update, finishes)
+            if delta is not None:
+                deltas.append(delta)
+        return DetokOutput(deltas=deltas, stats=out.stats, status=out.status), finishes
+
+    def _apply(self, update: TokenUpdate, finishes: list[FinishRequest]) -> TextDelta | None:
+        req_id = update.req_id
+        state = self._requests.get(req_id)
+        if state is None:
+            # Rejected before registration, or tokens still in flight after a stop string matched.
+            if update.finish_reason == "error":
+                return TextDelta(req_id, "", [], 0, "error", error=update.error,
+                                 error_status=update.error_status)
+            return None
+        if update.num_cached_tokens:
+            self._cached_tokens[req_id] = update.num_cached_tokens
+        consumed = 0
+        for token_id in update.token_ids:
+            state.add_token(token_id)
+            consumed += 1
+            if state.stopped:
+                break
+        finish = update.finish_reason
+        if state.stopped:
+            if finish is None:
+                finishes.append(FinishRequest(req_id, "stop"))
+            finish = "stop"
+        elif finish is not None:
+            state.flush()
+        text = state.take_delta(final=finish is not None)
+        token_ids = list(update.token_ids[:consumed])
+        logprobs = self._logprobs(update, consumed) if state.params.logprobs else None
+        cached = self._cached_tokens.get(req_id, 0)
+        if finish is not None:
+            del self._requests[req_id]
+            self._cached_tokens.pop(req_id, None)
+        if not text and not token_ids and finish is None:
+            return None
+        return TextDelta(req_id, text, token_ids, len(state.token_ids), finish, logprobs,
+                         error=update.error, error_status=update.error_status,
+                         num_cached_tokens=cached)
+
+    def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:
+        if update.logprobs is None:
+            return None
+        entries: list[TokenLogprob] = []
+        entry = self.tokenizer.token_entry
+        for i in range(consumed):
+            text, raw = entry(update.token_ids[i])
+            top: list[tuple[str, float, list[int]]] = []
+            if update.top_logprobs is not None:
+                for tok, lp in update.top_logprobs[i]:
+                    t_text, t_raw = entry(tok)
+                    top.append((t_text, lp, t_raw))
+            entries.append(TokenLogprob(text, update.logprobs[i], raw, top))
+        return entries

@@ -1,0 +1,58 @@
+"""Turns a StepPlan's chunks into the flat device batch of one forward: input ids, positions, KV slots
+and the ForwardContext. Called by the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from appliance.engine.context import ForwardContext
+from appliance.engine.pools import Pools
+from appliance.messages import ScheduledChunk
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    ctx: ForwardContext
+    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
+    sample_slots: list[int]  # req slot of each sampled row
+
+
+def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device) -> StepBatch:
+    ids, positions, kv_slots, logits_indices, sample_slots = [], [], [], [], []
+    cu, seq_lens, q_lens, req_slots = [0], [], [], []
+    for chunk in chunks:
+        end = chunk.start + chunk.num_tokens
+        if len(chunk.kv_slots) != chunk.num_tokens:
+            raise ValueError(f"chunk for slot {chunk.req_slot}: {len(chunk.kv_slots)} kv slots "
+                             f"for {chunk.num_tokens} tokens")
+        ids.append(pools.token_ids[chunk.req_slot, chunk.start:end])
+        positions.append(torch.arange(chunk.start, end, device=device))
+        kv = torch.tensor(chunk.kv_slots, dtype=torch.int64, device=device)
+        pools.req_to_token[chunk.req_slot, chunk.start:end] = kv.to(torch.int32)
+        kv_slots.append(kv)
+        cu.append(cu[-1] + chunk.num_tokens)
+        seq_lens.append(end)
+        q_lens.append(chunk.num_tokens)
+        req_slots.append(chunk.req_slot)
+        if chunk.sample:
+            logits_indices.append(cu[-1] - 1)
+            sample_slots.append(chunk.req_slot)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    ctx = ForwardContext(
+        req_slots=t(req_slots),
+        cu_seqlens_q=t(cu),
+        seq_lens=t(seq_lens),
+        has_initial_state=t([c.start for c in chunks]) > 0,
+        out_kv_slots=torch.cat(kv_slots),
+        req_to_token=pools.req_to_token,
+        q_lens=q_lens,
+        all_decode=all(n == 1 for n in q_lens),
+    )
+    return StepBatch(torch.cat(ids), torch.cat(positions), ctx, t(logits_indices), sample_slots)

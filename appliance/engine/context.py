@@ -1,0 +1,48 @@
+"""Per-step forward metadata, set by the model runner and read by the attention / GDN layers.
+
+`forward()` of a model takes ids, positions and embeddings only; everything about which requests,
+slots and lengths the step covers is here (one object per step, built once on the device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    req_slots: torch.Tensor  # [B] request slot (row of req_to_token; also the state slot)
+    cu_seqlens_q: torch.Tensor  # [B + 1] query rows per request in this step
+    seq_lens: torch.Tensor  # [B] tokens in the KV after this step
+    has_initial_state: torch.Tensor  # [B] bool: the request has earlier tokens (state to read)
+    out_kv_slots: torch.Tensor  # [T] KV slot written by each computed token
+    req_to_token: torch.Tensor  # [max_reqs, max_len] kv slot of every position
+    q_lens: list[int]  # host copy of the per-request query lengths
+    all_decode: bool  # every request computes exactly one token (recurrent GDN path)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.q_lens)
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("no forward context: layers must run inside forward_context()")
+    return _current

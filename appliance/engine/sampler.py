@@ -1,0 +1,163 @@
+"""The worker's sampler: penalties, logprobs, then temperature/min-p/top-k/top-p sampling through
+`kernels.sampling`. Called by the model runner once per step on the rows that sample.
+
+Choices, documented here once:
+- Seeds: every request reaching the worker carries a seed. An unseeded request gets one drawn once,
+  at admission, by `appliance.router.scheduler.Scheduler.add_request`; greedy rows may have none.
+- Offsets: the caller passes, per row, the position of the token being sampled (the request's length
+  before the token is appended). Noise is a function of (seed, offset, token id) only, so a request
+  recomputed after preemption, or batched differently, samples the same tokens.
+- Penalties: repetition (HF: seen = prompt + output tokens; positive logits divided, negative ones
+  multiplied), then frequency and presence (OpenAI: over output tokens only; subtract
+  frequency * count + presence * [count > 0]).
+- Logprobs are those of the post-penalty, pre-temperature distribution (log_softmax of the penalised
+  logits): what the model assigns after the request's penalties, independent of how it is sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from appliance.messages import SamplingOptions
+from kernels.sampling import sample_ref
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: list[float | None]  # per row: logprob of the sampled token; None = not requested
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row: top (id, logprob), best first
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling knobs as [B] device tensors (the buffers a CUDA graph would read)."""
+
+    temperature: torch.Tensor  # [B] fp32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingOptions], device: torch.device) -> SamplingTensors:
+        for row in rows:
+            if row.seed is None and row.temperature > 0:
+                raise ValueError("seed: every sampled row needs one (the router draws it)")
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            temperature=f32([r.temperature for r in rows]),
+            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+            top_p=f32([r.top_p for r in rows]),
+            min_p=f32([r.min_p for r in rows]),
+            seeds=torch.tensor([r.seed or 0 for r in rows], dtype=torch.long, device=device),
+        )
+
+
+def needs_penalties(row: SamplingOptions) -> bool:
+    return row.repetition_penalty != 1.0 or row.presence_penalty != 0 or row.frequency_penalty != 0
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [B, V] fp32
+    rows: Sequence[SamplingOptions],
+    token_history: Sequence[torch.Tensor],  # per row: [L_i] prompt + output token ids
+    prompt_lens: Sequence[int] | None,  # per row: how many of token_history are prompt
+) -> torch.Tensor:
+    """Returns penalised logits [B, V] (a new tensor if any row has penalties, else `logits`)."""
+    picked = [i for i, row in enumerate(rows) if needs_penalties(row)]
+    if not picked:
+        return logits
+    if prompt_lens is None and any(
+        rows[i].presence_penalty or rows[i].frequency_penalty for i in picked
+    ):
+        raise ValueError("prompt_lens: needed for presence/frequency penalties")
+    device, vocab = logits.device, logits.shape[-1]
+    hist = [token_history[i].to(device=device, dtype=torch.long) for i in picked]
+    padded = pad_sequence(hist, batch_first=True, padding_value=vocab)  # [R, L]; pad -> bin V
+    if padded.shape[1] == 0:
+        return logits
+    positions = torch.arange(padded.shape[1], device=device)[None, :]
+    plens = torch.tensor([prompt_lens[i] if prompt_lens else 0 for i in picked], device=device)
+    out_ids = torch.where(positions >= plens[:, None], padded, vocab)  # [R, L]; prompt -> bin V
+    ones = torch.ones_like(padded, dtype=torch.float32)
+    seen = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, padded, ones)
+    counts = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, out_ids, ones)
+    seen, counts = seen[:, :vocab] > 0, counts[:, :vocab]  # [R, V]
+
+    def col(name: str) -> torch.Tensor:
+        values = [float(getattr(rows[i], name)) for i in picked]
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    index = torch.tensor(picked, device=device)
+    sub = logits[index].float()  # [R, V]
+    rep = col("repetition_penalty")
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0).float()
+    out = logits.clone()
+    out[index] = sub.to(out.dtype)
+    return out
+
+
+def gather_logprobs(
+    logits: torch.Tensor,  # [B, V] penalised, pre-temperature
+    token_ids: torch.Tensor,  # [B]
+    rows: Sequence[SamplingOptions],
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    logprobs: list[float | None] = [None] * len(rows)
+    tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    picked = [i for i, row in enumerate(rows) if row.logprobs is not None]
+    if not picked:
+        return logprobs, tops
+    index = torch.tensor(picked, device=logits.device)
+    lp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
+    chosen = lp.gather(1, token_ids[index][:, None])[:, 0].tolist()
+    k_max = max(rows[i].logprobs for i in picked)
+    top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(picked):
+        k = rows[i].logprobs
+        logprobs[i] = chosen[j]
+        tops[i] = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
+    return logprobs, tops
+
+
+class Sampler:
+    """Eager sampler for a batch of rows (one row per sampling request in the step)."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        rows: Sequence[SamplingOptions],
+        token_history: Sequence[torch.Tensor] | None,  # per row [L_i]; needed for penalties
+        offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
+        prompt_lens: Sequence[int] | None = None,  # per row; needed for presence/frequency
+    ) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits: expected [{len(rows)}, V], got {tuple(logits.shape)}")
+        device = logits.device
+        logits = logits.float()
+        if token_history is None and any(needs_penalties(r) for r in rows):
+            raise ValueError("token_history: needed for penalties")
+        if token_history is not None:
+            logits = apply_penalties(logits, rows, token_history, prompt_lens)
+        params = SamplingTensors.from_rows(rows, device)
+        offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
+        token_ids = sample_ref(
+            logits,
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            params.seeds,
+            offsets,
+        )
+        logprobs, tops = gather_logprobs(logits, token_ids, rows)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)

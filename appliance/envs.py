@@ -1,0 +1,84 @@
+"""The one place that reads the process environment: every APPLIANCE_* flag, typed and defaulted.
+
+Everything else imports `envs` and reads attributes (`envs.APPLIANCE_LOG_LEVEL`); values are read at
+attribute access so tests can monkeypatch os.environ. Documented in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+    choices: tuple[str, ...] | None = None
+
+
+def _bool(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+_REGISTRY: dict[str, EnvVar] = {}
+
+
+def _register(name: str, default: Any, parse: Callable[[str], Any], doc: str, choices=None) -> None:
+    _REGISTRY[name] = EnvVar(name, default, parse, doc, tuple(choices) if choices else None)
+
+
+_register("APPLIANCE_LOG_LEVEL", "INFO", str.upper, "Root log level: DEBUG, INFO, WARNING, ERROR.")
+_register(
+    "APPLIANCE_LOG_COLOR", "auto", str.lower, "Colored level names.", ("auto", "always", "never")
+)
+_register("NO_COLOR", False, lambda s: s != "", "Standard no-color switch; any value disables color.")
+_register(
+    "APPLIANCE_LOG_STATS_INTERVAL", 10.0, float, "Seconds between windowed stats lines (0 = off)."
+)
+_register(
+    "APPLIANCE_LOG_ACCESS", True, _bool, "One access-log line per HTTP request (probes at DEBUG)."
+)
+_register(
+    "APPLIANCE_GDN_PREFILL_BACKEND",
+    "auto",
+    str.lower,
+    "Gated DeltaNet prefill kernel.",
+    ("auto", "torch", "triton", "fla", "flashqla"),
+)
+_register(
+    "APPLIANCE_FP8_GEMM",
+    "auto",
+    str.lower,
+    "fp8 scaled GEMM backend.",
+    ("auto", "cutlass", "sgl", "triton", "torch"),
+)
+_register(
+    "APPLIANCE_DISABLE_MTP_FUSED_GRAPH", False, _bool, "Turn off the fused MTP verify/draft graphs."
+)
+_register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
+
+
+def get(name: str) -> Any:
+    var = _REGISTRY[name]
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    value = var.parse(raw)
+    if var.choices is not None and value not in var.choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(var.choices)}")
+    return value
+
+
+def registry() -> dict[str, EnvVar]:
+    return dict(_REGISTRY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY:
+        return get(name)
+    raise AttributeError(name)

@@ -1,0 +1,301 @@
+"""The launcher: the only place that spawns processes (server, detokenizer, router, one worker per TP rank).
+
+Called by `appliance serve` (cli.py) and by tests/benchmarks. It allocates every address, shows startup
+progress from each role's messages, names a role that dies (failing every open request through the
+server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exits 0.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from appliance.config import ServeConfig
+from appliance.logging import get_logger, setup_logging
+from appliance.messages import (
+    Drain,
+    Drained,
+    EngineReady,
+    Fatal,
+    ProcessReady,
+    StartupProgress,
+    ToLauncher,
+    WorkerInfo,
+    decoder,
+    encode,
+)
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """ZMQ endpoints of every role; each PULL socket is bound by its owner, peers connect PUSH."""
+
+    launcher: str  # launcher PULL: ProcessReady / StartupProgress / Drained from every role
+    server_control: str  # server PULL: EngineReady / Drain / Fatal from the launcher
+    server: str  # server PULL: DetokOutput from the detokenizer
+    router: str  # router PULL: TokenizedRequest / AbortRequest / StatusQuery / FinishRequest
+    router_results: str  # router PULL: StepResult from worker rank 0
+    detokenizer: str  # detokenizer PULL: RouterOutput from the router
+    workers: list[str] = field(default_factory=list)  # worker rank r PULL: StepPlan from the router
+    dist_init: str = ""  # torch.distributed init_method (file:// in the run dir)
+
+    @classmethod
+    def allocate(cls, transport: str, tp: int, run_dir: Path) -> Addresses:
+        names = ["launcher", "server_control", "server", "router", "router_results", "detokenizer"]
+        names += [f"worker{r}" for r in range(tp)]
+        if transport == "ipc":
+            addr = {n: f"ipc://{run_dir}/{n}" for n in names}
+        else:
+            addr = {n: f"tcp://127.0.0.1:{_free_port()}" for n in names}
+        return cls(addr["launcher"], addr["server_control"], addr["server"], addr["router"],
+                   addr["router_results"], addr["detokenizer"],
+                   [addr[f"worker{r}"] for r in range(tp)], f"file://{run_dir}/dist_init")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ helpers every role uses
+
+
+def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PULL:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    else:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def child_init(role: str) -> None:
+    """First call in every spawned role: logging, signals, and exit if the launcher disappears.
+
+    Ctrl-C reaches the whole process group; only the launcher acts on it (by draining), so children
+    ignore SIGINT. SIGTERM (sent by the launcher when stopping) keeps its default: exit.
+    """
+    mp.current_process().name = role
+    setup_logging()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+
+
+class RoleLink:
+    """A role's PUSH socket to the launcher: progress lines and the ready message."""
+
+    def __init__(self, address: str, role: str, rank: int = 0) -> None:
+        self.role, self.rank = role, rank
+        self._ctx = zmq.Context.instance()
+        self._sock = zmq_socket(self._ctx, zmq.PUSH, address, bind=False)
+
+    def progress(self, stage: str) -> None:
+        self._sock.send(encode(StartupProgress(self.role, self.rank, stage)))
+
+    def ready(self, worker: WorkerInfo | None = None) -> None:
+        self._sock.send(encode(ProcessReady(self.role, self.rank, os.getpid(), worker)))
+
+    def send(self, msg) -> None:
+        self._sock.send(encode(msg))
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+class LaunchError(RuntimeError):
+    """A role died or startup failed; the message names the role."""
+
+
+class Launcher:
+    """Spawns and supervises the roles of one appliance. `run()` blocks and returns the exit code."""
+
+    def __init__(self, config: ServeConfig, model_dir: str) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.tp = config.engine.parallel.tp
+        self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-"))
+        self.addrs = Addresses.allocate(config.launch.transport, self.tp, self._run_dir)
+        self._mp = mp.get_context("spawn")
+        self._procs: dict[str, mp.process.BaseProcess] = {}
+        self._ctx = zmq.Context.instance()
+        self._inbox = zmq_socket(self._ctx, zmq.PULL, self.addrs.launcher, bind=True)
+        self._control = zmq_socket(self._ctx, zmq.PUSH, self.addrs.server_control, bind=False)
+        self._decoder = decoder(ToLauncher)
+        self._stop_signal: int | None = None
+        self._t0 = time.monotonic()
+
+    # -------------------------------------------------------------- spawning
+    def _spawn(self, role: str, target, *args) -> None:
+        proc = self._mp.Process(target=target, args=args, name=role, daemon=False)
+        proc.start()
+        self._procs[role] = proc
+        logger.debug("spawned %s (pid %d)", role, proc.pid)
+
+    def _spawn_workers_and_frontends(self) -> None:
+        from appliance.detokenizer.process import run_detokenizer
+        from appliance.engine.worker import run_worker
+        from appliance.server.process import run_server
+
+        engine = self.config.engine
+        for rank in range(self.tp):
+            self._spawn(f"worker {rank}", run_worker, engine, self.addrs, rank, self.tp,
+                        self.config.launch.runner)
+        self._spawn("detokenizer", run_detokenizer, self.model_dir, self.addrs)
+        self._spawn("server", run_server, self.config, self.model_dir, self.addrs)
+
+    def _spawn_router(self, info: WorkerInfo) -> None:
+        from appliance.router.process import run_router
+
+        self._spawn("router", run_router, self.config.engine, self.addrs, info)
+
+    # -------------------------------------------------------------- supervision
+    def _dead_role(self) -> str | None:
+        for role, proc in self._procs.items():
+            if proc.exitcode is not None:
+                return f"{role} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def _poll(self, timeout_ms: int):
+        if self._inbox.poll(timeout_ms):
+            return self._decoder.decode(self._inbox.recv())
+        return None
+
+    def _wait_startup(self) -> WorkerInfo:
+        """Waits for every role's ProcessReady, spawning the router once the workers are ready."""
+        pending = {f"worker {r}" for r in range(self.tp)} | {"detokenizer", "server", "router"}
+        info: WorkerInfo | None = None
+        while pending:
+            if self._stop_signal is not None:
+                raise KeyboardInterrupt
+            dead = self._dead_role()
+            if dead is not None:
+                raise LaunchError(f"{dead} during startup")
+            msg = self._poll(100)
+            if isinstance(msg, StartupProgress):
+                who = msg.role if msg.role != "worker" else f"worker {msg.rank}"
+                logger.info("[%5.1fs] %s: %s", self._elapsed(), who, msg.stage)
+            elif isinstance(msg, ProcessReady):
+                who = msg.role if msg.role != "worker" else f"worker {msg.rank}"
+                pending.discard(who)
+                if msg.worker is not None:
+                    info = msg.worker
+                logger.info("[%5.1fs] %s ready (%d/%d)", self._elapsed(), who,
+                            self.tp + 3 - len(pending), self.tp + 3)
+                if who.startswith("worker") and info is not None and "router" not in self._procs \
+                        and not any(p.startswith("worker") for p in pending):
+                    self._spawn_router(info)
+        assert info is not None
+        return info
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:
+            logger.warning("second signal: stopping now")
+            self._stop_all()
+            os._exit(1)
+        self._stop_signal = signum
+
+    def run(self) -> int:
+        """Starts everything, serves until a signal (exit 0 after draining) or a death (exit 1)."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self._spawn_workers_and_frontends()
+            info = self._wait_startup()
+            self._control.send(encode(EngineReady(info.max_model_len, info.num_kv_slots)))
+            server = self.config.server
+            logger.info("ready in %.1fs: http://%s:%d (tp %d, max_model_len %d, %d KV slots)",
+                        self._elapsed(), server.host, server.port, self.tp, info.max_model_len,
+                        info.num_kv_slots)
+            return self._serve()
+        except KeyboardInterrupt:
+            logger.info("stopped during startup")
+            return 0
+        except LaunchError as exc:
+            logger.error("%s", exc)
+            return 1
+        finally:
+            self._stop_all()
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+    def _serve(self) -> int:
+        while True:
+            dead = self._dead_role()
+            if dead is not None:
+                return self._fail(dead)
+            if self._stop_signal is not None:
+                return self._drain()
+            self._poll(100)
+
+    def _fail(self, dead: str) -> int:
+        logger.error("%s: failing open requests and stopping the appliance", dead)
+        role = dead.split(" (pid")[0]
+        if role != "server" and self._procs["server"].exitcode is None:
+            self._control.send(encode(Fatal(role, f"The appliance failed: {dead}.")))
+            time.sleep(self.config.launch.fatal_grace_s)
+        return 1
+
+    def _drain(self) -> int:
+        timeout = self.config.launch.drain_timeout_s
+        logger.info("signal %d: draining (up to %.0fs for open requests)", self._stop_signal, timeout)
+        self._control.send(encode(Drain(timeout)))
+        deadline = time.monotonic() + timeout + 10.0
+        while time.monotonic() < deadline:
+            dead = self._dead_role()
+            if dead is not None:
+                logger.warning("%s while draining", dead)
+                return 1
+            msg = self._poll(100)
+            if isinstance(msg, Drained):
+                logger.info("drained (%d requests aborted); stopping", msg.aborted)
+                return 0
+        logger.warning("server did not report drained in time; stopping anyway")
+        return 0
+
+    def _stop_all(self) -> None:
+        procs = [p for p in self._procs.values() if p.exitcode is None]
+        for proc in procs:
+            proc.terminate()
+        deadline = time.monotonic() + 5.0
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(1.0)
+        self._inbox.close()
+        self._control.close()
+        for path in self._run_dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self._run_dir.rmdir() if self._run_dir.exists() else None
+
+
+def serve(config: ServeConfig, model_dir: str) -> int:
+    """Runs the appliance in the foreground; returns the process exit code."""
+    return Launcher(config, model_dir).run()

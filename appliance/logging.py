@@ -1,0 +1,113 @@
+"""Logging for every process: `get_logger(__name__)`, colored level names on a TTY, the access line.
+
+Called by every module; configured once per process by `setup_logging()` (launch, role entries).
+The server calls `log_access(...)` once per HTTP request; the line never carries request bodies.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+from appliance import envs
+
+_COLORS = {
+    "DEBUG": "\033[36m",
+    "INFO": "\033[32m",
+    "WARNING": "\033[33m",
+    "ERROR": "\033[31m",
+    "CRITICAL": "\033[1;31m",
+}
+_RESET = "\033[0m"
+_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s [%(processName)s] %(name)s: %(message)s"
+# Liveness/scrape endpoints: logged at DEBUG when they succeed, so INFO is not flooded by probes.
+PROBE_PATHS = ("/health", "/metrics", "/ping")
+_MAX_PATH = 200
+_MAX_REQUEST_ID = 80
+_configured = False
+
+
+def use_color(stream: TextIO | None = None) -> bool:
+    """APPLIANCE_LOG_COLOR=never or NO_COLOR set: no; always: yes; auto: when stream is a TTY."""
+    mode = envs.APPLIANCE_LOG_COLOR
+    if mode == "never" or envs.NO_COLOR:
+        return False
+    if mode == "always":
+        return True
+    stream = stream or sys.stderr
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class ColorFormatter(logging.Formatter):
+    """The one log format; with color=True the level name is wrapped in an ANSI color."""
+
+    def __init__(self, color: bool) -> None:
+        super().__init__(_FORMAT, datefmt="%H:%M:%S")
+        self.color = color
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.color and record.levelname in _COLORS:
+            record = logging.makeLogRecord(record.__dict__)
+            record.levelname = f"{_COLORS[record.levelname]}{record.levelname}{_RESET}"
+        return super().format(record)
+
+
+def setup_logging(
+    level: str | None = None, stream: TextIO | None = None, color: bool | None = None
+) -> None:
+    """(Re)configure the `appliance` logger tree: one handler on `stream` (default stderr).
+
+    level defaults to APPLIANCE_LOG_LEVEL, color to `use_color(stream)`."""
+    global _configured
+    stream = stream or sys.stderr
+    root = logging.getLogger("appliance")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(ColorFormatter(use_color(stream) if color is None else color))
+    root.handlers[:] = [handler]
+    root.setLevel((level or envs.APPLIANCE_LOG_LEVEL).upper())
+    root.propagate = False
+    _configured = True
+
+
+def get_logger(name: str) -> logging.Logger:
+    if not _configured:
+        setup_logging()
+    if not name.startswith("appliance"):
+        name = f"appliance.{name}"
+    return logging.getLogger(name)
+
+
+def _printable(text: str, limit: int) -> str:
+    """Control characters become '?', so one request can never write extra log lines."""
+    clean = "".join(ch if ch.isprintable() and ch != " " else "?" for ch in text)
+    return clean if len(clean) <= limit else clean[: limit - 3] + "..."
+
+
+def access_line(method: str, path: str, status: int, latency_s: float, request_id: str) -> str:
+    """`POST /v1/chat/completions 200 0.123s id=chatcmpl-1`. The query string is dropped and
+    nothing from the body is accepted, so no prompt text can reach the log."""
+    bare_path = path.split("?", 1)[0].split("#", 1)[0]
+    return (
+        f"{_printable(method.upper(), 16)} {_printable(bare_path, _MAX_PATH)} {int(status)} "
+        f"{latency_s:.3f}s id={_printable(request_id or '-', _MAX_REQUEST_ID)}"
+    )
+
+
+def access_level(path: str, status: int) -> int:
+    """DEBUG for successful probes (/health, /metrics), INFO for everything else."""
+    bare_path = path.split("?", 1)[0]
+    return logging.DEBUG if bare_path in PROBE_PATHS and int(status) < 400 else logging.INFO
+
+
+def log_access(method: str, path: str, status: int, latency_s: float, request_id: str) -> None:
+    """One access-log line on the `appliance.access` logger (off with APPLIANCE_LOG_ACCESS=0)."""
+    if not envs.APPLIANCE_LOG_ACCESS:
+        return
+    logger = get_logger("appliance.access")
+    level = access_level(path, status)
+    if logger.isEnabledFor(level):
+        logger.log(level, "%s", access_line(method, path, status, latency_s, request_id))

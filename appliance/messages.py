@@ -1,0 +1,309 @@
+"""Every message that crosses a process boundary, as typed msgspec structs (msgpack on the wire).
+
+Writers and readers are named per class. No pickle anywhere: `encode()` / `decode()` below are the
+only serializers used on sockets. Bulk tensors never travel here (image embeddings go by shm handle).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# ---------------------------------------------------------------- router -> worker (the seam)
+
+
+class SamplingOptions(msgspec.Struct, frozen=True):
+    """Per-request sampling knobs the worker's sampler needs. Written by server, read by worker."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs to return (0 = only the sampled one)
+
+
+class NewRequest(msgspec.Struct, frozen=True):
+    """A request the worker has not seen yet. Written by router, read by worker (once per admission;
+    a preempted request is sent again with all its known tokens)."""
+
+    req_slot: int  # row in req_to_token / token tables and linear-state pool
+    token_ids: list[int]  # every known token (prompt, plus outputs when re-admitted after preemption)
+    sampling: SamplingOptions
+    num_prompt_tokens: int = -1  # leading prompt tokens in token_ids (-1: all); for penalties
+
+
+class ScheduledChunk(msgspec.Struct, frozen=True):
+    """Work for one request in one step. Written by router, read by worker.
+
+    Computes positions [start, start + num_tokens) of the request. The token ids are already on the
+    worker (NewRequest, or sampled by the worker itself in an earlier step)."""
+
+    req_slot: int
+    start: int  # first position computed in this step (= tokens already in the KV/state)
+    num_tokens: int  # prefill chunk length, or 1 for a plain decode
+    kv_slots: list[int]  # KV slot for each computed position, len == num_tokens
+    sample: bool  # True when the chunk reaches the last known token: sample the next one
+
+
+class StepPlan(msgspec.Struct, frozen=True):
+    """One forward step. Written by router, broadcast to every worker rank."""
+
+    step_id: int
+    new_requests: list[NewRequest]
+    chunks: list[ScheduledChunk]
+    released_slots: list[int]  # req slots freed since the last step (finished, aborted, preempted)
+
+
+class SampledTokens(msgspec.Struct, frozen=True):
+    """Tokens one request gained in a step. Written by worker rank 0, read by router."""
+
+    req_slot: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # logprob of each sampled token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) pairs
+
+
+class StepResult(msgspec.Struct, frozen=True):
+    """Result of one StepPlan. Written by worker rank 0, read by router."""
+
+    step_id: int
+    sampled: list[SampledTokens]
+    forward_s: float = 0.0  # worker time spent in the step
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decoder(cls: type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(cls)
+
+
+# ---------------------------------------------------------------- server -> router
+
+
+class DetokParams(msgspec.Struct, frozen=True):
+    """How one request's tokens become text. Written by server (inside TokenizedRequest), forwarded
+    unchanged by router (DetokRegister), read by detokenizer."""
+
+    stop: list[str] = []  # stop strings; the text ends before the first match
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    skip_special_tokens: bool = True  # drop special tokens (<|im_end|>, ...) from the text
+    logprobs: bool = False  # send per-token logprob entries with the text
+
+
+class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
+    """A tokenized request (one choice: `n` > 1 arrives as n of these). Written by server, read by
+    router."""
+
+    req_id: str  # unique id chosen by the server ("chatcmpl-…-0")
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int  # generated tokens at most (the server has already capped it by the context)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []  # extra token ids that end the request (finish_reason "stop")
+    detok: DetokParams = DetokParams()
+    arrival_time: float = 0.0  # time.time() when the HTTP request arrived (queue-time metrics)
+
+
+class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
+    """Drop a request now and free its slots (client went away, drain timeout). Written by server,
+    read by router."""
+
+    req_id: str
+
+
+class FinishRequest(msgspec.Struct, tag="finish", frozen=True):
+    """The detokenizer matched a stop string: end the request and free its slots. Written by
+    detokenizer, read by router."""
+
+    req_id: str
+    reason: str = "stop"
+
+
+class StatusQuery(msgspec.Struct, tag="status_query", frozen=True):
+    """Ask for a router snapshot (/debug/status). Written by server, read by router; answered with a
+    RouterStatus that travels router -> detokenizer -> server."""
+
+    query_id: int
+
+
+# ---------------------------------------------------------------- router -> detokenizer -> server
+
+
+class DetokRegister(msgspec.Struct, frozen=True, array_like=True):
+    """A request the detokenizer will receive tokens for. Written by router (when the request is
+    admitted to the queue, always before its first TokenUpdate), read by detokenizer."""
+
+    req_id: str
+    prompt_len: int
+    params: DetokParams
+
+
+class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
+    """Tokens one request gained in a step, or its end. Written by router, read by detokenizer."""
+
+    req_id: str
+    token_ids: list[int]  # new tokens since the last update (may be empty on a pure finish)
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    logprobs: list[float] | None = None  # logprob of each new token
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
+    error: str | None = None  # message when finish_reason == "error" (e.g. request rejected)
+    error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first update)
+
+
+class RouterStats(msgspec.Struct, frozen=True):
+    """Router counters and gauges for /metrics and the stats line (keys as MetricsRecorder expects).
+    Written by router (every APPLIANCE_ROUTER_STATS_INTERVAL seconds while busy, and on a StatusQuery),
+    passed through by detokenizer, read by server."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # used / total KV token slots (0-1)
+    state_usage: float  # used / total request (= linear-state) slots (0-1)
+    kv_used: int
+    kv_total: int
+    state_used: int
+    state_total: int
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative
+    mtp_drafts: int = 0  # cumulative
+    mtp_draft_tokens: int = 0  # cumulative
+    mtp_accepted_tokens: int = 0  # cumulative
+    mtp_accepted_per_position: list[int] = []  # cumulative, one per draft position
+    queue_time_s: list[float] = []  # queue times of requests first scheduled since the last one
+    num_steps: int = 0  # steps executed since start
+    step_overhead_ms: float = 0.0  # mean router time per step minus the worker forward (recent)
+    step_forward_ms: float = 0.0  # mean worker forward time per step (recent)
+
+
+class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
+    """One live request in a /debug/status snapshot (no prompt text). Written by router, read by
+    server."""
+
+    req_id: str
+    status: str  # "waiting" | "running"
+    prompt_tokens: int
+    output_tokens: int
+    computed_tokens: int
+    kv_slots: int
+    preemptions: int
+
+
+class RouterStatus(msgspec.Struct, frozen=True):
+    """Answer to a StatusQuery (/debug/status). Written by router, passed through by detokenizer,
+    read by server."""
+
+    query_id: int
+    stats: RouterStats
+    requests: list[RequestProgress] = []
+
+
+class RouterOutput(msgspec.Struct, tag="router_output", frozen=True):
+    """One step's worth of updates. Written by router, read by detokenizer."""
+
+    registers: list[DetokRegister] = []
+    updates: list[TokenUpdate] = []
+    stats: RouterStats | None = None
+    status: RouterStatus | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's logprob entry in OpenAI form. Written by detokenizer, read by server."""
+
+    token: str  # the token's text ("bytes:\\xe4" style is not used: invalid UTF-8 shows as U+FFFD)
+    logprob: float
+    bytes: list[int]  # the token's raw UTF-8 bytes
+    top: list[tuple[str, float, list[int]]] = []  # (token, logprob, bytes), best first
+
+
+class TextDelta(msgspec.Struct, frozen=True, array_like=True):
+    """New text of one request. Written by detokenizer, read by server."""
+
+    req_id: str
+    text: str  # new text since the last delta (never a broken UTF-8 sequence)
+    token_ids: list[int]  # tokens consumed since the last delta
+    num_output_tokens: int  # tokens generated so far (usage.completion_tokens)
+    finish_reason: str | None = None  # None while running; "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None  # one entry per token of token_ids
+    error: str | None = None
+    error_status: int = 0
+    num_cached_tokens: int = 0
+
+
+class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):
+    """A batch of text deltas. Written by detokenizer, read by server."""
+
+    deltas: list[TextDelta] = []
+    stats: RouterStats | None = None
+    status: RouterStatus | None = None
+
+
+# ---------------------------------------------------------------- every role <-> launcher
+
+
+class WorkerInfo(msgspec.Struct, frozen=True):
+    """What the model worker learned at load time. Written by worker rank 0 (in ProcessReady),
+    read by launcher, which hands it to router and server."""
+
+    num_kv_slots: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+class StartupProgress(msgspec.Struct, tag="progress", frozen=True):
+    """A startup stage for the progress display. Written by any role, read by launcher."""
+
+    role: str
+    rank: int
+    stage: str  # "loading model", "building tokenizer", ...
+
+
+class ProcessReady(msgspec.Struct, tag="ready", frozen=True):
+    """A role finished starting. Written by every role, read by launcher."""
+
+    role: str  # "server" | "router" | "detokenizer" | "worker"
+    rank: int  # worker TP rank; 0 for the other roles
+    pid: int
+    worker: WorkerInfo | None = None  # set by worker rank 0
+
+
+class Drained(msgspec.Struct, tag="drained", frozen=True):
+    """The server finished draining after a Drain. Written by server, read by launcher."""
+
+    aborted: int  # requests aborted because the drain timeout passed
+
+
+class EngineReady(msgspec.Struct, tag="engine_ready", frozen=True):
+    """Every role is up: start admitting requests. Written by launcher, read by server."""
+
+    max_model_len: int
+    num_kv_slots: int
+
+
+class Drain(msgspec.Struct, tag="drain", frozen=True):
+    """Stop admitting, let open requests finish (up to timeout_s), then answer Drained. Written by
+    launcher (on SIGTERM), read by server."""
+
+    timeout_s: float
+
+
+class Fatal(msgspec.Struct, tag="fatal", frozen=True):
+    """A role died: fail every open request with this message, report unhealthy. Written by
+    launcher, read by server."""
+
+    role: str
+    message: str
+
+
+ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery
+ToLauncher = StartupProgress | ProcessReady | Drained
+ToServerControl = EngineReady | Drain | Fatal

@@ -1,0 +1,1 @@
+"""Shared building blocks: TP-aware linear layers, norms, rotary, attention, Gated DeltaNet, MoE."""

@@ -1,0 +1,39 @@
+"""RMSNorm layers: zero-centred (Qwen3.5), ordinary (Qwen3-VL) with fused residual add, and the gated
+norm of the GDN output. Thin wrappers over kernels/norm.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from appliance.models.layers.linear import copy_into
+from kernels.norm import gated_rms_norm_ref, rms_norm_ref
+
+
+def _replicated(shape: int, fill: float) -> nn.Parameter:
+    p = nn.Parameter(torch.full((shape,), fill), requires_grad=False)
+    p.weight_loader = lambda param, w, shard_id=None: copy_into(param, w)
+    return p
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, zero_centered: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.zero_centered = zero_centered
+        self.weight = _replicated(hidden, 0.0 if zero_centered else 1.0)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
+        out, new_residual = rms_norm_ref(x, self.weight, self.eps, self.zero_centered, residual)
+        return out if residual is None else (out, new_residual)
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _replicated(hidden, 1.0)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm_ref(x, gate, self.weight, self.eps)

@@ -1,0 +1,98 @@
+"""Weight loading: safetensors (single file or sharded index) in the real Hub layouts, or `dummy`
+random weights for any config. Each parameter's own `weight_loader` cuts its TP shard.
+
+A checkpoint that does not match the model raises `CheckpointMismatch` naming missing/unexpected keys."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from appliance.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class CheckpointMismatch(ValueError):
+    pass
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    return files
+
+
+def iter_tensors(model_dir: str | Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)
+
+
+def _short_list(names: list[str], limit: int = 12) -> str:
+    extra = f" … (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(sorted(names)[:limit]) + extra
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
+                 tied: dict[str, str] | None = None) -> None:
+    """Feed checkpoint tensors through `model.map_weight_name` and each parameter's weight_loader.
+
+    `tied` maps a parameter that may be absent from the checkpoint to the one it copies
+    (e.g. lm_head.weight -> model.embed_tokens.weight with tie_word_embeddings)."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in tensors:
+        mapped = model.map_weight_name(name)
+        if mapped is None:
+            continue
+        pname, shard_id = mapped
+        param = params.get(pname)
+        if param is None:
+            unexpected.append(name)
+            continue
+        param.weight_loader(param, tensor, shard_id)
+        loaded.add(pname)
+    for dst, src in (tied or {}).items():
+        if dst not in loaded and src in loaded:
+            with torch.no_grad():
+                params[dst].copy_(params[src])
+            loaded.add(dst)
+    missing = [p for p in params if p not in loaded]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_short_list(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_short_list(unexpected)}")
+        raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(parts))
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights with sane magnitudes for performance work (`--load-format dummy`)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        with torch.no_grad():
+            shape = param.shape
+            if name.endswith("A_log"):
+                values = torch.rand(shape, generator=gen).mul(15).add(1).log()
+            elif name.endswith("dt_bias") or param.dim() == 1:
+                values = torch.randn(shape, generator=gen) * 0.1
+            else:
+                values = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+            param.copy_(values.to(param.dtype))

@@ -1,0 +1,129 @@
+"""The router's view of one request (tokens, slots, progress) and the per-step output it reports.
+
+Created by the router process / offline `LLM` from a tokenized request; mutated only by
+`appliance.router.scheduler.Scheduler`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from appliance.messages import SamplingOptions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting to be recomputed)
+    RUNNING = "running"  # holds a request slot and KV slots
+    FINISHED = "finished"  # stopped, hit a length limit, or was aborted; holds nothing
+
+
+class FinishReason(str, enum.Enum):
+    STOP = (
+        "stop"  # eos or a stop token id (stop strings are the detokenizer's, via Scheduler.finish)
+    )
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # client went away or the owner aborted it
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. `eq=False`: requests compare by identity."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    max_tokens: int = 16
+    eos_token_ids: frozenset[int] = frozenset()  # ignored when ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()  # always honoured
+    ignore_eos: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    # Scheduler-owned state.
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    req_slot: int = -1  # -1 while not running
+    num_computed: int = 0  # positions whose KV/state the worker has (or is computing this step)
+    num_preemptions: int = 0
+    num_prompt_counted: int = (
+        0  # prompt positions already counted in stats (recompute not re-counted)
+    )
+    _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
+    _num_kv: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = frozenset(self.eos_token_ids)
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus everything sampled so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def peak_kv_slots(self) -> int:
+        """KV slots held at the end of generation: the last sampled token is never fed back."""
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    # ------------------------------------------------------------------ KV slots
+
+    @property
+    def kv_slots(self) -> np.ndarray:
+        """KV slot of each position that has one, int32 [num_kv] (a view; do not keep it)."""
+        return self._kv_buf[: self._num_kv]
+
+    @property
+    def num_kv(self) -> int:
+        return self._num_kv
+
+    def append_kv(self, slots: np.ndarray) -> None:
+        need = self._num_kv + slots.size
+        if need > self._kv_buf.size:  # amortised doubling: decodes append one slot per step
+            grown = np.empty(max(need, 2 * self._kv_buf.size, 16), dtype=np.int32)
+            grown[: self._num_kv] = self._kv_buf[: self._num_kv]
+            self._kv_buf = grown
+        self._kv_buf[self._num_kv : need] = slots
+        self._num_kv = need
+
+    def take_kv(self) -> np.ndarray:
+        """Removes and returns every KV slot (for freeing); the request keeps its tokens."""
+        slots = self._kv_buf[: self._num_kv].copy()
+        self._num_kv = 0
+        return slots
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request gained in one step, returned by `Scheduler.update` to the owner (router
+    process or offline `LLM`), which forwards it to the detokenizer."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None  # one per new token, when requested
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
+    stop_token_id: int | None = None  # the eos/stop token id that ended the request, if any

@@ -1,0 +1,398 @@
+"""Token-budget scheduler (vLLM v1 rule): each running request's computed-token count catches up
+with its known tokens under a per-step budget. Owns the request-slot and KV-slot allocators; emits
+StepPlans and consumes StepResults. Called by the router process and the offline `LLM`; no torch.
+
+Per step: decodes of running requests first (oldest first), then prefill chunks of running requests,
+then admission of waiting requests (strict FIFO) while budget, request slots and KV remain. A decode
+that cannot get a KV slot preempts the most recently admitted request (its slots are freed, it goes
+back to the front of the queue and is recomputed from prompt + generated tokens when re-admitted).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from appliance.config import SchedulerConfig
+from appliance.logging import get_logger
+from appliance.messages import NewRequest, SampledTokens, ScheduledChunk, StepPlan, StepResult
+from appliance.router.allocators import SlotAllocator
+from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
+
+logger = get_logger(__name__)
+
+
+class SchedulerError(Exception):
+    """Base of the scheduler's typed errors."""
+
+
+class InvalidRequest(SchedulerError, ValueError):
+    """Malformed request (empty prompt, max_tokens < 1, duplicate id). Maps to HTTP 400."""
+
+
+class RequestTooLong(SchedulerError, ValueError):
+    """prompt + max_tokens exceeds max_model_len or can never fit the KV pool. Maps to HTTP 400."""
+
+    def __init__(self, message: str, num_prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.limit = limit
+
+
+class QueueFull(SchedulerError):
+    """More than `max_waiting` requests queued. Maps to HTTP 429."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Snapshot for the stats log line and Prometheus gauges; counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_used: int
+    kv_total: int
+    state_used: int  # request slots in use (= linear-attention state slots)
+    state_total: int
+    num_preemptions: int
+    num_prompt_tokens: int  # prompt positions computed, each counted once (recompute excluded)
+    num_generation_tokens: int  # sampled tokens accepted by update()
+    num_computed_tokens: int  # every position scheduled, recompute included
+    num_finished: int  # requests that ended for any reason (aborts included)
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.kv_total if self.kv_total else 0.0
+
+
+class Scheduler:
+    # Admission wants the prompt plus this many decode slots free (capped at the request's peak), so
+    # a fresh request is not preempted on its first decodes.
+    DEFAULT_DECODE_RESERVE = 16
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_slots: int,
+        max_model_len: int,
+        *,
+        decode_reserve: int = DEFAULT_DECODE_RESERVE,
+        rng_seed: int | None = None,  # seeds the draw of per-request sampling seeds (tests)
+    ) -> None:
+        if num_kv_slots < 1:
+            raise ValueError(f"num_kv_slots: expected an integer >= 1, got {num_kv_slots}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len: expected an integer >= 1, got {max_model_len}")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.decode_reserve = decode_reserve
+        self.req_slots = SlotAllocator(config.max_num_seqs, "req_slots")
+        self.kv = SlotAllocator(num_kv_slots, "kv_slots")
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self._requests: dict[str, Request] = {}  # every live (waiting or running) request
+        self._released: list[int] = []  # req slots freed since the last plan
+        self._running_by_slot: dict[int, Request] = {}
+        self._preempted_this_step = False
+        # step -> req slot -> (request, its num_preemptions when planned): a result is stale if the
+        # request was preempted (and maybe re-admitted on the same slot) since.
+        self._inflight: dict[int, dict[int, tuple[Request, int]]] = {}
+        self._rng = np.random.default_rng(rng_seed)
+        self._step_id = 0
+        self._num_preemptions = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_computed_tokens = 0
+        self._num_finished = 0
+
+    # ------------------------------------------------------------------ owner API
+
+    def add_request(self, req: Request) -> None:
+        """Queues a new request. Raises InvalidRequest, RequestTooLong or QueueFull."""
+        self._validate(req)
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests waiting (max_waiting)")
+        if req.sampling.seed is None:
+            # The one place an unseeded request gets its seed: drawn once here, so recomputation
+            # after preemption (and every TP rank) samples the same stream.
+            seed = int(self._rng.integers(0, 2**63 - 1))
+            req.sampling = msgspec.structs.replace(req.sampling, seed=seed)
+        req.status = RequestStatus.WAITING
+        self._requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> None:
+        """Ends a request at once (waiting, mid-prefill or decoding); no-op if unknown/finished."""
+        self.finish(req_id, FinishReason.ABORT)
+
+    def finish(self, req_id: str, reason: FinishReason = FinishReason.STOP) -> None:
+        """Ends a request early (e.g. the detokenizer matched a stop string) and frees its slots."""
+        req = self._requests.get(req_id)
+        if req is not None:
+            self._finish(req, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self._requests.get(req_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_used=self.kv.num_used,
+            kv_total=self.kv.num_total,
+            state_used=self.req_slots.num_used,
+            state_total=self.req_slots.num_total,
+            num_preemptions=self._num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_computed_tokens=self._num_computed_tokens,
+            num_finished=self._num_finished,
+            num_steps=self._step_id,
+        )
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> StepPlan | None:
+        """Plans one step; None when no request has anything to compute."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequest] = []
+        self._preempted_this_step = False
+        # 1. decodes, oldest first
+        for req in list(self.running):
+            rows = self._decode_rows(req)
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            if req.num_tokens - req.num_computed != rows or rows > budget:
+                continue
+            # May preempt newer requests (not planned yet: this loop runs oldest first) or req.
+            if not self._reserve_kv(req, req.num_computed + rows):
+                continue
+            chunks.append(self._make_chunk(req, rows))
+            budget -= rows
+        # 2. prefill chunks (including recompute after re-admission), oldest first
+        for req in list(self.running):
+            if budget == 0:
+                break
+            remaining = req.num_tokens - req.num_computed
+            if req.status is not RequestStatus.RUNNING or remaining <= self._decode_rows(req):
+                continue
+            take = min(remaining, budget)
+            # Admission allocated every known position, so a chunk never needs (or preempts for) KV.
+            assert req.num_kv >= req.num_computed + take, "prefill chunk without KV slots"
+            chunks.append(self._make_chunk(req, take))
+            budget -= take
+        # 3. admission, strict FIFO; none after a preemption (a victim must not come straight back)
+        while (
+            not self._preempted_this_step
+            and budget > 0
+            and self.waiting
+            and self._can_admit(self.waiting[0])
+        ):
+            req = self.waiting.popleft()
+            new_requests.append(self._admit(req))
+            take = min(req.num_tokens, budget)
+            chunks.append(self._make_chunk(req, take))
+            budget -= take
+        if not chunks:
+            return None
+        step_id = self._step_id
+        self._step_id += 1
+        sampling = (self._running_by_slot[c.req_slot] for c in chunks if c.sample)
+        self._inflight[step_id] = {r.req_slot: (r, r.num_preemptions) for r in sampling}
+        plan = StepPlan(step_id, new_requests, chunks, self._released)
+        self._released = []
+        return plan
+
+    def _decode_rows(self, req: Request) -> int:
+        """Positions a decode computes: 1. MTP hook: becomes 1 + mtp_step verify rows (the draft
+        tokens then ride on the ScheduledChunk)."""
+        return 1
+
+    def _can_admit(self, req: Request) -> bool:
+        if self.req_slots.num_free == 0:
+            return False
+        need = min(req.num_tokens + self.decode_reserve, req.peak_kv_slots)
+        return self.kv.num_free >= need
+
+    def _admit(self, req: Request) -> NewRequest:
+        req.req_slot = self.req_slots.alloc_one()
+        req.append_kv(self.kv.alloc(req.num_tokens))  # every known position, so chunks never stall
+        req.num_computed = 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._running_by_slot[req.req_slot] = req
+        logger.debug(
+            "admit %s slot=%d tokens=%d preemptions=%d",
+            req.req_id,
+            req.req_slot,
+            req.num_tokens,
+            req.num_preemptions,
+        )
+        return NewRequest(req_slot=req.req_slot, token_ids=req.all_token_ids, sampling=req.sampling,
+                          num_prompt_tokens=req.num_prompt_tokens)
+
+    def _reserve_kv(self, req: Request, upto: int) -> bool:
+        """Makes `req` hold KV slots for positions [0, upto), preempting the most recently admitted
+        requests if the pool is short. False when `req` itself had to be preempted."""
+        need = upto - req.num_kv
+        while need > self.kv.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.append_kv(self.kv.alloc(need))
+        return True
+
+    def _make_chunk(self, req: Request, num_tokens: int) -> ScheduledChunk:
+        start = req.num_computed
+        end = start + num_tokens
+        kv_slots = req.kv_slots[start:end].tolist()
+        req.num_computed = end
+        self._num_computed_tokens += num_tokens
+        prompt_end = min(end, req.num_prompt_tokens)
+        if prompt_end > req.num_prompt_counted:
+            self._num_prompt_tokens += prompt_end - req.num_prompt_counted
+            req.num_prompt_counted = prompt_end
+        return ScheduledChunk(
+            req_slot=req.req_slot,
+            start=start,
+            num_tokens=num_tokens,
+            kv_slots=kv_slots,
+            sample=end == req.num_tokens,
+        )
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, result: StepResult) -> list[RequestOutput]:
+        """Appends the sampled tokens of one step, finishes requests that hit eos / a stop token /
+        max_tokens (freeing their slots) and returns one delta per request that gained tokens."""
+        inflight = self._inflight.pop(result.step_id, None)
+        if inflight is None:
+            raise SchedulerError(f"result for unknown or already-updated step {result.step_id}")
+        outputs: list[RequestOutput] = []
+        for sampled in result.sampled:
+            entry = inflight.pop(sampled.req_slot, None)
+            if entry is None:
+                raise SchedulerError(
+                    f"step {result.step_id}: worker sampled for slot {sampled.req_slot}, "
+                    "which had no sampling chunk"
+                )
+            req, epoch = entry
+            if req.status is not RequestStatus.RUNNING or req.num_preemptions != epoch:
+                continue  # aborted / finished / preempted after the plan was made: drop the token
+            outputs.append(self._append_tokens(req, sampled))
+        for req, epoch in inflight.values():
+            if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
+                raise SchedulerError(
+                    f"step {result.step_id}: no sampled token for request {req.req_id}"
+                )
+        return outputs
+
+    def _append_tokens(self, req: Request, sampled: SampledTokens) -> RequestOutput:
+        new_tokens: list[int] = []
+        reason: FinishReason | None = None
+        stop_token_id: int | None = None
+        for token in sampled.token_ids:
+            req.output_token_ids.append(token)
+            new_tokens.append(token)
+            if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
+                reason, stop_token_id = FinishReason.STOP, token
+                break
+            if req.num_output_tokens >= req.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        self._num_generation_tokens += len(new_tokens)
+        n = len(new_tokens)
+        logprobs = sampled.logprobs[:n] if sampled.logprobs is not None else None
+        top = sampled.top_logprobs[:n] if sampled.top_logprobs is not None else None
+        if reason is not None:
+            self._finish(req, reason)
+        return RequestOutput(
+            req_id=req.req_id,
+            new_token_ids=new_tokens,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=logprobs,
+            top_logprobs=top,
+            stop_token_id=stop_token_id,
+        )
+
+    # ------------------------------------------------------------------ slot bookkeeping
+
+    def _release(self, req: Request) -> None:
+        if req.req_slot >= 0:
+            self.req_slots.free(req.req_slot)
+            self._released.append(req.req_slot)
+            del self._running_by_slot[req.req_slot]
+            req.req_slot = -1
+        self.kv.free(req.take_kv())
+        req.num_computed = 0
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._num_preemptions += 1
+        self._preempted_this_step = True
+        logger.debug("preempt %s (tokens=%d)", req.req_id, req.num_tokens)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self._requests[req.req_id]
+        self._num_finished += 1
+        logger.debug(
+            "finish %s reason=%s prompt=%d output=%d",
+            req.req_id,
+            reason.value,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+        )
+
+    def _validate(self, req: Request) -> None:
+        if req.req_id in self._requests:
+            raise InvalidRequest(f"request id {req.req_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.output_token_ids:
+            raise InvalidRequest(f"request {req.req_id!r} was already scheduled")
+        if req.num_prompt_tokens == 0:
+            raise InvalidRequest("prompt: expected at least one token")
+        if req.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {req.max_tokens}")
+        prompt_len, max_tokens = req.num_prompt_tokens, req.max_tokens
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLong(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                req.num_prompt_tokens,
+                req.max_tokens,
+                self.max_model_len,
+            )
+        if req.peak_kv_slots > self.kv.num_total:
+            raise RequestTooLong(
+                f"The request needs {req.peak_kv_slots} KV cache slots ({prompt_len} prompt + "
+                f"{max_tokens} completion tokens) but the KV cache holds only "
+                f"{self.kv.num_total}. Please reduce the length of the messages or completion.",
+                req.num_prompt_tokens,
+                req.max_tokens,
+                self.kv.num_total,
+            )

@@ -1,0 +1,121 @@
+"""User-facing, vLLM-style sampling parameters with validation; `to_options()` is the worker's view.
+
+Built by the OpenAI server (from request fields) and by users of the offline `LLM`. Validation
+raises ValueError naming the field and the accepted values (mapped to HTTP 400 by the server).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from appliance.messages import SamplingOptions
+
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+
+
+def _check(cond: bool, name: str, accepted: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"{name}: expected {accepted}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt
+    max_tokens: int = 16  # generated tokens at most
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely); 0 = off
+    seed: int | None = None  # per-request sampling seed; None = drawn by the router at admission
+    stop: str | list[str] | None = None  # stop strings (matched by the detokenizer)
+    stop_token_ids: list[int] | None = None  # extra token ids that end generation (kept in output)
+    ignore_eos: bool = False  # keep generating past eos (stop_token_ids still apply)
+    presence_penalty: float = 0.0  # OpenAI: subtract once per token present in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
+    repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of seen tokens
+    logprobs: int | None = None  # None = off; k = sampled token's logprob plus the top k
+    skip_special_tokens: bool = True  # detokenizer: drop special tokens from the text
+    include_stop_str_in_output: bool = False  # detokenizer: keep the matched stop string
+
+    def __post_init__(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        t = self.temperature
+        _check(_is_number(t) and t >= 0, "temperature", "a number >= 0", t)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            "-1 or 0 (off) or an integer >= 1",
+            self.top_k,
+        )
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        _check(
+            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**63),
+            "seed",
+            "None or a 64-bit integer",
+            self.seed,
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a non-empty string or a list of them",
+            self.stop,
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids >= 0",
+            self.stop_token_ids,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
+        rp = self.repetition_penalty
+        _check(_is_number(rp) and rp > 0, "repetition_penalty", "a number > 0", rp)
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def to_options(self) -> SamplingOptions:
+        """The worker's view: top_k 0 becomes -1 (off); stop strings and n stay with their owners.
+        A None seed stays None here: the router draws it at admission."""
+        return SamplingOptions(
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=-1 if self.top_k == 0 else self.top_k,
+            min_p=float(self.min_p),
+            seed=self.seed,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logprobs=self.logprobs,
+        )

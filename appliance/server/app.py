@@ -1,0 +1,119 @@
+"""The FastAPI app: OpenAI routes, /health, /debug/status, /metrics, the access log.
+
+`build_app(state)` is called by process.py (under uvicorn) and by tests (TestClient). The engine
+client's sockets are opened in the app's lifespan, so they live on the serving event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from appliance.logging import get_logger
+from appliance.server.errors import error_response, install_error_handlers
+from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
+from appliance.server.serving_chat import create_chat_completion
+from appliance.server.serving_completion import create_completion
+from appliance.server.state import ServerState
+
+access_logger = get_logger("appliance.access")
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+           "/debug/status")
+
+
+class AccessLog:
+    """ASGI middleware: one line per HTTP request (never the prompt) and the HTTP metric."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = 500
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode() or uuid.uuid4().hex[:16]
+
+        async def send_wrapper(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            path = scope.get("path", "")
+            self.state.metrics.on_http_response(path if path in _ROUTES else "other", status)
+            if self.state.config.access_log:
+                access_logger.info("%s %s %d %.1fms id=%s", scope.get("method"), path, status,
+                                   (time.monotonic() - start) * 1000.0, request_id)
+
+
+def build_app(state: ServerState,
+              background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.client.start()
+        tasks = [asyncio.create_task(job()) for job in background]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await state.client.close()
+
+    app = FastAPI(title="appliance", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(AccessLog, state=state)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_name, "object": "model", "created": state.created,
+                "owned_by": "appliance", "root": state.model_dir, "parent": None,
+                "max_model_len": state.max_model_len, "permission": []}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        err = state.health_error()
+        if err is not None:
+            return error_response(err)
+        return Response(status_code=200)
+
+    @app.get("/debug/status")
+    async def debug_status():
+        state.check_accepting()
+        status = await state.client.status()
+        router = {f: getattr(status.stats, f) for f in status.stats.__struct_fields__}
+        requests = [{f: getattr(r, f) for f in r.__struct_fields__} for r in status.requests]
+        return JSONResponse({"router": router, "requests": requests,
+                             "server": {"open_sequences": state.client.num_open,
+                                        "ready": state.ready, "draining": state.draining}})
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,211 @@
+"""The server's link to the engine: submits tokenized requests to the router, routes text deltas from the
+detokenizer back to the waiting HTTP handler, and fails everything at once when the engine dies.
+
+Used by the handlers in serving_chat.py / serving_completion.py; created by process.py (real sockets)
+or by tests (sockets to an in-test fake router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from appliance.logging import get_logger
+from appliance.messages import (
+    AbortRequest,
+    DetokOutput,
+    RouterStats,
+    RouterStatus,
+    StatusQuery,
+    TextDelta,
+    TokenizedRequest,
+    decoder,
+    encode,
+)
+from appliance.metrics import MetricsRecorder
+from appliance.server.errors import APIError, EngineFailed, ServiceUnavailable, TooManyRequests
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Choice:
+    """Bookkeeping of one sub-request (one choice) for metrics and aborts."""
+
+    index: int
+    prompt_tokens: int
+    arrival: float
+    last_delivery: float = 0.0
+    first_token_s: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class RequestGroup:
+    """The choices of one HTTP request; deltas arrive on one queue as (choice index, TextDelta)."""
+
+    group_id: str
+    choices: dict[str, _Choice] = field(default_factory=dict)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    error: APIError | None = None
+
+    @property
+    def open_ids(self) -> list[str]:
+        return [rid for rid, c in self.choices.items() if not c.finished]
+
+
+class EngineClient:
+    """Owns the PUSH socket to the router and the PULL socket from the detokenizer."""
+
+    def __init__(self, router_addr: str, inbox_addr: str, max_open: int,
+                 metrics: MetricsRecorder | None = None) -> None:
+        self._router_addr = router_addr
+        self._inbox_addr = inbox_addr
+        self.max_open = max_open  # running + waiting sequences before 429
+        self.metrics = metrics
+        self._groups: dict[str, RequestGroup] = {}  # req_id -> group
+        self._status_waiters: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._task: asyncio.Task | None = None
+        self.latest_stats: RouterStats | None = None
+        self.failure: str | None = None  # set when the engine died; every request fails with it
+
+    async def start(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self._to_router = ctx.socket(zmq.PUSH)
+        self._to_router.setsockopt(zmq.LINGER, 0)
+        self._to_router.setsockopt(zmq.SNDHWM, 0)
+        self._to_router.connect(self._router_addr)
+        self._inbox = ctx.socket(zmq.PULL)
+        self._inbox.setsockopt(zmq.LINGER, 0)
+        self._inbox.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.bind(self._inbox_addr)
+        self._task = asyncio.create_task(self._dispatch(), name="engine-dispatch")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._to_router.close()
+        self._inbox.close()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, group_id: str, requests: list[TokenizedRequest], arrival: float) -> RequestGroup:
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+        if self.num_open + len(requests) > self.max_open:
+            raise TooManyRequests(
+                f"The server is at capacity ({self.num_open} sequences open, limit "
+                f"{self.max_open}). Please retry later.", None, "rate_limit_exceeded")
+        group = RequestGroup(group_id)
+        for index, req in enumerate(requests):
+            group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
+            self._groups[req.req_id] = group
+        for req in requests:
+            self._send(req)
+        return group
+
+    def abort(self, group: RequestGroup) -> None:
+        """Frees the group's unfinished choices in the router at once (client went away)."""
+        for req_id in group.open_ids:
+            group.choices[req_id].finished = True
+            self._groups.pop(req_id, None)
+            if self.failure is None:
+                self._send(AbortRequest(req_id))
+            self._record_finish(req_id, group.choices[req_id], "abort")
+
+    def _send(self, msg) -> None:
+        # Sends only queue the message (unbounded HWM), so the sync-style call never blocks.
+        self._to_router.send(encode(msg), copy=False)
+
+    async def status(self, timeout_s: float = 5.0) -> RouterStatus:
+        if self.failure is not None:
+            raise EngineFailed(self.failure)
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._status_waiters[query_id] = future
+        self._send(StatusQuery(query_id))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailable("The router did not answer the status query.") from None
+        finally:
+            self._status_waiters.pop(query_id, None)
+
+    def fail_all(self, message: str, status: int = 500) -> int:
+        """Ends every open request with an error (a role died, or the drain timed out)."""
+        groups = {id(g): g for g in self._groups.values()}.values()
+        err = EngineFailed(message) if status == 500 else ServiceUnavailable(message)
+        for group in groups:
+            group.error = err
+            for req_id in group.open_ids:
+                if status != 500:
+                    self._send(AbortRequest(req_id))
+                group.choices[req_id].finished = True
+                self._record_finish(req_id, group.choices[req_id], "error")
+            group.queue.put_nowait(None)
+        count = len(self._groups)
+        self._groups.clear()
+        return count
+
+    # ------------------------------------------------------------------ inbound
+    async def _dispatch(self) -> None:
+        dec = decoder(DetokOutput)
+        while True:
+            out: DetokOutput = dec.decode(await self._inbox.recv(copy=False))
+            now = time.monotonic()
+            for delta in out.deltas:
+                self._deliver(delta, now)
+            if out.stats is not None:
+                self.latest_stats = out.stats
+                if self.metrics is not None:
+                    self.metrics.apply_router_stats(out.stats)
+            if out.status is not None:
+                waiter = self._status_waiters.get(out.status.query_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(out.status)
+
+    def _deliver(self, delta: TextDelta, now: float) -> None:
+        group = self._groups.get(delta.req_id)
+        if group is None:
+            return  # aborted by us; late deltas are dropped
+        choice = group.choices[delta.req_id]
+        self._record_tokens(delta.req_id, choice, delta, now)
+        if delta.finish_reason is not None:
+            choice.finished = True
+            del self._groups[delta.req_id]
+            self._record_finish(delta.req_id, choice, delta.finish_reason)
+        group.queue.put_nowait((choice.index, delta))
+
+    # ------------------------------------------------------------------ metrics
+    def _record_tokens(self, req_id: str, choice: _Choice, delta: TextDelta, now: float) -> None:
+        n = len(delta.token_ids)
+        if n == 0:
+            return
+        if choice.first_token_s is None:
+            choice.first_token_s = now - choice.arrival
+            if self.metrics is not None:
+                self.metrics.on_first_token(req_id, choice.first_token_s, choice.prompt_tokens, n)
+        elif self.metrics is not None:
+            self.metrics.on_tokens(req_id, n, now - choice.last_delivery)
+        choice.last_delivery = now
+        choice.num_tokens += n
+
+    def _record_finish(self, req_id: str, choice: _Choice, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.on_request_finished(
+                req_id, reason, time.monotonic() - choice.arrival, choice.prompt_tokens,
+                choice.num_tokens, ttft_s=choice.first_token_s)

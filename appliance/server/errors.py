@@ -1,0 +1,133 @@
+"""Typed API errors and their one mapping to OpenAI-format HTTP responses.
+
+Raised by the request handlers (serving_chat.py, serving_completion.py, prompts.py); installed on the app
+by `install_error_handlers` (app.py). Body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from appliance.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class APIError(Exception):
+    """An error the client sees; subclasses fix the HTTP status and the OpenAI error type."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.status
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    def __init__(self, message: str, param: str | None = "messages"):
+        super().__init__(message, param, "context_length_exceeded")
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.", "model", "model_not_found")
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+
+
+class TooManyRequests(APIError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "service_unavailable_error"
+
+
+class EngineFailed(APIError):
+    status = 500
+    type = "server_error"
+
+
+def error_for_status(status: int, message: str) -> APIError:
+    """The typed error for a status carried in a message (router rejections, engine failures)."""
+    cls = {400: BadRequest, 404: NotFound, 429: TooManyRequests, 503: ServiceUnavailable}.get(
+        status, EngineFailed)
+    if cls is BadRequest and "maximum context length" in message:
+        return ContextLengthExceeded(message)
+    return cls(message)
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | int | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _validation_error(exc: RequestValidationError) -> BadRequest:
+    errors = exc.errors()
+    if not errors:
+        return BadRequest("Invalid request body.")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return BadRequest(f"Malformed JSON body: {first.get('msg', 'invalid JSON')}.")
+    # Union members show up as extra loc parts ("prompt", "str"): the field is the first part.
+    param = loc[0] if loc else None
+    path = ".".join(loc)
+    if first.get("type") == "missing":
+        return BadRequest(f"{path or 'body'}: field required.", param)
+    return BadRequest(f"{path or 'body'}: {first.get('msg', 'invalid value')}.", param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cls = {404: NotFound, 405: BadRequest}.get(exc.status_code, APIError)
+        err = cls(str(exc.detail))
+        err.status = exc.status_code
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(EngineFailed(f"Internal server error: {type(exc).__name__}."))
+
+
+def sse_error(err: APIError) -> str:
+    """An error event inside an SSE stream (the openai SDK raises it as APIError)."""
+    return f"data: {json.dumps(err.body())}\n\n"

@@ -1,0 +1,126 @@
+"""Prompt building for the server: chat template rendering, tokenization and the length guards.
+
+Called by serving_chat.py / serving_completion.py (in a worker thread, so the event loop stays free).
+The checkpoint's own tokenizer and chat template are used (transformers AutoTokenizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.server.errors import BadRequest, ContextLengthExceeded
+from appliance.server.protocol import ChatMessage, ImagePart
+
+CHARS_PER_TOKEN_LIMIT = 16  # max_prompt_chars = 0 means max_model_len x this
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # rendered prompt text (None for token-id prompts)
+
+
+def context_error(max_model_len: int, num_tokens: int) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {max_model_len} tokens. However, your request "
+        f"has {num_tokens} input tokens. Please reduce the length of the input messages.")
+
+
+def max_tokens_error(max_tokens: int, max_model_len: int, num_prompt: int) -> BadRequest:
+    return BadRequest(
+        f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+        f"maximum context length is {max_model_len} tokens and your request has {num_prompt} input "
+        f"tokens ({max_tokens} > {max_model_len} - {num_prompt}).", "max_tokens",
+        "context_length_exceeded")
+
+
+class PromptBuilder:
+    """Owns the HF tokenizer for the server; every check that needs the context length is here."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int = 0, max_prompt_chars: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._max_prompt_chars = max_prompt_chars
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self._max_prompt_chars or CHARS_PER_TOKEN_LIMIT * self.max_model_len
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        limit = self.max_prompt_chars
+        if limit and num_chars > limit:
+            err = ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {num_chars} input characters, more than the {limit} characters "
+                "this server tokenizes. Please reduce the length of the input messages.", param)
+            raise err
+
+    def check_tokens(self, num_tokens: int) -> None:
+        if num_tokens == 0:
+            raise BadRequest("prompt: the prompt is empty.", "prompt")
+        if num_tokens >= self.max_model_len:
+            raise context_error(self.max_model_len, num_tokens)
+
+    def max_tokens_for(self, requested: int | None, num_prompt: int) -> int:
+        """The generation cap: the requested max_tokens, or all the context the prompt leaves."""
+        room = self.max_model_len - num_prompt
+        if requested is None:
+            return room
+        if requested > room:
+            raise max_tokens_error(requested, self.max_model_len, num_prompt)
+        return requested
+
+    # ------------------------------------------------------------------ chat
+    def chat(self, messages: list[ChatMessage], tools: list[dict] | None,
+             template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> Prompt:
+        rendered_messages = [_message_dict(m) for m in messages]
+        self.check_chars(sum(len(m.get("content") or "") for m in rendered_messages), "messages")
+        kwargs = dict(template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            text = self.tokenizer.apply_chat_template(
+                rendered_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **kwargs)
+        except Exception as exc:  # jinja raise_exception() and template errors are user errors
+            raise BadRequest(f"messages: the chat template rejected the conversation: {exc}",
+                             "messages") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_tokens(len(ids))
+        return Prompt(ids, text)
+
+    # ------------------------------------------------------------------ completions
+    def completion(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            self.check_chars(len(prompt), "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            self.check_tokens(len(ids))
+            return Prompt(ids, prompt)
+        vocab = len(self.tokenizer)
+        bad = [t for t in prompt if t < 0 or t >= vocab]
+        if bad:
+            raise BadRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).",
+                             "prompt")
+        self.check_tokens(len(prompt))
+        return Prompt(list(prompt), None)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template expects it: text parts joined into one string."""
+    out: dict[str, Any] = {"role": message.role}
+    content = message.content
+    if isinstance(content, list):
+        if any(isinstance(p, ImagePart) for p in content):
+            raise BadRequest("messages: image input is not supported by this model server.",
+                             "messages")
+        content = "\n".join(p.text for p in content)
+    out["content"] = content if content is not None else ""
+    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        value = getattr(message, key)
+        if value is not None:
+            out[key] = value
+    return out

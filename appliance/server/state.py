@@ -1,0 +1,108 @@
+"""Server-wide state shared by the route handlers, and the helpers every endpoint uses (readiness,
+model name check, request ids, client-disconnect watch, delta iteration).
+
+Created by process.py (or tests) and handed to `build_app` (app.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from appliance.config import ServerConfig
+from appliance.messages import TextDelta
+from appliance.metrics import MetricsRecorder
+from appliance.server.engine_client import EngineClient, RequestGroup
+from appliance.server.errors import (
+    APIError,
+    EngineFailed,
+    ModelNotFound,
+    ServiceUnavailable,
+    error_for_status,
+)
+from appliance.server.prompts import PromptBuilder
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    model_name: str  # served model id
+    model_dir: str
+    prompts: PromptBuilder
+    client: EngineClient
+    metrics: MetricsRecorder
+    ready: bool = False  # EngineReady received: admitting requests
+    draining: bool = False  # Drain received: refusing new requests
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompts.max_model_len
+
+    def health_error(self) -> APIError | None:
+        if self.client.failure is not None:
+            return EngineFailed(self.client.failure)
+        if self.draining:
+            return ServiceUnavailable("The server is shutting down.")
+        if not self.ready:
+            return ServiceUnavailable("The server is starting; the model is not loaded yet.")
+        return None
+
+    def check_accepting(self) -> None:
+        err = self.health_error()
+        if err is not None:
+            raise err
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in (self.model_name, self.model_dir):
+            return self.model_name
+        raise ModelNotFound(name)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, client: EngineClient, group: RequestGroup):
+    """Watches the connection while a request runs; a client that goes away has its choices aborted
+    (their KV and state slots are freed at once). Also aborts on any exit that leaves choices open."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                client.abort(group)
+                group.queue.put_nowait(None)
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        if group.open_ids:
+            client.abort(group)
+
+
+async def iterate_deltas(group: RequestGroup) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Yields (choice index, delta) until every choice finished; raises the group's error, if any."""
+    remaining = len(group.choices)
+    while remaining:
+        item = await group.queue.get()
+        if item is None:  # failed (engine died, drain timeout) or client gone
+            if group.error is not None:
+                raise group.error
+            return
+        index, delta = item
+        if delta.finish_reason == "error":
+            raise error_for_status(delta.error_status or 500, delta.error or "generation failed")
+        yield index, delta
+        if delta.finish_reason is not None:
+            remaining -= 1

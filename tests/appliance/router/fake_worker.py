@@ -1,0 +1,144 @@
+"""A fake worker that executes StepPlans deterministically, and a driver loop; imported by the
+scheduler tests in this folder (pytest's default `prepend` import mode puts it on sys.path).
+
+The fake worker checks the seam contract on every step: chunk starts follow the worker's own
+progress, `sample` is set exactly when a chunk reaches the last known token, no KV slot is written
+while another live position owns it, and every position a chunk "attends" to holds its own token.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from appliance.config import SchedulerConfig
+from appliance.messages import SampledTokens, StepPlan, StepResult
+from appliance.router import FinishReason, Request, Scheduler
+
+VOCAB = 50
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: a hash of the whole history, so a wrong recompute changes the output."""
+    h = 17
+    for t in tokens:
+        h = (h * 1_000_003 + t + 1) % (2**61 - 1)
+    return h % VOCAB
+
+
+class FakeWorker:
+    def __init__(self, num_kv_slots: int) -> None:
+        self.tokens: dict[int, list[int]] = {}  # req_slot -> every known token
+        self.computed: dict[int, int] = {}  # req_slot -> positions computed
+        self.req_to_token: dict[int, list[int]] = {}  # req_slot -> kv slot per computed position
+        self.kv_owner: list[tuple[int, int] | None] = [None] * num_kv_slots  # kv -> (req_slot, pos)
+        self.kv_value: list[int | None] = [None] * num_kv_slots  # kv -> token written there
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for slot in plan.released_slots:
+            assert slot in self.tokens, f"released slot {slot} was not live"
+            for kv in self.req_to_token.pop(slot):
+                self.kv_owner[kv] = None
+            del self.tokens[slot], self.computed[slot]
+        for new in plan.new_requests:
+            assert new.req_slot not in self.tokens, f"slot {new.req_slot} reused before release"
+            assert new.sampling.seed is not None
+            self.tokens[new.req_slot] = list(new.token_ids)
+            self.computed[new.req_slot] = 0
+            self.req_to_token[new.req_slot] = []
+        assert len({c.req_slot for c in plan.chunks}) == len(plan.chunks), "slot twice in one step"
+        sampled = []
+        for chunk in plan.chunks:
+            sampled_token = self._run_chunk(chunk)
+            if sampled_token is not None:
+                sampled.append(SampledTokens(chunk.req_slot, [sampled_token]))
+        return StepResult(plan.step_id, sampled)
+
+    def _run_chunk(self, chunk) -> int | None:
+        slot, start, n = chunk.req_slot, chunk.start, chunk.num_tokens
+        tokens = self.tokens[slot]
+        assert n >= 1 and len(chunk.kv_slots) == n
+        assert start == self.computed[slot], (
+            f"chunk starts at {start}, computed {self.computed[slot]}"
+        )
+        assert start + n <= len(tokens), "chunk past the known tokens"
+        assert chunk.sample == (start + n == len(tokens))
+        for i, kv in enumerate(chunk.kv_slots):
+            assert self.kv_owner[kv] is None, f"kv slot {kv} double-used ({self.kv_owner[kv]})"
+            self.kv_owner[kv] = (slot, start + i)
+            self.kv_value[kv] = tokens[start + i]
+            self.req_to_token[slot].append(kv)
+        self.computed[slot] = start + n
+        for pos, kv in enumerate(
+            self.req_to_token[slot]
+        ):  # "attention" reads every earlier position
+            assert self.kv_owner[kv] == (slot, pos) and self.kv_value[kv] == tokens[pos]
+        if not chunk.sample:
+            return None
+        token = next_token(tokens)
+        tokens.append(token)
+        return token
+
+
+@dataclass
+class RunResult:
+    tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    reasons: dict[str, FinishReason] = field(default_factory=dict)
+    finish_order: list[str] = field(default_factory=list)
+    steps: int = 0
+    max_step_tokens: int = 0
+
+
+def make_scheduler(
+    num_kv_slots: int = 1000,
+    max_model_len: int = 1000,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    **kwargs,
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(config, num_kv_slots, max_model_len, rng_seed=0, **kwargs)
+
+
+def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunResult:
+    """Drives schedule -> execute -> update until no work is left; checks the budget per step."""
+    result = RunResult()
+    budget = sched.config.max_num_batched_tokens
+    while sched.has_work():
+        assert result.steps < max_steps, "no progress"
+        plan = sched.schedule()
+        assert plan is not None, "work left but nothing scheduled"
+        step_tokens = sum(c.num_tokens for c in plan.chunks)
+        assert step_tokens <= budget
+        result.max_step_tokens = max(result.max_step_tokens, step_tokens)
+        for out in sched.update(worker.execute(plan)):
+            result.tokens[out.req_id].extend(out.new_token_ids)
+            if out.finished:
+                result.reasons[out.req_id] = out.finish_reason
+                result.finish_order.append(out.req_id)
+        result.steps += 1
+    assert_pools_empty(sched)
+    return result
+
+
+def assert_pools_empty(sched: Scheduler) -> None:
+    assert sched.kv.num_used == 0 and sched.kv.num_free == sched.kv.num_total
+    assert sched.req_slots.num_used == 0
+    assert not sched.running and not sched.waiting
+
+
+def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+def prompt_of(length: int, salt: int) -> list[int]:
+    return [(salt * 7 + i * 3) % VOCAB for i in range(length)]
+
+
+def req(req_id: str, prompt: list[int], max_tokens: int, **kwargs) -> Request:
+    return Request(req_id=req_id, prompt_token_ids=prompt, max_tokens=max_tokens, **kwargs)

@@ -1,0 +1,186 @@
+"""The OpenAI routes against the scripted engine: responses, streams, usage, stop, n, logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests_helpers_server import sse_events  # noqa: F401  (resolved via conftest sys.path)
+
+REPLY = "hello world héllo"
+
+
+def chat(client, **kw):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def test_models_and_health(make_server):
+    client, _, _ = make_server()
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    card = models["data"][0]
+    assert card["id"] == "tiny" and card["object"] == "model" and card["max_model_len"] == 64
+    assert client.get("/health").status_code == 200
+
+
+def test_not_ready_is_503(make_server):
+    client, _, _ = make_server(ready=False)
+    assert client.get("/health").status_code == 503
+    r = chat(client)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+
+
+def test_chat_non_stream(make_server, tokenizer):
+    client, engine, state = make_server()
+    r = chat(client)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["finish_reason"] == "stop" and choice["logprobs"] is None
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                           add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert engine.received[0].prompt_token_ids == prompt_ids
+    reply_ids = tokenizer.encode(REPLY, add_special_tokens=False)
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids),
+                             "completion_tokens": len(reply_ids) + 1,  # + eos
+                             "total_tokens": len(prompt_ids) + len(reply_ids) + 1}
+    # The whole context is left for generation when max_tokens is not given.
+    assert engine.received[0].max_tokens == 64 - len(prompt_ids)
+
+
+def test_chat_stream_matches_non_stream(make_server):
+    client, _, _ = make_server()
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == REPLY
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "stop" and all(f is None for f in finishes[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == chunks[-2]["usage"] is None or True
+    assert usage_chunk["usage"]["total_tokens"] == (usage_chunk["usage"]["prompt_tokens"]
+                                                    + usage_chunk["usage"]["completion_tokens"])
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_max_tokens_length_and_alias(make_server):
+    client, engine, _ = make_server()
+    for field in ("max_tokens", "max_completion_tokens"):
+        body = chat(client, **{field: 3}).json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 3
+    assert [r.max_tokens for r in engine.received] == [3, 3]
+    # max_tokens wins over max_completion_tokens when both are set.
+    chat(client, max_tokens=2, max_completion_tokens=5)
+    assert engine.received[-1].max_tokens == 2
+
+
+def test_stop_string(make_server):
+    client, engine, _ = make_server()
+    body = chat(client, stop=["world"]).json()
+    assert body["choices"][0]["message"]["content"] == "hello "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.finished_by_detok == [engine.received[0].req_id]
+    body = chat(client, stop="wor", include_stop_str_in_output=True).json()
+    assert body["choices"][0]["message"]["content"] == "hello wor"
+
+
+def test_n_choices_and_sampling_fields(make_server):
+    client, engine, _ = make_server()
+    body = chat(client, n=2, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=11,
+                presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                ignore_eos=True, max_tokens=4).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 8
+    a, b = engine.received
+    assert a.req_id != b.req_id and (a.sampling.seed, b.sampling.seed) == (11, 12)
+    s = a.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.5, 0.9, 5, 0.1)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert a.ignore_eos and s.logprobs is None
+
+
+def test_chat_logprobs(make_server, tokenizer):
+    client, engine, _ = make_server()
+    body = chat(client, logprobs=True, top_logprobs=2, max_tokens=3).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    ids = tokenizer.encode(REPLY, add_special_tokens=False)[:3]
+    assert [e["token"] for e in content] == [tokenizer.decode([i]) for i in ids]
+    assert all(e["logprob"] == -0.25 and len(e["top_logprobs"]) == 2 for e in content)
+    assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]
+    assert engine.received[0].sampling.logprobs == 2
+
+
+def test_completions_prompts(make_server, tokenizer):
+    client, engine, _ = make_server()
+    body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello",
+                                                "max_tokens": 50}).json()
+    assert body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == REPLY and body["choices"][0]["finish_reason"] == "stop"
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    body = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 2,
+                                                "echo": True}).json()
+    assert body["choices"][0]["text"] == "hello world" + "hello"
+    assert engine.received[-1].prompt_token_ids == ids
+    body = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2,
+                                                "max_tokens": 1}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 4
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                "logprobs": 1}).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and lp["token_logprobs"] == [-0.25] * 3
+    assert lp["text_offset"][0] == 0 and len(lp["top_logprobs"][0]) == 1
+
+
+def test_openai_sdk_against_app(make_server):
+    client, _, _ = make_server()
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    out = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == REPLY
+    stream = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == REPLY
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    comp = sdk.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert comp.choices[0].finish_reason == "length"
+
+
+def test_debug_status_and_metrics(make_server):
+    client, _, _ = make_server()
+    chat(client)
+    status = client.get("/debug/status").json()
+    assert status["router"]["kv_total"] == 8 and status["router"]["num_running"] == 0
+    assert status["server"]["open_sequences"] == 0
+    metrics = client.get("/metrics").text
+    assert 'appliance_requests_finished_total{finish_reason="stop",model_name="tiny"} 1.0' \
+        in metrics
+    assert "appliance_time_to_first_token_seconds_count" in metrics
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_reasoning_split(make_server, tokenizer, thinking):
+    text = "<think>\nplan\n</think>\n\nanswer"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    client, _, _ = make_server(script=lambda prompt: ids, reasoning="on")
+    msg = chat(client, chat_template_kwargs={"enable_thinking": thinking}).json()
+    msg = msg["choices"][0]["message"]
+    assert msg["content"] == "answer" and msg["reasoning_content"] == "plan"

@@ -1,0 +1,44 @@
+"""Session fixtures shared by every test: tiny Qwen3.5 checkpoints in the Hub layout (built once).
+
+Also puts the repository root on sys.path so `import appliance` works without installing the package.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from appliance.testing.tiny import build_qwen3_5  # noqa: E402
+
+# Two layer patterns between them: dense ends on full attention, MoE ends on linear attention.
+DENSE_LAYER_TYPES = ["linear", "full", "linear", "full"]
+MOE_LAYER_TYPES = ["linear", "linear", "full", "linear"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory) -> pathlib.Path:
+    """Qwen3_5ForConditionalGeneration layout, BPE vocab 2000, MTP head, seed 0."""
+    return build_qwen3_5(tmp_path_factory.mktemp("tiny_dense"), layer_types=DENSE_LAYER_TYPES, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory) -> pathlib.Path:
+    """Qwen3_5MoeForConditionalGeneration layout (fused experts), 8 experts top-2, seed 1."""
+    return build_qwen3_5(
+        tmp_path_factory.mktemp("tiny_moe"), moe=True, layer_types=MOE_LAYER_TYPES, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_qwen_vocab(tmp_path_factory) -> pathlib.Path:
+    """Dense tiny model with the real Qwen3.5 tokenizer (vocab 248320, ~130 MB of fp32 weights)."""
+    return build_qwen3_5(
+        tmp_path_factory.mktemp("tiny_dense_qwen_vocab"), layer_types=DENSE_LAYER_TYPES, seed=2,
+        tokenizer="qwen3.5",
+    )

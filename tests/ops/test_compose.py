@@ -1,0 +1,100 @@
+"""compose.yaml and ops/Dockerfile: keys operators rely on, env flags, compose's own check."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from appliance import envs
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+DEFAULT_RE = re.compile(r"^\$\{(?P<name>\w+):-(?P<default>.*)\}$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_appliance_service_gpu_shm_health_restart(compose) -> None:
+    app = compose["services"]["appliance"]
+    devices = app["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert app["ipc"] == "host"
+    assert app["ulimits"] == {"memlock": -1, "stack": 67108864}
+    health = app["healthcheck"]
+    assert health["test"] == ["CMD", "curl", "-fsS", "http://localhost:8000/health"]
+    assert health["start_period"] == "600s"
+    assert app["restart"] == "unless-stopped"
+    assert app["ports"] == ["${APPLIANCE_PORT:-8000}:8000"]
+    assert app["build"] == {"context": ".", "dockerfile": "ops/Dockerfile"}
+
+
+def test_model_volume_is_read_only(compose) -> None:
+    volumes = compose["services"]["appliance"]["volumes"]
+    assert "${MODELS_DIR:-./models}:/models:ro" in volumes
+    assert set(compose["volumes"]) >= {"hf-cache", "prometheus-data", "grafana-data"}
+
+
+def test_every_env_flag_is_passed_with_its_default(compose) -> None:
+    env = compose["services"]["appliance"]["environment"]
+    for name, var in envs.registry().items():
+        assert name in env, f"{name} missing from compose.yaml appliance.environment"
+        match = DEFAULT_RE.match(env[name])
+        assert match and match["name"] == name, env[name]
+        default = match["default"]
+        parsed = var.default if default == "" else var.parse(default)
+        assert parsed == var.default, f"{name}: compose default {default!r} != {var.default!r}"
+
+
+def test_monitoring_services_mount_the_shipped_configs(compose) -> None:
+    prom = compose["services"]["prometheus"]
+    assert "./ops/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    graf = compose["services"]["grafana"]
+    assert "./ops/grafana/provisioning:/etc/grafana/provisioning:ro" in graf["volumes"]
+    assert "./ops/grafana/dashboards:/var/lib/grafana/dashboards:ro" in graf["volumes"]
+    for rel in (
+        "ops/prometheus/prometheus.yml",
+        "ops/grafana/provisioning",
+        "ops/grafana/dashboards/appliance.json",
+    ):
+        assert (ROOT / rel).exists(), rel
+    scrape = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())
+    job = scrape["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["appliance:8000"]
+
+
+def test_dockerfile_base_entrypoint_and_health() -> None:
+    text = (ROOT / "ops/Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.\d+\.\d+-devel-ubuntu24\.04$", text, re.M)
+    assert "download.pytorch.org/whl/cu130" in text
+    assert 'ENTRYPOINT ["appliance", "serve"]' in text
+    assert "HEALTHCHECK" in text and "--start-period=600s" in text
+    assert "python3.12" in text
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None,
+    reason="needs Debian's docker-compose package (apt-get install docker-compose)",
+)
+def test_docker_compose_config_accepts_the_file(tmp_path) -> None:
+    result = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    app = resolved["services"]["appliance"]
+    assert app["healthcheck"]["start_period"] in ("10m", "600s", "10m0s")
+    assert app["environment"]["APPLIANCE_LOG_STATS_INTERVAL"] == "10"

@@ -1,0 +1,94 @@
+"""Reads the vision tower's tensors (`model.visual.*`) out of an HF safetensors checkpoint.
+
+Called by `visual.encoder.VisionEncoder.from_pretrained`. Handles a single `model.safetensors` and a
+sharded `model.safetensors.index.json`, opens only the shards that hold vision tensors, and refuses a
+checkpoint whose keys or shapes do not match the module (naming the offending keys).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# Hub layouts: transformers 5.x (and Qwen3-VL / Qwen3.5 releases) nest the tower under `model.visual.`;
+# Qwen2-VL-era exports keep it at the top level as `visual.`.
+VISUAL_PREFIXES = ("model.visual.", "visual.")
+_SHOWN_KEYS = 12
+
+
+class VisionCheckpointError(ValueError):
+    """The checkpoint has no usable vision tower (missing files, keys, or mismatched shapes)."""
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it (names from the index, or from each file's header)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise VisionCheckpointError(f"no *.safetensors files in {model_dir}")
+    located = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            located.update({name: file for name in handle.keys()})
+    return located
+
+
+def _shorten(names: set[str]) -> str:
+    shown = sorted(names)[:_SHOWN_KEYS]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" … and {more} more" if more > 0 else "")
+
+
+def read_visual_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every vision-tower tensor, keyed without the prefix (`blocks.0.attn.qkv.weight`)."""
+    model_dir = Path(model_dir)
+    located = _weight_files(model_dir)
+    for prefix in VISUAL_PREFIXES:
+        names = [name for name in located if name.startswith(prefix)]
+        if names:
+            break
+    else:
+        raise VisionCheckpointError(
+            f"{model_dir} has no vision tower tensors (looked for {' or '.join(VISUAL_PREFIXES)}*)"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(located[name], []).append(name)
+    tensors = {}
+    for file, file_names in sorted(by_file.items()):
+        if not file.is_file():
+            raise VisionCheckpointError(f"checkpoint shard {file.name} is missing from {model_dir}")
+        with safe_open(file, framework="pt") as handle:
+            for name in file_names:
+                tensors[name[len(prefix):]] = handle.get_tensor(name)
+    return tensors
+
+
+@torch.no_grad()
+def load_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into `module`'s parameters (converting dtype); exact key and shape match."""
+    params = dict(module.named_parameters())
+    missing = set(params) - set(tensors)
+    unexpected = set(tensors) - set(params)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_shorten(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_shorten(unexpected)}")
+        raise VisionCheckpointError("vision tower weights do not match the config; " + "; ".join(parts))
+    for name, param in params.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise VisionCheckpointError(
+                f"vision tower weight {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
