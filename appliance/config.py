@@ -34,13 +34,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget per step (prefill chunk + decodes)
     num_kv_slots: int = 0  # KV token slots; 0 = sized from memory by the worker
     max_waiting: int = 1024  # queue length before new requests get 429
-    mtp_step: int = 0  # draft tokens per step (0 = MTP off)
+    mtp_step: int = 0  # MTP draft tokens per step (0 = MTP off)
+    mtp_mode: str = "eagle"  # eagle: one MTP layer reused per step; vanilla: one module per step
 
     def __post_init__(self) -> None:
+        _check(self.mtp_mode in ("vanilla", "eagle"), "mtp_mode", "vanilla or eagle")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")
         _check(self.num_kv_slots >= 0, "num_kv_slots", "an integer >= 0")
-        _check(0 <= self.mtp_step <= 3, "mtp_step", "0, 1, 2 or 3")
+        _check(0 <= self.mtp_step <= 3, "mtp_step", "0 (off), 1, 2 or 3")
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,9 @@ class ServerConfig:
     host: str = "127.0.0.1"  # HTTP bind address (0.0.0.0 to listen on every interface)
     port: int = 8000  # HTTP port
     served_model_name: str = ""  # model id in the API; "" = the model folder's name
-    max_prompt_chars: int = 0  # prompt characters accepted before tokenizing; 0 = 16 x max_model_len
+    max_prompt_chars: int = 0  # prompt characters accepted before tokenizing; 0 = 16 x context
     max_n: int = 16  # largest `n` (choices per request) accepted
-    reasoning: str = "auto"  # <think> text to reasoning_content: auto (prompt opens <think>) | on | off
+    reasoning: str = "auto"  # <think> to reasoning_content: auto (prompt opens <think>) | on | off
     access_log: bool = True  # one INFO line per HTTP request (method, path, status, latency, id)
 
     def __post_init__(self) -> None:
@@ -93,7 +95,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    transport: str = "ipc"  # ZMQ transport between roles: ipc (sockets in a temp dir) | tcp (loopback)
+    transport: str = "ipc"  # ZMQ between roles: ipc (sockets in a temp dir) | tcp (loopback)
     runner: str = "appliance.engine.runner:ModelRunner"  # model runner class, module:Class
     drain_timeout_s: float = 30.0  # on SIGTERM, seconds open requests get to finish before abort
     fatal_grace_s: float = 1.0  # after a role dies, seconds to deliver errors before stopping

@@ -1,6 +1,7 @@
-"""The launcher: the only place that spawns processes (server, detokenizer, router, one worker per TP rank).
+"""The launcher: the only place that spawns processes (server, detokenizer, router, a worker per
+rank).
 
-Called by `appliance serve` (cli.py) and by tests/benchmarks. It allocates every address, shows startup
+Called by `appliance serve` (cli.py) and by benchmarks. It allocates every address, shows startup
 progress from each role's messages, names a role that dies (failing every open request through the
 server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exits 0.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -58,9 +60,16 @@ class Addresses:
             addr = {n: f"ipc://{run_dir}/{n}" for n in names}
         else:
             addr = {n: f"tcp://127.0.0.1:{_free_port()}" for n in names}
-        return cls(addr["launcher"], addr["server_control"], addr["server"], addr["router"],
-                   addr["router_results"], addr["detokenizer"],
-                   [addr[f"worker{r}"] for r in range(tp)], f"file://{run_dir}/dist_init")
+        return cls(
+            addr["launcher"],
+            addr["server_control"],
+            addr["server"],
+            addr["router"],
+            addr["router_results"],
+            addr["detokenizer"],
+            [addr[f"worker{r}"] for r in range(tp)],
+            f"file://{run_dir}/dist_init",
+        )
 
 
 def _free_port() -> int:
@@ -89,11 +98,14 @@ def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Soc
 def child_init(role: str) -> None:
     """First call in every spawned role: logging, signals, and exit if the launcher disappears.
 
-    Ctrl-C reaches the whole process group; only the launcher acts on it (by draining), so children
-    ignore SIGINT. SIGTERM (sent by the launcher when stopping) keeps its default: exit.
+    Each role runs in its own session, so signals sent to the launcher's process group (Ctrl-C,
+    `timeout`, a supervisor) reach only the launcher, which drains and then stops the roles with
+    SIGTERM (default action: exit). A role whose launcher vanished exits within a second.
     """
     mp.current_process().name = role
+    _set_process_title(f"appliance-{role.replace(' ', '')}")
     setup_logging()
+    os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
@@ -104,6 +116,17 @@ def child_init(role: str) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+
+
+def _set_process_title(title: str) -> None:
+    """The role's name in ps/top (/proc/PID/comm, 15 characters); best effort, Linux only."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, title.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 class RoleLink:
@@ -132,11 +155,11 @@ class LaunchError(RuntimeError):
 
 
 class Launcher:
-    """Spawns and supervises the roles of one appliance. `run()` blocks and returns the exit code."""
+    """Spawns and supervises the roles of one appliance; `run()` blocks, returns the exit code."""
 
-    def __init__(self, config: ServeConfig, model_dir: str) -> None:
+    def __init__(self, config: ServeConfig) -> None:
         self.config = config
-        self.model_dir = model_dir
+        self.model_dir = config.engine.model.model_dir  # resolved by the caller (cli.py)
         self.tp = config.engine.parallel.tp
         self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-"))
         self.addrs = Addresses.allocate(config.launch.transport, self.tp, self._run_dir)
@@ -163,8 +186,15 @@ class Launcher:
 
         engine = self.config.engine
         for rank in range(self.tp):
-            self._spawn(f"worker {rank}", run_worker, engine, self.addrs, rank, self.tp,
-                        self.config.launch.runner)
+            self._spawn(
+                f"worker {rank}",
+                run_worker,
+                engine,
+                self.addrs,
+                rank,
+                self.tp,
+                self.config.launch.runner,
+            )
         self._spawn("detokenizer", run_detokenizer, self.model_dir, self.addrs)
         self._spawn("server", run_server, self.config, self.model_dir, self.addrs)
 
@@ -204,10 +234,20 @@ class Launcher:
                 pending.discard(who)
                 if msg.worker is not None:
                     info = msg.worker
-                logger.info("[%5.1fs] %s ready (%d/%d)", self._elapsed(), who,
-                            self.tp + 3 - len(pending), self.tp + 3)
-                if who.startswith("worker") and info is not None and "router" not in self._procs \
-                        and not any(p.startswith("worker") for p in pending):
+                logger.info(
+                    "[%5.1fs] %s ready (pid %d, %d/%d)",
+                    self._elapsed(),
+                    who,
+                    msg.pid,
+                    self.tp + 3 - len(pending),
+                    self.tp + 3,
+                )
+                if (
+                    who.startswith("worker")
+                    and info is not None
+                    and "router" not in self._procs
+                    and not any(p.startswith("worker") for p in pending)
+                ):
                     self._spawn_router(info)
         assert info is not None
         return info
@@ -217,8 +257,10 @@ class Launcher:
 
     def _on_signal(self, signum, frame) -> None:
         if self._stop_signal is not None:
-            logger.warning("second signal: stopping now")
-            self._stop_all()
+            logger.warning("second signal: stopping now without draining")
+            for proc in self._procs.values():
+                if proc.exitcode is None:
+                    proc.kill()
             os._exit(1)
         self._stop_signal = signum
 
@@ -230,9 +272,15 @@ class Launcher:
             info = self._wait_startup()
             self._control.send(encode(EngineReady(info.max_model_len, info.num_kv_slots)))
             server = self.config.server
-            logger.info("ready in %.1fs: http://%s:%d (tp %d, max_model_len %d, %d KV slots)",
-                        self._elapsed(), server.host, server.port, self.tp, info.max_model_len,
-                        info.num_kv_slots)
+            logger.info(
+                "ready in %.1fs: http://%s:%d (tp %d, max_model_len %d, %d KV slots)",
+                self._elapsed(),
+                server.host,
+                server.port,
+                self.tp,
+                info.max_model_len,
+                info.num_kv_slots,
+            )
             return self._serve()
         except KeyboardInterrupt:
             logger.info("stopped during startup")
@@ -264,7 +312,9 @@ class Launcher:
 
     def _drain(self) -> int:
         timeout = self.config.launch.drain_timeout_s
-        logger.info("signal %d: draining (up to %.0fs for open requests)", self._stop_signal, timeout)
+        logger.info(
+            "signal %d: draining (up to %.0fs for open requests)", self._stop_signal, timeout
+        )
         self._control.send(encode(Drain(timeout)))
         deadline = time.monotonic() + timeout + 10.0
         while time.monotonic() < deadline:
@@ -291,11 +341,10 @@ class Launcher:
                 proc.join(1.0)
         self._inbox.close()
         self._control.close()
-        for path in self._run_dir.glob("*"):
-            path.unlink(missing_ok=True)
-        self._run_dir.rmdir() if self._run_dir.exists() else None
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
-def serve(config: ServeConfig, model_dir: str) -> int:
-    """Runs the appliance in the foreground; returns the process exit code."""
-    return Launcher(config, model_dir).run()
+def serve(config: ServeConfig) -> int:
+    """Runs the appliance in the foreground; returns the process exit code. The config's model_dir
+    must already be resolved (no "")."""
+    return Launcher(config).run()

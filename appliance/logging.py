@@ -104,9 +104,7 @@ def access_level(path: str, status: int) -> int:
 
 
 def log_access(method: str, path: str, status: int, latency_s: float, request_id: str) -> None:
-    """One access-log line on the `appliance.access` logger (off with APPLIANCE_LOG_ACCESS=0)."""
-    if not envs.APPLIANCE_LOG_ACCESS:
-        return
+    """One access-log line on the `appliance.access` logger (the caller decides whether to log)."""
     logger = get_logger("appliance.access")
     level = access_level(path, status)
     if logger.isEnabledFor(level):

@@ -25,6 +25,14 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     logprobs: int | None = None  # number of top logprobs to return (0 = only the sampled one)
 
 
+def mtp_compatible(options: SamplingOptions) -> bool:
+    """Whether a request can decode with MTP drafts. Penalties and logprobs need per-row history and
+    reporting that verify rows do not carry, so such requests decode one token per step (in the same
+    batch). Read by the router (to plan verify rows) — the worker just follows num_draft."""
+    return (options.logprobs is None and options.presence_penalty == 0.0
+            and options.frequency_penalty == 0.0 and options.repetition_penalty == 1.0)
+
+
 class NewRequest(msgspec.Struct, frozen=True):
     """A request the worker has not seen yet. Written by router, read by worker (once per admission;
     a preempted request is sent again with all its known tokens)."""
@@ -33,6 +41,7 @@ class NewRequest(msgspec.Struct, frozen=True):
     token_ids: list[int]  # every known token (prompt, plus outputs when re-admitted after preemption)
     sampling: SamplingOptions
     num_prompt_tokens: int = -1  # leading prompt tokens in token_ids (-1: all); for penalties
+    num_draft: int = 0  # MTP draft tokens per step for this request (0 = MTP off for it)
 
 
 class ScheduledChunk(msgspec.Struct, frozen=True):
@@ -46,10 +55,15 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     num_tokens: int  # prefill chunk length, or 1 for a plain decode
     kv_slots: list[int]  # KV slot for each computed position, len == num_tokens
     sample: bool  # True when the chunk reaches the last known token: sample the next one
+    # MTP verify: > 0 means rows = [last known token, num_draft worker-held drafts] at positions
+    # start..start+num_draft (num_tokens == num_draft + 1). The worker returns the accepted tokens
+    # (1..num_draft+1); KV slots of rows past the accepted ones go back to the router's pool.
+    num_draft: int = 0
 
 
 class StepPlan(msgspec.Struct, frozen=True):
-    """One forward step. Written by router, broadcast to every worker rank."""
+    """One forward step. Written by router, broadcast to every worker rank. The worker applies
+    `released_slots` before `new_requests`: a slot can be freed and reused in the same plan."""
 
     step_id: int
     new_requests: list[NewRequest]
@@ -161,8 +175,8 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
 
 class RouterStats(msgspec.Struct, frozen=True):
     """Router counters and gauges for /metrics and the stats line (keys as MetricsRecorder expects).
-    Written by router (every APPLIANCE_ROUTER_STATS_INTERVAL seconds while busy, and on a StatusQuery),
-    passed through by detokenizer, read by server."""
+    Written by router (at most every 0.5 s while busy, once when it goes idle, and inside every
+    RouterStatus), passed through by detokenizer, read by server."""
 
     num_running: int
     num_waiting: int

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, num_sms, tl, use_triton
+
 
 def store_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -56,3 +58,285 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton: one kernel for decode, verify rows and prefill. A program owns (request, block of query rows,
+# kv head, kv split); its M rows are (query row, q head of the GQA group) pairs, so K/V tiles gathered
+# through req_to_token are loaded once per group. Long KV with few programs is split (flash-decoding)
+# and the partial results are merged by a second kernel.
+# ---------------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+
+@jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
+    num_heads, head_dim,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_heads) & (d < head_dim)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + slot * stride_kcs + h * stride_kch + d,
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    k: torch.Tensor,  # [T, Hkv, D] (token/head strides free, last dim contiguous)
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    kv_slots: torch.Tensor,  # [T] int
+) -> None:
+    for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k_cache.shape != v_cache.shape:
+        raise ValueError(f"store_kv: shapes k {k.shape} v {v.shape} cache {k_cache.shape}")
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, kv_slots,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        num_heads, head_dim,
+        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+    )
+
+
+@jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    req_to_token_ptr, req_slots_ptr, cu_q_ptr, seq_lens_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh,
+    stride_r2t, stride_ps, stride_pt, stride_ls, stride_lt,
+    num_q_heads,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    row0 = q_block * ROWS
+    if row0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    req_slot = tl.load(req_slots_ptr + b).to(tl.int64)
+
+    m = tl.arange(0, BLOCK_M)
+    q_row = row0 + m // GROUP  # query row inside the request
+    head = kv_head * GROUP + m % GROUP  # q head
+    row_ok = (m < ROWS * GROUP) & (q_row < q_len)
+    q_pos = seq_len - q_len + q_row  # absolute position of each query row
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(q_ptr + (q_start + q_row)[:, None].to(tl.int64) * stride_qt
+                + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # keys this block can see: up to the last row's position (causal), split evenly across programs
+    kv_hi = tl.minimum(seq_len, seq_len - q_len + tl.minimum(row0 + ROWS, q_len))
+    chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_hi)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    r2t = req_to_token_ptr + req_slot * stride_r2t
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        slot = tl.load(r2t + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :],
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    t_row = (q_start + q_row).to(tl.int64)
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_o_ptr + split * stride_ps + t_row[:, None] * stride_pt
+                 + head[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        tl.store(part_lse_ptr + split * stride_ls + t_row * stride_lt + head, lse, mask=row_ok)
+
+
+@jit
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)  # [S]
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - m)  # empty splits have lse -inf -> weight 0
+    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
+                mask=d[None, :] < HEAD_DIM, other=0.0)  # [S, BLOCK_D]
+    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
+    """Split the KV only for short query blocks (decode, verify) that leave SMs idle."""
+    if max_q_len > 16 or num_programs >= num_sms(device):
+        return 1
+    return min(next_pow2(-(-2 * num_sms(device) // num_programs)), 32)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    req_to_token: torch.Tensor,  # [max_reqs, max_len] int
+    req_slots: torch.Tensor,  # [B]
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    *,
+    max_q_len: int | None = None,  # host bound on q rows per request; given -> no device sync
+    num_splits: int | None = None,  # KV splits (fixed for CUDA graphs); None -> heuristic
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Same result as paged_attention_ref; q may be a strided view (last dim contiguous)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_dim_contiguous(name, t)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_q_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"paged_attention: q {q.shape} vs cache {k_cache.shape}/{v_cache.shape}")
+    if req_to_token.stride(1) != 1:
+        raise ValueError("paged_attention: req_to_token rows must be contiguous")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    batch = req_slots.shape[0]
+    if num_tokens == 0 or batch == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, next_pow2(group))
+    if max_q_len * group > 16:
+        block_m = max(block_m, 64)
+    rows = block_m // group
+    num_q_blocks = -(-max_q_len // rows)
+    if num_splits is None:
+        num_splits = _attention_splits(batch * num_q_blocks * num_kv_heads, max_q_len, q.device)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"paged_attention: num_splits {num_splits} must be a power of two")
+    block_d = next_pow2(head_dim)
+    block_n = 64 if block_m >= 64 or block_d > 128 else 128
+    if num_splits > 1:
+        part_o = torch.empty(num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(num_splits, num_tokens, num_q_heads, dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    grid = (batch, num_q_blocks, num_kv_heads * num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        req_to_token, req_slots, cu_seqlens_q, seq_lens,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        req_to_token.stride(0),
+        part_o.stride(0) if num_splits > 1 else 0, part_o.stride(1) if num_splits > 1 else 0,
+        part_lse.stride(0) if num_splits > 1 else 0, part_lse.stride(1) if num_splits > 1 else 0,
+        num_q_heads,
+        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m * block_d >= 64 * 256 else 4, num_stages=2 if block_d >= 256 else 3,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_o, part_lse, out,
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        )
+    return out
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    kv_slots: torch.Tensor,  # [T]
+) -> None:
+    """Dispatcher used by the model layers: Triton on CUDA, the reference elsewhere."""
+    if use_triton(k):
+        store_kv_triton(k, v, k_cache, v_cache, kv_slots)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, kv_slots)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    req_to_token: torch.Tensor,  # [max_reqs, max_len]
+    req_slots: torch.Tensor,  # [B]
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Dispatcher used by the model layers: the backend chosen in kernels.backends (Triton by default on
+    CUDA; flashinfer when selected and importable; the torch reference on CPU)."""
+    if not q.is_cuda:
+        return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
+                                   seq_lens, scale)
+    from kernels import backends
+
+    name = backends.selected("attention")
+    if name == "flashinfer":
+        from kernels.attention_flashinfer import paged_attention_flashinfer
+
+        return paged_attention_flashinfer(q, k_cache, v_cache, req_to_token, req_slots,
+                                          cu_seqlens_q, seq_lens, scale)
+    if name == "triton" and use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
+                                      seq_lens, scale, max_q_len=max_q_len, num_splits=num_splits)
+    return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
+                               seq_lens, scale)
+

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+
 CHUNK = 64
 
 
@@ -118,3 +120,395 @@ def gdn_ref(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_s
     request, so a request computes the same way alone or in a mixed batch."""
     return _run(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
                 lambda n: _recurrent_one if n == 1 else _chunked_one)
+
+
+def gdn_verify_ref(
+    q: torch.Tensor,  # [T, Hk, Dk] — each request's rows are its MTP verify rows
+    k: torch.Tensor,
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    ssm_states: torch.Tensor,  # [num_state_slots, Hv, Dk, Dv] committed state (read only here)
+    ssm_candidates: torch.Tensor,  # [num_state_slots, max_rows, Hv, Dk, Dv] state after each row
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+) -> torch.Tensor:
+    """Recurrence over verify rows from the committed state, keeping one candidate state per row so
+    that accepting row j commits candidate j (see commit in appliance/engine/mtp.py)."""
+    qf, kf, vf, gf, bf = _prep(q, k, v, g, beta, v.shape[1])
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    cu = cu_seqlens.tolist()
+    for b, slot in enumerate(state_slots.tolist()):
+        s, e = cu[b], cu[b + 1]
+        state = ssm_states[slot].float()
+        for j in range(e - s):
+            o, state = _recurrent_one(qf[s + j : s + j + 1], kf[s + j : s + j + 1],
+                                      vf[s + j : s + j + 1], gf[s + j : s + j + 1],
+                                      bf[s + j : s + j + 1], state)
+            out[s + j] = o[0].to(v.dtype)
+            ssm_candidates[slot, j] = state.to(ssm_candidates.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton. Decode / verify rows: one program per (request, value head, block of value columns) carries
+# its [Dk, BV] slice of the state in registers through the request's tokens. Prefill: a per-chunk kernel
+# (parallel over chunks) builds the UT transform w = T (k beta e^G), u = T (v beta) with
+# T = (I + A)^-1, then a per-(request, head, value block) kernel walks the chunks carrying the state.
+# q/k/v/g/beta may be strided views (token and head strides free, last dim contiguous).
+# ---------------------------------------------------------------------------------------------------
+
+RECURRENT_MAX_ROWS = 8  # requests with at most this many rows use the recurrent kernel
+
+
+@jit
+def _l2norm(x, eps):
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) + eps))
+
+
+@jit
+def _gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+    state_slots_ptr, cu_ptr, has_init_ptr, inter_slots_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_ss, stride_sh,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    MAX_LEN: tl.constexpr, HAS_INTER: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(cu_ptr + b)
+    end = tl.load(cu_ptr + b + 1)
+    length = end - start
+    skip = length == 0
+    if MAX_LEN > 0:
+        skip = skip | (length > MAX_LEN)
+    if skip:
+        return
+    hk = hv // GROUP
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = kk < DK
+    v_ok = vv < DV
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_offs = hv * stride_sh + kk[:, None] * DV + vv[None, :]
+    slot = tl.load(state_slots_ptr + b).to(tl.int64)
+    if tl.load(has_init_ptr + b) != 0:
+        h = tl.load(state_ptr + slot * stride_ss + s_offs, mask=s_mask, other=0.0)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(0, length):
+        t64 = start.to(tl.int64) + i
+        q = tl.load(q_ptr + t64 * stride_qt + hk * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t64 * stride_kt + hk * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t64 * stride_vt + hv * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t64 * stride_gt + hv * stride_gh).to(tl.float32)
+        beta = tl.load(beta_ptr + t64 * stride_bt + hv * stride_bh).to(tl.float32)
+        q = q * (scale / tl.sqrt(tl.sum(q * q, 0) + 1e-6))
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        h = h * tl.exp(g)
+        delta = (v - tl.sum(h * k[:, None], 0)) * beta  # [BV]
+        h = h + k[:, None] * delta[None, :]
+        o = tl.sum(h * q[:, None], 0)
+        tl.store(out_ptr + t64 * stride_ot + hv * stride_oh + vv, o.to(out_ptr.dtype.element_ty),
+                 mask=v_ok)
+        if HAS_INTER:
+            inter = tl.load(inter_slots_ptr + t64).to(tl.int64)
+            if inter >= 0:
+                tl.store(state_ptr + inter * stride_ss + s_offs, h, mask=s_mask)
+    tl.store(state_ptr + slot * stride_ss + s_offs, h, mask=s_mask)
+
+
+@jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation: exact fp32 ('ieee') or in a 16-bit type ('bf16' / 'fp16')."""
+    if DOT == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@jit
+def _unit_lower_inverse(a, r, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [64, 64] a: the 16x16 diagonal blocks D by repeated squaring,
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8), then the off-diagonal part L folded in:
+    (I + A)^-1 = (I + M)^-1 (I + D)^-1 with M = (I + D)^-1 L nilpotent of order 4. Ten dots."""
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    diag_block = (r[:, None] // 16) == (r[None, :] // 16)
+    p = tl.where(diag_block, -a, 0.0)
+    off = tl.where(diag_block, 0.0, a)
+    inv_d = eye + p
+    for _ in tl.static_range(3):
+        p = tl.dot(p, p, input_precision=PREC)
+        inv_d = tl.dot(inv_d, eye + p, input_precision=PREC)
+    m = tl.dot(inv_d, off, input_precision=PREC)
+    m2 = tl.dot(m, m, input_precision=PREC)
+    left = tl.dot(eye - m, eye + m2, input_precision=PREC)
+    return tl.dot(left, inv_d, input_precision=PREC)
+
+
+@jit
+def _gdn_chunk_prep_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr, chunks_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+    num_v_heads,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
+    CHUNK: tl.constexpr, DOT: tl.constexpr, INV_DOT: tl.constexpr,
+):
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, CHUNK)
+    t = (start + r).to(tl.int64)
+    row_ok = start + r < end
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BDV)
+    k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :],
+                mask=row_ok[:, None] & (kk < DK)[None, :], other=0.0).to(tl.float32)
+    k = _l2norm(k, 1e-6)
+    v = tl.load(v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :],
+                mask=row_ok[:, None] & (vv < DV)[None, :], other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
+    big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start
+
+    below = r[:, None] > r[None, :]
+    k_beta = k * beta[:, None]
+    a = _mm(k_beta, tl.trans(k), DOT)
+    a = tl.where(below, a * tl.exp(tl.where(below, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
+    inv = _unit_lower_inverse(a, r, INV_DOT)
+    w = _mm(inv, k_beta * tl.exp(big_g)[:, None], DOT)  # [C, BK]
+    u = _mm(inv, v * beta[:, None], DOT)  # [C, BDV]
+    row = t * num_v_heads + hv
+    tl.store(w_ptr + row[:, None] * DK + kk[None, :], w.to(w_ptr.dtype.element_ty), mask=row_ok[:, None] & (kk < DK)[None, :])
+    tl.store(u_ptr + row[:, None] * DV + vv[None, :], u, mask=row_ok[:, None] & (vv < DV)[None, :])
+    tl.store(gcum_ptr + row, big_g, mask=row_ok)
+
+
+@jit
+def _gdn_chunk_state_kernel(
+    q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, out_ptr, state_ptr, state_slots_ptr, cu_ptr, has_init_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_ss, stride_sh,
+    scale, num_v_heads,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    CHUNK: tl.constexpr, MIN_LEN: tl.constexpr, DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(cu_ptr + b)
+    end = tl.load(cu_ptr + b + 1)
+    if end - start <= MIN_LEN:
+        return
+    hk = hv // GROUP
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = kk < DK
+    v_ok = vv < DV
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_offs = hv * stride_sh + kk[:, None] * DV + vv[None, :]
+    slot = tl.load(state_slots_ptr + b).to(tl.int64)
+    if tl.load(has_init_ptr + b) != 0:
+        h = tl.load(state_ptr + slot * stride_ss + s_offs, mask=s_mask, other=0.0)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    r = tl.arange(0, CHUNK)
+    causal = r[:, None] >= r[None, :]
+    for c0 in range(start, end, CHUNK):
+        t = (c0 + r).to(tl.int64)
+        row_ok = c0 + r < end
+        qk_mask = row_ok[:, None] & k_ok[None, :]
+        q = tl.load(q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        q = _l2norm(q, 1e-6) * scale
+        k = _l2norm(k, 1e-6)
+        row = t * num_v_heads + hv
+        big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
+        last = tl.minimum(c0 + CHUNK, end) - 1
+        g_last = tl.load(gcum_ptr + last.to(tl.int64) * num_v_heads + hv)
+        w = tl.load(w_ptr + row[:, None] * DK + kk[None, :], mask=qk_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :],
+                    other=0.0)
+        v_new = u - _mm(w, h, DOT)  # [C, BV]
+        scores = _mm(q, tl.trans(k), DOT)
+        scores = tl.where(causal, scores * tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :],
+                                                              0.0)), 0.0)
+        o = _mm(q * tl.exp(big_g)[:, None], h, DOT) + _mm(scores, v_new, DOT)
+        tl.store(out_ptr + t[:, None] * stride_ot + hv * stride_oh + vv[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+        tail = tl.where(row_ok, tl.exp(g_last - big_g), 0.0)
+        h = h * tl.exp(g_last) + _mm(tl.trans(k * tail[:, None]), v_new, DOT)
+    tl.store(state_ptr + slot * stride_ss + s_offs, h, mask=s_mask)
+
+
+def _check_gdn(q, k, v, g, beta, ssm_states):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(name, t)
+    if q.shape != k.shape or v.shape[0] != q.shape[0] or v.shape[1] % q.shape[1]:
+        raise ValueError(f"gdn: q {q.shape} k {k.shape} v {v.shape}")
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"gdn: g {g.shape} / beta {beta.shape} must be [T, Hv] = {v.shape[:2]}")
+    if ssm_states.dtype != torch.float32 or ssm_states.shape[1:] != (v.shape[1], q.shape[2], v.shape[2]):
+        raise ValueError(f"gdn: ssm_states {ssm_states.dtype} {ssm_states.shape}")
+    if ssm_states.stride(3) != 1 or ssm_states.stride(2) != v.shape[2]:
+        raise ValueError("gdn: each ssm_states[slot, head] must be a contiguous [Dk, Dv] matrix")
+
+
+def _dot_mode(dtype: torch.dtype) -> str:
+    return {torch.float32: "ieee", torch.float16: "fp16"}.get(dtype, "bf16")
+
+
+def gdn_recurrent_triton(
+    q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
+    *,
+    max_len: int = 0,  # >0: skip requests with more rows (they go to the chunked kernel)
+    intermediate_state_slots: torch.Tensor | None = None,  # [T]: state after row t -> this slot (-1 none)
+    out: torch.Tensor | None = None,  # [T, Hv, Dv]
+) -> torch.Tensor:
+    """Fused recurrent decode over varlen rows (decode, MTP verify); same result as gdn_recurrent_ref."""
+    _check_gdn(q, k, v, g, beta, ssm_states)
+    num_tokens, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    batch = state_slots.shape[0]
+    if batch == 0 or num_tokens == 0:
+        return out
+    bk = next_pow2(dk)
+    bv = min(next_pow2(dv), 32)
+    inter = intermediate_state_slots
+    grid = (batch, num_v_heads, -(-dv // bv))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, out, ssm_states, state_slots, cu_seqlens, has_initial_state,
+        inter if inter is not None else state_slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        ssm_states.stride(0), ssm_states.stride(1),
+        dk**-0.5,
+        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv,
+        MAX_LEN=max_len, HAS_INTER=inter is not None,
+        num_warps=4 if bk * bv <= 4096 else 8,
+    )
+    return out
+
+
+def _chunk_table(cu_seqlens: torch.Tensor, min_len: int) -> torch.Tensor:
+    """[num_chunks, 2] (first token, end token) of every CHUNK-row chunk of requests longer than
+    min_len; built on the host (prefill is not captured in CUDA graphs)."""
+    cu = cu_seqlens.tolist()
+    rows = [(c, min(c + CHUNK, e)) for s, e in zip(cu[:-1], cu[1:]) if e - s > min_len
+            for c in range(s, e, CHUNK)]
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(cu_seqlens.device)
+
+
+def gdn_chunked_triton(
+    q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
+    *,
+    min_len: int = 0,  # skip requests with at most this many rows (they go to the recurrent kernel)
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunked prefill (chunk 64, fp32 state); same result as gdn_chunked_ref."""
+    _check_gdn(q, k, v, g, beta, ssm_states)
+    num_tokens, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    chunks = _chunk_table(cu_seqlens, min_len)
+    if chunks.shape[0] == 0:
+        return out
+    group = num_v_heads // num_k_heads
+    dot = _dot_mode(v.dtype)
+    # w only feeds a 16-bit dot in bf16/fp16 mode: store it that way (half the traffic)
+    w_dtype = torch.float32 if dot == "ieee" else v.dtype
+    w = torch.empty(num_tokens, num_v_heads, dk, dtype=w_dtype, device=v.device)
+    u = torch.empty(num_tokens, num_v_heads, dv, dtype=torch.float32, device=v.device)
+    gcum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=v.device)
+    bk, bdv = next_pow2(dk), next_pow2(dv)
+    _gdn_chunk_prep_kernel[(chunks.shape[0], num_v_heads)](
+        k, v, g, beta, w, u, gcum, chunks,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+        beta.stride(0), beta.stride(1), num_v_heads,
+        GROUP=group, DK=dk, DV=dv, BK=bk, BDV=bdv, CHUNK=CHUNK, DOT=dot,
+        INV_DOT="ieee" if dot == "ieee" else "tf32",
+        num_warps=4,
+    )
+    batch = state_slots.shape[0]
+    bv = min(bdv, 64)
+    if batch * num_v_heads * (-(-dv // bv)) < 2 * 132 and bv > 32:
+        bv = 32
+    _gdn_chunk_state_kernel[(batch, num_v_heads, -(-dv // bv))](
+        q, k, w, u, gcum, out, ssm_states, state_slots, cu_seqlens, has_initial_state,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
+        ssm_states.stride(0), ssm_states.stride(1),
+        dk**-0.5, num_v_heads,
+        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, CHUNK=CHUNK, MIN_LEN=min_len, DOT=dot,
+        num_warps=8 if bk * bv >= 128 * 64 else 4, num_stages=2,
+    )
+    return out
+
+
+def gdn_ref_with_states(
+    q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
+    intermediate_state_slots: torch.Tensor,  # [T]: state after row t -> ssm_states[slot] (-1: none)
+) -> torch.Tensor:
+    """Reference for verify rows that also keep every row's state: one recurrent_ref step per row."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    cu = cu_seqlens.tolist()
+    inter = intermediate_state_slots.tolist()
+    for b in range(state_slots.shape[0]):
+        for t in range(cu[b], cu[b + 1]):
+            rows = slice(t, t + 1)
+            has_init = has_initial_state[b : b + 1] if t == cu[b] else torch.ones_like(
+                has_initial_state[b : b + 1])
+            one = torch.tensor([0, 1], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            out[rows] = gdn_recurrent_ref(q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_states,
+                                          state_slots[b : b + 1], one, has_init)
+            if inter[t] >= 0:
+                ssm_states[inter[t]] = ssm_states[state_slots[b]]
+    return out
+
+
+def gdn(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    ssm_states: torch.Tensor,  # [num_state_slots, Hv, Dk, Dv] fp32
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+    has_initial_state: torch.Tensor,  # [B] bool
+    *,
+    max_q_len: int | None = None,  # host bound on rows per request; given -> no device sync for decode
+    intermediate_state_slots: torch.Tensor | None = None,  # [T] verify rows: keep each row's state
+) -> torch.Tensor:
+    """Dispatcher used by the model layers (the gdn_ref contract). On CUDA, requests with at most
+    RECURRENT_MAX_ROWS rows run the fused recurrent kernel and longer ones the chunked prefill backend
+    chosen in kernels.backends; on CPU the references run."""
+    if not use_triton(q):
+        if intermediate_state_slots is not None:
+            return gdn_ref_with_states(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens,
+                                       has_initial_state, intermediate_state_slots)
+        return gdn_ref(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state)
+    args = (q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if len(state_slots) else 0
+    if max_q_len <= RECURRENT_MAX_ROWS:
+        return gdn_recurrent_triton(*args, intermediate_state_slots=intermediate_state_slots)
+    if intermediate_state_slots is not None:
+        raise ValueError(f"gdn: intermediate states only for requests of <= {RECURRENT_MAX_ROWS} rows")
+    from kernels import backends
+
+    backend = backends.selected("gdn_prefill")
+    if backend == "torch":
+        return gdn_ref(*args)
+    out = gdn_recurrent_triton(*args, max_len=RECURRENT_MAX_ROWS)
+    if backend == "triton":
+        return gdn_chunked_triton(*args, min_len=RECURRENT_MAX_ROWS, out=out)
+    from kernels.adapters import gdn_chunked_external
+
+    return gdn_chunked_external(backend, *args, min_len=RECURRENT_MAX_ROWS, out=out)

@@ -109,6 +109,8 @@ def sample_ref(
     """Returns sampled token ids [B] int64. Greedy rows take argmax (ties: lowest id)."""
     logits = logits.float()
     greedy = temperature < SAMPLING_EPS
+    if bool(greedy.all()):  # skip the noise (the costly part of this reference) for greedy batches
+        return logits.argmax(dim=-1)
     scaled = logits / torch.where(greedy, 1.0, temperature.float())[:, None]
     scaled = mask_logits_ref(scaled, top_k, top_p.float(), min_p.float())
     noisy = scaled + gumbel_noise(seeds, offsets, logits.shape[-1])

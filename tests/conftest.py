@@ -1,6 +1,6 @@
 """Session fixtures shared by every test: tiny Qwen3.5 checkpoints in the Hub layout (built once).
 
-Also puts the repository root on sys.path so `import appliance` works without installing the package.
+Also puts the repository root on sys.path so `import appliance` works without installing it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ MOE_LAYER_TYPES = ["linear", "linear", "full", "linear"]
 @pytest.fixture(scope="session")
 def tiny_dense(tmp_path_factory) -> pathlib.Path:
     """Qwen3_5ForConditionalGeneration layout, BPE vocab 2000, MTP head, seed 0."""
-    return build_qwen3_5(tmp_path_factory.mktemp("tiny_dense"), layer_types=DENSE_LAYER_TYPES, seed=0)
+    return build_qwen3_5(
+        tmp_path_factory.mktemp("tiny_dense"), layer_types=DENSE_LAYER_TYPES, seed=0
+    )
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +41,8 @@ def tiny_moe(tmp_path_factory) -> pathlib.Path:
 def tiny_dense_qwen_vocab(tmp_path_factory) -> pathlib.Path:
     """Dense tiny model with the real Qwen3.5 tokenizer (vocab 248320, ~130 MB of fp32 weights)."""
     return build_qwen3_5(
-        tmp_path_factory.mktemp("tiny_dense_qwen_vocab"), layer_types=DENSE_LAYER_TYPES, seed=2,
+        tmp_path_factory.mktemp("tiny_dense_qwen_vocab"),
+        layer_types=DENSE_LAYER_TYPES,
+        seed=2,
         tokenizer="qwen3.5",
     )

@@ -1,4 +1,4 @@
-"""The vision encoder runner: checkpoint -> ViT on a device; pixels -> image embeddings (+ deepstack).
+"""Vision encoder runner: checkpoint -> ViT on a device; pixels -> image embeddings (+deepstack).
 
 Called by the visual server process (and by parity tests). API the server uses:
 
@@ -8,8 +8,9 @@ Called by the visual server process (and by parity tests). API the server uses:
     per_image = encoder.split_per_image(embeds, grid_thw)                    # rows per image
 
 `embeds` has one row per LLM image token ([sum t*h*w/merge^2, out_hidden]), images in input order;
-`deepstack` holds one tensor of the same shape per `deepstack_visual_indexes` entry (Qwen3-VL; empty
-for Qwen3.5). Deepstack tensor i is added to the image-token hidden states after LLM decoder layer i.
+`deepstack` holds one tensor of the same shape per `deepstack_visual_indexes` entry (Qwen3-VL;
+empty for Qwen3.5). Deepstack tensor i is added to the image-token hidden states after LLM decoder
+layer i.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from visual.weights import VisionCheckpointError, load_into, read_visual_tensors
 logger = get_logger(__name__)
 
 # model_type of config.json -> does this family carry deepstack mergers
-SUPPORTED_MODEL_TYPES = {"qwen3_vl": True, "qwen3_vl_moe": True, "qwen3_5": False, "qwen3_5_moe": False}
+SUPPORTED_MODEL_TYPES = {
+    "qwen3_vl": True,
+    "qwen3_vl_moe": True,
+    "qwen3_5": False,
+    "qwen3_5_moe": False,
+}
 
 
 def read_vision_config(model_dir: str | Path) -> VisionConfig:
@@ -109,8 +115,13 @@ class VisionEncoder:
         num_params = sum(p.numel() for p in tower.parameters())
         logger.info(
             "vision tower: depth %d, hidden %d, out %d, deepstack %s, %.1f M params on %s/%s",
-            config.depth, config.hidden_size, config.out_hidden_size,
-            list(config.deepstack_visual_indexes), num_params / 1e6, device, dtype,
+            config.depth,
+            config.hidden_size,
+            config.out_hidden_size,
+            list(config.deepstack_visual_indexes),
+            num_params / 1e6,
+            device,
+            dtype,
         )
         return cls(tower, preprocess, device, dtype)
 
@@ -123,7 +134,7 @@ class VisionEncoder:
         self, pixel_values: torch.Tensor | np.ndarray, grid_thw: torch.Tensor | np.ndarray
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, patch_dim], grid_thw [images, 3] ->
-        (embeds [tokens, out_hidden], deepstack list of [tokens, out_hidden]) on the encoder device."""
+        (embeds [tokens, out_hidden], deepstack: list of [tokens, out_hidden]) on the device."""
         pixel_values = torch.as_tensor(pixel_values).to(self.device, self.dtype)
         grids = [tuple(int(v) for v in row) for row in torch.as_tensor(grid_thw).tolist()]
         if pixel_values.dim() != 2 or pixel_values.shape[1] != self.config.patch_dim:

@@ -1,7 +1,7 @@
 """Image bytes in, RGB PIL image out: data: URIs, guarded http(s) fetching, bounded decoding.
 
 Called by the API server while it validates a chat request (every failure is an `ImageError` whose
-`reason` goes back to the client as HTTP 400). Torch-free on purpose: the server never imports torch.
+`reason` goes back to the client as HTTP 400). Torch-free: the API server never imports torch.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ImageError(ValueError):
 @dataclass(frozen=True)
 class ImageLimits:
     max_bytes: int = 20 * 1024 * 1024  # encoded bytes per image (data URI payload or download)
-    max_pixels: int = 40_000_000  # width*height declared by the file header (decompression-bomb guard)
+    max_pixels: int = 40_000_000  # width*height from the file header (decompression-bomb guard)
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:
@@ -59,10 +59,15 @@ class ImageLimits:
 class FetchOptions:
     timeout_s: float = 10.0  # whole fetch deadline: every redirect hop plus the body
     max_redirects: int = 3  # redirect hops followed before giving up
-    allowed_networks: tuple[str, ...] = ()  # CIDRs fetched even if private/loopback ("127.0.0.1/32")
+    allowed_networks: tuple[str, ...] = ()  # CIDRs fetched even if non-public ("127.0.0.1/32")
     allowed_content_types: tuple[str, ...] = (  # media types accepted from the server
-        "image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif",
-        "application/octet-stream", "binary/octet-stream",
+        "image/png",
+        "image/jpeg",
+        "image/jpg",
+        "image/webp",
+        "image/gif",
+        "application/octet-stream",
+        "binary/octet-stream",
     )
     user_agent: str = "appliance-image-fetch/1"  # User-Agent header sent with each request
 
@@ -82,7 +87,7 @@ class FetchOptions:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy of `image`; transparency is composited onto white (what the HF image processor does)."""
+    """RGB copy of `image`; transparency composited onto white (as the HF processor does)."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if not has_alpha:
         return image.convert("RGB")
@@ -133,7 +138,7 @@ def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
         raise ImageError(f"could not decode {image.format} image: {exc}") from None
 
 
-# ---------------------------------------------------------------------------------------- data: URIs
+# ----------------------------------------------------------------------------------- data: URIs
 
 
 def parse_data_uri(uri: str, limits: ImageLimits | None = None) -> bytes:
@@ -166,7 +171,7 @@ def parse_data_uri(uri: str, limits: ImageLimits | None = None) -> bytes:
 
 
 def _is_forbidden(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """True for loopback, private, link-local, reserved, multicast, unspecified, shared addresses."""
+    """True for loopback, private, link-local, reserved, multicast, unspecified, shared."""
     if isinstance(address, ipaddress.IPv6Address):
         embedded = address.ipv4_mapped or address.sixtofour
         if embedded is None and address.teredo is not None:
@@ -218,7 +223,7 @@ def _parse_http_url(url: str) -> httpx.URL:
 async def _fetch_once(
     url: httpx.URL, options: FetchOptions, limits: ImageLimits, deadline: float
 ) -> tuple[bytes | None, str | None]:
-    """One hop: (body, None) on 200, (None, next_url) on a redirect. Connects to a checked address."""
+    """One hop: (body, None) on 200, (None, next_url) on a redirect; connects to checked IPs."""
     host = url.raw_host.decode("ascii")
     port = url.port or (443 if url.scheme == "https" else 80)
     addresses = await _resolve(host, port)
@@ -226,11 +231,16 @@ async def _fetch_once(
     # Pin the connection to the address we checked (no second DNS lookup that could rebind);
     # Host header and TLS SNI still carry the original name so virtual hosts and certificates work.
     pinned = url.copy_with(host=addresses[0])
-    headers = {"Host": url.netloc.decode("ascii"), "User-Agent": options.user_agent,
-               "Accept": "image/*"}
+    headers = {
+        "Host": url.netloc.decode("ascii"),
+        "User-Agent": options.user_agent,
+        "Accept": "image/*",
+    }
     extensions = {"sni_hostname": host} if url.scheme == "https" else {}
     timeout = httpx.Timeout(max(0.001, deadline - time.monotonic()))
-    async with httpx.AsyncClient(trust_env=False, follow_redirects=False, timeout=timeout) as client:
+    async with httpx.AsyncClient(
+        trust_env=False, follow_redirects=False, timeout=timeout
+    ) as client:
         request = client.build_request("GET", pinned, headers=headers, extensions=extensions)
         response = await client.send(request, stream=True)
         try:
@@ -243,7 +253,9 @@ async def _fetch_once(
                 raise ImageError(f"image URL returned content type {media_type or '(none)'}")
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limits.max_bytes:
-                raise ImageError(f"image is {declared} bytes; the limit is {limits.max_bytes} bytes")
+                raise ImageError(
+                    f"image is {declared} bytes; the limit is {limits.max_bytes} bytes"
+                )
             body = bytearray()
             async for chunk in response.aiter_bytes():
                 body += chunk
@@ -259,8 +271,8 @@ async def _fetch_once(
 async def fetch_image_bytes(
     url: str, options: FetchOptions | None = None, limits: ImageLimits | None = None
 ) -> bytes:
-    """Download an http(s) image with a deadline, a byte cap, a content-type check, bounded redirects
-    and refusal of non-public addresses (every hop re-resolved and re-checked)."""
+    """Download an http(s) image with a deadline, a byte cap, a content-type check, bounded
+    redirects and refusal of non-public addresses (every hop re-resolved and re-checked)."""
     options = options or FetchOptions()
     limits = limits or ImageLimits()
     deadline = time.monotonic() + options.timeout_s

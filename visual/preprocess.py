@@ -68,7 +68,9 @@ class PreprocessConfig:
         for key in ("image_mean", "image_std"):
             if raw.get(key) is not None:
                 value = raw[key]
-                kwargs[key] = tuple(float(v) for v in (value if isinstance(value, list) else [value] * 3))
+                kwargs[key] = tuple(
+                    float(v) for v in (value if isinstance(value, list) else [value] * 3)
+                )
         return cls(**kwargs)
 
     @classmethod
@@ -81,7 +83,9 @@ class PreprocessConfig:
         path = model_dir / "processor_config.json"
         if path.is_file():
             return cls.from_dict(json.loads(path.read_text()).get("image_processor", {}))
-        raise FileNotFoundError(f"no preprocessor_config.json or processor_config.json in {model_dir}")
+        raise FileNotFoundError(
+            f"no preprocessor_config.json or processor_config.json in {model_dir}"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ class PreprocessedImage:
 
 def smart_resize(height: int, width: int, config: PreprocessConfig) -> tuple[int, int]:
     """Resized (height, width): multiples of patch*merge, pixel count in [min_pixels, max_pixels],
-    aspect ratio kept as closely as possible. Same arithmetic as HF (Python round = half-to-even)."""
+    aspect ratio kept as closely as possible. Same arithmetic as HF (round half to even)."""
     factor = config.factor
     if height < 1 or width < 1:
         raise ImageError(f"image has an invalid size {width}x{height}")
@@ -158,14 +162,16 @@ def preprocess_image(image: Image.Image, config: PreprocessConfig) -> Preprocess
     resized = image.resize((resized_w, resized_h), resample=Image.Resampling.BICUBIC)
     pixel_values = _patchify(_normalise(resized, config), config)
     grid_h, grid_w = resized_h // config.patch_size, resized_w // config.patch_size
-    return PreprocessedImage(pixel_values, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2)
+    return PreprocessedImage(
+        pixel_values, (1, grid_h, grid_w), grid_h * grid_w // config.merge_size**2
+    )
 
 
 def preprocess_images(
     images: list[Image.Image], config: PreprocessConfig
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Several images -> (pixel_values [sum N_i, patch_dim] float32, grid_thw [num_images, 3] int64),
-    the same pair HF's processor returns for a batch."""
+    """Several images -> (pixel_values [sum N_i, patch_dim] float32,
+    grid_thw [num_images, 3] int64), the same pair HF's processor returns for a batch."""
     processed = [preprocess_image(image, config) for image in images]
     pixel_values = np.concatenate([item.pixel_values for item in processed], axis=0)
     grid_thw = np.asarray([item.grid_thw for item in processed], dtype=np.int64)

@@ -1,7 +1,7 @@
-"""The Qwen3-VL / Qwen3.5 vision transformer as plain nn.Modules (weights named as in `model.visual.*`).
+"""The Qwen3-VL / Qwen3.5 vision transformer as plain nn.Modules (names as `model.visual.*`).
 
 Built and driven by `visual.encoder.VisionEncoder`. One forward takes the packed patches of several
-images; attention never crosses an image boundary. Qwen3-VL adds deepstack mergers, Qwen3.5 has none.
+images; attention never crosses an image boundary. Qwen3-VL adds deepstack mergers (Qwen3.5: none).
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ class VisionConfig:
         if side * side != self.num_position_embeddings:
             raise ValueError("num_position_embeddings: expected a square number")
         if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
-            raise ValueError(f"deepstack_visual_indexes: expected block indexes in [0, {self.depth})")
+            raise ValueError(
+                f"deepstack_visual_indexes: expected block indexes in [0, {self.depth})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -61,10 +63,16 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, vision_config: dict) -> VisionConfig:
         """From the `vision_config` dict of a Qwen3-VL / Qwen3.5 `config.json`."""
-        known = {name: vision_config[name] for name in cls.__dataclass_fields__ if name in vision_config}
-        known["deepstack_visual_indexes"] = tuple(vision_config.get("deepstack_visual_indexes") or ())
+        known = {
+            name: vision_config[name] for name in cls.__dataclass_fields__ if name in vision_config
+        }
+        known["deepstack_visual_indexes"] = tuple(
+            vision_config.get("deepstack_visual_indexes") or ()
+        )
         rope = vision_config.get("rope_parameters") or {}
-        known["rope_theta"] = float(rope.get("rope_theta", vision_config.get("rope_theta", 10000.0)))
+        known["rope_theta"] = float(
+            rope.get("rope_theta", vision_config.get("rope_theta", 10000.0))
+        )
         return cls(**known)
 
 
@@ -137,7 +145,7 @@ class VisionBlock(nn.Module):
 
 class PatchMerger(nn.Module):
     """2x2 window -> one token: LayerNorm, Linear(4h, 4h), exact GELU, Linear(4h, out).
-    `postshuffle_norm` (deepstack mergers) normalises the concatenated 4h vector instead of each h."""
+    `postshuffle_norm` (deepstack mergers) normalises the joined 4h vector, not each h."""
 
     def __init__(self, config: VisionConfig, postshuffle_norm: bool) -> None:
         super().__init__()
@@ -158,7 +166,7 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """Conv3d with stride == kernel over one patch is a matmul; the weight keeps the Conv3d shape."""
+    """Conv3d with stride == kernel over one patch is a matmul; weight keeps Conv3d shape."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -197,7 +205,7 @@ class QwenVisionTransformer(nn.Module):
         )
 
     def position_embeddings(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Learned table bilinearly resized (align_corners) to each image grid -> [patches, hidden]."""
+        """Learned table bilinearly resized (align_corners) per image -> [patches, hidden]."""
         side = math.isqrt(self.config.num_position_embeddings)
         table = self.pos_embed.weight.view(side, side, -1).permute(2, 0, 1)[None]  # [1, hid, S, S]
         merge = self.config.spatial_merge_size
@@ -211,12 +219,14 @@ class QwenVisionTransformer(nn.Module):
         return torch.cat(pieces).to(self.pos_embed.weight.dtype)
 
     def rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """2-D rotary: first half of each head rotated by the row index, second half by the column."""
+        """2-D rotary: first half of each head turns with the row, second half with the column."""
         merge = self.config.spatial_merge_size
         device = self.pos_embed.weight.device
         # fp32 always (a buffer would be cast to bf16 with the module)
         spatial_dim = self.config.head_dim // 2
-        exponents = torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=device) / spatial_dim
+        exponents = (
+            torch.arange(0, spatial_dim, 2, dtype=torch.float32, device=device) / spatial_dim
+        )
         inv_freq = 1.0 / (self.config.rope_theta**exponents)  # [head_dim / 4]
         pieces = []
         for t, h, w in grids:
@@ -234,14 +244,20 @@ class QwenVisionTransformer(nn.Module):
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """pixel_values [patches, C*T*P*P], grid_thw [images, 3] ->
-        (embeds [patches / merge^2, out_hidden], one [patches / merge^2, out_hidden] per deepstack)."""
-        grids = [tuple(int(v) for v in row) for row in (grid_thw.tolist() if torch.is_tensor(grid_thw)
-                                                         else grid_thw)]
+        (embeds [patches / merge^2, out_hidden], list with one such tensor per deepstack merger)."""
+        grids = [
+            tuple(int(v) for v in row)
+            for row in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)
+        ]
+        merge = self.config.spatial_merge_size
+        if any(h % merge or w % merge for _, h, w in grids):
+            raise ValueError(f"grid_thw {grids}: h and w must be multiples of {merge}")
         # Each frame of each image is its own attention segment (t = 1 for images).
         seq_lens = [h * w for t, h, w in grids for _ in range(t)]
         if sum(seq_lens) != pixel_values.shape[0]:
             raise ValueError(
-                f"grid_thw covers {sum(seq_lens)} patches but pixel_values has {pixel_values.shape[0]}"
+                f"grid_thw covers {sum(seq_lens)} patches "
+                f"but pixel_values has {pixel_values.shape[0]}"
             )
         x = self.patch_embed(pixel_values) + self.position_embeddings(grids)  # [patches, hidden]
         cos, sin = self.rotary(grids)
@@ -249,6 +265,8 @@ class QwenVisionTransformer(nn.Module):
         for index, block in enumerate(self.blocks):
             x = block(x, seq_lens, cos, sin)
             if index in self.config.deepstack_visual_indexes:
-                merger = self.deepstack_merger_list[self.config.deepstack_visual_indexes.index(index)]
+                merger = self.deepstack_merger_list[
+                    self.config.deepstack_visual_indexes.index(index)
+                ]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack

@@ -1,8 +1,8 @@
 """Reads the vision tower's tensors (`model.visual.*`) out of an HF safetensors checkpoint.
 
 Called by `visual.encoder.VisionEncoder.from_pretrained`. Handles a single `model.safetensors` and a
-sharded `model.safetensors.index.json`, opens only the shards that hold vision tensors, and refuses a
-checkpoint whose keys or shapes do not match the module (naming the offending keys).
+sharded `model.safetensors.index.json`, opens only the shards that hold vision tensors, and refuses
+a checkpoint whose keys or shapes do not match the module (naming the offending keys).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-# Hub layouts: transformers 5.x (and Qwen3-VL / Qwen3.5 releases) nest the tower under `model.visual.`;
+# Hub layouts: transformers 5.x and the Qwen3-VL / Qwen3.5 releases nest it under `model.visual.`;
 # Qwen2-VL-era exports keep it at the top level as `visual.`.
 VISUAL_PREFIXES = ("model.visual.", "visual.")
 _SHOWN_KEYS = 12
@@ -67,7 +67,7 @@ def read_visual_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
             raise VisionCheckpointError(f"checkpoint shard {file.name} is missing from {model_dir}")
         with safe_open(file, framework="pt") as handle:
             for name in file_names:
-                tensors[name[len(prefix):]] = handle.get_tensor(name)
+                tensors[name[len(prefix) :]] = handle.get_tensor(name)
     return tensors
 
 
@@ -83,7 +83,9 @@ def load_into(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             parts.append(f"missing keys: {_shorten(missing)}")
         if unexpected:
             parts.append(f"unexpected keys: {_shorten(unexpected)}")
-        raise VisionCheckpointError("vision tower weights do not match the config; " + "; ".join(parts))
+        raise VisionCheckpointError(
+            "vision tower weights do not match the config; " + "; ".join(parts)
+        )
     for name, param in params.items():
         tensor = tensors[name]
         if tuple(tensor.shape) != tuple(param.shape):

@@ -1,6 +1,7 @@
 """The detokenizer's logic: RouterOutput batches in, DetokOutput batches (text deltas) out.
 
-Driven by the detokenizer process loop (process.py); no sockets here, so tests call `process()` directly.
+Driven by the detokenizer process loop (process.py); no sockets here, so tests call `process()`
+directly.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class Detokenizer:
         if state is None:
             # Rejected before registration, or tokens still in flight after a stop string matched.
             if update.finish_reason == "error":
-                return TextDelta(req_id, "", [], 0, "error", error=update.error,
-                                 error_status=update.error_status)
+                return TextDelta(
+                    req_id, "", [], 0, "error", error=update.error, error_status=update.error_status
+                )
             return None
         if update.num_cached_tokens:
             self._cached_tokens[req_id] = update.num_cached_tokens
@@ -74,9 +76,17 @@ class Detokenizer:
             self._cached_tokens.pop(req_id, None)
         if not text and not token_ids and finish is None:
             return None
-        return TextDelta(req_id, text, token_ids, len(state.token_ids), finish, logprobs,
-                         error=update.error, error_status=update.error_status,
-                         num_cached_tokens=cached)
+        return TextDelta(
+            req_id,
+            text,
+            token_ids,
+            len(state.token_ids),
+            finish,
+            logprobs,
+            error=update.error,
+            error_status=update.error_status,
+            num_cached_tokens=cached,
+        )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:
         if update.logprobs is None:

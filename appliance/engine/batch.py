@@ -1,5 +1,6 @@
 """Turns a StepPlan's chunks into the flat device batch of one forward: input ids, positions, KV slots
-and the ForwardContext. Called by the runner."""
+and the ForwardContext. Plain chunks (prefill, decode) come first, MTP verify chunks last, so layers
+can treat the two kinds as two contiguous row ranges. Called by the runner."""
 
 from __future__ import annotations
 
@@ -14,37 +15,48 @@ from appliance.messages import ScheduledChunk
 
 @dataclass
 class StepBatch:
+    chunks: list[ScheduledChunk]  # in batch order (plain first, then verify)
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     ctx: ForwardContext
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_slots: list[int]  # req slot of each sampled row
+    sample_rows: list[tuple[int, int]]  # per sampling chunk: (first index into logits, row count)
 
 
 def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device) -> StepBatch:
-    ids, positions, kv_slots, logits_indices, sample_slots = [], [], [], [], []
+    chunks = [c for c in chunks if not c.num_draft] + [c for c in chunks if c.num_draft]
+    ids, positions, kv_slots, logits_indices, sample_rows = [], [], [], [], []
     cu, seq_lens, q_lens, req_slots = [0], [], [], []
     for chunk in chunks:
         end = chunk.start + chunk.num_tokens
         if len(chunk.kv_slots) != chunk.num_tokens:
             raise ValueError(f"chunk for slot {chunk.req_slot}: {len(chunk.kv_slots)} kv slots "
                              f"for {chunk.num_tokens} tokens")
-        ids.append(pools.token_ids[chunk.req_slot, chunk.start:end])
+        if chunk.num_draft:
+            if chunk.num_tokens != chunk.num_draft + 1:
+                raise ValueError(f"verify chunk for slot {chunk.req_slot}: {chunk.num_tokens} rows "
+                                 f"for {chunk.num_draft} drafts")
+            ids.append(pools.token_ids[chunk.req_slot, chunk.start : chunk.start + 1])
+            ids.append(pools.draft_tokens[chunk.req_slot, : chunk.num_draft])
+        else:
+            ids.append(pools.token_ids[chunk.req_slot, chunk.start : end])
         positions.append(torch.arange(chunk.start, end, device=device))
         kv = torch.tensor(chunk.kv_slots, dtype=torch.int64, device=device)
-        pools.req_to_token[chunk.req_slot, chunk.start:end] = kv.to(torch.int32)
+        pools.req_to_token[chunk.req_slot, chunk.start : end] = kv.to(torch.int32)
         kv_slots.append(kv)
         cu.append(cu[-1] + chunk.num_tokens)
         seq_lens.append(end)
         q_lens.append(chunk.num_tokens)
         req_slots.append(chunk.req_slot)
         if chunk.sample:
-            logits_indices.append(cu[-1] - 1)
-            sample_slots.append(chunk.req_slot)
+            rows = chunk.num_draft + 1
+            sample_rows.append((len(logits_indices), rows))
+            logits_indices.extend(range(cu[-1] - rows, cu[-1]))
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
+    num_plain = sum(1 for c in chunks if not c.num_draft)
     ctx = ForwardContext(
         req_slots=t(req_slots),
         cu_seqlens_q=t(cu),
@@ -54,5 +66,8 @@ def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device
         req_to_token=pools.req_to_token,
         q_lens=q_lens,
         all_decode=all(n == 1 for n in q_lens),
+        num_plain_reqs=num_plain,
+        num_plain_tokens=cu[num_plain],
     )
-    return StepBatch(torch.cat(ids), torch.cat(positions), ctx, t(logits_indices), sample_slots)
+    return StepBatch(chunks, torch.cat(ids), torch.cat(positions), ctx, t(logits_indices),
+                     sample_rows)

@@ -23,6 +23,13 @@ class ForwardContext:
     req_to_token: torch.Tensor  # [max_reqs, max_len] kv slot of every position
     q_lens: list[int]  # host copy of the per-request query lengths
     all_decode: bool  # every request computes exactly one token (recurrent GDN path)
+    num_plain_reqs: int = -1  # requests before the MTP verify requests (-1: all plain)
+    num_plain_tokens: int = -1  # rows before the first verify row
+
+    def __post_init__(self) -> None:
+        if self.num_plain_reqs < 0:
+            self.num_plain_reqs = len(self.q_lens)
+            self.num_plain_tokens = sum(self.q_lens)
 
     @property
     def num_reqs(self) -> int:

@@ -18,9 +18,18 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class PoolSizes:
-    num_kv_slots: int
+    num_kv_slots: int  # slots the router allocates
     num_req_slots: int
     max_model_len: int
+    mtp_step: int = 0  # draft tokens per step; adds candidates, conv windows and scratch KV slots
+
+    @property
+    def num_scratch_slots(self) -> int:
+        """Eagle chain steps after the first write their draft KV here, never into verify slots."""
+        return self.num_req_slots * self.mtp_step
+
+    def scratch_slot(self, req_slot: int, step: int) -> int:
+        return self.num_kv_slots + req_slot * self.mtp_step + step
 
 
 def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
@@ -31,12 +40,15 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return per
 
 
-def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
+def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype, mtp_step: int = 0) -> int:
     per = 0
     for m in model.modules():
         if isinstance(m, GatedDeltaNet):
-            conv = m.conv_dim * (m.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
-            ssm = m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
+            # committed state, plus with MTP the wide conv window and one SSM candidate per row
+            rows = mtp_step + 1 if mtp_step else 0
+            width = (m.conv_kernel - 1) + (m.conv_kernel - 1 + rows if rows else 0)
+            conv = m.conv_dim * width * torch.empty((), dtype=dtype).element_size()
+            ssm = m.num_v_heads * m.head_k_dim * m.head_v_dim * 4 * (1 + rows)
             per += conv + ssm
     return per
 
@@ -44,14 +56,16 @@ def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
 class Pools:
     """Allocates and binds the KV and state tensors into the model's layers."""
 
-    def __init__(self, model: nn.Module, sizes: PoolSizes, dtype: torch.dtype,
+    def __init__(self, models: list[nn.Module], sizes: PoolSizes, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.sizes = sizes
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for m in model.modules():
+        rows = sizes.mtp_step + 1
+        modules = [m for model in models for m in model.modules()]
+        for m in modules:
             if isinstance(m, Attention):
-                shape = (sizes.num_kv_slots, m.num_kv_heads, m.head_dim)
+                shape = (sizes.num_kv_slots + sizes.num_scratch_slots, m.num_kv_heads, m.head_dim)
                 m.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
                               torch.zeros(shape, dtype=dtype, device=device))
                 self.kv.append(m.kv_cache)
@@ -61,12 +75,21 @@ class Pools:
                 m.ssm_states = torch.zeros(sizes.num_req_slots, m.num_v_heads, m.head_k_dim,
                                            m.head_v_dim, dtype=torch.float32, device=device)
                 self.states.append((m.conv_states, m.ssm_states))
+                if sizes.mtp_step:
+                    m.ssm_candidates = torch.zeros(sizes.num_req_slots, rows, m.num_v_heads,
+                                                   m.head_k_dim, m.head_v_dim, dtype=torch.float32,
+                                                   device=device)
+                    m.conv_windows = torch.zeros(sizes.num_req_slots, m.conv_dim,
+                                                 m.conv_kernel - 1 + rows, dtype=dtype, device=device)
         # Written before read (positions < seq_len only), so left uninitialised: with a long context
         # the untouched tail never costs memory on the host.
         self.req_to_token = torch.empty(sizes.num_req_slots, sizes.max_model_len, dtype=torch.int32,
                                         device=device)
         self.token_ids = torch.empty(sizes.num_req_slots, sizes.max_model_len + 1,
                                      dtype=torch.int64, device=device)
+        self.draft_tokens = torch.zeros(sizes.num_req_slots, max(1, sizes.mtp_step),
+                                        dtype=torch.int64, device=device)
+        self.gdn_layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
         st_mib = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in self.states) / 2**20
         log.info("pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",

@@ -14,6 +14,7 @@ import torch
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.context import forward_context
+from appliance.engine.mtp import Drafter, ExtendRows, accept, commit_gdn
 from appliance.engine.pools import PoolSizes, Pools, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.sampler import Sampler
 from appliance.logging import get_logger
@@ -21,7 +22,7 @@ from appliance.messages import SampledTokens, SamplingOptions, StepPlan, StepRes
 from appliance.models.config import TextConfig, load_text_config
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
-from appliance.models.registry import model_class
+from appliance.models.registry import draft_factory, model_class
 
 log = get_logger(__name__)
 
@@ -62,8 +63,14 @@ class ModelRunner:
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
-        self.pools = Pools(self.model, self._pool_sizes(), self.dtype, self.device)
+        self.mtp_step = config.scheduler.mtp_step
+        self.draft_modules = self._build_drafts() if self.mtp_step else []
+        self.pools = Pools([self.model, *self.draft_modules], self._pool_sizes(), self.dtype,
+                           self.device)
         self.num_kv_slots = self.pools.sizes.num_kv_slots
+        self.drafter = (Drafter(self.model, self.draft_modules, self.mtp_step, self.pools,
+                                self.device) if self.mtp_step else None)
+        self.mtp_slots: set[int] = set()
         self.sampler = Sampler()
         self.options: dict[int, SamplingOptions] = {}
         self.prompt_lens: dict[int, int] = {}
@@ -90,6 +97,26 @@ class ModelRunner:
                  time.perf_counter() - start, self.device)
         return model.eval()
 
+    def _build_drafts(self) -> list[torch.nn.Module]:
+        sched = self.config.scheduler
+        build = draft_factory(self.text_config, sched.mtp_mode)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                modules = build(self.text_config, self.model, sched.mtp_mode, self.mtp_step)
+        finally:
+            torch.set_default_dtype(prev)
+        for module in modules:
+            if self.config.model.load_format == "dummy":
+                init_dummy_weights(module, self.config.model.seed + 1)
+            else:
+                load_weights(module, iter_tensors(self.model_dir, prefix="mtp."))
+            module.eval()
+        log.info("MTP: %s mode, %d draft step(s), %d draft module(s)", sched.mtp_mode,
+                 self.mtp_step, len(modules))
+        return modules
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.text_config.eos_token_ids)
         gen = self.model_dir / "generation_config.json"
@@ -107,12 +134,12 @@ class ModelRunner:
             per_slot = max(1, kv_bytes_per_slot(self.model, self.dtype))
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                state = state_bytes_per_slot(self.model, self.dtype) * sched.max_num_seqs
+                state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * sched.max_num_seqs
                 budget = free * self.config.cache.mem_fraction - state
                 slots = int(budget // per_slot)
             else:
                 slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
-        return PoolSizes(slots, sched.max_num_seqs, self.max_model_len)
+        return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step)
 
     # ------------------------------------------------------------------ steps
     def _admit(self, plan: StepPlan) -> None:
@@ -120,12 +147,17 @@ class ModelRunner:
             self.options.pop(slot, None)
             self.num_tokens.pop(slot, None)
             self.prompt_lens.pop(slot, None)
+            self.mtp_slots.discard(slot)
         for req in plan.new_requests:
             n = len(req.token_ids)
             self.pools.token_ids[req.req_slot, :n] = torch.tensor(req.token_ids)
             self.num_tokens[req.req_slot] = n
             self.options[req.req_slot] = req.sampling
             self.prompt_lens[req.req_slot] = req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
+            if req.num_draft:
+                if self.drafter is None:
+                    raise ValueError(f"slot {req.req_slot}: MTP requested but the worker has none")
+                self.mtp_slots.add(req.req_slot)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -137,23 +169,54 @@ class ModelRunner:
         with forward_context(batch.ctx):
             hidden = self.model(batch.input_ids, batch.positions)
         sampled: list[SampledTokens] = []
-        if batch.sample_slots:
+        accepted: dict[int, int] = {}  # req slot -> rows committed this step (verify chunks)
+        if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sampled = self._sample(logits, batch.sample_slots)
+            sampled = self._sample(logits, batch, accepted)
+        if self.drafter is not None:
+            self.drafter.run(hidden, self._extend_rows(batch, accepted))
         return StepResult(plan.step_id, sampled, time.perf_counter() - start)
 
-    def _sample(self, logits: torch.Tensor, slots: list[int]) -> list[SampledTokens]:
-        lengths = [self.num_tokens[s] for s in slots]
-        histories = [self.pools.token_ids[s, :n] for s, n in zip(slots, lengths)]
-        out = self.sampler.sample(logits, [self.options[s] for s in slots], histories, lengths,
-                                  [self.prompt_lens[s] for s in slots])
-        result = []
-        for i, (slot, n) in enumerate(zip(slots, lengths)):
-            token = int(out.token_ids[i])
-            self.pools.token_ids[slot, n] = token
-            self.num_tokens[slot] = n + 1
-            logprob = out.logprobs[i]
-            top = out.top_logprobs[i]
-            result.append(SampledTokens(slot, [token], None if logprob is None else [logprob],
+    def _sample(self, logits: torch.Tensor, batch: StepBatch,
+                accepted: dict[int, int]) -> list[SampledTokens]:
+        chunks = [c for c in batch.chunks if c.sample]
+        rows, histories, offsets, prompt_lens = [], [], [], []
+        for chunk in chunks:
+            known = chunk.start + 1 if chunk.num_draft else self.num_tokens[chunk.req_slot]
+            for j in range(chunk.num_draft + 1):
+                rows.append(self.options[chunk.req_slot])
+                histories.append(self.pools.token_ids[chunk.req_slot, :known])
+                offsets.append(known + j)  # index of the token being sampled: seeds line up
+                prompt_lens.append(self.prompt_lens[chunk.req_slot])
+        out = self.sampler.sample(logits, rows, histories, offsets, prompt_lens)
+        ids = out.token_ids.tolist()
+        result, verify_slots, verify_rows = [], [], []
+        for chunk, (first, count) in zip(chunks, batch.sample_rows):
+            slot = chunk.req_slot
+            samples = ids[first : first + count]
+            if chunk.num_draft:
+                drafts = self.pools.draft_tokens[slot, : chunk.num_draft].tolist()
+                tokens = accept(drafts, samples)
+                accepted[slot] = len(tokens)
+                verify_slots.append(slot)
+                verify_rows.append(len(tokens) - 1)
+                n = chunk.start + 1
+            else:
+                tokens, n = samples, self.num_tokens[slot]
+            self.pools.token_ids[slot, n : n + len(tokens)] = torch.tensor(tokens)
+            self.num_tokens[slot] = n + len(tokens)
+            logprob, top = out.logprobs[first], out.top_logprobs[first]
+            result.append(SampledTokens(slot, tokens, None if logprob is None else [logprob],
                                         None if top is None else [top]))
+        commit_gdn(self.pools.gdn_layers, verify_slots, verify_rows, self.device)
         return result
+
+    def _extend_rows(self, batch: StepBatch, accepted: dict[int, int]) -> list[ExtendRows]:
+        rows, first = [], 0
+        for chunk in batch.chunks:
+            count = accepted.get(chunk.req_slot, chunk.num_tokens)
+            if chunk.req_slot in self.mtp_slots:
+                rows.append(ExtendRows(chunk.req_slot, first, chunk.start, count,
+                                       list(chunk.kv_slots[:count]), chunk.sample))
+            first += chunk.num_tokens
+        return rows

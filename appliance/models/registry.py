@@ -6,6 +6,7 @@ from torch import nn
 
 from appliance.models.config import TextConfig
 from appliance.models.qwen3_5 import Qwen3_5ForCausalLM
+from appliance.models.qwen3_5_mtp import build_draft_modules
 
 _TEXT_MODELS: dict[str, type[nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
@@ -25,3 +26,16 @@ def model_class(cfg: TextConfig) -> type[nn.Module]:
     except KeyError:
         known = ", ".join(sorted(_TEXT_MODELS))
         raise ValueError(f"architecture {cfg.architecture!r} is not supported (known: {known})") from None
+
+
+# (text model_type, mtp_mode) -> builder(cfg, main_model, mode, step) -> list of draft modules
+_DRAFTS = {(mt, mode): build_draft_modules for mt in ("qwen3_5", "qwen3_5_moe")
+           for mode in ("vanilla", "eagle")}
+
+
+def draft_factory(cfg: TextConfig, mtp_mode: str):
+    try:
+        return _DRAFTS[(cfg.model_type.removesuffix("_text"), mtp_mode)]
+    except KeyError:
+        raise ValueError(f"MTP is not available for model_type {cfg.model_type!r} "
+                         f"with mtp_mode {mtp_mode!r}") from None

@@ -1,4 +1,4 @@
-"""Qwen3-coder XML tool-call parser: model text deltas in, content and OpenAI tool-call deltas out.
+r"""Qwen3-coder XML tool-call parser: model text deltas in, content and OpenAI tool-call deltas out.
 
 The chat endpoint makes one `ToolCallParser` per choice and feeds it the content that comes out of
 the reasoning parser; `parse_tool_calls()` is the whole-response view. Format parsed:
@@ -15,14 +15,14 @@ final `arguments`, which is exactly `json.dumps(final_arguments_dict)` with Pyth
 - `</parameter>`, `</function>` and `</tool_call>` may be missing: the next `<parameter=`,
   `</function>`, `<function=`, `</tool_call>` or `finish()` closes what is open;
 - a function name not in `tools` (or not the named `tool_choice`, or a second call when
-  `parallel_tool_calls` is false) is dropped with a warning: it gets no index and no content, and the
-  calls after it are parsed normally (SGLang's behaviour; clients only ever see callable tools);
+  `parallel_tool_calls` is false) is dropped with a warning: it gets no index and no content, and
+  the calls after it are parsed normally (SGLang's behaviour; clients only see callable tools);
 - a repeated parameter name keeps its first value (the later one is dropped), so the streamed JSON
   never has duplicate keys;
 - text outside `<tool_call>` blocks is content, verbatim, except whitespace that touches a block
   (before it, or ending the output after one), which is dropped; text inside a block but outside
   the tags is dropped; a partial tag at a chunk edge is held until it is decided.
-Input is text, so splitting multi-byte characters is the detokenizer's job (it holds incomplete UTF-8).
+Input is text: the detokenizer must hold back incomplete UTF-8 so a character never changes later.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ PARAM_START = "<parameter="
 PARAM_END = "</parameter>"
 _BLOCK_TAGS = (FUNCTION_START, TOOL_CALL_END, TOOL_CALL_START)
 _BODY_TAGS = (PARAM_START, FUNCTION_END, FUNCTION_START, TOOL_CALL_END, TOOL_CALL_START)
-_VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, TOOL_CALL_END)
+_VALUE_ENDS = (PARAM_END, PARAM_START, FUNCTION_END, FUNCTION_START, TOOL_CALL_END)
 _TEXT, _BLOCK, _BODY, _VALUE = "text", "block", "body", "value"  # parser states
 
 
@@ -103,11 +103,14 @@ class ParsedMessage:
 
 
 def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
-    for length in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
-        tail = text[-length:]
-        if any(len(t) > length and t.startswith(tail) for t in tags):
-            return length
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags` (all of
+    which start with '<'): the part of a chunk to hold back until the next one decides it."""
+    start = text.find("<", max(0, len(text) - max(len(t) for t in tags) + 1))
+    while start >= 0:
+        tail = text[start:]
+        if any(len(t) > len(tail) and t.startswith(tail) for t in tags):
+            return len(tail)
+        start = text.find("<", start + 1)
     return 0
 
 
@@ -122,7 +125,7 @@ class _Call:
     id: str
     name: str
     param_schemas: dict[str, Any]
-    arguments: str = ""  # everything streamed so far
+    fragments: list[str] = field(default_factory=list)  # the arguments streamed so far
     values: dict[str, Any] = field(default_factory=dict)  # converted values, in order
     tail: str = ""  # the last parameter's closing bytes, held until the next key or `}`
 
@@ -132,17 +135,22 @@ class _Param:
     name: str
     types: frozenset[str]
     emit: bool  # False for parameters of a dropped call and repeated names
-    raw: str = ""  # value text seen so far, leading newline removed
     started: bool = False  # first value character seen (the leading-newline decision is made)
     opened: bool = False  # opening quote emitted (string values only)
-    emitted: int = 0  # characters of `raw` already streamed
+    sent: list[str] = field(default_factory=list)  # value text already streamed
+    unsent: list[str] = field(default_factory=list)  # value text not streamed yet
 
 
 class ToolCallParser:
     """Incremental Qwen3-coder tool-call parser for one choice of one request."""
 
-    def __init__(self, tools: list[dict] | None, tool_choice: str | dict | None = "auto",
-                 parallel_tool_calls: bool = True, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        tools: list[dict] | None,
+        tool_choice: str | dict | None = "auto",
+        parallel_tool_calls: bool = True,
+        seed: int | None = None,
+    ) -> None:
         """`tools`: the request's OpenAI tool entries. `tool_choice`: "auto" | "required" | "none" |
         {"type": "function", "function": {"name": …}}; "none" or no tools makes the parser a
         pass-through (all text is content). `seed` makes call ids deterministic (give each choice
@@ -200,9 +208,20 @@ class ToolCallParser:
         """Everything parsed so far, as a non-streaming message (finishes the parser if needed)."""
         if not self._finished:
             self.finish()
-        calls = [{"id": c.id, "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}} for c in self._calls]
+        calls = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": "".join(c.fragments)},
+            }
+            for c in self._calls
+        ]
         return ParsedMessage(content="".join(self._content) or None, tool_calls=calls)
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """True once a call has been emitted: the choice's finish_reason is then "tool_calls"."""
+        return bool(self._calls)
 
     # ---- output ----
     def _take(self) -> ParsedDelta:
@@ -210,7 +229,8 @@ class ToolCallParser:
         for delta_index, call_delta in enumerate(out.tool_calls):
             pieces = self._out_args[call_delta.index]
             out.tool_calls[delta_index] = ToolCallDelta(
-                call_delta.index, call_delta.id, call_delta.name, "".join(pieces))
+                call_delta.index, call_delta.id, call_delta.name, "".join(pieces)
+            )
         self._out, self._out_args = ParsedDelta(), {}
         return out
 
@@ -225,32 +245,40 @@ class ToolCallParser:
         if call.index not in self._out_args:
             self._out_args[call.index] = []
             self._out.tool_calls.append(ToolCallDelta(call.index, None, None, ""))
-        call.arguments += text
+        call.fragments.append(text)
         self._out_args[call.index].append(text)
 
     # ---- state machine ----
     def _run(self, final: bool) -> None:
-        step = {_TEXT: self._step_text, _BLOCK: self._step_block, _BODY: self._step_body,
-                _VALUE: self._step_value}
+        step = {
+            _TEXT: self._step_text,
+            _BLOCK: self._step_block,
+            _BODY: self._step_body,
+            _VALUE: self._step_value,
+        }
         while step[self._state](final):
             pass
 
     def _step_text(self, final: bool) -> bool:
+        if "<" not in self._pending:  # fast path: most content chunks hold no tag
+            self._content_text(self._pending, block_follows=False)
+            self._pending = ""
+            return False
         at = self._pending.find(TOOL_CALL_START)
         if at >= 0:
             self._content_text(self._pending[:at], block_follows=True)
-            self._pending = self._pending[at + len(TOOL_CALL_START):]
+            self._pending = self._pending[at + len(TOOL_CALL_START) :]
             self._state, self._seen_block = _BLOCK, True
             return True
         keep = 0 if final else _held_suffix(self._pending, (TOOL_CALL_START,))
-        self._content_text(self._pending[:len(self._pending) - keep], block_follows=False)
-        self._pending = self._pending[len(self._pending) - keep:]
+        self._content_text(self._pending[: len(self._pending) - keep], block_follows=False)
+        self._pending = self._pending[len(self._pending) - keep :]
         return False
 
     def _content_text(self, text: str, block_follows: bool) -> None:
         text = self._space + text
         body = text.rstrip()
-        self._space = "" if block_follows else text[len(body):]
+        self._space = "" if block_follows else text[len(body) :]
         self._emit_content(body)
 
     def _next_tag(self, tags: tuple[str, ...], final: bool) -> str | None:
@@ -275,8 +303,8 @@ class ToolCallParser:
             if final:
                 self._pending = ""
             return None
-        name = self._pending[len(tag):end].strip()
-        self._pending = self._pending[end + 1:]
+        name = self._pending[len(tag) : end].strip()
+        self._pending = self._pending[end + 1 :]
         return name
 
     def _step_block(self, final: bool) -> bool:
@@ -288,10 +316,10 @@ class ToolCallParser:
             self._open_function(name)
             self._state = _BODY
         elif tag == TOOL_CALL_END:
-            self._pending = self._pending[len(tag):]
+            self._pending = self._pending[len(tag) :]
             self._state = _TEXT
         elif tag == TOOL_CALL_START:  # a repeated opener: nothing to do
-            self._pending = self._pending[len(tag):]
+            self._pending = self._pending[len(tag) :]
         return tag is not None
 
     def _step_body(self, final: bool) -> bool:
@@ -303,24 +331,28 @@ class ToolCallParser:
             self._open_param(name)
             self._state = _VALUE
         elif tag == FUNCTION_END:
-            self._pending = self._pending[len(tag):]
+            self._pending = self._pending[len(tag) :]
             self._close_function()
         elif tag:  # <function=, </tool_call>, <tool_call>: close implicitly, let the block see it
             self._close_function()
         return tag is not None
 
     def _step_value(self, final: bool) -> bool:
+        if "<" not in self._pending:  # fast path: most chunks of a value hold no tag
+            self._value_text(self._pending)
+            self._pending = ""
+            return False
         ends = [(at, tag) for tag in _VALUE_ENDS if (at := self._pending.find(tag)) >= 0]
         if ends:
             at, tag = min(ends)
             self._value_text(self._pending[:at])
             skip = len(tag) if tag == PARAM_END else 0
-            self._pending = self._pending[at + skip:]
+            self._pending = self._pending[at + skip :]
             self._close_param()
             return True
         keep = 0 if final else _held_suffix(self._pending, _VALUE_ENDS)
-        self._value_text(self._pending[:len(self._pending) - keep])
-        self._pending = self._pending[len(self._pending) - keep:]
+        self._value_text(self._pending[: len(self._pending) - keep])
+        self._pending = self._pending[len(self._pending) - keep :]
         return False
 
     # ---- calls and parameters ----
@@ -351,12 +383,16 @@ class ToolCallParser:
     def _open_param(self, name: str) -> None:
         call = self._call
         emit = call is not None and name not in call.values
-        self._param = _Param(name, schema_types(call.param_schemas.get(name)) if call else
-                             frozenset({"string"}), emit)
+        self._param = _Param(
+            name,
+            schema_types(call.param_schemas.get(name)) if call else frozenset({"string"}),
+            emit,
+        )
         if not emit:
             if call is not None:
-                logger.warning("repeated parameter %r in call to %r; later value dropped",
-                               name, call.name)
+                logger.warning(
+                    "repeated parameter %r in call to %r; later value dropped", name, call.name
+                )
             return
         call.values[name] = None  # reserves the key's position
         separator = ", " if len(call.values) > 1 else ""
@@ -370,34 +406,44 @@ class ToolCallParser:
         if not param.started:
             param.started = True
             text = text[1:] if text.startswith("\n") else text
-        param.raw += text
-        if param.emit and streams_as_string(param.types):
-            # a trailing newline may be Qwen's newline before the closer; hold it
-            visible = param.raw[:-1] if param.raw.endswith("\n") else param.raw
-            if not param.opened:
-                if len(visible) <= 4 and "null".startswith(visible.lower()):
-                    return  # could still be the JSON null
-                param.opened = True
-                self._emit_args(self._call, '"')
-            self._emit_args(self._call, _escape(visible[param.emitted:]))
-            param.emitted = len(visible)
+        param.unsent.append(text)
+        if not (param.emit and streams_as_string(param.types)):
+            return
+        unsent = "".join(param.unsent)  # short: a held newline or a few held characters + text
+        # a trailing newline may be Qwen's newline before the closer; hold it
+        ready = unsent[:-1] if unsent.endswith("\n") else unsent
+        if not param.opened:
+            if len(ready) <= 4 and "null".startswith(ready.lower()):
+                return  # could still be the JSON null
+            param.opened = True
+            self._emit_args(self._call, '"')
+        self._emit_args(self._call, _escape(ready))
+        param.sent.append(ready)
+        param.unsent = [unsent[len(ready) :]]
 
     def _close_param(self) -> None:
         param, call = self._param, self._call
         self._param, self._state = None, _BODY
         if not param.emit:
             return
-        raw = param.raw[:-1] if param.raw.endswith("\n") else param.raw
-        value = convert_value(raw, param.types)
-        call.values[param.name] = value
-        if param.opened:  # streamed string: value is raw and raw[:emitted] is already out
-            call.tail = _escape(raw[param.emitted:]) + '"'
+        rest = "".join(param.unsent)
+        rest = rest[:-1] if rest.endswith("\n") else rest  # Qwen's newline before the closer
+        if param.opened:  # a streamed string: only its rest and the quote are left
+            call.values[param.name] = "".join(param.sent) + rest
+            call.tail = _escape(rest) + '"'
         else:
-            self._emit_args(call, json.dumps(value))
+            value = convert_value(rest, param.types)
+            call.values[param.name] = value
+            call.tail = json.dumps(value)
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None, tool_choice: str | dict | None = "auto",
-                     parallel_tool_calls: bool = True, seed: int | None = None) -> ParsedMessage:
+def parse_tool_calls(
+    text: str,
+    tools: list[dict] | None,
+    tool_choice: str | dict | None = "auto",
+    parallel_tool_calls: bool = True,
+    seed: int | None = None,
+) -> ParsedMessage:
     """Whole-response parse: the same result as streaming `text` through a ToolCallParser."""
     parser = ToolCallParser(tools, tool_choice, parallel_tool_calls, seed)
     parser.feed(text)

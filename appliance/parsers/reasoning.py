@@ -1,16 +1,16 @@
-"""Reasoning parser: splits model text into `reasoning_content` (inside `<think>…</think>`) and content.
+r"""Reasoning parser: splits model text into `reasoning_content` (`<think>…</think>`) and content.
 
 The chat endpoint makes one `ReasoningParser` per choice and feeds its content output on to the tool
 parser; `split_reasoning()` is the whole-response view.
 
 Qwen3.5's template ends a thinking prompt with `<think>\n`, so the output starts inside reasoning
-(`starts_in_reasoning=True`, see `prompt_opens_reasoning`); with `enable_thinking=False` it ends with
-`<think>\n\n</think>\n\n` and the output is plain content. Older templates leave `<think>` to the
-model: with `starts_in_reasoning=False` a `<think>` at the very start of the output (after optional
-whitespace) opens reasoning, and anything else makes the whole output content. A stray `<think>` at
-the start is skipped in either mode. Reasoning without `</think>` (cut by max_tokens) is all
-reasoning. Like Qwen's template, newlines around the reasoning and at the start of the content after
-`</think>` are dropped. Partial tags at chunk edges are held until decided.
+(`starts_in_reasoning=True`, see `prompt_opens_reasoning`); with `enable_thinking=False` it ends
+with `<think>\n\n</think>\n\n` and the output is plain content. Older templates leave `<think>`
+to the model: with `starts_in_reasoning=False` a `<think>` at the very start of the output (after
+optional whitespace) opens reasoning, and anything else makes the whole output content. A stray
+`<think>` at the start is skipped in either mode. Reasoning without `</think>` (cut by max_tokens)
+is all reasoning. Like Qwen's template, newlines around the reasoning and at the start of the
+content after `</think>` are dropped. Partial tags at chunk edges are held until decided.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ def prompt_opens_reasoning(prompt: str) -> bool:
 
 
 def _held_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (starts with '<')."""
+    start = text.find("<", max(0, len(text) - len(tag) + 1))
+    while start >= 0:
+        if tag.startswith(text[start:]):
+            return len(text) - start
+        start = text.find("<", start + 1)
     return 0
 
 
@@ -89,7 +91,7 @@ class ReasoningParser:
         """Decide whether the output opens with `<think>`; False while undecided."""
         head = self._pending.lstrip()
         if head.startswith(THINK_START):
-            self._pending = head[len(THINK_START):]
+            self._pending = head[len(THINK_START) :]
             self._state = _REASONING
             return True
         if not final and THINK_START.startswith(head):  # empty, or a partial tag
@@ -101,12 +103,12 @@ class ReasoningParser:
         at = self._pending.find(THINK_END)
         if at >= 0:
             text = self._reasoning(self._pending[:at], closing=True)
-            self._pending = self._pending[at + len(THINK_END):]
+            self._pending = self._pending[at + len(THINK_END) :]
             self._state, self._after_think = _CONTENT, True
             return text
         keep = 0 if final else _held_suffix(self._pending, THINK_END)
-        text = self._reasoning(self._pending[:len(self._pending) - keep], closing=final)
-        self._pending = self._pending[len(self._pending) - keep:]
+        text = self._reasoning(self._pending[: len(self._pending) - keep], closing=final)
+        self._pending = self._pending[len(self._pending) - keep :]
         return text
 
     def _reasoning(self, text: str, closing: bool) -> str:
@@ -115,7 +117,7 @@ class ReasoningParser:
             text = text.lstrip("\n")
             self._reasoning_started = bool(text)
         body = text.rstrip("\n")
-        self._newlines = "" if closing else text[len(body):]
+        self._newlines = "" if closing else text[len(body) :]
         return body
 
     def _content(self, text: str) -> str:

@@ -1,6 +1,6 @@
 """Tool-parameter value conversion by JSON schema: raw text from `<parameter=…>` → a JSON value.
 
-Called by the Qwen3-coder tool-call parser (`appliance/parsers/qwen3_coder.py`) when a parameter closes.
+Called by the Qwen3-coder tool-call parser (`appliance/parsers/qwen3_coder.py`) as parameters close.
 """
 
 from __future__ import annotations
@@ -17,12 +17,34 @@ logger = get_logger(__name__)
 # JSON-schema type names, plus the informal aliases models and tool authors use (the same set the
 # vLLM / SGLang qwen3_coder parsers accept). "any" means: the schema names a type we cannot use.
 _ALIASES = {
-    "string": "string", "str": "string", "text": "string", "varchar": "string", "char": "string",
-    "enum": "string", "integer": "integer", "int": "integer", "long": "integer", "short": "integer",
-    "uint": "integer", "unsigned": "integer", "number": "number", "num": "number", "float": "number",
-    "double": "number", "boolean": "boolean", "bool": "boolean", "binary": "boolean",
-    "object": "object", "dict": "object", "map": "object", "array": "array", "list": "array",
-    "arr": "array", "tuple": "array", "null": "null", "none": "null",
+    "string": "string",
+    "str": "string",
+    "text": "string",
+    "varchar": "string",
+    "char": "string",
+    "enum": "string",
+    "integer": "integer",
+    "int": "integer",
+    "long": "integer",
+    "short": "integer",
+    "uint": "integer",
+    "unsigned": "integer",
+    "number": "number",
+    "num": "number",
+    "float": "number",
+    "double": "number",
+    "boolean": "boolean",
+    "bool": "boolean",
+    "binary": "boolean",
+    "object": "object",
+    "dict": "object",
+    "map": "object",
+    "array": "array",
+    "list": "array",
+    "arr": "array",
+    "tuple": "array",
+    "null": "null",
+    "none": "null",
 }
 _STRING_ONLY = (frozenset({"string"}), frozenset({"string", "null"}))
 
@@ -31,8 +53,14 @@ def _alias(type_name: object) -> str:
     name = str(type_name).strip().lower()
     if name in _ALIASES:
         return _ALIASES[name]
-    for prefix, json_type in (("int", "integer"), ("uint", "integer"), ("num", "number"),
-                              ("float", "number"), ("dict", "object"), ("list", "array")):
+    for prefix, json_type in (
+        ("int", "integer"),
+        ("uint", "integer"),
+        ("num", "number"),
+        ("float", "number"),
+        ("dict", "object"),
+        ("list", "array"),
+    ):
         if name.startswith(prefix):
             return json_type
     return "any"
@@ -129,7 +157,7 @@ def _to_number(text: str) -> int | float | None:
 
 
 def _to_structure(text: str, types: frozenset[str]) -> tuple[bool, Any]:
-    """Parse a JSON (or Python-literal) object/array; (ok, value). "any" accepts every JSON value."""
+    """Parse a JSON (or Python-literal) object/array: (ok, value); "any" accepts any JSON value."""
     wanted = {"object": dict, "array": list}
     accept = tuple(wanted[t] for t in types if t in wanted)
     for parse in (_json_loads, ast.literal_eval):
@@ -145,7 +173,7 @@ def _to_structure(text: str, types: frozenset[str]) -> tuple[bool, Any]:
 
 
 def convert_value(raw: str, types: frozenset[str]) -> Any:
-    """Convert a parameter's raw text (Qwen's surrounding newlines already stripped) to a JSON value.
+    """Convert a parameter's raw text (Qwen's surrounding newlines stripped) to a JSON value.
 
     `null` (any case) is None whatever the type, as in vLLM/SGLang. Otherwise the non-string types
     are tried in a fixed order (integer, number, boolean, object/array/any); a value none of them
@@ -168,7 +196,7 @@ def convert_value(raw: str, types: frozenset[str]) -> Any:
         if ok:
             return value
     if "string" not in types:
-        logger.debug("parameter value %.80r does not match %s; kept as a string", raw, sorted(types))
+        logger.debug("value %.80r does not match %s; kept as a string", raw, sorted(types))
     return raw
 
 

@@ -108,6 +108,12 @@ class Request:
         self._kv_buf[self._num_kv : need] = slots
         self._num_kv = need
 
+    def pop_kv(self, count: int) -> np.ndarray:
+        """Removes and returns the last `count` KV slots (rejected MTP verify rows)."""
+        count = min(count, self._num_kv)
+        self._num_kv -= count
+        return self._kv_buf[self._num_kv : self._num_kv + count].copy()
+
     def take_kv(self) -> np.ndarray:
         """Removes and returns every KV slot (for freeing); the request keeps its tokens."""
         slots = self._kv_buf[: self._num_kv].copy()

@@ -18,7 +18,14 @@ import numpy as np
 
 from appliance.config import SchedulerConfig
 from appliance.logging import get_logger
-from appliance.messages import NewRequest, SampledTokens, ScheduledChunk, StepPlan, StepResult
+from appliance.messages import (
+    NewRequest,
+    SampledTokens,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    mtp_compatible,
+)
 from appliance.router.allocators import SlotAllocator
 from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
 
@@ -63,6 +70,15 @@ class SchedulerStats:
     num_computed_tokens: int  # every position scheduled, recompute included
     num_finished: int  # requests that ended for any reason (aborts included)
     num_steps: int
+    mtp_drafts: int = 0  # MTP verify steps (cumulative)
+    mtp_draft_tokens: int = 0  # draft tokens proposed
+    mtp_accepted_tokens: int = 0  # draft tokens accepted
+    mtp_accepted_per_position: tuple[int, ...] = ()  # accepted count per draft position
+
+    @property
+    def mtp_mean_accept_len(self) -> float:
+        """Tokens per verify step, the bonus token included (1 + accepted / drafts)."""
+        return 1.0 + self.mtp_accepted_tokens / self.mtp_drafts if self.mtp_drafts else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -100,7 +116,7 @@ class Scheduler:
         self._preempted_this_step = False
         # step -> req slot -> (request, its num_preemptions when planned): a result is stale if the
         # request was preempted (and maybe re-admitted on the same slot) since.
-        self._inflight: dict[int, dict[int, tuple[Request, int]]] = {}
+        self._inflight: dict[int, dict[int, tuple[Request, int, int]]] = {}  # (req, epoch, drafts)
         self._rng = np.random.default_rng(rng_seed)
         self._step_id = 0
         self._num_preemptions = 0
@@ -108,6 +124,10 @@ class Scheduler:
         self._num_generation_tokens = 0
         self._num_computed_tokens = 0
         self._num_finished = 0
+        self._mtp_drafts = 0  # verify steps
+        self._mtp_draft_tokens = 0
+        self._mtp_accepted_tokens = 0
+        self._mtp_accepted_per_position = [0] * config.mtp_step
 
     # ------------------------------------------------------------------ owner API
 
@@ -155,6 +175,10 @@ class Scheduler:
             num_computed_tokens=self._num_computed_tokens,
             num_finished=self._num_finished,
             num_steps=self._step_id,
+            mtp_drafts=self._mtp_drafts,
+            mtp_draft_tokens=self._mtp_draft_tokens,
+            mtp_accepted_tokens=self._mtp_accepted_tokens,
+            mtp_accepted_per_position=tuple(self._mtp_accepted_per_position),
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -167,22 +191,25 @@ class Scheduler:
         self._preempted_this_step = False
         # 1. decodes, oldest first
         for req in list(self.running):
-            rows = self._decode_rows(req)
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if req.num_tokens - req.num_computed != rows or rows > budget:
+            if req.num_tokens - req.num_computed != 1:
+                continue
+            num_draft = self._num_draft(req)
+            rows = 1 + num_draft
+            if rows > budget:
                 continue
             # May preempt newer requests (not planned yet: this loop runs oldest first) or req.
             if not self._reserve_kv(req, req.num_computed + rows):
                 continue
-            chunks.append(self._make_chunk(req, rows))
+            chunks.append(self._make_chunk(req, rows, num_draft))
             budget -= rows
         # 2. prefill chunks (including recompute after re-admission), oldest first
         for req in list(self.running):
             if budget == 0:
                 break
             remaining = req.num_tokens - req.num_computed
-            if req.status is not RequestStatus.RUNNING or remaining <= self._decode_rows(req):
+            if req.status is not RequestStatus.RUNNING or remaining <= 1:
                 continue
             take = min(remaining, budget)
             # Admission allocated every known position, so a chunk never needs (or preempts for) KV.
@@ -205,16 +232,32 @@ class Scheduler:
             return None
         step_id = self._step_id
         self._step_id += 1
-        sampling = (self._running_by_slot[c.req_slot] for c in chunks if c.sample)
-        self._inflight[step_id] = {r.req_slot: (r, r.num_preemptions) for r in sampling}
+        self._inflight[step_id] = {
+            c.req_slot: (r, r.num_preemptions, c.num_draft)
+            for c in chunks
+            if c.sample and (r := self._running_by_slot[c.req_slot])
+        }
         plan = StepPlan(step_id, new_requests, chunks, self._released)
         self._released = []
         return plan
 
-    def _decode_rows(self, req: Request) -> int:
-        """Positions a decode computes: 1. MTP hook: becomes 1 + mtp_step verify rows (the draft
-        tokens then ride on the ScheduledChunk)."""
-        return 1
+    def _count_mtp(self, num_draft: int, num_tokens: int) -> None:
+        accepted = num_tokens - 1
+        self._mtp_drafts += 1
+        self._mtp_draft_tokens += num_draft
+        self._mtp_accepted_tokens += accepted
+        for position in range(accepted):
+            self._mtp_accepted_per_position[position] += 1
+
+    def _uses_mtp(self, req: Request) -> bool:
+        return self.config.mtp_step > 0 and mtp_compatible(req.sampling)
+
+    def _num_draft(self, req: Request) -> int:
+        """MTP draft rows for this decode: mtp_step, clamped so no draft lands past max_tokens (or,
+        by validation, past max_model_len); 0 before the worker has drafted (prefill not sampled)."""
+        if not self._uses_mtp(req) or req.num_output_tokens == 0:
+            return 0
+        return max(0, min(self.config.mtp_step, req.max_tokens - req.num_output_tokens - 1))
 
     def _can_admit(self, req: Request) -> bool:
         if self.req_slots.num_free == 0:
@@ -236,8 +279,13 @@ class Scheduler:
             req.num_tokens,
             req.num_preemptions,
         )
-        return NewRequest(req_slot=req.req_slot, token_ids=req.all_token_ids, sampling=req.sampling,
-                          num_prompt_tokens=req.num_prompt_tokens)
+        return NewRequest(
+            req_slot=req.req_slot,
+            token_ids=req.all_token_ids,
+            sampling=req.sampling,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_draft=self.config.mtp_step if self._uses_mtp(req) else 0,
+        )
 
     def _reserve_kv(self, req: Request, upto: int) -> bool:
         """Makes `req` hold KV slots for positions [0, upto), preempting the most recently admitted
@@ -252,7 +300,7 @@ class Scheduler:
             req.append_kv(self.kv.alloc(need))
         return True
 
-    def _make_chunk(self, req: Request, num_tokens: int) -> ScheduledChunk:
+    def _make_chunk(self, req: Request, num_tokens: int, num_draft: int = 0) -> ScheduledChunk:
         start = req.num_computed
         end = start + num_tokens
         kv_slots = req.kv_slots[start:end].tolist()
@@ -267,7 +315,8 @@ class Scheduler:
             start=start,
             num_tokens=num_tokens,
             kv_slots=kv_slots,
-            sample=end == req.num_tokens,
+            sample=end >= req.num_tokens,
+            num_draft=num_draft,
         )
 
     # ------------------------------------------------------------------ results
@@ -286,11 +335,18 @@ class Scheduler:
                     f"step {result.step_id}: worker sampled for slot {sampled.req_slot}, "
                     "which had no sampling chunk"
                 )
-            req, epoch = entry
+            req, epoch, num_draft = entry
             if req.status is not RequestStatus.RUNNING or req.num_preemptions != epoch:
                 continue  # aborted / finished / preempted after the plan was made: drop the token
+            if num_draft:
+                self._count_mtp(num_draft, len(sampled.token_ids))
             outputs.append(self._append_tokens(req, sampled))
-        for req, epoch in inflight.values():
+            if num_draft and req.status is RequestStatus.RUNNING:
+                # rows past the accepted ones were computed for rejected drafts: give back their KV
+                rejected = num_draft + 1 - len(sampled.token_ids)
+                req.num_computed -= rejected
+                self.kv.free(req.pop_kv(rejected))
+        for req, epoch, _ in inflight.values():
             if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
                 raise SchedulerError(
                     f"step {result.step_id}: no sampled token for request {req.req_id}"

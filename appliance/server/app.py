@@ -24,8 +24,14 @@ from appliance.server.state import ServerState
 
 access_logger = get_logger("appliance.access")
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-           "/debug/status")
+_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/debug/status",
+)
 
 
 class AccessLog:
@@ -58,12 +64,19 @@ class AccessLog:
             path = scope.get("path", "")
             self.state.metrics.on_http_response(path if path in _ROUTES else "other", status)
             if self.state.config.access_log:
-                access_logger.info("%s %s %d %.1fms id=%s", scope.get("method"), path, status,
-                                   (time.monotonic() - start) * 1000.0, request_id)
+                access_logger.info(
+                    "%s %s %d %.1fms id=%s",
+                    scope.get("method"),
+                    path,
+                    status,
+                    (time.monotonic() - start) * 1000.0,
+                    request_id,
+                )
 
 
-def build_app(state: ServerState,
-              background: Sequence[Callable[[], Awaitable[None]]] = ()) -> FastAPI:
+def build_app(
+    state: ServerState, background: Sequence[Callable[[], Awaitable[None]]] = ()
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.client.start()
@@ -89,9 +102,16 @@ def build_app(state: ServerState,
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "appliance", "root": state.model_dir, "parent": None,
-                "max_model_len": state.max_model_len, "permission": []}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "appliance",
+            "root": state.model_dir,
+            "parent": None,
+            "max_model_len": state.max_model_len,
+            "permission": [],
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -107,9 +127,17 @@ def build_app(state: ServerState,
         status = await state.client.status()
         router = {f: getattr(status.stats, f) for f in status.stats.__struct_fields__}
         requests = [{f: getattr(r, f) for f in r.__struct_fields__} for r in status.requests]
-        return JSONResponse({"router": router, "requests": requests,
-                             "server": {"open_sequences": state.client.num_open,
-                                        "ready": state.ready, "draining": state.draining}})
+        return JSONResponse(
+            {
+                "router": router,
+                "requests": requests,
+                "server": {
+                    "open_sequences": state.client.num_open,
+                    "ready": state.ready,
+                    "draining": state.draining,
+                },
+            }
+        )
 
     @app.get("/metrics")
     async def metrics():

@@ -1,8 +1,8 @@
-"""The server's link to the engine: submits tokenized requests to the router, routes text deltas from the
-detokenizer back to the waiting HTTP handler, and fails everything at once when the engine dies.
+"""The server's link to the engine: submits tokenized requests to the router, routes text deltas
+from the detokenizer back to the waiting HTTP handler, and fails everything when the engine dies.
 
-Used by the handlers in serving_chat.py / serving_completion.py; created by process.py (real sockets)
-or by tests (sockets to an in-test fake router).
+Used by the handlers in serving_chat.py / serving_completion.py; created by process.py (real
+sockets) or by tests (sockets to an in-test scripted engine).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
     DetokOutput,
-    RouterStats,
     RouterStatus,
     StatusQuery,
     TextDelta,
@@ -63,8 +62,13 @@ class RequestGroup:
 class EngineClient:
     """Owns the PUSH socket to the router and the PULL socket from the detokenizer."""
 
-    def __init__(self, router_addr: str, inbox_addr: str, max_open: int,
-                 metrics: MetricsRecorder | None = None) -> None:
+    def __init__(
+        self,
+        router_addr: str,
+        inbox_addr: str,
+        max_open: int,
+        metrics: MetricsRecorder | None = None,
+    ) -> None:
         self._router_addr = router_addr
         self._inbox_addr = inbox_addr
         self.max_open = max_open  # running + waiting sequences before 429
@@ -73,7 +77,6 @@ class EngineClient:
         self._status_waiters: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._task: asyncio.Task | None = None
-        self.latest_stats: RouterStats | None = None
         self.failure: str | None = None  # set when the engine died; every request fails with it
 
     async def start(self) -> None:
@@ -103,13 +106,18 @@ class EngineClient:
         return len(self._groups)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, group_id: str, requests: list[TokenizedRequest], arrival: float) -> RequestGroup:
+    def submit(
+        self, group_id: str, requests: list[TokenizedRequest], arrival: float
+    ) -> RequestGroup:
         if self.failure is not None:
             raise EngineFailed(self.failure)
         if self.num_open + len(requests) > self.max_open:
             raise TooManyRequests(
                 f"The server is at capacity ({self.num_open} sequences open, limit "
-                f"{self.max_open}). Please retry later.", None, "rate_limit_exceeded")
+                f"{self.max_open}). Please retry later.",
+                None,
+                "rate_limit_exceeded",
+            )
         group = RequestGroup(group_id)
         for index, req in enumerate(requests):
             group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
@@ -145,24 +153,45 @@ class EngineClient:
         finally:
             self._status_waiters.pop(query_id, None)
 
-    def fail_all(self, message: str, status: int = 500) -> int:
-        """Ends every open request with an error (a role died, or the drain timed out)."""
+    def engine_failed(self, message: str) -> int:
+        """A role died: every open request fails with `message`, and so will every new one."""
+        self.failure = message
+        return self._fail_groups(EngineFailed(message), send_abort=False)
+
+    def abort_all(self, message: str) -> int:
+        """Drain timeout: abort every open request in the router and fail it with a 503."""
+        return self._fail_groups(ServiceUnavailable(message), send_abort=True)
+
+    def _fail_groups(self, err: APIError, send_abort: bool) -> int:
         groups = {id(g): g for g in self._groups.values()}.values()
-        err = EngineFailed(message) if status == 500 else ServiceUnavailable(message)
+        count = len(self._groups)
         for group in groups:
             group.error = err
             for req_id in group.open_ids:
-                if status != 500:
+                if send_abort:
                     self._send(AbortRequest(req_id))
                 group.choices[req_id].finished = True
                 self._record_finish(req_id, group.choices[req_id], "error")
             group.queue.put_nowait(None)
-        count = len(self._groups)
         self._groups.clear()
         return count
 
     # ------------------------------------------------------------------ inbound
     async def _dispatch(self) -> None:
+        try:
+            await self._dispatch_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here would leave every request hanging: fail them all
+            logger.exception("engine dispatch failed")
+            self.engine_failed(f"The server's engine link failed: {type(exc).__name__}: {exc}")
+            raise
+
+    @property
+    def dispatch_task(self) -> asyncio.Task | None:
+        return self._task
+
+    async def _dispatch_loop(self) -> None:
         dec = decoder(DetokOutput)
         while True:
             out: DetokOutput = dec.decode(await self._inbox.recv(copy=False))
@@ -170,10 +199,12 @@ class EngineClient:
             for delta in out.deltas:
                 self._deliver(delta, now)
             if out.stats is not None:
-                self.latest_stats = out.stats
                 if self.metrics is not None:
                     self.metrics.apply_router_stats(out.stats)
             if out.status is not None:
+                # A status snapshot drained the router's new queue-time samples too: keep them.
+                if self.metrics is not None:
+                    self.metrics.apply_router_stats(out.status.stats)
                 waiter = self._status_waiters.get(out.status.query_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(out.status)
@@ -207,5 +238,10 @@ class EngineClient:
     def _record_finish(self, req_id: str, choice: _Choice, reason: str) -> None:
         if self.metrics is not None:
             self.metrics.on_request_finished(
-                req_id, reason, time.monotonic() - choice.arrival, choice.prompt_tokens,
-                choice.num_tokens, ttft_s=choice.first_token_s)
+                req_id,
+                reason,
+                time.monotonic() - choice.arrival,
+                choice.prompt_tokens,
+                choice.num_tokens,
+                ttft_s=choice.first_token_s,
+            )

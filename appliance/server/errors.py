@@ -1,7 +1,7 @@
 """Typed API errors and their one mapping to OpenAI-format HTTP responses.
 
-Raised by the request handlers (serving_chat.py, serving_completion.py, prompts.py); installed on the app
-by `install_error_handlers` (app.py). Body: {"error": {"message", "type", "param", "code"}}.
+Raised by the request handlers (serving_chat.py, serving_completion.py, prompts.py); installed on
+the app by `install_error_handlers` (app.py). Body: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class EngineFailed(APIError):
 def error_for_status(status: int, message: str) -> APIError:
     """The typed error for a status carried in a message (router rejections, engine failures)."""
     cls = {400: BadRequest, 404: NotFound, 429: TooManyRequests, 503: ServiceUnavailable}.get(
-        status, EngineFailed)
+        status, EngineFailed
+    )
     if cls is BadRequest and "maximum context length" in message:
         return ContextLengthExceeded(message)
     return cls(message)

@@ -1,6 +1,7 @@
 """Prompt building for the server: chat template rendering, tokenization and the length guards.
 
-Called by serving_chat.py / serving_completion.py (in a worker thread, so the event loop stays free).
+Called by serving_chat.py / serving_completion.py (in a worker thread, so the event loop stays
+free).
 The checkpoint's own tokenizer and chat template are used (transformers AutoTokenizer).
 """
 
@@ -21,18 +22,22 @@ class Prompt:
     text: str | None  # rendered prompt text (None for token-id prompts)
 
 
-def context_error(max_model_len: int, num_tokens: int) -> ContextLengthExceeded:
+def context_error(max_model_len: int, num_tokens: int, param: str) -> ContextLengthExceeded:
     return ContextLengthExceeded(
         f"This model's maximum context length is {max_model_len} tokens. However, your request "
-        f"has {num_tokens} input tokens. Please reduce the length of the input messages.")
+        f"has {num_tokens} input tokens. Please reduce the length of the input messages.",
+        param,
+    )
 
 
 def max_tokens_error(max_tokens: int, max_model_len: int, num_prompt: int) -> BadRequest:
     return BadRequest(
         f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
         f"maximum context length is {max_model_len} tokens and your request has {num_prompt} input "
-        f"tokens ({max_tokens} > {max_model_len} - {num_prompt}).", "max_tokens",
-        "context_length_exceeded")
+        f"tokens ({max_tokens} > {max_model_len} - {num_prompt}).",
+        "max_tokens",
+        "context_length_exceeded",
+    )
 
 
 class PromptBuilder:
@@ -53,14 +58,16 @@ class PromptBuilder:
             err = ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {num_chars} input characters, more than the {limit} characters "
-                "this server tokenizes. Please reduce the length of the input messages.", param)
+                "this server tokenizes. Please reduce the length of the input messages.",
+                param,
+            )
             raise err
 
-    def check_tokens(self, num_tokens: int) -> None:
+    def check_tokens(self, num_tokens: int, param: str) -> None:
         if num_tokens == 0:
-            raise BadRequest("prompt: the prompt is empty.", "prompt")
+            raise BadRequest(f"{param}: the prompt is empty.", param)
         if num_tokens >= self.max_model_len:
-            raise context_error(self.max_model_len, num_tokens)
+            raise context_error(self.max_model_len, num_tokens, param)
 
     def max_tokens_for(self, requested: int | None, num_prompt: int) -> int:
         """The generation cap: the requested max_tokens, or all the context the prompt leaves."""
@@ -72,8 +79,13 @@ class PromptBuilder:
         return requested
 
     # ------------------------------------------------------------------ chat
-    def chat(self, messages: list[ChatMessage], tools: list[dict] | None,
-             template_kwargs: dict[str, Any] | None, add_generation_prompt: bool = True) -> Prompt:
+    def chat(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict] | None,
+        template_kwargs: dict[str, Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> Prompt:
         rendered_messages = [_message_dict(m) for m in messages]
         self.check_chars(sum(len(m.get("content") or "") for m in rendered_messages), "messages")
         kwargs = dict(template_kwargs or {})
@@ -81,13 +93,17 @@ class PromptBuilder:
             kwargs["tools"] = tools
         try:
             text = self.tokenizer.apply_chat_template(
-                rendered_messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **kwargs)
+                rendered_messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
         except Exception as exc:  # jinja raise_exception() and template errors are user errors
-            raise BadRequest(f"messages: the chat template rejected the conversation: {exc}",
-                             "messages") from exc
+            raise BadRequest(
+                f"messages: the chat template rejected the conversation: {exc}", "messages"
+            ) from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.check_tokens(len(ids))
+        self.check_tokens(len(ids), "messages")
         return Prompt(ids, text)
 
     # ------------------------------------------------------------------ completions
@@ -95,14 +111,15 @@ class PromptBuilder:
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            self.check_tokens(len(ids))
+            self.check_tokens(len(ids), "prompt")
             return Prompt(ids, prompt)
         vocab = len(self.tokenizer)
         bad = [t for t in prompt if t < 0 or t >= vocab]
         if bad:
-            raise BadRequest(f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).",
-                             "prompt")
-        self.check_tokens(len(prompt))
+            raise BadRequest(
+                f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).", "prompt"
+            )
+        self.check_tokens(len(prompt), "prompt")
         return Prompt(list(prompt), None)
 
     def decode(self, ids: list[int]) -> str:
@@ -115,8 +132,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         if any(isinstance(p, ImagePart) for p in content):
-            raise BadRequest("messages: image input is not supported by this model server.",
-                             "messages")
+            raise BadRequest(
+                "messages: image input is not supported by this model server.", "messages"
+            )
         content = "\n".join(p.text for p in content)
     out["content"] = content if content is not None else ""
     for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from appliance.messages import DetokParams, SamplingOptions
+from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
 
 MAX_TOP_LOGPROBS = 20
@@ -56,17 +58,18 @@ class _SamplingFields(_Schema):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None
+    # Types only here; value ranges are SamplingParams' (one rule set with the offline LLM).
     n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -111,32 +114,47 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
-def stop_strings(req: _SamplingFields) -> list[str]:
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if any(s == "" for s in stop):
-        raise BadRequest("stop: stop strings must not be empty.", "stop")
-    return stop
+def sampling_params(req: _SamplingFields, num_logprobs: int | None) -> SamplingParams:
+    """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults."""
+    fields = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=req.requested_max_tokens() or 1,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=num_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            **{k: v for k, v in fields.items() if v is not None},
+        )
+    except ValueError as exc:
+        message = str(exc)
+        raise BadRequest(message, message.split(":", 1)[0]) from None
 
 
-def sampling_options(req: _SamplingFields, num_logprobs: int | None,
-                     seed_offset: int = 0) -> SamplingOptions:
-    """The worker's sampling knobs for one choice; unset fields take the OpenAI defaults."""
-    top_k = req.top_k if req.top_k is not None else -1
-    seed = None if req.seed is None else req.seed + seed_offset
-    return SamplingOptions(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if top_k == 0 else top_k,
-        min_p=req.min_p or 0.0,
-        seed=seed,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=num_logprobs,
+def choice_options(params: SamplingParams, choice: int) -> SamplingOptions:
+    """The worker's knobs for choice `choice` of n: a given seed is offset so choices differ."""
+    options = params.to_options()
+    if options.seed is not None and choice:
+        options = msgspec.structs.replace(options, seed=options.seed + choice)
+    return options
+
+
+def detok_params(params: SamplingParams) -> DetokParams:
+    return DetokParams(
+        stop=list(params.stop),
+        skip_special_tokens=params.skip_special_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        logprobs=params.logprobs is not None,
     )
-
-
-def detok_params(req: _SamplingFields, logprobs: bool) -> DetokParams:
-    return DetokParams(stop=stop_strings(req),
-                       include_stop_str_in_output=req.include_stop_str_in_output,
-                       skip_special_tokens=req.skip_special_tokens, logprobs=logprobs)

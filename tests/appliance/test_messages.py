@@ -8,23 +8,49 @@ import pytest
 
 from appliance import messages as m
 
-OPTS = m.SamplingOptions(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=7,
-                         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.1,
-                         logprobs=3)
-DETOK = m.DetokParams(stop=["\n\n", "END"], include_stop_str_in_output=True,
-                      skip_special_tokens=False, logprobs=True)
-STATS = m.RouterStats(num_running=2, num_waiting=1, kv_usage=0.25, state_usage=0.5, kv_used=64,
-                      kv_total=256, state_used=2, state_total=4, num_preemptions=1,
-                      prefix_cache_queries=10, prefix_cache_hits=4, mtp_drafts=3,
-                      mtp_draft_tokens=6, mtp_accepted_tokens=5, mtp_accepted_per_position=[3, 2],
-                      queue_time_s=[0.01, 0.2], num_steps=9, step_overhead_ms=0.3,
-                      step_forward_ms=4.5)
+OPTS = m.SamplingOptions(
+    temperature=0.7,
+    top_p=0.9,
+    top_k=20,
+    min_p=0.05,
+    seed=7,
+    presence_penalty=0.5,
+    frequency_penalty=-0.5,
+    repetition_penalty=1.1,
+    logprobs=3,
+)
+DETOK = m.DetokParams(
+    stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True
+)
+STATS = m.RouterStats(
+    num_running=2,
+    num_waiting=1,
+    kv_usage=0.25,
+    state_usage=0.5,
+    kv_used=64,
+    kv_total=256,
+    state_used=2,
+    state_total=4,
+    num_preemptions=1,
+    prefix_cache_queries=10,
+    prefix_cache_hits=4,
+    mtp_drafts=3,
+    mtp_draft_tokens=6,
+    mtp_accepted_tokens=5,
+    mtp_accepted_per_position=[3, 2],
+    queue_time_s=[0.01, 0.2],
+    num_steps=9,
+    step_overhead_ms=0.3,
+    step_forward_ms=4.5,
+)
 PROGRESS = m.RequestProgress("r1", "running", 12, 3, 14, 15, 0)
 STATUS = m.RouterStatus(query_id=5, stats=STATS, requests=[PROGRESS])
-UPDATE = m.TokenUpdate("r1", [4, 5], "length", [-0.1, -0.2], [[(4, -0.1), (9, -2.0)], [(5, -0.2)]],
-                       None, 0, 3)
-LOGPROB = m.TokenLogprob("hé", -0.25, [104, 195, 169], [("hé", -0.25, [104, 195, 169]),
-                                                         ("x", -3.0, [120])])
+UPDATE = m.TokenUpdate(
+    "r1", [4, 5], "length", [-0.1, -0.2], [[(4, -0.1), (9, -2.0)], [(5, -0.2)]], None, 0, 3
+)
+LOGPROB = m.TokenLogprob(
+    "hé", -0.25, [104, 195, 169], [("hé", -0.25, [104, 195, 169]), ("x", -3.0, [120])]
+)
 DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, 3)
 WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7])
 
@@ -32,8 +58,12 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.SamplingOptions: OPTS,
     m.NewRequest: m.NewRequest(3, [1, 2, 3], OPTS),
     m.ScheduledChunk: m.ScheduledChunk(3, 0, 3, [10, 11, 12], True),
-    m.StepPlan: m.StepPlan(1, [m.NewRequest(3, [1, 2, 3], OPTS)],
-                           [m.ScheduledChunk(3, 0, 3, [10, 11, 12], True)], [1, 2]),
+    m.StepPlan: m.StepPlan(
+        1,
+        [m.NewRequest(3, [1, 2, 3], OPTS)],
+        [m.ScheduledChunk(3, 0, 3, [10, 11, 12], True)],
+        [1, 2],
+    ),
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
     m.StepResult: m.StepResult(1, [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])], 0.01),
     m.DetokParams: DETOK,
@@ -59,15 +89,21 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.Fatal: m.Fatal("worker 1", "worker 1 (pid 99) died with exit code -9"),
 }
 
-UNIONS = {m.ToRouter: (m.TokenizedRequest, m.AbortRequest, m.FinishRequest, m.StatusQuery),
-          m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained),
-          m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal)}
+UNIONS = {
+    m.ToRouter: (m.TokenizedRequest, m.AbortRequest, m.FinishRequest, m.StatusQuery),
+    m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained),
+    m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal),
+}
 
 
 def test_every_message_type_has_a_sample():
-    defined = {obj for obj in vars(m).values()
-               if isinstance(obj, type) and issubclass(obj, msgspec.Struct)
-               and obj.__module__ == m.__name__}
+    defined = {
+        obj
+        for obj in vars(m).values()
+        if isinstance(obj, type)
+        and issubclass(obj, msgspec.Struct)
+        and obj.__module__ == m.__name__
+    }
     assert defined == set(SAMPLES)
 
 

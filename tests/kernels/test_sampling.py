@@ -180,3 +180,10 @@ def test_min_p_uses_temperature_scaled_distribution() -> None:
     samples = draw(LOGITS, 5000, temperature=2.0, min_p=0.3)
     expected = {i for i in range(8) if math.exp((LOGITS[i].item() - 2.0) / 2.0) >= 0.3}
     assert set(samples.unique().tolist()) == expected == {0, 1, 2, 3, 4}
+
+
+def test_top_p_nucleus_is_smallest_prefix_reaching_p() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))  # exact binary probabilities
+    assert set(draw(logits, 2000, top_p=0.5).unique().tolist()) == {0}  # mass 0.5 reaches 0.5
+    assert set(draw(logits, 2000, top_p=0.75).unique().tolist()) == {0, 1}
+    assert set(draw(logits, 2000, top_p=0.76).unique().tolist()) == {0, 1, 2}

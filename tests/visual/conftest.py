@@ -1,4 +1,4 @@
-"""Shared fixtures for the vision tests: tiny VLM checkpoints (built once per session) and images."""
+"""Shared fixtures for the vision tests: tiny VLM checkpoints (one build per session), images."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ def qwen3_vl_dir(tmp_path_factory):
 def qwen3_vl_moe_dir(tmp_path_factory):
     # two deepstack mergers so their order is checked too
     return build_tiny_qwen3_vl(
-        tmp_path_factory.mktemp("qwen3_vl_moe"), moe=True, tokenizer="none", seed=2,
+        tmp_path_factory.mktemp("qwen3_vl_moe"),
+        moe=True,
+        tokenizer="none",
+        seed=2,
         deepstack_visual_indexes=(0, 1),
     )
 

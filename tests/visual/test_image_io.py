@@ -22,8 +22,11 @@ def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
 
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG whose IHDR declares width x height (no pixel data): a decompression-bomb header."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")

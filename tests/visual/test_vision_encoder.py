@@ -1,4 +1,4 @@
-"""visual.encoder vs the transformers vision towers (fp32 CPU) and the checkpoint loader's errors."""
+"""visual.encoder vs the transformers vision towers (fp32 CPU) and the loader's errors."""
 
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ FAMILIES = {
 def hf_visual(model_cls, model_dir, pixel_values, grid_thw):
     model = model_cls.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.model.visual(torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(grid_thw))
+        out = model.model.visual(
+            torch.from_numpy(pixel_values), grid_thw=torch.from_numpy(grid_thw)
+        )
     return out.pooler_output, list(getattr(out, "deepstack_features", None) or [])
 
 
@@ -60,7 +62,7 @@ def test_images_do_not_attend_to_each_other(qwen3_vl_dir, make_image):
     _, grid_thw = preprocess_images(images, encoder.preprocess)
     parts = encoder.split_per_image(together, grid_thw)
     assert [p.shape[0] for p in parts] == [4, 6, 4]
-    for part, (single, single_ds) in zip(parts, alone, strict=True):
+    for part, (single, _) in zip(parts, alone, strict=True):
         torch.testing.assert_close(part, single, atol=1e-5, rtol=0)
     ds_parts = encoder.split_per_image(together_ds[0], grid_thw)
     torch.testing.assert_close(ds_parts[1], alone[1][1][0], atol=1e-5, rtol=0)
@@ -69,7 +71,9 @@ def test_images_do_not_attend_to_each_other(qwen3_vl_dir, make_image):
 def test_bf16_encode_runs_close_to_fp32(qwen3_5_vl_dir, make_image):
     images = [make_image(64, 96, seed=5)]
     fp32, _ = VisionEncoder.from_pretrained(qwen3_5_vl_dir).encode_images(images)
-    bf16, _ = VisionEncoder.from_pretrained(qwen3_5_vl_dir, dtype=torch.bfloat16).encode_images(images)
+    bf16, _ = VisionEncoder.from_pretrained(qwen3_5_vl_dir, dtype=torch.bfloat16).encode_images(
+        images
+    )
     assert bf16.dtype == torch.bfloat16
     assert (bf16.float() - fp32).abs().max() < 0.1 * fp32.abs().max()
 
@@ -78,6 +82,8 @@ def test_pixel_values_must_match_grid(qwen3_vl_dir):
     encoder = VisionEncoder.from_pretrained(qwen3_vl_dir)
     with pytest.raises(ValueError, match="covers 16 patches but pixel_values has 12"):
         encoder.encode(np.zeros((12, 1536), np.float32), np.array([[1, 4, 4]]))
+    with pytest.raises(ValueError, match="multiples of 2"):
+        encoder.encode(np.zeros((15, 1536), np.float32), np.array([[1, 3, 5]]))
     with pytest.raises(ValueError, match="expected \\[patches, 1536\\]"):
         encoder.encode(np.zeros((16, 768), np.float32), np.array([[1, 4, 4]]))
 
@@ -90,7 +96,9 @@ def test_sharded_checkpoint_loads_the_same(qwen3_vl_moe_dir, tmp_path, make_imag
     weight_map = {}
     for index, shard in enumerate(shards):
         file = f"model-{index + 1:05d}-of-00003.safetensors"
-        save_file({name: tensors[name] for name in shard}, tmp_path / file, metadata={"format": "pt"})
+        save_file(
+            {name: tensors[name] for name in shard}, tmp_path / file, metadata={"format": "pt"}
+        )
         weight_map.update({name: file for name in shard})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     for name in ("config.json", "preprocessor_config.json"):
@@ -126,7 +134,9 @@ def test_wrong_shape_is_named(qwen3_vl_dir, tmp_path):
         tensors["model.visual.merger.linear_fc2.weight"] = torch.zeros(32, 128)
 
     _copy_with(qwen3_vl_dir, tmp_path, edit)
-    with pytest.raises(VisionCheckpointError, match=r"merger.linear_fc2.weight has shape \(32, 128\)"):
+    with pytest.raises(
+        VisionCheckpointError, match=r"merger.linear_fc2.weight has shape \(32, 128\)"
+    ):
         VisionEncoder.from_pretrained(tmp_path)
 
 
@@ -139,3 +149,16 @@ def test_checkpoint_without_vision_tower(qwen3_vl_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(VisionCheckpointError, match="'qwen3_next' has no supported vision tower"):
         read_vision_config(tmp_path)
+
+
+def test_multi_frame_grid_matches_hf(qwen3_vl_dir):
+    # t > 1 (video-style input): each frame is its own attention segment, as in transformers
+    rng = np.random.default_rng(0)
+    pixel_values = rng.standard_normal((2 * 4 * 6 + 16, 1536)).astype(np.float32)
+    grid_thw = np.array([[2, 4, 6], [1, 4, 4]])
+    embeds, deepstack = VisionEncoder.from_pretrained(qwen3_vl_dir).encode(pixel_values, grid_thw)
+    ref_embeds, ref_deepstack = hf_visual(
+        transformers.Qwen3VLForConditionalGeneration, qwen3_vl_dir, pixel_values, grid_thw
+    )
+    torch.testing.assert_close(embeds, ref_embeds, atol=1e-4, rtol=0)
+    torch.testing.assert_close(deepstack[0], ref_deepstack[0], atol=1e-4, rtol=0)

@@ -12,8 +12,8 @@ from appliance.engine.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, even_shard
 from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
-from kernels.conv1d import causal_conv1d_ref
-from kernels.gdn import gdn_ref
+from kernels.conv1d import causal_conv1d_ref, causal_conv1d_verify_ref
+from kernels.gdn import gdn_ref, gdn_verify_ref
 
 
 class GatedDeltaNet(nn.Module):
@@ -42,6 +42,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowLinear(value_dim, hidden)
         self.conv_states: torch.Tensor | None = None  # [slots, conv_dim, K-1], bound by the runner
         self.ssm_states: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] fp32, bound by the runner
+        # MTP only: one SSM state per verify row, and the wide conv working slot (pools.py)
+        self.ssm_candidates: torch.Tensor | None = None  # [slots, k+1, Hv, Dk, Dv]
+        self.conv_windows: torch.Tensor | None = None  # [slots, conv_dim, K-1 + k+1]
 
     def _head_param(self) -> nn.Parameter:
         p = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -56,17 +59,52 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        state_slots = ctx.req_slots
-        mixed = causal_conv1d_ref(self.in_proj_qkv(x), self.conv1d_weight, self.conv_states,
-                                  state_slots, ctx.cu_seqlens_q, ctx.has_initial_state)
+        mixed = self._conv(self.in_proj_qkv(x), ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = gdn_ref(q, k, v, g, beta, self.ssm_states, state_slots, ctx.cu_seqlens_q,
-                      ctx.has_initial_state)  # [T, Hv, Dv]
+        out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
         z = self.in_proj_z(x).reshape(num_tokens * self.num_v_heads, self.head_v_dim)
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out)
+
+    # Plain rows (prefill chunks, decodes) come first in the batch and update the committed state;
+    # MTP verify rows come last and only fill the per-row candidates (see engine/batch.py).
+    def _conv(self, mixed: torch.Tensor, ctx) -> torch.Tensor:
+        split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
+        if split == mixed.shape[0]:
+            return causal_conv1d_ref(mixed, self.conv1d_weight, self.conv_states, ctx.req_slots,
+                                     ctx.cu_seqlens_q, ctx.has_initial_state)
+        plain = causal_conv1d_ref(mixed[:split], self.conv1d_weight, self.conv_states,
+                                  ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
+                                  ctx.has_initial_state[:reqs])
+        verify = causal_conv1d_verify_ref(mixed[split:], self.conv1d_weight, self.conv_states,
+                                          self.conv_windows, ctx.req_slots[reqs:],
+                                          ctx.cu_seqlens_q[reqs:] - split)
+        return torch.cat([plain, verify])
+
+    def _delta_rule(self, q, k, v, g, beta, ctx) -> torch.Tensor:
+        split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
+        if split == q.shape[0]:
+            return gdn_ref(q, k, v, g, beta, self.ssm_states, ctx.req_slots, ctx.cu_seqlens_q,
+                           ctx.has_initial_state)
+        plain = gdn_ref(q[:split], k[:split], v[:split], g[:split], beta[:split], self.ssm_states,
+                        ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
+                        ctx.has_initial_state[:reqs])
+        verify = gdn_verify_ref(q[split:], k[split:], v[split:], g[split:], beta[split:],
+                                self.ssm_states, self.ssm_candidates, ctx.req_slots[reqs:],
+                                ctx.cu_seqlens_q[reqs:] - split)
+        return torch.cat([plain, verify])
+
+    def commit_verify(self, slots: torch.Tensor, accepted_rows: torch.Tensor) -> None:
+        """After acceptance: the state after row accepted_rows[i] becomes slot slots[i]'s committed
+        state (SSM from its candidate, conv from the working window)."""
+        self.ssm_states[slots] = self.ssm_candidates[slots, accepted_rows]
+        width = self.conv_kernel - 1
+        cols = accepted_rows[:, None] + 1 + torch.arange(width, device=slots.device)[None, :]
+        windows = self.conv_windows[slots]  # [n, C, K-1+rows]
+        index = cols[:, None, :].expand(-1, windows.shape[1], -1)
+        self.conv_states[slots] = windows.gather(2, index)

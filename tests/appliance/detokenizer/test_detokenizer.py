@@ -9,13 +9,19 @@ from appliance.messages import DetokParams, DetokRegister, RouterOutput, TokenUp
 TEXT = "héllo 你好 🙂 world, STOP here"
 
 
-def _stream(detok: Detokenizer, req_id: str, ids: list[int], params: DetokParams,
-            finish_at_end: str | None = "length", per_update: int = 1):
+def _stream(
+    detok: Detokenizer,
+    req_id: str,
+    ids: list[int],
+    params: DetokParams,
+    finish_at_end: str | None = "length",
+    per_update: int = 1,
+):
     """Feeds ids `per_update` at a time; returns (deltas, finishes sent to the router)."""
     out, fin = detok.process(RouterOutput(registers=[DetokRegister(req_id, 3, params)]))
     assert out.deltas == [] and fin == []
     deltas, finishes = [], []
-    chunks = [ids[i:i + per_update] for i in range(0, len(ids), per_update)]
+    chunks = [ids[i : i + per_update] for i in range(0, len(ids), per_update)]
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
         reason = finish_at_end if last else None
@@ -43,7 +49,7 @@ def test_utf8_never_broken(hf_tokenizer, text_tokenizer):
 
 
 def test_invalid_bytes_flushed_at_finish(hf_tokenizer, text_tokenizer):
-    # A lone lead byte can never complete: it is held, then released as U+FFFD when the request ends.
+    # A lone lead byte never completes: it is held, then released as U+FFFD when the request ends.
     lead = hf_tokenizer.encode("你")[0]
     ids = hf_tokenizer.encode("ab") + [lead]
     deltas, _ = _stream(Detokenizer(text_tokenizer), "r", ids, DetokParams())
@@ -83,8 +89,9 @@ def test_stop_included_and_multi_token_updates(hf_tokenizer, text_tokenizer):
 def test_held_prefix_released_when_no_stop(hf_tokenizer, text_tokenizer):
     # "STO" could start "STOX": held back until the end of the request, then released.
     ids = hf_tokenizer.encode("abc STO")
-    deltas, finishes = _stream(Detokenizer(text_tokenizer), "r", ids,
-                               DetokParams(stop=["STOX"]), finish_at_end="stop")
+    deltas, finishes = _stream(
+        Detokenizer(text_tokenizer), "r", ids, DetokParams(stop=["STOX"]), finish_at_end="stop"
+    )
     assert "".join(d.text for d in deltas) == "abc STO"
     assert deltas[-1].finish_reason == "stop" and finishes == []
 
@@ -94,8 +101,9 @@ def test_special_tokens_skipped_or_kept(hf_tokenizer, text_tokenizer):
     deltas, _ = _stream(Detokenizer(text_tokenizer), "a", ids, DetokParams(), "stop")
     assert "".join(d.text for d in deltas) == "hi"
     assert deltas[-1].num_output_tokens == len(ids)
-    deltas, _ = _stream(Detokenizer(text_tokenizer), "b", ids,
-                        DetokParams(skip_special_tokens=False), "stop")
+    deltas, _ = _stream(
+        Detokenizer(text_tokenizer), "b", ids, DetokParams(skip_special_tokens=False), "stop"
+    )
     assert "".join(d.text for d in deltas) == "hi<|im_end|>"
 
 
@@ -103,8 +111,13 @@ def test_logprob_entries(hf_tokenizer, text_tokenizer):
     ids = hf_tokenizer.encode("hé")
     detok = Detokenizer(text_tokenizer)
     detok.process(RouterOutput(registers=[DetokRegister("r", 1, DetokParams(logprobs=True))]))
-    update = TokenUpdate("r", ids, "length", logprobs=[-0.5] * len(ids),
-                         top_logprobs=[[(i, -0.5), (ids[0], -1.0)] for i in ids])
+    update = TokenUpdate(
+        "r",
+        ids,
+        "length",
+        logprobs=[-0.5] * len(ids),
+        top_logprobs=[[(i, -0.5), (ids[0], -1.0)] for i in ids],
+    )
     out, _ = detok.process(RouterOutput(updates=[update]))
     (delta,) = out.deltas
     assert delta.text == "hé"
@@ -115,25 +128,37 @@ def test_logprob_entries(hf_tokenizer, text_tokenizer):
 
 def test_rejection_and_stale_updates(text_tokenizer):
     detok = Detokenizer(text_tokenizer)
-    out, _ = detok.process(RouterOutput(updates=[
-        TokenUpdate("gone", [5], None),  # unknown request (already stopped): dropped
-        TokenUpdate("rej", [], "error", error="queue full", error_status=429),
-    ]))
+    out, _ = detok.process(
+        RouterOutput(
+            updates=[
+                TokenUpdate("gone", [5], None),  # unknown request (already stopped): dropped
+                TokenUpdate("rej", [], "error", error="queue full", error_status=429),
+            ]
+        )
+    )
     (delta,) = out.deltas
     assert (delta.req_id, delta.finish_reason, delta.error, delta.error_status) == (
-        "rej", "error", "queue full", 429)
+        "rej",
+        "error",
+        "queue full",
+        429,
+    )
 
 
 def test_many_requests_in_one_batch(hf_tokenizer, text_tokenizer):
     detok = Detokenizer(text_tokenizer)
     texts = [f"request {i} says héllo" for i in range(16)]
     all_ids = [hf_tokenizer.encode(t) for t in texts]
-    detok.process(RouterOutput(registers=[DetokRegister(f"r{i}", 1, DetokParams())
-                                          for i in range(16)]))
+    detok.process(
+        RouterOutput(registers=[DetokRegister(f"r{i}", 1, DetokParams()) for i in range(16)])
+    )
     got = {f"r{i}": "" for i in range(16)}
     for step in range(max(len(x) for x in all_ids)):
-        updates = [TokenUpdate(f"r{i}", [ids[step]], "length" if step == len(ids) - 1 else None)
-                   for i, ids in enumerate(all_ids) if step < len(ids)]
+        updates = [
+            TokenUpdate(f"r{i}", [ids[step]], "length" if step == len(ids) - 1 else None)
+            for i, ids in enumerate(all_ids)
+            if step < len(ids)
+        ]
         out, _ = detok.process(RouterOutput(updates=updates))
         for d in out.deltas:
             got[d.req_id] += d.text

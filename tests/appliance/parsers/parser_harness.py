@@ -38,12 +38,12 @@ def random_splits(text: str, rng: random.Random, count: int, max_piece: int) -> 
         pieces, at = [], 0
         while at < len(text):
             size = rng.randint(1, max_piece)
-            pieces.append(text[at:at + size])
+            pieces.append(text[at : at + size])
             at += size
         yield pieces
 
 
-def many_splits(text: str, seed: int = 0, count: int = 300) -> Iterator[list[str]]:
+def many_splits(text: str, seed: int = 0, count: int = 240) -> Iterator[list[str]]:
     """The split set used for long inputs: whole, per character, every single cut, and `count`
     seeded random splits into 1..3-character pieces plus `count // 3` into 1..12-character ones."""
     rng = random.Random(seed)
@@ -86,8 +86,13 @@ class ToolCase:
     calls: list[tuple[str, dict]]  # expected (name, arguments) in index order
 
 
-def check_tool_stream(case: ToolCase, chunks: list[str], tools: list[dict] | None,
-                      compare_whole: bool = False, **parser_kwargs) -> None:
+def check_tool_stream(
+    case: ToolCase,
+    chunks: list[str],
+    tools: list[dict] | None,
+    compare_whole: bool = False,
+    **parser_kwargs,
+) -> None:
     """Feed `chunks`; assert every streaming invariant and the final calls and content."""
     assert "".join(chunks) == case.text
     finals = [json.dumps(arguments) for _, arguments in case.calls]
@@ -124,6 +129,7 @@ def check_tool_stream(case: ToolCase, chunks: list[str], tools: list[dict] | Non
         if arguments:  # the closing brace travels with the last argument bytes
             assert len(fragment) >= 2
     assert (content or None) == case.content
+    assert parser.has_tool_calls == bool(case.calls)
     message = parser.result()
     assert message.content == case.content
     assert message.finish_reason_tool_calls == bool(case.calls)
@@ -134,8 +140,9 @@ def check_tool_stream(case: ToolCase, chunks: list[str], tools: list[dict] | Non
         assert parse_tool_calls(case.text, tools, seed=7, **parser_kwargs) == message
 
 
-def check_reasoning_stream(text: str, chunks: list[str], reasoning: str | None,
-                           content: str | None, **parser_kwargs) -> None:
+def check_reasoning_stream(
+    text: str, chunks: list[str], reasoning: str | None, content: str | None, **parser_kwargs
+) -> None:
     assert "".join(chunks) == text
     parser = ReasoningParser(**parser_kwargs)
     got_reasoning, got_content = "", ""

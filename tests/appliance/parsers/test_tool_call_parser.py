@@ -1,4 +1,4 @@
-"""Qwen3-coder tool-call parser: fixed responses, each fed at hundreds of chunkings (see the harness)."""
+"""Qwen3-coder tool-call parser: fixed responses, each fed at hundreds of chunkings."""
 
 from __future__ import annotations
 
@@ -18,20 +18,38 @@ from appliance.parsers import ParserFinishedError, ToolCallParser, parse_tool_ca
 
 
 def _tool(name: str, properties: dict) -> dict:
-    return {"type": "function", "function": {
-        "name": name, "description": name,
-        "parameters": {"type": "object", "properties": properties}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": name,
+            "parameters": {"type": "object", "properties": properties},
+        },
+    }
 
 
 TOOLS = [
-    _tool("get_weather", {"city": {"type": "string"}, "days": {"type": "integer"},
-                          "unit": {"type": "string", "enum": ["c", "f"]}}),
+    _tool(
+        "get_weather",
+        {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "unit": {"type": "string", "enum": ["c", "f"]},
+        },
+    ),
     _tool("write_file", {"path": {"type": "string"}, "content": {"type": "string"}}),
-    _tool("configure", {
-        "count": {"type": "integer"}, "ratio": {"type": "number"}, "enabled": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string"}}, "options": {"type": "object"},
-        "note": {"type": ["string", "null"]},
-        "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}),
+    _tool(
+        "configure",
+        {
+            "count": {"type": "integer"},
+            "ratio": {"type": "number"},
+            "enabled": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "options": {"type": "object"},
+            "note": {"type": ["string", "null"]},
+            "limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        },
+    ),
     _tool("ping", {}),
 ]
 
@@ -52,80 +70,172 @@ ESCAPES = 'He said "hi" \\ C:\\dir\n\ttab 😀 日本語 \x01 \u2028 </para <b> 
 CASES = {
     "single": ToolCase(_block(WEATHER), None, [("get_weather", {"city": "Paris", "days": 3})]),
     "text_and_two_blocks": ToolCase(
-        "Sure, checking.\n\n" + _block(_call("get_weather", [("city", "Oslo")])) + "\n"
-        + _block(_call("ping", [])) + "\n\nDone.",
+        "Sure, checking.\n\n"
+        + _block(_call("get_weather", [("city", "Oslo")]))
+        + "\n"
+        + _block(_call("ping", []))
+        + "\n\nDone.",
         "Sure, checking.\n\nDone.",
-        [("get_weather", {"city": "Oslo"}), ("ping", {})]),
+        [("get_weather", {"city": "Oslo"}), ("ping", {})],
+    ),
     "functions_in_one_block": ToolCase(
         _block(_call("ping", []), _call("get_weather", [("city", "Rome"), ("unit", "c")])),
-        None, [("ping", {}), ("get_weather", {"city": "Rome", "unit": "c"})]),
+        None,
+        [("ping", {}), ("get_weather", {"city": "Rome", "unit": "c"})],
+    ),
     "undefined_then_valid": ToolCase(
-        _block(_call("launch", [("target", "moon")])) + "\n"
+        _block(_call("launch", [("target", "moon")]))
+        + "\n"
         + _block(_call("nope", [("x", "1")]), _call("get_weather", [("city", "Lima")])),
-        None, [("get_weather", {"city": "Lima"})]),
+        None,
+        [("get_weather", {"city": "Lima"})],
+    ),
     "implicit_closers": ToolCase(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n2\n"
-        "</tool_call>", None, [("get_weather", {"city": "Paris", "days": 2})]),
+        "</tool_call>",
+        None,
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
     "function_end_closes_param": ToolCase(
         "<tool_call><function=get_weather><parameter=city>Nice</function></tool_call>",
-        None, [("get_weather", {"city": "Nice"})]),
+        None,
+        [("get_weather", {"city": "Nice"})],
+    ),
     "truncated_in_string": ToolCase(
         "<tool_call>\n<function=write_file>\n<parameter=path>\n/tmp/a.txt\n</parameter>\n"
-        "<parameter=content>\nhello wor", None,
-        [("write_file", {"path": "/tmp/a.txt", "content": "hello wor"})]),
+        "<parameter=content>\nhello wor",
+        None,
+        [("write_file", {"path": "/tmp/a.txt", "content": "hello wor"})],
+    ),
     "truncated_in_number": ToolCase(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-        "<parameter=days>\n4", None, [("get_weather", {"city": "Paris", "days": 4})]),
+        "<parameter=days>\n4",
+        None,
+        [("get_weather", {"city": "Paris", "days": 4})],
+    ),
     "truncated_in_header": ToolCase(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=da",
-        None, [("get_weather", {"city": "Paris"})]),
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
     "truncated_function_name": ToolCase("Hi\n<tool_call>\n<function=get_wea", "Hi", []),
     "truncated_closer_kept_as_text": ToolCase(
-        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis</param", None,
-        [("get_weather", {"city": "Paris</param"})]),
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis</param",
+        None,
+        [("get_weather", {"city": "Paris</param"})],
+    ),
     "escapes_and_unicode": ToolCase(
-        _block(_call("write_file", [("path", "ä/ö.txt"), ("content", ESCAPES)])), None,
-        [("write_file", {"path": "ä/ö.txt", "content": ESCAPES})]),
+        _block(_call("write_file", [("path", "ä/ö.txt"), ("content", ESCAPES)])),
+        None,
+        [("write_file", {"path": "ä/ö.txt", "content": ESCAPES})],
+    ),
     "types_by_schema": ToolCase(
-        _block(_call("configure", [
-            ("count", "42"), ("ratio", "0.5"), ("enabled", "True"), ("tags", '["a", "b"]'),
-            ("options", "{'k': [1, None], 'ok': True}"), ("note", "null"), ("limit", "NULL")])),
-        None, [("configure", {"count": 42, "ratio": 0.5, "enabled": True, "tags": ["a", "b"],
-                              "options": {"k": [1, None], "ok": True}, "note": None,
-                              "limit": None})]),
+        _block(
+            _call(
+                "configure",
+                [
+                    ("count", "42"),
+                    ("ratio", "0.5"),
+                    ("enabled", "True"),
+                    ("tags", '["a", "b"]'),
+                    ("options", "{'k': [1, None], 'ok': True}"),
+                    ("note", "null"),
+                    ("limit", "NULL"),
+                ],
+            )
+        ),
+        None,
+        [
+            (
+                "configure",
+                {
+                    "count": 42,
+                    "ratio": 0.5,
+                    "enabled": True,
+                    "tags": ["a", "b"],
+                    "options": {"k": [1, None], "ok": True},
+                    "note": None,
+                    "limit": None,
+                },
+            )
+        ],
+    ),
     "type_fallbacks": ToolCase(
-        _block(_call("configure", [
-            ("count", "forty"), ("ratio", "1e3"), ("enabled", "yes"), ("tags", "not json"),
-            ("options", '{"nested": {"x": true, "y": [1.5, "q\\"z"]}}'), ("limit", "7"),
-            ("extra", "5"), ("note", "n/a")])),
-        None, [("configure", {"count": "forty", "ratio": 1000.0, "enabled": "yes",
-                              "tags": "not json",
-                              "options": {"nested": {"x": True, "y": [1.5, 'q"z']}},
-                              "limit": 7, "extra": "5", "note": "n/a"})]),
+        _block(
+            _call(
+                "configure",
+                [
+                    ("count", "forty"),
+                    ("ratio", "1e3"),
+                    ("enabled", "yes"),
+                    ("tags", "not json"),
+                    ("options", '{"nested": {"x": true, "y": [1.5, "q\\"z"]}}'),
+                    ("limit", "7"),
+                    ("extra", "5"),
+                    ("note", "n/a"),
+                ],
+            )
+        ),
+        None,
+        [
+            (
+                "configure",
+                {
+                    "count": "forty",
+                    "ratio": 1000.0,
+                    "enabled": "yes",
+                    "tags": "not json",
+                    "options": {"nested": {"x": True, "y": [1.5, 'q"z']}},
+                    "limit": 7,
+                    "extra": "5",
+                    "note": "n/a",
+                },
+            )
+        ],
+    ),
     "repeated_parameter": ToolCase(
-        _block(_call("get_weather", [("city", "A"), ("days", "1"), ("city", "B")])), None,
-        [("get_weather", {"city": "A", "days": 1})]),
+        _block(_call("get_weather", [("city", "A"), ("days", "1"), ("city", "B")])),
+        None,
+        [("get_weather", {"city": "A", "days": 1})],
+    ),
     "null_like_strings": ToolCase(
-        _block(_call("write_file", [("path", "nullx"), ("content", "Nu")]),
-               _call("get_weather", [("city", "null")]),
-               _call("write_file", [("path", ""), ("content", "NuLL")])),
-        None, [("write_file", {"path": "nullx", "content": "Nu"}),
-               ("get_weather", {"city": None}), ("write_file", {"path": "", "content": None})]),
+        _block(
+            _call("write_file", [("path", "nullx"), ("content", "Nu")]),
+            _call("get_weather", [("city", "null")]),
+            _call("write_file", [("path", ""), ("content", "NuLL")]),
+        ),
+        None,
+        [
+            ("write_file", {"path": "nullx", "content": "Nu"}),
+            ("get_weather", {"city": None}),
+            ("write_file", {"path": "", "content": None}),
+        ],
+    ),
     "newline_stripping": ToolCase(
         "<tool_call>\n<function=write_file>\n<parameter=content>\n\n\nx\n\n\n</parameter>\n"
-        "<parameter=path>p</parameter>\n</function>\n</tool_call>", None,
-        [("write_file", {"content": "\n\nx\n\n", "path": "p"})]),
-    "whitespace_around_calls": ToolCase("\n\n" + _block(WEATHER) + "\n",
-                                        None, [("get_weather", {"city": "Paris", "days": 3})]),
+        "<parameter=path>p</parameter>\n</function>\n</tool_call>",
+        None,
+        [("write_file", {"content": "\n\nx\n\n", "path": "p"})],
+    ),
+    "whitespace_around_calls": ToolCase(
+        "\n\n" + _block(WEATHER) + "\n", None, [("get_weather", {"city": "Paris", "days": 3})]
+    ),
     "junk_inside_block": ToolCase(
-        "<tool_call>\nblah <b> <function=ping>\nzzz <x></function>\n</tool_call>", None,
-        [("ping", {})]),
+        "<tool_call>\nblah <b> <function=ping>\nzzz <x></function>\n</tool_call>",
+        None,
+        [("ping", {})],
+    ),
     "unclosed_function_then_next": ToolCase(
         "<tool_call>\n<tool_call>\n<function=ping>\n<function=get_weather>\n<parameter=city>\nX\n"
-        "</parameter>\n</tool_call>", None, [("ping", {}), ("get_weather", {"city": "X"})]),
+        "</parameter>\n</tool_call>",
+        None,
+        [("ping", {}), ("get_weather", {"city": "X"})],
+    ),
     "fake_tags_in_text": ToolCase(
         "Compare a<b, </tool_call>, <tool_c and <tool_callx>! end <tool_cal",
-        "Compare a<b, </tool_call>, <tool_c and <tool_callx>! end <tool_cal", []),
+        "Compare a<b, </tool_call>, <tool_c and <tool_callx>! end <tool_cal",
+        [],
+    ),
     "plain_text_trailing_whitespace": ToolCase("Hello\n\n ", "Hello\n\n ", []),
 }
 
@@ -137,21 +247,26 @@ def test_case_at_many_chunkings(name: str) -> None:
         check_tool_stream(case, chunks, TOOLS, compare_whole=number == 0)
 
 
-@pytest.mark.parametrize("name", ["single", "function_end_closes_param", "implicit_closers"])
+@pytest.mark.parametrize("name", ["function_end_closes_param", "truncated_in_number"])
 def test_every_pair_of_boundaries(name: str) -> None:
     case = CASES[name]
     for chunks in two_cut_splits(case.text):
         check_tool_stream(case, chunks, TOOLS)
 
 
-@pytest.mark.parametrize(("anchor", "shift"), [
-    ("<tool_call>", 0), ("<function=", 3), ("Paris", 2), ("3\n</par", -1), ("</function>", 5)])
+@pytest.mark.parametrize(
+    ("anchor", "shift"),
+    [("<tool_call>", 0), ("<function=", 3), ("Paris", 2), ("3\n</par", -1), ("</function>", 5)],
+)
 def test_every_small_split_around_tags(anchor: str, shift: int) -> None:
     """All splits into 1–3-character pieces of a 14-character window around each tag."""
     case = CASES["single"]
     start, length = case.text.index(anchor) + shift, 14
-    head, middle, tail = (case.text[:start], case.text[start:start + length],
-                          case.text[start + length:])
+    head, middle, tail = (
+        case.text[:start],
+        case.text[start : start + length],
+        case.text[start + length :],
+    )
     for pieces in compositions(middle):
         check_tool_stream(case, [head, *pieces, tail], TOOLS)
 
@@ -176,11 +291,26 @@ def test_named_tool_choice_and_parallel_off() -> None:
     named = {"type": "function", "function": {"name": "ping"}}
     for chunks in many_splits(text, count=30):
         check_tool_stream(ToolCase(text, None, [("ping", {})]), chunks, TOOLS, tool_choice=named)
-        check_tool_stream(ToolCase(text, None, [("get_weather", {"city": "Paris", "days": 3})]),
-                          chunks, TOOLS, parallel_tool_calls=False)
-        check_tool_stream(ToolCase(text, None, [
-            ("get_weather", {"city": "Paris", "days": 3}), ("ping", {}),
-            ("get_weather", {"city": "B"})]), chunks, TOOLS, tool_choice="required")
+        check_tool_stream(
+            ToolCase(text, None, [("get_weather", {"city": "Paris", "days": 3})]),
+            chunks,
+            TOOLS,
+            parallel_tool_calls=False,
+        )
+        check_tool_stream(
+            ToolCase(
+                text,
+                None,
+                [
+                    ("get_weather", {"city": "Paris", "days": 3}),
+                    ("ping", {}),
+                    ("get_weather", {"city": "B"}),
+                ],
+            ),
+            chunks,
+            TOOLS,
+            tool_choice="required",
+        )
 
 
 def _arguments_after(parser: ToolCallParser, text: str) -> str:
@@ -209,8 +339,12 @@ def test_first_fragment_is_the_name_head() -> None:
     assert parser.feed("<tool_call>\n<function=ping").tool_calls == []
     (head,) = parser.feed(">\n").tool_calls
     assert (head.index, head.name, head.arguments) == (0, "ping", "{")
-    assert head.to_openai() == {"index": 0, "id": head.id, "type": "function",
-                                "function": {"name": "ping", "arguments": "{"}}
+    assert head.to_openai() == {
+        "index": 0,
+        "id": head.id,
+        "type": "function",
+        "function": {"name": "ping", "arguments": "{"},
+    }
     (tail,) = parser.feed("</function>\n</tool_call>").tool_calls
     assert tail.to_openai() == {"index": 0, "function": {"arguments": "}"}}
 

@@ -27,7 +27,11 @@ def next_token(tokens: list[int]) -> int:
 
 
 class FakeWorker:
-    def __init__(self, num_kv_slots: int) -> None:
+    def __init__(self, num_kv_slots: int, sample_fn=None) -> None:
+        # sample_fn(tokens, sampling, num_prompt_tokens) -> next token; default: `next_token`
+        self.sample_fn = sample_fn or (lambda tokens, sampling, num_prompt: next_token(tokens))
+        self.sampling: dict[int, object] = {}  # req_slot -> SamplingOptions
+        self.num_prompt: dict[int, int] = {}  # req_slot -> prompt tokens at the head of tokens
         self.tokens: dict[int, list[int]] = {}  # req_slot -> every known token
         self.computed: dict[int, int] = {}  # req_slot -> positions computed
         self.req_to_token: dict[int, list[int]] = {}  # req_slot -> kv slot per computed position
@@ -46,6 +50,9 @@ class FakeWorker:
             assert new.req_slot not in self.tokens, f"slot {new.req_slot} reused before release"
             assert new.sampling.seed is not None
             self.tokens[new.req_slot] = list(new.token_ids)
+            self.sampling[new.req_slot] = new.sampling
+            assert 1 <= new.num_prompt_tokens <= len(new.token_ids)
+            self.num_prompt[new.req_slot] = new.num_prompt_tokens
             self.computed[new.req_slot] = 0
             self.req_to_token[new.req_slot] = []
         assert len({c.req_slot for c in plan.chunks}) == len(plan.chunks), "slot twice in one step"
@@ -77,7 +84,7 @@ class FakeWorker:
             assert self.kv_owner[kv] == (slot, pos) and self.kv_value[kv] == tokens[pos]
         if not chunk.sample:
             return None
-        token = next_token(tokens)
+        token = self.sample_fn(tokens, self.sampling[slot], self.num_prompt[slot])
         tokens.append(token)
         return token
 

@@ -34,6 +34,7 @@ def test_preemption_completes_every_request_with_unpressured_tokens(budget: int)
     # re-admission resends prompt + generated tokens
     resent = [n for p in worker.plans for n in p.new_requests if len(n.token_ids) > 10]
     assert resent and all(n.token_ids[:10] in prompts.values() for n in resent)
+    assert all(n.num_prompt_tokens == 10 for p in worker.plans for n in p.new_requests)
     assert stats.num_prompt_tokens == 60  # recompute is not counted as prompt again
     assert stats.num_generation_tokens == 120
     assert stats.num_computed_tokens > 60 + 6 * 19

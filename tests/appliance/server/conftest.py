@@ -40,21 +40,28 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}")
-CORPUS = ["hello world, this is a small test corpus for the server tests.",
-          "The quick brown fox jumps over the lazy dog. STOP here."] * 20
-MAX_MODEL_LEN = 64
+    "{% endif %}{% endif %}"
+)
+CORPUS = [
+    "hello world, this is a small test corpus for the server tests.",
+    "The quick brown fox jumps over the lazy dog. STOP here.",
+] * 20
+MAX_MODEL_LEN = 256
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                 pad_token="<|endoftext|>")
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
@@ -63,8 +70,14 @@ class ScriptedEngine(threading.Thread):
     """Router + worker stand-in. Each request "generates" `script(prompt_ids)` one token per step,
     then eos (finish "stop"), or stops at max_tokens ("length")."""
 
-    def __init__(self, router_addr: str, server_addr: str, tokenizer: PreTrainedTokenizerFast,
-                 script: Callable[[list[int]], list[int]], step_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        router_addr: str,
+        server_addr: str,
+        tokenizer: PreTrainedTokenizerFast,
+        script: Callable[[list[int]], list[int]],
+        step_s: float = 0.002,
+    ) -> None:
         super().__init__(daemon=True)
         self.script = script
         self.step_s = step_s
@@ -80,23 +93,31 @@ class ScriptedEngine(threading.Thread):
         self.aborted: list[str] = []
         self.finished_by_detok: list[str] = []
         self.reject_status = 0  # set to 429/400 to reject every new request
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         dec = decoder(ToRouter)
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             registers, updates, status = [], [], None
             while self.inbox.poll(0 if self.active else 5):
                 msg = dec.decode(self.inbox.recv())
                 if isinstance(msg, TokenizedRequest):
                     self.received.append(msg)
                     if self.reject_status:
-                        updates.append(TokenUpdate(msg.req_id, [], "error", error="rejected",
-                                                   error_status=self.reject_status))
+                        updates.append(
+                            TokenUpdate(
+                                msg.req_id,
+                                [],
+                                "error",
+                                error="rejected",
+                                error_status=self.reject_status,
+                            )
+                        )
                         continue
                     self.active[msg.req_id] = [msg, 0]
-                    registers.append(DetokRegister(msg.req_id, len(msg.prompt_token_ids),
-                                                   msg.detok))
+                    registers.append(
+                        DetokRegister(msg.req_id, len(msg.prompt_token_ids), msg.detok)
+                    )
                 elif isinstance(msg, AbortRequest):
                     self.aborted.append(msg.req_id)
                     self.active.pop(msg.req_id, None)
@@ -137,11 +158,19 @@ class ScriptedEngine(threading.Thread):
 
     def stats(self) -> RouterStats:
         n = len(self.active)
-        return RouterStats(num_running=n, num_waiting=0, kv_usage=n / 8, state_usage=n / 8,
-                           kv_used=n, kv_total=8, state_used=n, state_total=8)
+        return RouterStats(
+            num_running=n,
+            num_waiting=0,
+            kv_usage=n / 8,
+            state_usage=n / 8,
+            kv_used=n,
+            kv_total=8,
+            state_used=n,
+            state_total=8,
+        )
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(2)
         self.inbox.close()
         self.outbox.close()
@@ -165,15 +194,21 @@ def make_server(tmp_path, tokenizer):
     def make(script=None, max_open: int = 64, ready: bool = True, **config):
         router_addr = f"ipc://{tmp_path}/router-{len(made)}"
         server_addr = f"ipc://{tmp_path}/server-{len(made)}"
-        engine = ScriptedEngine(router_addr, server_addr, tokenizer,
-                                script or default_script(tokenizer))
+        engine = ScriptedEngine(
+            router_addr, server_addr, tokenizer, script or default_script(tokenizer)
+        )
         engine.start()
         metrics = MetricsRecorder("tiny")
+        server_config = ServerConfig(access_log=False, **config)
         state = ServerState(
-            config=ServerConfig(access_log=False, **config), model_name="tiny",
-            model_dir="/models/tiny", prompts=PromptBuilder(tokenizer, MAX_MODEL_LEN),
-            client=EngineClient(router_addr, server_addr, max_open, metrics), metrics=metrics,
-            ready=ready)
+            config=server_config,
+            model_name="tiny",
+            model_dir="/models/tiny",
+            prompts=PromptBuilder(tokenizer, MAX_MODEL_LEN, server_config.max_prompt_chars),
+            client=EngineClient(router_addr, server_addr, max_open, metrics),
+            metrics=metrics,
+            ready=ready,
+        )
         client = TestClient(build_app(state))
         client.__enter__()
         made.append((client, engine))

@@ -14,12 +14,25 @@ from appliance.testing.randomize import UnknownParameterError, randomize_
 
 def _text_model(**overrides) -> nn.Module:
     config = q35.Qwen3_5TextConfig(
-        vocab_size=300, hidden_size=64, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=128, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
         **overrides,
     )
     return q35.Qwen3_5ForCausalLM(config).eval()

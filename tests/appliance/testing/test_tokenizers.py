@@ -56,8 +56,9 @@ def test_chat_template_basic_and_thinking(bpe_dir):
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
     ]
-    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
-                                   enable_thinking=False)
+    text = tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
@@ -67,7 +68,8 @@ def test_chat_template_basic_and_thinking(bpe_dir):
     assert thinking.endswith("<|im_start|>assistant\n<think>\n")
     video = tok.apply_chat_template(
         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "x"}]}],
-        tokenize=False)
+        tokenize=False,
+    )
     assert video == "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>x<|im_end|>\n"
 
 
@@ -87,52 +89,88 @@ def test_chat_template_history_drops_old_reasoning(bpe_dir):
 
 def test_chat_template_tools_calls_and_results(bpe_dir):
     tok = AutoTokenizer.from_pretrained(str(bpe_dir))
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "Weather for a city.",
-        "parameters": {"type": "object", "required": ["city"], "properties": {
-            "city": {"type": "string", "description": "City name"},
-            "days": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city.",
+                "parameters": {
+                    "type": "object",
+                    "required": ["city"],
+                    "properties": {
+                        "city": {"type": "string", "description": "City name"},
+                        "days": {"type": "integer"},
+                    },
+                },
+            },
+        }
+    ]
     msgs = [
         {"role": "system", "content": "You help."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather",
-                                              "arguments": {"city": "Paris", "days": 2}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny"},
         {"role": "tool", "content": {"t": 20} and "20C"},
     ]
     text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nYou help.\n\n# Tools\n")
-    assert ("<function>\n<name>get_weather</name>\n<description>Weather for a city.</description>\n"
-            "<parameters>\n<parameter>\n<name>city</name>\n<type>string</type>\n"
-            "<description>City name</description>\n</parameter>") in text
+    assert (
+        "<function>\n<name>get_weather</name>\n<description>Weather for a city.</description>\n"
+        "<parameters>\n<parameter>\n<name>city</name>\n<type>string</type>\n"
+        "<description>City name</description>\n</parameter>"
+    ) in text
     assert '<required>["city"]</required>' in text
-    assert ("<|im_start|>assistant\n<think>\n\n</think>\n\nChecking.\n\n<tool_call>\n"
-            "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n") in text
-    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
-            "<tool_response>\n20C\n</tool_response><|im_end|>\n") in text
+    assert (
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nChecking.\n\n<tool_call>\n"
+        "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+    ) in text
+    assert (
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+        "<tool_response>\n20C\n</tool_response><|im_end|>\n"
+    ) in text
     assert text.count("<|im_start|>system") == 1
 
 
-@pytest.mark.parametrize("family,reference", [("qwen3.5", "qwen3.5-27b"), ("qwen3", "qwen-7b-chat")])
-def test_qwen_vocab_matches_tiktoken_reference(tmp_path, family, reference):
-    out = build_qwen_tokenizer(tmp_path, family=family)
-    fast = Tokenizer.from_file(str(out / "tokenizer.json"))
-    hf = AutoTokenizer.from_pretrained(str(out))
-    ref = qwen_tokenizer.get_tokenizer(reference)
+def test_qwen3_5_vocab_of_tiny_checkpoint_matches_tiktoken_reference(tiny_dense_qwen_vocab):
+    hf = AutoTokenizer.from_pretrained(str(tiny_dense_qwen_vocab))
+    ref = qwen_tokenizer.get_tokenizer("qwen3.5-27b")
     for text in MULTILINGUAL:
         expected = ref.encode(text)
-        assert fast.encode(text, add_special_tokens=False).ids == expected, text
         assert hf.encode(text) == expected, text
         assert hf.decode(expected) == ref.decode(expected)
+    ids = special_token_ids(tiny_dense_qwen_vocab)
+    assert ids["<|endoftext|>"] == 248044 and ids["<|im_end|>"] == 248046
+    assert ids["<|image_pad|>"] == 248056 and hf.convert_tokens_to_ids("</think>") == 248069
+    assert hf.eos_token_id == 248046 and hf.pad_token_id == 248044
+    # <think> is an ordinary added token: kept by skip_special_tokens
+    assert hf.decode([248068, 248046], skip_special_tokens=True) == "<think>"
+    text = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=False,
+    )
+    prompt = hf.encode(text)
+    assert prompt[:3] == [248045, 846, 198] and prompt[-4:] == [248068, 271, 248069, 271]
+
+
+def test_qwen3_vocab_matches_tiktoken_reference(tmp_path):
+    out = build_qwen_tokenizer(tmp_path, family="qwen3")
+    fast = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ref = qwen_tokenizer.get_tokenizer("qwen-7b-chat")
+    for text in MULTILINGUAL:
+        assert fast.encode(text, add_special_tokens=False).ids == ref.encode(text), text
     ids = special_token_ids(out)
-    if family == "qwen3.5":
-        assert ids["<|endoftext|>"] == 248044 and ids["<|im_end|>"] == 248046
-        assert ids["<|image_pad|>"] == 248056 and hf.convert_tokens_to_ids("</think>") == 248069
-    else:
-        assert ids["<|im_end|>"] == 151645 and ids["<|vision_start|>"] == 151652
-        assert hf.convert_tokens_to_ids("</think>") == 151668
-    # <think>/<tool_call> are ordinary added tokens: kept by skip_special_tokens
-    think = hf.convert_tokens_to_ids("<think>")
-    assert hf.decode([think, ids["<|im_end|>"]], skip_special_tokens=True) == "<think>"
+    assert ids["<|im_end|>"] == 151645 and ids["<|vision_start|>"] == 151652
+    assert fast.token_to_id("</think>") == 151668 and fast.get_vocab_size() == 151669

@@ -1,4 +1,4 @@
-"""visual.preprocess against transformers' Qwen2VLImageProcessorPil (the HF oracle, models.md §7.5)."""
+"""visual.preprocess against transformers' Qwen2VLImageProcessorPil (HF oracle, models.md §7.5)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,10 @@ TINY = PreprocessConfig(min_pixels=32 * 32, max_pixels=128 * 128)
 
 def hf_processor(config: PreprocessConfig) -> Qwen2VLImageProcessorPil:
     return Qwen2VLImageProcessorPil(
-        patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
-        merge_size=config.merge_size, image_mean=list(config.image_mean),
+        patch_size=config.patch_size,
+        temporal_patch_size=config.temporal_patch_size,
+        merge_size=config.merge_size,
+        image_mean=list(config.image_mean),
         image_std=list(config.image_std),
         size={"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels},
     )
@@ -102,8 +104,9 @@ def test_smart_resize_agrees_with_hf_on_many_sizes():
         if max(height, width) / min(height, width) > 200:
             continue
         for config in configs:
-            expected = hf_smart_resize(height, width, config.factor, config.min_pixels,
-                                       config.max_pixels)
+            expected = hf_smart_resize(
+                height, width, config.factor, config.min_pixels, config.max_pixels
+            )
             got = smart_resize(height, width, config)
             assert got == expected, (height, width)
             assert got[0] % 32 == 0 and got[1] % 32 == 0
@@ -129,8 +132,14 @@ def test_config_from_preprocessor_json_matches_hf_loader(tmp_path, make_image):
 
 
 def test_config_accepts_legacy_min_max_pixels():
-    config = PreprocessConfig.from_dict({"min_pixels": 3136, "max_pixels": 12845056,
-                                         "patch_size": 14, "image_mean": [0.1, 0.2, 0.3]})
+    config = PreprocessConfig.from_dict(
+        {
+            "min_pixels": 3136,
+            "max_pixels": 12845056,
+            "patch_size": 14,
+            "image_mean": [0.1, 0.2, 0.3],
+        }
+    )
     assert (config.min_pixels, config.max_pixels, config.patch_size) == (3136, 12845056, 14)
     assert config.image_mean == (0.1, 0.2, 0.3) and config.image_std == (0.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="max_pixels"):

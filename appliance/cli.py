@@ -1,0 +1,195 @@
+"""The `appliance` command: `appliance serve [MODEL_DIR] --tp N --port P ...`.
+
+Entry point of the console script (pyproject) and `python -m appliance.cli`. Every flag is generated
+from a field of the frozen config dataclasses (appliance/config.py): the default is the field's
+default and the help text is the field's comment, so the dataclass stays the one source of truth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+from appliance import envs
+from appliance.config import EngineConfig, ServeConfig
+
+_POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL_DIR
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` lines of a dataclass's source -> {name: comment}."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
+    return dict(found)
+
+
+def _nested(cls: type) -> dict[str, type]:
+    """Fields of a config dataclass whose type is itself a dataclass: {name: class}."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: hints[f.name]
+        for f in dataclasses.fields(cls)
+        if dataclasses.is_dataclass(hints.get(f.name))
+    }
+
+
+def _config_sections(root: type = ServeConfig, path: tuple[str, ...] = ()):
+    """Yields (path, class) for every config dataclass under root that holds plain fields."""
+    nested = _nested(root)
+    if len(nested) < len(dataclasses.fields(root)):
+        yield path, root
+    for name, cls in nested.items():
+        yield from _config_sections(cls, (*path, name))
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Adds one flag per config field; returns dest -> (section path, field name)."""
+    dests: dict[str, tuple[tuple[str, ...], str]] = {}
+    for path, cls in _config_sections():
+        group = parser.add_argument_group(f"{cls.__name__} ({'.'.join(path)})")
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in _POSITIONAL or f.name in _nested(cls):
+                continue
+            if f.name in dests:
+                raise RuntimeError(f"config field {f.name} defined twice; flags must be unique")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{comments.get(f.name, '')} (default: {default!r})"
+            if isinstance(default, bool):
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
+                )
+            else:
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    type=type(default),
+                    default=None,
+                    metavar=type(default).__name__.upper(),
+                    help=help_text,
+                )
+            dests[f.name] = (path, f.name)
+    return dests
+
+
+def _build_config(args: argparse.Namespace, dests) -> ServeConfig:
+    """Overrides the dataclass defaults with the flags given; validation errors name the field."""
+    overrides: dict[tuple[str, ...], dict[str, Any]] = {}
+    for dest, (path, name) in dests.items():
+        value = getattr(args, dest)
+        if value is not None:
+            overrides.setdefault(path, {})[name] = value
+    overrides.setdefault(("engine", "model"), {})["model_dir"] = args.model_dir or ""
+
+    def build(cls: type, path: tuple[str, ...]):
+        kwargs = dict(overrides.get(path, {}))
+        for name, sub in _nested(cls).items():
+            kwargs[name] = build(sub, (*path, name))
+        return cls(**kwargs)
+
+    return build(ServeConfig, ())
+
+
+def _env_help() -> str:
+    lines = ["environment variables:"]
+    for var in envs.registry().values():
+        choices = f" [{'|'.join(var.choices)}]" if var.choices else ""
+        lines.append(f"  {var.name}={var.default!r}{choices}  {var.doc}")
+    return "\n".join(lines)
+
+
+class _FullHelp(argparse.Action):
+    """`appliance --help` prints every subcommand's flags, not just the subcommand names."""
+
+    def __init__(self, option_strings, dest, subparsers=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.subparsers = subparsers
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parts = [parser.format_help()]
+        for name, sub in self.subparsers.choices.items():
+            parts.append(f"\n===== appliance {name} =====\n{sub.format_help()}")
+        parts.append("\n" + _env_help() + "\n")
+        sys.stdout.write("".join(parts))
+        parser.exit()
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    parser = argparse.ArgumentParser(
+        prog="appliance",
+        add_help=False,
+        description="OpenAI-compatible inference appliance for Qwen3.5 and Qwen3-VL.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument(
+        "-h",
+        "--help",
+        action=_FullHelp,
+        subparsers=subparsers,
+        help="show every command's options and exit",
+    )
+    serve = subparsers.add_parser(
+        "serve",
+        help="start the appliance (server, router, detokenizer, TP workers)",
+        description="Start the appliance and serve the OpenAI API until SIGTERM / Ctrl-C.",
+        epilog=_env_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "model_dir",
+        nargs="?",
+        default="",
+        metavar="MODEL_DIR",
+        help="checkpoint folder (HF layout); omitted = the embedded default model",
+    )
+    dests = _add_flags(serve)
+    return parser, dests
+
+
+def _resolve_model_dir(model_dir: str) -> str:
+    if model_dir:
+        return model_dir
+    from appliance.assets.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, dests = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_usage()
+        return 2
+    try:
+        config = _build_config(args, dests)
+    except ValueError as exc:
+        parser.error(str(exc))
+    from appliance.launch import serve
+    from appliance.logging import setup_logging
+
+    setup_logging()
+    model_dir = _resolve_model_dir(config.engine.model.model_dir)
+    if not (Path(model_dir) / "config.json").is_file():
+        parser.error(f"MODEL_DIR: {model_dir} is not a checkpoint folder (no config.json)")
+    model = dataclasses.replace(config.engine.model, model_dir=model_dir)
+    engine: EngineConfig = dataclasses.replace(config.engine, model=model)
+    return serve(dataclasses.replace(config, engine=engine))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

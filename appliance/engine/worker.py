@@ -1,0 +1,64 @@
+"""The worker process loop: one per TP rank; receives every StepPlan from the router, executes it on
+its ModelRunner, and (rank 0 only) sends the StepResult back.
+
+Spawned by appliance/launch.py (`run_worker`). torch.distributed (gloo on CPU, NCCL on GPU) is
+initialised here, before the runner loads its TP shard.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import zmq
+
+from appliance.config import EngineConfig
+from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.logging import get_logger
+from appliance.messages import StepPlan, WorkerInfo, decoder, encode
+
+logger = get_logger(__name__)
+
+
+def load_runner_class(path: str) -> type:
+    """'package.module:ClassName' -> the class (the real ModelRunner, or a test/bench stand-in)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _init_distributed(config: EngineConfig, addrs: Addresses, rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    device = config.parallel.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=addrs.dist_init, rank=rank, world_size=world_size)
+    logger.debug("rank %d/%d joined the %s group", rank, world_size, backend)
+
+
+def run_worker(
+    config: EngineConfig, addrs: Addresses, rank: int, world_size: int, runner_path: str
+) -> None:
+    child_init(f"worker {rank}")
+    link = RoleLink(addrs.launcher, "worker", rank)
+    if world_size > 1:
+        link.progress(f"joining the tensor-parallel group ({world_size} ranks)")
+        _init_distributed(config, addrs, rank, world_size)
+    link.progress("loading model")
+    runner = load_runner_class(runner_path)(config, rank, world_size)
+    ctx = zmq.Context.instance()
+    inbox = zmq_socket(ctx, zmq.PULL, addrs.workers[rank], bind=True)
+    results = zmq_socket(ctx, zmq.PUSH, addrs.router_results, bind=False) if rank == 0 else None
+    info = None
+    if rank == 0:
+        info = WorkerInfo(runner.num_kv_slots, runner.max_model_len, list(runner.eos_token_ids))
+    link.ready(info)
+    dec = decoder(StepPlan)
+    while True:
+        plan = dec.decode(inbox.recv(copy=False))
+        result = runner.execute(plan)
+        if results is not None:
+            results.send(encode(result))

@@ -1,0 +1,168 @@
+"""Backend selection for the ops that have external alternatives: attention, GDN prefill, fp8 GEMM.
+
+Called once at worker start (`configure`) and by `appliance backends` (`resolve_backends`); the op
+dispatchers read the choice with `selected(kind)`. Flags come from appliance.envs
+(APPLIANCE_GDN_PREFILL_BACKEND, APPLIANCE_FP8_GEMM) and the `--attention-backend` option.
+
+Rules (a requested backend that cannot run falls back with exactly one warning naming the reason):
+- every kind resolves to `torch` (the reference ops) on a machine without CUDA;
+- attention: auto -> triton (own kernel); flashinfer when requested and importable;
+- gdn_prefill: auto -> triton; fla when `fla` imports; flashqla only on SM90+ with `flash_qla`
+  importable (it is ~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);
+- fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+), else torch (`torch._scaled_mm`, cuBLASLt
+  row-wise scales) on SM90+, triton on SM89, torch below SM89 (dequantise + matmul);
+  sgl = sglang-kernel's `fp8_scaled_mm` when `sgl_kernel` imports (SM90+).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "attention": ("auto", "triton", "flashinfer", "torch"),
+    "gdn_prefill": ("auto", "triton", "fla", "flashqla", "torch"),
+    "fp8_gemm": ("auto", "cutlass", "sgl", "triton", "torch"),
+}
+OPTIONAL_MODULES = ("triton", "flashinfer", "fla", "flash_qla", "sgl_kernel", "vllm")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the resolution depends on; tests build fake ones."""
+
+    cuda: bool  # a CUDA device is visible
+    capability: tuple[int, int]  # compute capability of device 0, (0, 0) without CUDA
+    importable: frozenset[str]  # optional modules found on sys.path
+
+
+def detect_platform() -> Platform:
+    cuda = torch.cuda.is_available()
+    capability = torch.cuda.get_device_capability(0) if cuda else (0, 0)
+    found = frozenset(m for m in OPTIONAL_MODULES if importlib.util.find_spec(m) is not None)
+    return Platform(cuda, tuple(capability), found)
+
+
+def _resolve_attention(requested: str, p: Platform) -> tuple[str, str | None]:
+    own = "triton" if "triton" in p.importable else "torch"
+    if requested == "flashinfer":
+        if "flashinfer" in p.importable:
+            return "flashinfer", None
+        return own, "flashinfer is not importable"
+    if requested == "triton" and own != "triton":
+        return "torch", "triton is not importable"
+    return (own if requested == "auto" else requested), None
+
+
+def _resolve_gdn(requested: str, p: Platform) -> tuple[str, str | None]:
+    own = "triton" if "triton" in p.importable else "torch"
+    if requested == "flashqla":
+        if p.capability < (9, 0):
+            return own, f"flashqla needs SM90+, this GPU is SM{p.capability[0]}{p.capability[1]}"
+        if "flash_qla" not in p.importable:
+            return own, "flash_qla is not importable"
+        return "flashqla", None
+    if requested == "fla":
+        return ("fla", None) if "fla" in p.importable else (own, "fla (fla-core) is not importable")
+    if requested == "triton" and own != "triton":
+        return "torch", "triton is not importable"
+    return (own if requested == "auto" else requested), None
+
+
+def _fp8_auto(p: Platform) -> str:
+    if p.capability >= (9, 0):
+        return "cutlass" if "vllm" in p.importable else "torch"
+    if p.capability >= (8, 9) and "triton" in p.importable:
+        return "triton"
+    return "torch"
+
+
+def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
+    auto = _fp8_auto(p)
+    sm = f"SM{p.capability[0]}{p.capability[1]}"
+    needs = {"cutlass": ((9, 0), "vllm"), "sgl": ((9, 0), "sgl_kernel"), "triton": ((8, 9), "triton")}
+    if requested in needs:
+        capability, module = needs[requested]
+        if p.capability < capability:
+            return auto, f"{requested} needs SM{capability[0]}{capability[1]}+, this GPU is {sm}"
+        if module not in p.importable:
+            return auto, f"{module} is not importable"
+        return requested, None
+    if requested == "torch" and p.capability < (9, 0):
+        # cuBLASLt row-wise scaling exists only on SM90+; below it torch means dequantise + matmul
+        return "torch", None
+    return (auto if requested == "auto" else requested), None
+
+
+_RESOLVERS = {"attention": _resolve_attention, "gdn_prefill": _resolve_gdn, "fp8_gemm": _resolve_fp8}
+_ENV_FLAGS = {"gdn_prefill": "APPLIANCE_GDN_PREFILL_BACKEND", "fp8_gemm": "APPLIANCE_FP8_GEMM"}
+
+
+def _requested_from_env(kind: str) -> str:
+    """Flags are read only through appliance.envs (imported lazily: kernels/ does not depend on it)."""
+    if kind not in _ENV_FLAGS:
+        return "auto"
+    try:
+        from appliance import envs
+    except ImportError:
+        return "auto"
+    return getattr(envs, _ENV_FLAGS[kind])
+
+
+def resolve_backends(
+    attention: str | None = None,
+    gdn_prefill: str | None = None,
+    fp8_gemm: str | None = None,
+    platform: Platform | None = None,
+) -> dict[str, str]:
+    """The backend each kind resolves to on this machine; one warning line per fallback.
+    A None request reads the env flag (attention: 'auto')."""
+    platform = platform or detect_platform()
+    result: dict[str, str] = {}
+    for kind, requested in (("attention", attention), ("gdn_prefill", gdn_prefill),
+                            ("fp8_gemm", fp8_gemm)):
+        requested = (requested or _requested_from_env(kind)).lower()
+        if requested not in CHOICES[kind]:
+            raise ValueError(f"{kind} backend {requested!r}: expected one of {', '.join(CHOICES[kind])}")
+        if not platform.cuda:
+            name, reason = "torch", (None if requested in ("auto", "torch") else "no CUDA device")
+        else:
+            name, reason = _RESOLVERS[kind](requested, platform)
+        if reason is not None:
+            log.warning("%s backend %r unavailable (%s); using %r", kind, requested, reason, name)
+        result[kind] = name
+    return result
+
+
+_selected: dict[str, str] | None = None
+
+
+def configure(
+    attention: str | None = None,
+    gdn_prefill: str | None = None,
+    fp8_gemm: str | None = None,
+    platform: Platform | None = None,
+) -> dict[str, str]:
+    """Resolve once per process (worker start) and log the table; dispatchers then use `selected`."""
+    global _selected
+    _selected = resolve_backends(attention, gdn_prefill, fp8_gemm, platform)
+    log.info("kernel backends: %s", " ".join(f"{k}={v}" for k, v in _selected.items()))
+    return dict(_selected)
+
+
+def selected(kind: str) -> str:
+    if _selected is None:
+        configure()
+    assert _selected is not None
+    return _selected[kind]
+
+
+def reset() -> None:
+    """Forget the configured table (tests)."""
+    global _selected
+    _selected = None

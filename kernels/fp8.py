@@ -1,0 +1,259 @@
+"""fp8 e4m3 activation quantisation (per token, per tensor) and the scaled GEMM of fp8 linears and
+fp8 experts: references, Triton kernels and the dispatchers `fp8_quant`, `fp8_scaled_mm` and
+`fp8_linear` (the backend chosen in kernels.backends). Called by appliance/models/layers/linear.py
+and kernels/moe_triton.py.
+
+Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale per
+output channel [N] or one per tensor [1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row quantises with this scale instead of dividing by zero
+
+
+# ------------------------------------------- references -------------------------------------------
+
+
+def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (x_q [T, H] e4m3, scale [T, 1] fp32)."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def per_tensor_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (x_q e4m3, scale [1] fp32); a given scale is static, else the tensor's amax."""
+    if scale is None:
+        scale = (x.float().abs().amax() / FP8_MAX).clamp_min(MIN_SCALE).reshape(1)
+    scale = scale.float().reshape(1)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_scaled_mm_ref(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    b_q: torch.Tensor,  # [N, K] e4m3
+    scale_a: torch.Tensor,  # [M, 1] per token or [1] per tensor
+    scale_b: torch.Tensor,  # [N] / [N, 1] per channel or [1] per tensor
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Dequantise both operands and multiply in fp32."""
+    a = a_q.float() * scale_a.float().reshape(-1, 1)
+    b = b_q.float() * scale_b.float().reshape(-1, 1)
+    out = a @ b.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+# --------------------------------------------- Triton ---------------------------------------------
+
+
+@jit
+def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, hidden, stride_x, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, hidden, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < hidden)
+
+
+@jit
+def _amax_kernel(x_ptr, amax_ptr, rows, hidden, stride_x, BLOCK_R: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    amax = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        mask = (r < rows)[:, None] & (cols < hidden)[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(amax, 1), 0))
+
+
+@jit
+def _static_quant_kernel(x_ptr, q_ptr, s_ptr, rows, hidden, stride_x, stride_q,
+                         FROM_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (r < rows)[:, None] & (cols < hidden)[None, :]
+    scale = tl.load(s_ptr)
+    if FROM_AMAX:
+        scale = tl.maximum(scale / 448.0, 1e-12)
+    x = tl.load(x_ptr + r[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    tl.store(q_ptr + r[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def per_token_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_last_dim_contiguous("x", x)
+    rows, hidden = x.shape
+    q = torch.empty(rows, hidden, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(next_pow2(hidden), 4096)
+        _per_token_quant_kernel[(rows,)](x, q, scale, hidden, x.stride(0), q.stride(0), BLOCK=block,
+                                         num_warps=min(max(block // 256, 1), 8))
+    return q, scale
+
+
+def per_tensor_quant_triton(x: torch.Tensor, scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_last_dim_contiguous("x", x)
+    rows, hidden = x.shape
+    q = torch.empty(rows, hidden, dtype=FP8_DTYPE, device=x.device)
+    block_r, block_h = 4, min(next_pow2(hidden), 1024)
+    if scale is None:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        if rows:
+            _amax_kernel[(-(-rows // block_r),)](x, amax, rows, hidden, x.stride(0),
+                                                 BLOCK_R=block_r, BLOCK_H=block_h)
+        source, from_amax = amax, True
+    else:
+        source, from_amax = scale.float().reshape(1), False
+    if rows:
+        grid = (-(-rows // block_r), -(-hidden // block_h))
+        _static_quant_kernel[grid](x, q, source, rows, hidden, x.stride(0), q.stride(0),
+                                   FROM_AMAX=from_amax, BLOCK_R=block_r, BLOCK_H=block_h)
+    if from_amax:
+        source = (source / FP8_MAX).clamp_min(MIN_SCALE)
+    return q, source
+
+
+@jit
+def _fp8_mm_kernel(
+    a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, m_size, n_size, k_size,
+    stride_am, stride_bn, stride_om,
+    SA_PER_ROW: tl.constexpr, SB_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(m_size, BLOCK_M)
+    num_n = tl.cdiv(n_size, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_size, BLOCK_K):
+        a = tl.load(a_ptrs, mask=(rm < m_size)[:, None] & (rk + k0 < k_size)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rn < n_size)[None, :] & (rk + k0 < k_size)[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SA_PER_ROW:
+        acc = acc * tl.load(sa_ptr + rm, mask=rm < m_size, other=0.0)[:, None]
+    else:
+        acc = acc * tl.load(sa_ptr)
+    if SB_PER_COL:
+        acc = acc * tl.load(sb_ptr + rn, mask=rn < n_size, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(sb_ptr)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < n_size, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(rm < m_size)[:, None] & (rn < n_size)[None, :])
+
+
+def _mm_config(m: int, n: int) -> dict[str, int]:
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if m <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def fp8_scaled_mm_triton(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    b_q: torch.Tensor,  # [N, K] e4m3
+    scale_a: torch.Tensor,  # [M, 1] or [1] fp32
+    scale_b: torch.Tensor,  # [N] / [N, 1] or [1] fp32
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Same result as fp8_scaled_mm_ref (fp32 accumulation)."""
+    check_last_dim_contiguous("a_q", a_q)
+    check_last_dim_contiguous("b_q", b_q)
+    (m, k), n = a_q.shape, b_q.shape[0]
+    if b_q.shape[1] != k:
+        raise ValueError(f"fp8_scaled_mm: a {a_q.shape} b {b_q.shape}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    sa, sb = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
+    cfg = _mm_config(m, n)
+    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
+    _fp8_mm_kernel[grid](
+        a_q, b_q, out, sa, sb, bias if bias is not None else sb, m, n, k,
+        a_q.stride(0), b_q.stride(0), out.stride(0),
+        SA_PER_ROW=sa.numel() > 1, SB_PER_COL=sb.numel() > 1,
+        HAS_BIAS=bias is not None, **cfg,
+    )
+    return out
+
+
+# ------------------------------------------- dispatchers -------------------------------------------
+
+
+def fp8_quant(x: torch.Tensor, per_token: bool = True, scale: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (default) or per-tensor (dynamic, or static with `scale`) e4m3 quantisation."""
+    if per_token:
+        return per_token_quant_triton(x) if use_triton(x) else per_token_quant_ref(x)
+    return per_tensor_quant_triton(x, scale) if use_triton(x) else per_tensor_quant_ref(x, scale)
+
+
+def fp8_scaled_mm(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    b_q: torch.Tensor,  # [N, K] e4m3
+    scale_a: torch.Tensor,  # [M, 1] or [1]
+    scale_b: torch.Tensor,  # [N] / [N, 1] or [1]
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scaled GEMM through the backend chosen in kernels.backends (APPLIANCE_FP8_GEMM)."""
+    if not a_q.is_cuda:
+        return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
+    from kernels import backends
+
+    name = backends.selected("fp8_gemm")
+    if name == "triton":
+        return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
+    from kernels import adapters
+
+    return adapters.fp8_scaled_mm_external(name, a_q, b_q, scale_a, scale_b, out_dtype, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [T, K] bf16 / fp16
+    weight_q: torch.Tensor,  # [N, K] e4m3
+    weight_scale: torch.Tensor,  # [N] or [1]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x W^T for an fp8 weight: dynamic per-token activation quant, then the scaled GEMM."""
+    x_q, x_scale = fp8_quant(x, per_token=True)
+    return fp8_scaled_mm(x_q, weight_q, x_scale, weight_scale, x.dtype, bias)

@@ -1,0 +1,271 @@
+"""Benchmark cases for ops/bench/bench_ops.py: inputs at Qwen3.5-27B shapes (35B-A3B for MoE) and the
+peers each op is compared with. Each generator yields (op, case, ours, work, unit, peers)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from kernels import attention, conv1d, fp8, gdn, norm, rotary
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+HQ, HKV, HEAD_DIM = 24, 4, 256  # Qwen3.5-27B full attention
+HK, HV, DK, DV, CONV_DIM = 16, 48, 128, 128, 10240  # Qwen3.5-27B Gated DeltaNet
+HIDDEN, INTER = 5120, 17408
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def maybe_compile(fn, enabled: bool):
+    return torch.compile(fn, dynamic=False) if enabled else None
+
+
+# --------------------------------------------- attention ---------------------------------------------
+
+
+def _kv_batch(q_lens, kv_len):
+    batch = len(q_lens)
+    slots = batch * kv_len
+    k_cache = torch.randn(slots, HKV, HEAD_DIM, device=DEV, dtype=BF16)
+    v_cache = torch.randn(slots, HKV, HEAD_DIM, device=DEV, dtype=BF16)
+    req_to_token = torch.randperm(slots, device=DEV, dtype=torch.int64).int().view(batch, kv_len)
+    total = sum(q_lens)
+    q = torch.randn(total, HQ, HEAD_DIM, device=DEV, dtype=BF16)
+    cu = torch.tensor([0] + list(q_lens), device=DEV).cumsum(0).int()
+    seq = torch.full((batch,), kv_len, device=DEV, dtype=torch.int32)
+    slots_b = torch.arange(batch, device=DEV, dtype=torch.int32)
+    return q, k_cache, v_cache, req_to_token, slots_b, cu, seq
+
+
+def attention_cases(compile_peers: bool) -> Iterator[tuple]:
+    scale = HEAD_DIM**-0.5
+    for batch, q_len, kv_len in ((1, 1, 32768), (16, 1, 4096), (64, 1, 4096), (256, 1, 4096),
+                                 (64, 4, 4096)):
+        args = _kv_batch([q_len] * batch, kv_len)
+        q, k_cache, v_cache, r2t = args[:4]
+        dense_k = k_cache[r2t.long()].transpose(1, 2)  # [B, Hkv, L, D], a copy in logical order
+        dense_v = v_cache[r2t.long()].transpose(1, 2)
+        dense_q = q.view(batch, q_len, HQ, HEAD_DIM).transpose(1, 2)
+        work = 2 * batch * kv_len * HKV * HEAD_DIM * 2
+
+        def ours(args=args, q_len=q_len):
+            return attention.paged_attention_triton(*args, scale, max_q_len=q_len)
+
+        def sdpa(q=dense_q, k=dense_k, v=dense_v, causal=q_len > 1):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
+
+        name = "decode" if q_len == 1 else "verify"
+        yield ("attn_" + name, f"B={batch} q={q_len} kv={kv_len}", ours, work, "GB/s",
+               {"sdpa_dense": sdpa})
+        del dense_k, dense_v
+    for tokens in (8192,):
+        args = _kv_batch([tokens], tokens)
+        q = args[0]
+        dense_k = args[1][args[3].long()].transpose(1, 2)
+        dense_v = args[2][args[3].long()].transpose(1, 2)
+        dense_q = q.view(1, tokens, HQ, HEAD_DIM).transpose(1, 2)
+        flops = 4 * HQ * HEAD_DIM * tokens * tokens / 2
+
+        def ours_p(args=args):
+            return attention.paged_attention_triton(*args, scale, max_q_len=tokens)
+
+        def sdpa_p(q=dense_q, k=dense_k, v=dense_v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def cudnn_p(q=dense_q, k=dense_k, v=dense_v):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            kr = k.repeat_interleave(HQ // HKV, dim=1)
+            vr = v.repeat_interleave(HQ // HKV, dim=1)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+
+        yield ("attn_prefill", f"T={tokens} causal", ours_p, flops, "TFLOP/s",
+               {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p})
+
+
+# ------------------------------------------------ GDN ------------------------------------------------
+
+
+def _gdn_inputs(lens):
+    total = sum(lens)
+    q = torch.randn(total, HK, DK, device=DEV, dtype=BF16)
+    k = torch.randn(total, HK, DK, device=DEV, dtype=BF16)
+    v = torch.randn(total, HV, DV, device=DEV, dtype=BF16)
+    g = -F.softplus(torch.randn(total, HV, device=DEV)) * 0.5
+    beta = torch.sigmoid(torch.randn(total, HV, device=DEV))
+    batch = len(lens)
+    pool = torch.randn(batch + 1, HV, DK, DV, device=DEV) * 0.1
+    slots = torch.arange(batch, device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0] + list(lens), device=DEV).cumsum(0).int()
+    init = torch.ones(batch, dtype=torch.bool, device=DEV)
+    return q, k, v, g, beta, pool, slots, cu, init
+
+
+def gdn_cases(compile_peers: bool) -> Iterator[tuple]:
+    fla = None
+    if has("fla"):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        fla = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
+    for batch in (1, 16, 64, 256):
+        args = _gdn_inputs([1] * batch)
+        work = 2 * batch * HV * DK * DV * 4  # fp32 state read + write dominates
+
+        def ours(args=args):
+            return gdn.gdn(*args, max_q_len=1)
+
+        peers = {}
+        if fla is not None:
+            q, k, v, g, beta, pool = args[:6]
+            state = pool[:batch].clone()
+
+            def fla_rec(q=q, k=k, v=v, g=g, beta=beta, state=state):
+                return fla[1](q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
+                              scale=DK**-0.5, initial_state=state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+
+            peers["fla_fused_recurrent(no pool gather)"] = fla_rec
+        if batch <= 16:
+            peers["torch_ref"] = lambda args=args: gdn.gdn_recurrent_ref(*args)
+        yield ("gdn_decode", f"B={batch} Hv={HV}", ours, work, "GB/s", peers)
+    for lens in ([8192], [1024] * 8):
+        args = _gdn_inputs(lens)
+        total = sum(lens)
+        flops = total * HV * (6 * 64 * (DK + DV) + 4 * DK * DV)  # rough chunked-form flop count
+        peers = {"torch_ref": lambda args=args: gdn.gdn_chunked_ref(*args)}
+        if fla is not None:
+            q, k, v, g, beta = args[:5]
+            cu64 = args[7].long()
+            state = args[5][: len(lens)].clone()
+
+            def fla_chunk(q=q, k=k, v=v, g=g, beta=beta, cu=cu64, state=state):
+                return fla[0](q[None], k[None], v[None], g=g[None], beta=beta[None],
+                              scale=DK**-0.5, initial_state=state, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+
+            peers["fla_chunk"] = fla_chunk
+        yield ("gdn_prefill", f"{len(lens)}x{lens[0]} tokens", lambda args=args: gdn.gdn(*args),
+               flops, "TFLOP/s", peers)
+
+
+# ------------------------------------------------ conv ------------------------------------------------
+
+
+def conv_cases(compile_peers: bool) -> Iterator[tuple]:
+    for lens in ([1] * 256, [4] * 64, [8192]):
+        total, batch = sum(lens), len(lens)
+        x = torch.randn(total, CONV_DIM, device=DEV, dtype=BF16)
+        w = torch.randn(CONV_DIM, 4, device=DEV, dtype=BF16)
+        states = torch.randn(batch + 1, CONV_DIM, 3, device=DEV, dtype=BF16)
+        slots = torch.arange(batch, device=DEV, dtype=torch.int32)
+        cu = torch.tensor([0] + lens, device=DEV).cumsum(0).int()
+        init = torch.ones(batch, dtype=torch.bool, device=DEV)
+        args = (x, w, states, slots, cu, init)
+        work = 2 * total * CONV_DIM * 2 + 2 * batch * CONV_DIM * 3 * 2
+        peers = {"torch_ref": lambda args=args: conv1d.causal_conv1d_ref(*args)}
+        if batch == 1:
+            xt = x.t()[None].contiguous()
+            peers["F.conv1d dense"] = lambda xt=xt: F.silu(F.conv1d(xt, w[:, None], padding=3,
+                                                                   groups=CONV_DIM))
+        yield ("conv1d", f"{batch}x{lens[0]} C={CONV_DIM}",
+               lambda args=args, m=max(lens): conv1d.causal_conv1d(*args, max_q_len=m), work, "GB/s",
+               peers)
+
+
+# ---------------------------------------- norms, rotary, silu ----------------------------------------
+
+
+def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
+    for tokens in (1, 256, 8192):
+        x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
+        res = torch.randn_like(x)
+        w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
+        peers = {"eager_ref": lambda: norm.rms_norm_ref(x, w, 1e-6, True, res)}
+        if compile_peers and tokens == 8192:
+            compiled = maybe_compile(norm.rms_norm_ref, True)
+            peers["compiled_ref"] = lambda c=compiled: c(x, w, 1e-6, True, res)
+        yield ("rms_norm+res", f"T={tokens} H={HIDDEN}",
+               lambda x=x, res=res, w=w: norm.rms_norm(x, w, 1e-6, True, res), 4 * x.numel() * 2,
+               "GB/s", peers)
+        rows = tokens * HV
+        xg = torch.randn(rows, DV, device=DEV, dtype=BF16)
+        gate = torch.randn_like(xg)
+        wg = torch.randn(DV, device=DEV, dtype=BF16)
+        peers = {"eager_ref": lambda: norm.gated_rms_norm_ref(xg, gate, wg, 1e-6)}
+        if compile_peers and tokens == 8192:
+            compiled = maybe_compile(norm.gated_rms_norm_ref, True)
+            peers["compiled_ref"] = lambda c=compiled: c(xg, gate, wg, 1e-6)
+        yield ("gated_rms_norm", f"rows={rows} D={DV}",
+               lambda xg=xg, gate=gate, wg=wg: norm.gated_rms_norm(xg, gate, wg, 1e-6),
+               3 * xg.numel() * 2, "GB/s", peers)
+        q = torch.randn(tokens, HQ, HEAD_DIM, device=DEV, dtype=BF16)
+        freqs = rotary.inv_freq(64, 1e7).to(DEV)
+        positions = torch.randint(0, 100000, (3, tokens), device=DEV)
+        rows_m = rotary.mrope_channel_rows(32, [11, 11, 10]).to(DEV)
+        cos, sin = rotary.rotary_cos_sin_ref(positions, freqs, rows_m)
+        peers = {"eager_ref": lambda: rotary.apply_rotary_ref(q, cos, sin)}
+        if compile_peers and tokens == 8192:
+            compiled = maybe_compile(rotary.apply_rotary_ref, True)
+            peers["compiled_ref"] = lambda c=compiled: c(q, cos, sin)
+        yield ("rotary", f"T={tokens} Hq={HQ} D={HEAD_DIM} rot=64",
+               lambda q=q, cos=cos, sin=sin: rotary.apply_rotary(q, cos, sin),
+               2 * q.numel() * 2 + 2 * cos.numel() * 4, "GB/s", peers)
+        peers = {"eager_ref": lambda: rotary.rotary_cos_sin_ref(positions, freqs, rows_m)}
+        yield ("mrope_cos_sin", f"T={tokens}",
+               lambda: rotary.rotary_cos_sin(positions, freqs, rows_m), 2 * tokens * 64 * 4, "GB/s",
+               peers)
+        xs = torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16)
+        peers = {"eager_ref": lambda: silu_and_mul_ref(xs)}
+        if compile_peers and tokens == 8192:
+            compiled = maybe_compile(silu_and_mul_ref, True)
+            peers["compiled_ref"] = lambda c=compiled: c(xs)
+        yield ("silu_and_mul", f"T={tokens} I={INTER}", lambda xs=xs: silu_and_mul(xs),
+               xs.numel() * 2 * 3 // 2, "GB/s", peers)
+
+
+# ------------------------------------------------ fp8 ------------------------------------------------
+
+
+def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
+    from kernels import adapters
+
+    for n, k in ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
+        w = torch.randn(n, k, device=DEV) * 0.05
+        w_q, w_s = fp8.per_token_quant_ref(w)
+        w_s = w_s.reshape(n)
+        w_bf16 = w.to(BF16)
+        for m in (1, 16, 64, 256, 4096):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            a_q, a_s = fp8.per_token_quant_ref(x)
+            peers = {
+                "torch._scaled_mm": lambda a=a_q, s=a_s: adapters.fp8_scaled_mm_external(
+                    "torch", a, w_q, s, w_s, BF16),
+                "bf16 mm (not fp8)": lambda x=x: x @ w_bf16.t(),
+            }
+            if has("sgl_kernel"):
+                peers["sgl_kernel"] = lambda a=a_q, s=a_s: adapters.fp8_scaled_mm_external(
+                    "sgl", a, w_q, s, w_s, BF16)
+            yield ("fp8_gemm", f"M={m} N={n} K={k}",
+                   lambda a=a_q, s=a_s: fp8.fp8_scaled_mm_triton(a, w_q, s, w_s, BF16),
+                   2 * m * n * k, "TFLOP/s", peers)
+    for tokens in (16, 8192):
+        x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
+        yield ("fp8_quant_tok", f"T={tokens} H={HIDDEN}", lambda x=x: fp8.fp8_quant(x),
+               x.numel() * 3, "GB/s", {"eager_ref": lambda x=x: fp8.per_token_quant_ref(x)})
+
+
+OPS = {
+    "attention": attention_cases,
+    "gdn": gdn_cases,
+    "conv1d": conv_cases,
+    "elementwise": elementwise_cases,
+    "fp8": fp8_cases,
+}

@@ -1,0 +1,221 @@
+"""Bad input gets the right 4xx in OpenAI format (and the server keeps serving); guards; engine
+failure and rejection paths."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(r, status: int, param=None, code=None, contains: str = ""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    assert contains in err["message"]
+    return err
+
+
+def assert_serving(client):
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+BAD_BODIES = [
+    # (body, status, param, message fragment)
+    ({"model": "tiny"}, 400, "messages", "field required"),
+    ({"messages": "hi"}, 400, "messages", ""),
+    ({"messages": []}, 400, "messages", ""),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", ""),
+    ({"messages": MSG, "max_tokens": "ten"}, 400, "max_tokens", ""),
+    ({"messages": MSG, "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
+    ({"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
+    ({"messages": MSG, "temperature": -0.5}, 400, "temperature", ""),
+    ({"messages": MSG, "top_p": 0}, 400, "top_p", ""),
+    ({"messages": MSG, "n": 0}, 400, "n", ""),
+    ({"messages": MSG, "n": 17}, 400, "n", "at most 16"),
+    ({"messages": MSG, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", ""),
+    ({"messages": MSG, "stop": [""]}, 400, "stop", "non-empty string"),
+    ({"messages": MSG, "stop": 5}, 400, "stop", ""),
+    ({"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format", ""),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        },
+        400,
+        "messages",
+        "image input",
+    ),
+]
+
+
+@pytest.mark.parametrize("body,status,param,fragment", BAD_BODIES)
+def test_bad_chat_bodies(make_server, body, status, param, fragment):
+    client, engine, _ = make_server()
+    assert_error(client.post("/v1/chat/completions", json=body), status, param, contains=fragment)
+    assert engine.received == []
+    assert_serving(client)
+
+
+def test_malformed_json_and_unknown_model(make_server):
+    client, engine, _ = make_server()
+    r = client.post(
+        "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(r, 400, None, contains="Malformed JSON")
+    assert_serving(client)
+    r = client.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MSG})
+    err = assert_error(r, 404, "model", "model_not_found", "gpt-9")
+    assert err["type"] == "invalid_request_error"
+    assert_serving(client)
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_serving(client)
+
+
+def test_completion_bad_prompts(make_server):
+    client, _, _ = make_server()
+    for body, param in [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": {"a": 1}}, "prompt"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
+    ]:
+        assert_error(client.post("/v1/completions", json=body), 400, param)
+        assert_serving(client)
+
+
+def test_context_guards(make_server, tokenizer):
+    client, engine, state = make_server()
+    long_text = "hello world " * 200  # > 256 tokens, < 16 x 256 characters
+    n_tokens = len(tokenizer.encode(long_text, add_special_tokens=False))
+    r = client.post("/v1/completions", json={"prompt": long_text})
+    err = assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert err["message"] == (
+        f"This model's maximum context length is 256 tokens. However, your request has "
+        f"{n_tokens} input tokens. Please reduce the length of the input messages."
+    )
+    # Character limit, before tokenization.
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a" * (16 * 256 + 1)}]},
+    )
+    err = assert_error(r, 400, "messages", "context_length_exceeded", "input characters")
+    assert err["message"].startswith("This model's maximum context length is 256 tokens.")
+    # max_tokens beyond what the prompt leaves.
+    r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 300})
+    prompt_len = len(tokenizer.encode("hello", add_special_tokens=False))
+    err = assert_error(r, 400, "max_tokens", "context_length_exceeded")
+    assert err["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 300. This model's maximum context "
+        f"length is 256 tokens and your request has {prompt_len} input tokens "
+        f"(300 > 256 - {prompt_len})."
+    )
+    assert engine.received == []
+    assert_serving(client)
+
+
+def test_char_limit_configurable(make_server):
+    client, _, _ = make_server(max_prompt_chars=10)
+    r = client.post("/v1/completions", json={"prompt": "x" * 11})
+    assert_error(r, 400, "prompt", "context_length_exceeded", "more than the 10 characters")
+
+
+def test_queue_full_429(make_server):
+    client, engine, _ = make_server(max_open=1)
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "n": 2})
+    assert_error(r, 429, None, "rate_limit_exceeded")
+    assert_serving(client)
+    # The router's own refusal (its queue is full) reaches the client as 429 too.
+    engine.reject_status = 429
+    r = client.post("/v1/chat/completions", json={"messages": MSG})
+    assert_error(r, 429, None)
+    engine.reject_status = 0
+    assert_serving(client)
+
+
+@pytest.mark.parametrize("status", [400, 429])
+def test_router_rejection_of_a_stream_keeps_its_status(make_server, status):
+    # The stream waits for its first delta before sending headers, so a refusal is a real 4xx.
+    client, engine, _ = make_server()
+    engine.reject_status = status
+    for path, body in [
+        ("/v1/chat/completions", {"messages": MSG, "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+    ]:
+        assert_error(client.post(path, json=body), status)
+    engine.reject_status = 0
+    assert_serving(client)
+
+
+def test_engine_failure_fails_open_streams_and_health(make_server, tokenizer):
+    ids = tokenizer.encode("hello world " * 20, add_special_tokens=False)
+    client, engine, state = make_server(script=lambda p: ids)
+    engine.step_s = 0.05  # slow enough to fail it mid-stream
+    got: list[str] = []
+
+    def consume():
+        with client.stream(
+            "POST", "/v1/chat/completions", json={"messages": MSG, "stream": True}
+        ) as r:
+            for line in r.iter_lines():
+                got.append(line)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    deadline = time.time() + 5
+    while not any('"content": "h' in x for x in got) and time.time() < deadline:
+        time.sleep(0.01)  # the stream has started (headers sent, tokens flowing)
+    # As the server's control task does on a Fatal from the launcher (on the serving loop).
+    client.portal.call(
+        state.client.engine_failed, "The appliance failed: worker 1 (pid 7) exited with code -9."
+    )
+    reader.join(5)
+    assert not reader.is_alive()
+    events = [x[6:] for x in got if x.startswith("data: ")]
+    error = json.loads(events[-2])["error"]
+    assert "worker 1" in error["message"] and error["type"] == "server_error"
+    assert events[-1] == "[DONE]"
+    assert_error(client.get("/health"), 500, contains="worker 1")
+    assert_error(client.post("/v1/chat/completions", json={"messages": MSG}), 500)
+
+
+def test_broken_engine_link_fails_requests_instead_of_hanging(make_server, tokenizer):
+    import zmq
+
+    ids = tokenizer.encode("hello world " * 20, add_special_tokens=False)
+    client, engine, state = make_server(script=lambda p: ids)
+    engine.step_s = 0.05
+    result: dict = {}
+
+    def request():
+        result["r"] = client.post("/v1/chat/completions", json={"messages": MSG})
+
+    waiter = threading.Thread(target=request)
+    waiter.start()
+    deadline = time.time() + 5
+    while state.client.num_open == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.connect(state.client._inbox_addr)
+    push.send(b"\x01not msgpack of a DetokOutput")  # what a bug in the pipeline would look like
+    waiter.join(10)
+    push.close()
+    assert not waiter.is_alive()
+    assert_error(result["r"], 500, contains="engine link failed")
+    assert_error(client.get("/health"), 500)

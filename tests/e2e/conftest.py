@@ -1,0 +1,19 @@
+"""Live-appliance fixture: one `appliance serve` subprocess (tiny dense checkpoint) per test module;
+its clean SIGTERM exit (code 0) is asserted at teardown."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.live import start_appliance
+
+
+@pytest.fixture(scope="module")
+def appliance(tiny_dense, tmp_path_factory):
+    """One appliance for a whole test module; its clean SIGTERM exit is asserted at the end."""
+    app = start_appliance(
+        tiny_dense, tmp_path_factory.mktemp("live") / "appliance.log", "--max-num-seqs", "16"
+    )
+    yield app
+    code = app.stop()
+    assert code == 0, app.log()[-4000:]

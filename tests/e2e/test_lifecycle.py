@@ -1,0 +1,107 @@
+"""Process lifecycle of a live appliance: TP=2 over gloo equals TP=1, SIGTERM drains in-flight work
+and exits 0, and a SIGKILLed worker fails open streams fast, fails /health, and makes the launcher
+exit non-zero naming the worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.live import start_appliance
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+MSGS = [{"role": "user", "content": "count to ten"}]
+
+
+def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
+    from appliance import LLM, SamplingParams
+
+    prompts = [[5, 17, 300, 4, 250], list(range(60, 90))]
+    ref = LLM(str(tiny_dense), max_model_len=512).generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
+    )
+    app = start_appliance(tiny_dense, tmp_path / "tp2.log", "--tp", "2")
+    try:
+        assert "worker 1 ready" in app.log()
+        sdk = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+        for prompt, expected in zip(prompts, ref, strict=True):
+            out = sdk.completions.create(
+                model=tiny_dense.name,
+                prompt=prompt,
+                max_tokens=10,
+                temperature=0,
+                logprobs=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert out.choices[0].text == expected.text
+            assert out.choices[0].logprobs.token_logprobs == pytest.approx(
+                expected.logprobs, abs=1e-4
+            )
+        # SIGTERM while a request is in flight: it completes, new work is refused, exit 0.
+        result: dict = {}
+
+        def long_request() -> None:
+            result["out"] = sdk.chat.completions.create(
+                model=tiny_dense.name,
+                messages=MSGS,
+                max_tokens=40,
+                extra_body={**NO_THINK, "ignore_eos": True},
+            )
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        deadline = time.monotonic() + 60
+        while app.status()["router"]["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        app.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(f"{app.url}/v1/chat/completions", json={"messages": MSGS}, timeout=10)
+        assert refused.status_code == 503
+        worker.join(120)
+        out = result["out"]
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 40
+        assert app.proc.wait(60) == 0
+        assert "drained (0 requests aborted)" in app.log()
+    finally:
+        app.stop()
+
+
+def test_killed_worker_fails_streams_health_and_launcher(tiny_dense, tmp_path):
+    app = start_appliance(tiny_dense, tmp_path / "kill.log")
+    try:
+        sdk = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+        stream = sdk.chat.completions.create(
+            model=tiny_dense.name,
+            messages=MSGS,
+            max_tokens=400,
+            stream=True,
+            extra_body={**NO_THINK, "ignore_eos": True},
+        )
+        chunks = iter(stream)
+        for _ in range(3):
+            next(chunks)
+        os.kill(app.role_pid("worker 0"), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as info:
+            for _ in chunks:
+                pass
+        assert time.monotonic() - killed < 10
+        assert "worker 0" in str(info.value)
+        healthy = True
+        while healthy and time.monotonic() - killed < 10:
+            try:
+                healthy = httpx.get(f"{app.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+        assert not healthy
+        code = app.proc.wait(30)
+        assert code != 0
+        assert "worker 0 (pid" in app.log() and "exited with code -9" in app.log()
+    finally:
+        app.stop()

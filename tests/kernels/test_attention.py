@@ -1,0 +1,110 @@
+"""paged_attention_triton / store_kv_triton against the torch references (decode, verify, prefill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, generator, gpu, randn
+from tolerances import ACCUMULATING, assert_close, poison
+
+from kernels.attention import (
+    paged_attention,
+    paged_attention_ref,
+    paged_attention_triton,
+    store_kv_ref,
+    store_kv_triton,
+)
+
+
+def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed, q_view=False):
+    """Random KV pool whose slots are scattered through req_to_token, and the query rows."""
+    gen = generator(seed)
+    batch = len(q_lens)
+    max_len = max(seq_lens) + 3
+    num_slots = sum(seq_lens) + 17
+    perm = torch.randperm(num_slots, generator=gen)
+    req_to_token = torch.zeros(batch + 2, max_len, dtype=torch.int32)
+    req_slots = torch.randperm(batch + 2, generator=gen)[:batch]
+    used = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[req_slots[b], :n] = perm[used : used + n].int()
+        used += n
+    total = sum(q_lens)
+    if q_view:  # q as a view into a wider projection output, as the model produces it
+        wide = randn(total, num_q_heads * head_dim * 2, dtype=dtype, seed=seed + 1)
+        q = wide[:, : num_q_heads * head_dim].view(total, num_q_heads, head_dim)
+    else:
+        q = randn(total, num_q_heads, head_dim, dtype=dtype, seed=seed + 1)
+    k_cache = randn(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=seed + 2)
+    v_cache = randn(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=seed + 3)
+    cu = torch.tensor([0] + list(q_lens)).cumsum(0).int()
+    to = dict(device=DEVICE)
+    return (q, k_cache, v_cache, req_to_token.to(**to), req_slots.to(**to), cu.to(**to),
+            torch.tensor(seq_lens, dtype=torch.int32, **to))
+
+
+CASES = {
+    # name: (q_lens, seq_lens, Hq, Hkv, D)
+    "decode_gqa2": ([1, 1, 1, 1], [1, 5, 70, 130], 4, 2, 32),
+    "decode_group6_d24": ([1, 1], [33, 200], 6, 1, 24),
+    "verify_rows": ([3, 3, 3], [3, 40, 129], 4, 2, 32),
+    "prefill_cached_prefix": ([20, 37, 0, 5], [50, 37, 9, 5], 4, 2, 32),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_matches_reference(case, dtype):
+    q_lens, seq_lens, hq, hkv, d = CASES[case]
+    args = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, seed=len(case), q_view=case == "verify_rows")
+    scale = d**-0.5
+    expected = paged_attention_ref(*args, scale)
+    out = poison(torch.empty(args[0].shape, dtype=dtype, device=DEVICE))
+    got = paged_attention_triton(*args, scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name=case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_split_kv_gives_same_result(num_splits):
+    args = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=7)
+    expected = paged_attention_ref(*args, 0.2)
+    got = paged_attention_triton(*args, 0.2, max_q_len=2, num_splits=num_splits)
+    assert_close(got, expected, torch.float32, name=f"splits={num_splits}")
+
+
+def test_dispatcher_on_cpu_uses_reference():
+    args = make_batch([2, 1], [5, 9], 4, 2, 16, torch.float32, seed=3)
+    got = paged_attention(*args, 0.25)
+    assert_close(got, paged_attention_ref(*args, 0.25), torch.float32, name="dispatcher")
+    assert torch.equal(got, paged_attention_ref(*args, 0.25)) or DEVICE.type == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_only_named_slots(dtype):
+    k = randn(5, 2, 24, dtype=dtype, seed=1)
+    wide_v = randn(5, 2 * 24 * 3, dtype=dtype, seed=2)
+    v = wide_v[:, 24 * 2 : 24 * 4].view(5, 2, 24)  # strided view
+    slots = torch.tensor([7, 0, 3, 11, 4], device=DEVICE)
+    caches = [poison(torch.empty(12, 2, 24, dtype=dtype, device=DEVICE)) for _ in range(4)]
+    store_kv_ref(k, v, caches[0], caches[1], slots)
+    store_kv_triton(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[2][slots], k) and torch.equal(caches[3][slots], v)
+    untouched = torch.ones(12, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.isnan(caches[2][untouched]).all() and torch.isnan(caches[3][untouched]).all()
+
+
+@gpu
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([1] * 64, [4096] * 64), ([1], [32768]), ([4] * 16, [2048] * 16), ([8192], [8192]),
+     ([2048, 1024], [6144, 1024])],
+    ids=["decode64x4k", "decode1x32k", "verify16", "prefill8k", "prefill_prefix"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_full_size_qwen35_27b(q_lens, seq_lens, dtype):
+    args = make_batch(q_lens, seq_lens, 24, 4, 256, dtype, seed=11)
+    expected = paged_attention_ref(*args, 256**-0.5)
+    got = paged_attention_triton(*args, 256**-0.5)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="full")

@@ -1,0 +1,91 @@
+"""Causal conv1d Triton kernel (varlen prefill, decode update, verify rows with per-row states)
+against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import DEVICE, gpu, randn
+from tolerances import assert_close, poison
+
+from kernels.conv1d import (
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_ref_with_states,
+    causal_conv1d_triton,
+)
+
+
+def make_inputs(lens, channels, width, dtype, seed, has_init, x_view=True):
+    total = sum(lens)
+    if x_view:  # the conv input is a column slice of the fused projection output
+        x = randn(total, channels + 40, dtype=dtype, seed=seed)[:, 8 : 8 + channels]
+    else:
+        x = randn(total, channels, dtype=dtype, seed=seed)
+    weight = randn(channels, width, dtype=dtype, seed=seed + 1, scale=0.5)
+    batch = len(lens)
+    states = poison(torch.empty(batch + 4, channels, width - 1, dtype=dtype, device=DEVICE))
+    slots = torch.randperm(batch + 4)[:batch].to(DEVICE)
+    for b in range(batch):
+        if has_init[b]:
+            states[slots[b]] = randn(channels, width - 1, dtype=dtype, seed=seed + 5 + b)
+    cu = torch.tensor([0] + list(lens), device=DEVICE).cumsum(0).int()
+    return [x, weight, states, slots, cu, torch.tensor(has_init, device=DEVICE)]
+
+
+def check_states(states, ref_states, written, dtype):
+    assert_close(states[written], ref_states[written], dtype, name="states", equal_nan=True)
+    others = torch.ones(states.shape[0], dtype=torch.bool, device=DEVICE)
+    others[written] = False
+    assert torch.isnan(states[others]).all(), "slots outside the batch were written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lens,has_init,activation",
+    [([1, 1, 1], [True, False, True], "silu"),  # decode update
+     ([2, 1], [True, True], None),  # short rows: state mixes old columns and new inputs
+     ([70, 0, 5, 130], [False, True, True, True], "silu")],  # varlen prefill, several token blocks
+    ids=["decode", "short", "prefill"],
+)
+def test_conv1d_matches_reference(lens, has_init, activation, dtype):
+    inputs = make_inputs(lens, 48, 4, dtype, seed=len(lens), has_init=has_init)
+    ref_states = inputs[2].clone()
+    expected = causal_conv1d_ref(inputs[0], inputs[1], ref_states, *inputs[3:], activation)
+    out = poison(torch.empty(inputs[0].shape, dtype=dtype, device=DEVICE))
+    got = causal_conv1d_triton(*inputs, activation, out=out)
+    assert_close(got, expected, dtype, name="out")
+    check_states(inputs[2], ref_states, inputs[3], dtype)  # a len-0 request keeps its state
+
+
+def test_verify_rows_keep_every_row_state():
+    lens = [3, 4]
+    inputs = make_inputs(lens, 40, 4, torch.float32, seed=2, has_init=[True, False])
+    spare = [s for s in range(inputs[2].shape[0]) if s not in inputs[3].tolist()]
+    inter = torch.tensor([spare[0], spare[1], -1, spare[2], -1, -1, spare[3]], device=DEVICE)
+    ref_states = inputs[2].clone()
+    expected = causal_conv1d_ref_with_states(inputs[0], inputs[1], ref_states, *inputs[3:], inter)
+    got = causal_conv1d_triton(*inputs, intermediate_state_slots=inter)
+    assert_close(got, expected, torch.float32, name="out")
+    written = torch.cat([inputs[3], inter[inter >= 0]])
+    check_states(inputs[2], ref_states, written, torch.float32)
+    assert torch.equal(inputs[2][inter[6]], inputs[2][inputs[3][1]])  # last row == final state
+
+
+def test_dispatcher_matches_reference():
+    inputs = make_inputs([3, 1], 16, 4, torch.float32, seed=4, has_init=[True, True])
+    ref_states = inputs[2].clone()
+    expected = causal_conv1d_ref(inputs[0], inputs[1], ref_states, *inputs[3:])
+    assert_close(causal_conv1d(*inputs), expected, torch.float32)
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[1] * 256, [4] * 64, [8192], [3000, 1, 17, 2000]],
+                         ids=["decode256", "verify64x4", "prefill8k", "mixed"])
+def test_full_size_qwen35_27b(lens):
+    inputs = make_inputs(lens, 10240, 4, torch.bfloat16, seed=1, has_init=[True] * len(lens))
+    ref_states = inputs[2].clone()
+    expected = causal_conv1d_ref(inputs[0], inputs[1], ref_states, *inputs[3:])
+    got = causal_conv1d(*inputs)
+    assert_close(got, expected, torch.bfloat16, name="out")
+    check_states(inputs[2], ref_states, inputs[3], torch.bfloat16)

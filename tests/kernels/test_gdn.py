@@ -1,0 +1,130 @@
+"""Gated DeltaNet Triton kernels (fused recurrent decode / verify rows, chunked prefill) against the
+torch references, with strided q/k/v/g/beta views and poisoned state slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import DEVICE, gpu, randn
+from tolerances import ACCUMULATING, assert_close, poison
+
+from kernels.gdn import (
+    gdn,
+    gdn_chunked_ref,
+    gdn_chunked_triton,
+    gdn_recurrent_ref,
+    gdn_recurrent_triton,
+    gdn_ref,
+    gdn_ref_with_states,
+)
+
+
+def make_inputs(lens, hk, hv, dk, dv, dtype, seed, has_init):
+    """Packed projections viewed per head (as the GDN layer slices them), pool with poisoned slots."""
+    total = sum(lens)
+    mixed = randn(total, 2 * hk * dk + hv * dv, dtype=dtype, seed=seed)
+    q = mixed[:, : hk * dk].view(total, hk, dk)
+    k = mixed[:, hk * dk : 2 * hk * dk].view(total, hk, dk)
+    v = mixed[:, 2 * hk * dk :].view(total, hv, dv)
+    ab = randn(total, 2 * hv, seed=seed + 1)
+    g = (-F.softplus(ab[:, :hv]) * 0.7).to(dtype)  # contiguous [T, Hv] log decay
+    beta = torch.sigmoid(ab[:, hv:])  # fp32 view with token stride 2*Hv
+    batch = len(lens)
+    pool = poison(torch.empty(batch + 3, hv, dk, dv, device=DEVICE))
+    state_slots = torch.randperm(batch + 3)[:batch].to(DEVICE)
+    init = torch.tensor(has_init, device=DEVICE)
+    for b in range(batch):
+        if has_init[b]:
+            pool[state_slots[b]] = randn(hv, dk, dv, seed=seed + 10 + b, scale=0.3)
+    cu = torch.tensor([0] + list(lens), device=DEVICE).cumsum(0).int()
+    return [q, k, v, g, beta, pool, state_slots, cu, init]
+
+
+def run_both(ref_fn, triton_fn, inputs, **kwargs):
+    ref_inputs = list(inputs)
+    ref_inputs[5] = inputs[5].clone()
+    expected = ref_fn(*ref_inputs)
+    got = triton_fn(*inputs, **kwargs)
+    return got, expected, inputs[5], ref_inputs[5]
+
+
+def check_pool(pool, ref_pool, slots, dtype):
+    assert_close(pool[slots], ref_pool[slots], dtype, factor=ACCUMULATING, name="final state")
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    others[slots] = False
+    assert torch.isnan(pool[others]).all(), "slots outside the batch were written"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,has_init", [([1, 1, 1], [True, False, True]),
+                                           ([3, 3], [True, True]), ([2, 0, 5], [False, True, True])])
+def test_recurrent_matches_reference(lens, has_init, dtype):
+    inputs = make_inputs(lens, 2, 4, 16, 32, dtype, seed=sum(lens), has_init=has_init)
+    out = poison(torch.empty(inputs[2].shape, dtype=dtype, device=DEVICE))
+    got, expected, pool, ref_pool = run_both(gdn_recurrent_ref, gdn_recurrent_triton, inputs, out=out)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
+    check_pool(pool, ref_pool, inputs[6], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_matches_reference(dtype):
+    lens, has_init = [70, 5, 130], [True, False, True]
+    inputs = make_inputs(lens, 2, 4, 16, 32, dtype, seed=3, has_init=has_init)
+    out = poison(torch.empty(inputs[2].shape, dtype=dtype, device=DEVICE))
+    got, expected, pool, ref_pool = run_both(gdn_chunked_ref, gdn_chunked_triton, inputs, out=out)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
+    check_pool(pool, ref_pool, inputs[6], dtype)
+
+
+def test_mixed_batch_split_between_kernels_matches_gdn_ref():
+    """What the dispatcher does on CUDA: short requests recurrent, long ones chunked, one output."""
+    lens, has_init = [1, 67, 4, 0], [True, True, False, False]
+    inputs = make_inputs(lens, 1, 2, 16, 16, torch.float32, seed=5, has_init=has_init)
+    ref_inputs = list(inputs)
+    ref_inputs[5] = inputs[5].clone()
+    expected = gdn_ref(*ref_inputs)
+    out = poison(torch.empty(inputs[2].shape, device=DEVICE))
+    out = gdn_recurrent_triton(*inputs, max_len=4, out=out)
+    assert torch.isnan(out[1:68]).all()  # the long request was left to the chunked kernel
+    out = gdn_chunked_triton(*inputs, min_len=4, out=out)
+    assert_close(out, expected, torch.float32, factor=ACCUMULATING, name="o")
+    check_pool(inputs[5], ref_inputs[5], inputs[6][:3], torch.float32)  # len-0 request untouched
+
+
+def test_verify_rows_keep_every_row_state():
+    lens = [3, 2]
+    inputs = make_inputs(lens, 2, 4, 16, 16, torch.float32, seed=9, has_init=[True, False])
+    pool = inputs[5]
+    spare = torch.tensor([s for s in range(pool.shape[0]) if s not in inputs[6].tolist()])
+    inter = torch.tensor([spare[0], -1, spare[1], spare[2], -1], device=DEVICE)
+    ref_inputs = list(inputs)
+    ref_inputs[5] = pool.clone()
+    expected = gdn_ref_with_states(*ref_inputs, inter)
+    got = gdn_recurrent_triton(*inputs, intermediate_state_slots=inter)
+    assert_close(got, expected, torch.float32, factor=ACCUMULATING, name="o")
+    written = torch.cat([inputs[6], inter[inter >= 0]])
+    check_pool(pool, ref_inputs[5], written, torch.float32)
+    # the last verify row's state equals the request's final state
+    assert torch.equal(pool[inter[2]], pool[inputs[6][0]])
+
+
+def test_dispatcher_matches_gdn_ref():
+    inputs = make_inputs([1, 70], 2, 4, 16, 16, torch.float32, seed=4, has_init=[True, False])
+    ref_inputs = list(inputs)
+    ref_inputs[5] = inputs[5].clone()
+    assert_close(gdn(*inputs), gdn_ref(*ref_inputs), torch.float32, factor=ACCUMULATING)
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[1] * 64, [1] * 256, [4] * 16, [8192], [3000, 1, 2000, 1]],
+                         ids=["decode64", "decode256", "verify16x4", "prefill8k", "mixed"])
+def test_full_size_qwen35_27b(lens):
+    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=1, has_init=[True] * len(lens))
+    ref_inputs = list(inputs)
+    ref_inputs[5] = inputs[5].clone()
+    expected = gdn_ref(*ref_inputs)
+    got = gdn(*inputs)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
+    slots = inputs[6]
+    assert_close(inputs[5][slots], ref_inputs[5][slots], torch.bfloat16, factor=ACCUMULATING)

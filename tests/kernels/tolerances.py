@@ -1,0 +1,39 @@
+"""The one place that defines how close a kernel must be to its torch reference, per dtype.
+
+Every kernel test compares through `assert_close`, so a tolerance change here applies to all ops."""
+
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) for element-wise comparisons of outputs in the given dtype
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+# ops that accumulate over long recurrences / reductions (GDN, attention over long KV) get this factor
+ACCUMULATING = 4.0
+# relative Frobenius error bound for fp8 paths (e4m3 has a 3-bit mantissa: ~6% per element, averaged)
+FP8_REL_ERROR = 0.06
+# tf32 tensor-core dots on the GPU for fp32 inputs
+TF32_REL_ERROR = 5e-3
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                 factor: float = 1.0, name: str = "", equal_nan: bool = False) -> None:
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * factor,
+                               rtol=rtol * factor, equal_nan=equal_nan, msg=lambda m: f"{name}: {m}")
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.float() - expected.float()).norm()
+    return float(diff / expected.float().norm().clamp_min(1e-12))
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN (or int max) so stale contents cannot pass a test."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)

@@ -1,0 +1,117 @@
+"""MTP speculative decoding for Qwen3.5 dense and MoE: draft logits against a hand-built HF oracle,
+lossless greedy and seeded sampling with MTP on (vanilla and eagle, k = 1..3, chunked prefill), and
+the accept/commit path driven with oracle drafts that are right, partly right or wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.engine.batch import build_batch
+from appliance.engine.context import forward_context
+from appliance.engine.mtp import Drafter
+from appliance.llm import LLM
+from appliance.messages import ScheduledChunk
+from appliance.sampling_params import SamplingParams
+from appliance.testing.oracle import hf_mtp_logits
+
+LENS = [3, 11, 20, 37, 64, 70, 90, 130]
+OPTS = dict(max_num_seqs=8, max_num_batched_tokens=48, num_kv_slots=4096, max_model_len=512)
+
+
+def prompts(vocab: int, lens=LENS, seed: int = 5) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+def assert_pools_empty(llm: LLM) -> None:
+    s = llm.scheduler.stats()
+    assert (s.kv_used, s.state_used, s.num_running, s.num_waiting) == (0, 0, 0, 0)
+
+
+@pytest.fixture(scope="module", params=["tiny_dense", "tiny_moe"])
+def ckpt(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(str(ckpt), **OPTS)
+    seqs = prompts(llm.runner.text_config.vocab_size)
+    greedy = [o.token_ids for o in llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0,
+                                                                     ignore_eos=True))]
+    sampled = [o.token_ids for o in llm.generate(seqs, SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True))]
+    assert_pools_empty(llm)
+    return seqs, greedy, sampled
+
+
+def test_draft_logits_match_hf(ckpt):
+    llm = LLM(str(ckpt), mtp_step=1, **OPTS)
+    runner = llm.runner
+    seq = prompts(runner.text_config.vocab_size, lens=[90], seed=3)[0]
+    runner.pools.token_ids[0, : len(seq)] = torch.tensor(seq)
+    batch = build_batch([ScheduledChunk(0, 0, len(seq), list(range(len(seq))), False)],
+                        runner.pools, runner.device)
+    n = len(seq) - 1
+    with torch.inference_mode():
+        with forward_context(batch.ctx):
+            hidden = runner.model(batch.input_ids, batch.positions)
+        with forward_context(runner.drafter._ctx([0], [n], [n], list(range(n)))):
+            y = runner.draft_modules[0](torch.tensor(seq[1:]), hidden[:n], torch.arange(n))
+        got = runner.model.compute_logits(y)
+    torch.testing.assert_close(got, hf_mtp_logits(ckpt, seq), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "eagle"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_lossless_greedy_and_sampling(ckpt, reference, mode, k):
+    seqs, greedy, sampled = reference
+    llm = LLM(str(ckpt), mtp_step=k, mtp_mode=mode, **OPTS)
+    got = llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in got] == greedy
+    got = llm.generate(seqs, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11,
+                                            ignore_eos=True))
+    assert [o.token_ids for o in got] == sampled
+    assert_pools_empty(llm)
+
+
+class OracleDrafter(Drafter):
+    """Real draft extend (fills the draft KV), but proposes the reference continuation with every
+    `wrong_every`-th draft corrupted, so full, partial and zero acceptance all happen."""
+
+    def __init__(self, base: Drafter, futures: dict[tuple[int, ...], list[int]], wrong_every: int):
+        super().__init__(base.main, base.modules, base.k, base.pools, base.device)
+        self.futures, self.wrong_every, self.calls = futures, wrong_every, 0
+
+    def _chain(self, rows, y1):
+        for r in rows:
+            known = self.pools.token_ids[r.req_slot, : r.start + r.count + 1].tolist()
+            prompt = next(p for p in self.futures if tuple(known[: len(p)]) == p)
+            done = len(known) - len(prompt)
+            future = (self.futures[prompt][done:] + [0] * self.k)[: self.k]
+            for j in range(self.k):
+                self.calls += 1
+                if self.calls % self.wrong_every == 0:
+                    future[j] = (future[j] + 1) % self.main.config.vocab_size
+            self.pools.draft_tokens[r.req_slot, : self.k] = torch.tensor(future)
+
+
+@pytest.mark.parametrize("wrong_every", [1000, 5, 2])
+def test_accept_and_commit_with_oracle_drafts(ckpt, reference, wrong_every):
+    seqs, greedy, _ = reference
+    llm = LLM(str(ckpt), mtp_step=3, **OPTS)
+    futures = {tuple(s): g for s, g in zip(seqs, greedy)}
+    llm.runner.drafter = OracleDrafter(llm.runner.drafter, futures, wrong_every)
+    got = llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in got] == greedy
+    stats = llm.scheduler.stats()
+    per_position = stats.mtp_accepted_per_position
+    assert stats.mtp_drafts > 0 and per_position[0] >= per_position[1] >= per_position[2]
+    if wrong_every == 1000:  # nearly every draft right: close to k + 1 tokens per verify step
+        assert stats.mtp_mean_accept_len > 3.5
+    elif wrong_every == 5:  # partial acceptance at every depth, and rejections
+        assert 1.0 < stats.mtp_mean_accept_len < 3.5 and per_position[2] > 0
+    else:  # every other draft wrong: never past the second position
+        assert 1.0 < stats.mtp_mean_accept_len < 2.0 and per_position[1] == 0
+    assert_pools_empty(llm)
