@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, num_sms, tl, use_triton
+from kernels.triton_utils import (
+    HAS_TRITON,
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    num_sms,
+    tl,
+    triton,
+    use_triton,
+)
 
 
 def store_kv_ref(
@@ -60,12 +69,13 @@ def paged_attention_ref(
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# Triton: one kernel for decode, verify rows and prefill. A program owns (request, block of query rows,
-# kv head, kv split); its M rows are (query row, q head of the GQA group) pairs, so K/V tiles gathered
-# through req_to_token are loaded once per group. Long KV with few programs is split (flash-decoding)
-# and the partial results are merged by a second kernel.
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
+# Triton: one kernel for decode, verify rows and prefill. A program owns (request, block of query
+# rows, kv head, kv split); its M rows are (query row, q head of the GQA group) pairs, so K/V tiles
+# gathered through req_to_token are loaded once per group. Long KV with few programs is split
+# (flash-decoding) and the partial results are merged by a second kernel. Prefill block sizes are
+# autotuned on the GPU.
+# -------------------------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
 
@@ -115,16 +125,45 @@ def store_kv_triton(
 
 
 @jit
+def _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr, v_cache_ptr, kv_head,
+                  stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale, d, d_ok,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
+    n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_ok = n < hi
+        slot = tl.load(r2t + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        slot = tl.load(r2t + n).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :],
+                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
+                mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     req_to_token_ptr, req_slots_ptr, cu_q_ptr, seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh,
     stride_r2t, stride_ps, stride_pt, stride_ls, stride_lt,
-    num_q_heads,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    q_bucket,  # autotuning key only: next power of two of the longest query (prefill path)
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
 ):
+    ROWS = BLOCK_M // GROUP  # query rows per program
     b = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -155,42 +194,47 @@ def _paged_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(kv_hi, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_hi)
+    # keys up to the first row's position are visible to every row: no mask for those blocks
+    first_visible = tl.minimum(hi, seq_len - q_len + row0 + 1)
+    unmasked_hi = lo + tl.maximum(first_visible - lo, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     r2t = req_to_token_ptr + req_slot * stride_r2t
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        slot = tl.load(r2t + n, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-        visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    for start in range(lo, unmasked_hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr,
+                                      v_cache_ptr, kv_head, stride_kcs, stride_kch, stride_vcs,
+                                      stride_vch, qk_scale, d, d_ok, BLOCK_N, False, PREC)
+    for start in range(unmasked_hi, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr,
+                                      v_cache_ptr, kv_head, stride_kcs, stride_kch, stride_vcs,
+                                      stride_vch, qk_scale, d, d_ok, BLOCK_N, True, PREC)
 
     t_row = (q_start + q_row).to(tl.int64)
     out_mask = row_ok[:, None] & d_ok[None, :]
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_o_ptr + split * stride_ps + t_row[:, None] * stride_pt
                  + head[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
         tl.store(part_lse_ptr + split * stride_ls + t_row * stride_lt + head, lse, mask=row_ok)
+
+
+def _prefill_configs() -> list:
+    shapes = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3),
+              (128, 128, 8, 2))
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in shapes]
+
+
+# prefill (many query rows): block sizes tuned once per (group, head_dim, length class) on the GPU
+_paged_attention_prefill = (
+    triton.autotune(configs=_prefill_configs(), key=["GROUP", "HEAD_DIM", "q_bucket"])(
+        _paged_attention_kernel) if HAS_TRITON else None)
 
 
 @jit
@@ -250,38 +294,43 @@ def paged_attention_triton(
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     group = num_q_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+               v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+               req_to_token.stride(0))
+    fixed = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    tensors = (q, k_cache, v_cache, out)
+    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, scale * _LOG2E)
+    if max_q_len > 16 and q.is_cuda and num_splits in (None, 1):
+        def grid(cfg):
+            return (batch, -(-max_q_len // (cfg["BLOCK_M"] // group)), num_kv_heads)
+
+        _paged_attention_prefill[grid](*tensors, out, out, *meta, *strides, 0, 0, 0, 0,
+                                       min(next_pow2(max_q_len), 4096), NUM_SPLITS=1, **fixed)
+        return out
     block_m = max(16, next_pow2(group))
     if max_q_len * group > 16:
         block_m = max(block_m, 64)
-    rows = block_m // group
-    num_q_blocks = -(-max_q_len // rows)
+    num_q_blocks = -(-max_q_len // (block_m // group))
     if num_splits is None:
         num_splits = _attention_splits(batch * num_q_blocks * num_kv_heads, max_q_len, q.device)
     if num_splits & (num_splits - 1):
         raise ValueError(f"paged_attention: num_splits {num_splits} must be a power of two")
-    block_d = next_pow2(head_dim)
     block_n = 64 if block_m >= 64 or block_d > 128 else 128
     if num_splits > 1:
         part_o = torch.empty(num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty(num_splits, num_tokens, num_q_heads, dtype=torch.float32,
                                device=q.device)
+        part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1))
     else:
         part_o = part_lse = out  # unused
+        part_strides = (0, 0, 0, 0)
     grid = (batch, num_q_blocks, num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse,
-        req_to_token, req_slots, cu_seqlens_q, seq_lens,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        req_to_token.stride(0),
-        part_o.stride(0) if num_splits > 1 else 0, part_o.stride(1) if num_splits > 1 else 0,
-        part_lse.stride(0) if num_splits > 1 else 0, part_lse.stride(1) if num_splits > 1 else 0,
-        num_q_heads,
-        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        *tensors, part_o, part_lse, *meta, *strides, *part_strides, 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, **fixed,
         num_warps=8 if block_m * block_d >= 64 * 256 else 4, num_stages=2 if block_d >= 256 else 3,
     )
     if num_splits > 1:
@@ -321,8 +370,8 @@ def paged_attention(
     max_q_len: int | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Dispatcher used by the model layers: the backend chosen in kernels.backends (Triton by default on
-    CUDA; flashinfer when selected and importable; the torch reference on CPU)."""
+    """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
+    by default, the torch reference when 'torch'); the torch reference on CPU."""
     if not q.is_cuda:
         return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
                                    seq_lens, scale)

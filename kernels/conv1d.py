@@ -69,60 +69,39 @@ def causal_conv1d_verify_ref(
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Triton. `_conv1d_fwd_kernel`: one program per (request, channel block, token block) computes
-# outputs, reading the left context from the old state. The new state (and, for verify rows, the
-# state after each row) is written by `_store_states`, which runs inside the forward kernel when one
-# token block covers every request (decode / verify: one launch) and as a second kernel otherwise, so
-# no program overwrites a state another program still reads.
-# State after row p of a request = columns p+1 .. p+K-1 of [old_state | x].
-# ---------------------------------------------------------------------------------------------------
+# outputs, reading the left context from the old state. The new state (the last K-1 inputs of [old | x]) is
+# written inside that kernel when one token block covers every request (decode: one launch) and by
+# `_conv1d_state_kernel` otherwise, so no program overwrites a state another program still reads.
+# The verify variant leaves the committed state alone and writes [old state | rows] to the window.
+# -------------------------------------------------------------------------------------------------
 
 
 @jit
-def _store_states(
-    x_ptr, state_ptr, slots_ptr, inter_ptr, b, start, length, cc, c_ok,
-    stride_xt, stride_ss, stride_sc, has_init,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, HAS_INTER: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    j = tl.arange(0, BLOCK_W)  # state column
+def _final_state(x_ptr, state_ptr, slot, start, length, cc, c_ok, stride_xt, stride_ss, stride_sc,
+                 init_flag, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+    """state <- columns length .. length+K-2 of [old_state | x] (old columns where length < K-1)."""
+    j = tl.arange(0, BLOCK_W)
     j_ok = j < WIDTH - 1
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    # gather every value first: the final state may overwrite the old one in place
-    final = _window(x_ptr, state_ptr, slot, start, length, length - 1, j, j_ok, cc, c_ok,
-                    stride_xt, stride_ss, stride_sc, has_init, WIDTH)
-    if HAS_INTER:
-        for i in range(0, length):
-            inter = tl.load(inter_ptr + start + i).to(tl.int64)
-            if inter >= 0:
-                win = _window(x_ptr, state_ptr, slot, start, length, i, j, j_ok, cc, c_ok,
-                              stride_xt, stride_ss, stride_sc, has_init, WIDTH)
-                tl.store(state_ptr + inter * stride_ss + cc[None, :] * stride_sc + j[:, None], win,
-                         mask=j_ok[:, None] & c_ok[None, :])
-    tl.store(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None], final,
+    has_init = j < BLOCK_W * init_flag.to(tl.int32)  # the scalar flag as a vector (interpreter)
+    src = length + j - (WIDTH - 1)  # row inside the request; < 0 -> old state column src + K - 1
+    xv = tl.load(x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
+                 mask=(j_ok & (src >= 0))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    state_row = state_ptr + slot * stride_ss + cc[None, :] * stride_sc
+    sv = tl.load(state_row + (src + WIDTH - 1)[:, None],
+                 mask=(j_ok & (src < 0) & has_init)[:, None] & c_ok[None, :], other=0.0)
+    tl.store(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
+             (xv + sv.to(tl.float32)).to(state_ptr.dtype.element_ty),
              mask=j_ok[:, None] & c_ok[None, :])
 
 
 @jit
-def _window(x_ptr, state_ptr, slot, start, length, row, j, j_ok, cc, c_ok,
-            stride_xt, stride_ss, stride_sc, has_init, WIDTH: tl.constexpr):
-    """[BLOCK_W, BLOCK_C]: the K-1 inputs ending at `row` (old-state columns where row - K + 2 < 0)."""
-    src = row + 1 + j - (WIDTH - 1)  # token index inside the request; < 0 -> old state column
-    from_x = j_ok & (src >= 0)
-    from_state = j_ok & (src < 0) & (src + WIDTH - 1 >= 0)
-    xv = tl.load(x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
-                 mask=from_x[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    sv = tl.load(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + (src + WIDTH - 1)[:, None],
-                 mask=(from_state & has_init)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    return (xv + sv).to(state_ptr.dtype.element_ty)
-
-
-@jit
 def _conv1d_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, state_ptr, slots_ptr, cu_ptr, has_init_ptr, inter_ptr,
-    stride_xt, stride_ot, stride_wc, stride_ss, stride_sc, channels,
+    x_ptr, w_ptr, out_ptr, state_ptr, win_ptr, slots_ptr, cu_ptr, has_init_ptr,
+    stride_xt, stride_ot, stride_wc, stride_ss, stride_sc, stride_ws, stride_wcc, channels,
     WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    SILU: tl.constexpr, FUSE_STATE: tl.constexpr, HAS_INTER: tl.constexpr,
+    SILU: tl.constexpr, FUSE_STATE: tl.constexpr, VERIFY: tl.constexpr,
 ):
     b = tl.program_id(0)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -133,16 +112,20 @@ def _conv1d_fwd_kernel(
     if t0 >= length:
         return
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    init_flag = tl.load(has_init_ptr + b) != 0
-    has_init = tl.arange(0, BLOCK_T) < BLOCK_T * init_flag.to(tl.int32)  # scalar flag as a vector
+    if VERIFY:
+        init_flag = length >= 0  # verify rows always continue from the committed state
+    else:
+        init_flag = tl.load(has_init_ptr + b) != 0
+    has_init = tl.arange(0, BLOCK_T) < BLOCK_T * init_flag.to(tl.int32)
     p = t0 + tl.arange(0, BLOCK_T)  # row inside the request
     p_ok = p < length
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    state_row = state_ptr + slot * stride_ss + cc[None, :] * stride_sc
     for tap in tl.static_range(WIDTH):
         src = p - (WIDTH - 1) + tap
         xv = tl.load(x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
                      mask=(p_ok & (src >= 0))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-        sv = tl.load(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + (src + WIDTH - 1)[:, None],
+        sv = tl.load(state_row + (src + WIDTH - 1)[:, None],
                      mask=(p_ok & (src < 0) & has_init)[:, None] & c_ok[None, :],
                      other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cc * stride_wc + tap, mask=c_ok, other=0.0).to(tl.float32)
@@ -151,18 +134,27 @@ def _conv1d_fwd_kernel(
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + (start + p).to(tl.int64)[:, None] * stride_ot + cc[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
-    if FUSE_STATE:
-        j_init = tl.arange(0, BLOCK_W) < BLOCK_W * init_flag.to(tl.int32)
-        _store_states(x_ptr, state_ptr, slots_ptr, inter_ptr, b, start, length, cc, c_ok,
-                      stride_xt, stride_ss, stride_sc, j_init,
-                      WIDTH, BLOCK_W, HAS_INTER, BLOCK_T)
+    if VERIFY:
+        j = tl.arange(0, BLOCK_W)
+        j_ok = j < WIDTH - 1
+        old = tl.load(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
+                      mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+        win = win_ptr + slot * stride_ws + cc[None, :] * stride_wcc
+        tl.store(win + j[:, None], old.to(win_ptr.dtype.element_ty),
+                 mask=j_ok[:, None] & c_ok[None, :])
+        rows = tl.load(x_ptr + (start + p).to(tl.int64)[:, None] * stride_xt + cc[None, :],
+                       mask=p_ok[:, None] & c_ok[None, :], other=0.0)
+        tl.store(win + (WIDTH - 1 + p)[:, None], rows.to(win_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & c_ok[None, :])
+    elif FUSE_STATE:
+        _final_state(x_ptr, state_ptr, slot, start, length, cc, c_ok, stride_xt, stride_ss,
+                     stride_sc, init_flag, WIDTH, BLOCK_W)
 
 
 @jit
 def _conv1d_state_kernel(
-    x_ptr, state_ptr, slots_ptr, cu_ptr, has_init_ptr, inter_ptr,
-    stride_xt, stride_ss, stride_sc, channels,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr, HAS_INTER: tl.constexpr,
+    x_ptr, state_ptr, slots_ptr, cu_ptr, has_init_ptr, stride_xt, stride_ss, stride_sc, channels,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -170,27 +162,13 @@ def _conv1d_state_kernel(
     length = tl.load(cu_ptr + b + 1) - start
     if length == 0:
         return
-    init_flag = tl.load(has_init_ptr + b) != 0
-    j_init = tl.arange(0, BLOCK_W) < BLOCK_W * init_flag.to(tl.int32)
-    _store_states(x_ptr, state_ptr, slots_ptr, inter_ptr, b, start, length, cc, cc < channels,
-                  stride_xt, stride_ss, stride_sc, j_init, WIDTH, BLOCK_W, HAS_INTER, 1)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    _final_state(x_ptr, state_ptr, slot, start, length, cc, cc < channels, stride_xt, stride_ss,
+                 stride_sc, tl.load(has_init_ptr + b) != 0, WIDTH, BLOCK_W)
 
 
-def causal_conv1d_triton(
-    x: torch.Tensor,  # [T, C] (token stride free)
-    weight: torch.Tensor,  # [C, K]
-    conv_states: torch.Tensor,  # [num_state_slots, C, K - 1]
-    state_slots: torch.Tensor,  # [B]
-    cu_seqlens: torch.Tensor,  # [B + 1]
-    has_initial_state: torch.Tensor,  # [B] bool
-    activation: str | None = "silu",
-    *,
-    max_q_len: int | None = None,  # host bound on rows per request; given -> no device sync
-    intermediate_state_slots: torch.Tensor | None = None,  # [T] verify rows: state after row t
-    out: torch.Tensor | None = None,  # [T, C]
-) -> torch.Tensor:
-    """Same result as causal_conv1d_ref (prefill, decode update, and the speculative variant that also
-    keeps the state after every verify row)."""
+def _conv_launch(x, weight, conv_states, windows, state_slots, cu_seqlens, has_initial_state,
+                 activation, max_q_len, out):
     check_last_dim_contiguous("x", x)
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -208,27 +186,64 @@ def causal_conv1d_triton(
         max_q_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     block_t = min(next_pow2(max(max_q_len, 1)), 64)
     block_c = 256 if block_t <= 8 else 128
+    verify = windows is not None
+    if verify and (max_q_len > block_t or windows.shape[2] < width - 1 + max_q_len):
+        raise ValueError(f"conv1d verify: {max_q_len} rows do not fit windows {windows.shape}")
     fuse = max_q_len <= block_t
-    inter = intermediate_state_slots
-    if inter is not None and not fuse:
-        raise ValueError(f"conv1d: intermediate states only for requests of <= {block_t} rows")
     block_w = next_pow2(max(width - 1, 1))
-    common = dict(WIDTH=width, BLOCK_W=block_w, HAS_INTER=inter is not None)
-    inter_arg = inter if inter is not None else state_slots
+    win = windows if verify else conv_states
     grid = (batch, -(-channels // block_c), -(-max_q_len // block_t))
     _conv1d_fwd_kernel[grid](
-        x, weight, out, conv_states, state_slots, cu_seqlens, has_initial_state, inter_arg,
+        x, weight, out, conv_states, win, state_slots, cu_seqlens,
+        has_initial_state if has_initial_state is not None else state_slots,
         x.stride(0), out.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
-        channels, BLOCK_T=block_t, BLOCK_C=block_c, SILU=activation == "silu", FUSE_STATE=fuse,
-        **common,
+        win.stride(0), win.stride(1), channels,
+        WIDTH=width, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_C=block_c,
+        SILU=activation == "silu", FUSE_STATE=fuse, VERIFY=verify,
     )
     if not fuse:
         _conv1d_state_kernel[(batch, -(-channels // 256))](
-            x, conv_states, state_slots, cu_seqlens, has_initial_state, inter_arg,
+            x, conv_states, state_slots, cu_seqlens, has_initial_state,
             x.stride(0), conv_states.stride(0), conv_states.stride(1), channels,
-            BLOCK_C=256, **common,
+            WIDTH=width, BLOCK_W=block_w, BLOCK_C=256,
         )
     return out
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor,  # [T, C] (token stride free)
+    weight: torch.Tensor,  # [C, K]
+    conv_states: torch.Tensor,  # [num_state_slots, C, K - 1]
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+    has_initial_state: torch.Tensor,  # [B] bool
+    activation: str | None = "silu",
+    *,
+    max_q_len: int | None = None,  # host bound on rows per request; given -> no device sync
+    out: torch.Tensor | None = None,  # [T, C]
+) -> torch.Tensor:
+    """Same result as causal_conv1d_ref (varlen prefill and decode update)."""
+    return _conv_launch(x, weight, conv_states, None, state_slots, cu_seqlens, has_initial_state,
+                        activation, max_q_len, out)
+
+
+def causal_conv1d_verify_triton(
+    x: torch.Tensor,  # [T, C] MTP verify rows
+    weight: torch.Tensor,  # [C, K]
+    conv_states: torch.Tensor,  # [num_state_slots, C, K - 1] committed (read only)
+    conv_windows: torch.Tensor,  # [num_state_slots, C, K - 1 + max_rows]
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+    activation: str | None = "silu",
+    *,
+    max_q_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same result as causal_conv1d_verify_ref."""
+    if conv_windows.stride(2) != 1:
+        raise ValueError("conv1d verify: window rows must be contiguous")
+    return _conv_launch(x, weight, conv_states, conv_windows, state_slots, cu_seqlens, None,
+                        activation, max_q_len, out)
 
 
 def causal_conv1d(
@@ -241,38 +256,29 @@ def causal_conv1d(
     activation: str | None = "silu",
     *,
     max_q_len: int | None = None,
-    intermediate_state_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatcher used by the model layers: Triton on CUDA, the reference elsewhere (the reference
-    handles intermediate states by stepping one row at a time)."""
+    """Dispatcher used by the model layers: Triton on CUDA, the reference elsewhere."""
     if use_triton(x):
         return causal_conv1d_triton(x, weight, conv_states, state_slots, cu_seqlens,
-                                    has_initial_state, activation, max_q_len=max_q_len,
-                                    intermediate_state_slots=intermediate_state_slots)
-    if intermediate_state_slots is None:
-        return causal_conv1d_ref(x, weight, conv_states, state_slots, cu_seqlens, has_initial_state,
-                                 activation)
-    return causal_conv1d_ref_with_states(x, weight, conv_states, state_slots, cu_seqlens,
-                                         has_initial_state, intermediate_state_slots, activation)
+                                    has_initial_state, activation, max_q_len=max_q_len)
+    return causal_conv1d_ref(x, weight, conv_states, state_slots, cu_seqlens, has_initial_state,
+                             activation)
 
 
-def causal_conv1d_ref_with_states(
-    x, weight, conv_states, state_slots, cu_seqlens, has_initial_state,
-    intermediate_state_slots: torch.Tensor,  # [T]: state after row t -> conv_states[slot] (-1: none)
+def causal_conv1d_verify(
+    x: torch.Tensor,  # [T, C]
+    weight: torch.Tensor,  # [C, K]
+    conv_states: torch.Tensor,  # [num_state_slots, C, K - 1]
+    conv_windows: torch.Tensor,  # [num_state_slots, C, K - 1 + max_rows]
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
     activation: str | None = "silu",
+    *,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Reference for verify rows that also keep every row's state: one reference step per row."""
-    out = torch.empty_like(x)
-    cu = cu_seqlens.tolist()
-    inter = intermediate_state_slots.tolist()
-    one = torch.tensor([0, 1], dtype=cu_seqlens.dtype, device=x.device)
-    for b in range(state_slots.shape[0]):
-        for t in range(cu[b], cu[b + 1]):
-            init = has_initial_state[b : b + 1]
-            if t > cu[b]:
-                init = torch.ones_like(init)
-            out[t : t + 1] = causal_conv1d_ref(x[t : t + 1], weight, conv_states,
-                                               state_slots[b : b + 1], one, init, activation)
-            if inter[t] >= 0:
-                conv_states[inter[t]] = conv_states[state_slots[b]]
-    return out
+    """Dispatcher for the causal_conv1d_verify_ref contract: Triton on CUDA, else the reference."""
+    if use_triton(x):
+        return causal_conv1d_verify_triton(x, weight, conv_states, conv_windows, state_slots,
+                                           cu_seqlens, activation, max_q_len=max_q_len)
+    return causal_conv1d_verify_ref(x, weight, conv_states, conv_windows, state_slots, cu_seqlens,
+                                    activation)

@@ -177,7 +177,9 @@ def _fp8_mm_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=(rm < m_size)[:, None] & (rn < n_size)[None, :])
 
 
-def _mm_config(m: int, n: int) -> dict[str, int]:
+def _mm_config(m: int) -> dict[str, int]:
+    """Block sizes per size class of M, fixed from H200 measurements (docs/benchmarks.md): an
+    autotuned variant picked slower tiles for small M at N = K = 5120 and was dropped."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
@@ -205,18 +207,17 @@ def fp8_scaled_mm_triton(
     if m == 0:
         return out
     sa, sb = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
-    cfg = _mm_config(m, n)
+    cfg = _mm_config(m)
     grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
     _fp8_mm_kernel[grid](
         a_q, b_q, out, sa, sb, bias if bias is not None else sb, m, n, k,
         a_q.stride(0), b_q.stride(0), out.stride(0),
-        SA_PER_ROW=sa.numel() > 1, SB_PER_COL=sb.numel() > 1,
-        HAS_BIAS=bias is not None, **cfg,
+        SA_PER_ROW=sa.numel() > 1, SB_PER_COL=sb.numel() > 1, HAS_BIAS=bias is not None, **cfg,
     )
     return out
 
 
-# ------------------------------------------- dispatchers -------------------------------------------
+# ------------------------------------------ dispatchers ------------------------------------------
 
 
 def fp8_quant(x: torch.Tensor, per_token: bool = True, scale: torch.Tensor | None = None

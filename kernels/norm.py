@@ -140,12 +140,12 @@ def gated_rms_norm_triton(
     if rows == 0:
         return out
     block_d = next_pow2(dim)
-    block_r = max(1, min(16, 4096 // block_d))
+    block_r = max(1, min(64, 8192 // block_d))
     _gated_rms_norm_kernel[(-(-rows // block_r),)](
         x, gate, weight, out, rows, dim, x.stride(0), gate.stride(0), out.stride(0), eps,
         BLOCK_R=block_r, BLOCK_D=block_d,
         ROUND_WEIGHTED=weight.dtype == x.dtype and x.dtype != torch.float32,
-        num_warps=4,
+        num_warps=8 if block_r * block_d >= 8192 else 4,
     )
     return out
 

@@ -119,4 +119,4 @@ class Drafter:
             ys.append(y_step)
             drafts.append(self.main.compute_logits(y_step).argmax(-1))
         table = torch.stack(drafts, dim=1)  # [B, k]
-        self.pools.draft_tokens[torch.tensor(slots, device=self.device)] = table
+        self.pools.draft_tokens[torch.tensor(slots, device=self.device), : table.shape[1]] = table

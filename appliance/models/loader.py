@@ -84,15 +84,19 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights with sane magnitudes for performance work (`--load-format dummy`)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
+    """Random weights with sane magnitudes for performance work (`--load-format dummy`), drawn on the
+    parameters' own device (a 27B model would take minutes through the host)."""
+    for i, (name, param) in enumerate(sorted(model.named_parameters())):
+        gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)
         with torch.no_grad():
             shape = param.shape
+            values = torch.empty(shape, dtype=torch.float32, device=param.device)
             if name.endswith("A_log"):
-                values = torch.rand(shape, generator=gen).mul(15).add(1).log()
-            elif name.endswith("dt_bias") or param.dim() == 1:
-                values = torch.randn(shape, generator=gen) * 0.1
+                values.uniform_(1.0, 16.0, generator=gen).log_()
+            elif name.endswith("norm.weight") and "linear_attn" in name:
+                values.fill_(1.0)  # gated norm multiplies by w directly
+            elif param.dim() == 1:
+                values.normal_(0.0, 0.1, generator=gen)
             else:
-                values = torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+                values.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)
             param.copy_(values.to(param.dtype))

@@ -96,7 +96,7 @@ class EngineClient:
             self._task.cancel()
             try:
                 await self._task
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, Exception):  # its failure was handled when it happened
                 pass
         self._to_router.close()
         self._inbox.close()

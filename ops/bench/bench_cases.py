@@ -262,10 +262,39 @@ def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
                x.numel() * 3, "GB/s", {"eager_ref": lambda x=x: fp8.per_token_quant_ref(x)})
 
 
+# ----------------------------------------------- MoE -----------------------------------------------
+
+
+def moe_cases(compile_peers: bool) -> Iterator[tuple]:
+    from kernels.moe import fused_moe, fused_moe_ref, moe_route_ref
+
+    experts, top_k, hidden, inter = 256, 8, 2048, 512  # Qwen3.5-35B-A3B
+    w1 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=DEV, dtype=BF16) * inter**-0.5
+    w1_q, w1_s = fp8.per_token_quant_ref(w1.flatten(0, 1))
+    w2_q, w2_s = fp8.per_token_quant_ref(w2.flatten(0, 1))
+    w1_q, w1_s = w1_q.view(w1.shape), w1_s.view(experts, 2 * inter)
+    w2_q, w2_s = w2_q.view(w2.shape), w2_s.view(experts, hidden)
+    for tokens in (16, 256, 4096):
+        x = torch.randn(tokens, hidden, device=DEV, dtype=BF16)
+        weights, ids = moe_route_ref(torch.randn(tokens, experts, device=DEV), top_k, True)
+        flops = tokens * top_k * 6 * hidden * inter
+        peers = {"torch_ref (loop over experts)": lambda x=x, w=weights, i=ids: fused_moe_ref(
+            x, w1, w2, w, i)}
+        yield ("moe_bf16", f"T={tokens} E={experts} k={top_k}",
+               lambda x=x, w=weights, i=ids: fused_moe(x, w1, w2, w, i), flops, "TFLOP/s", peers)
+        yield ("moe_fp8", f"T={tokens} E={experts} k={top_k} per-channel",
+               lambda x=x, w=weights, i=ids: fused_moe(x, w1_q, w2_q, w, i, w_gate_up_scale=w1_s,
+                                                       w_down_scale=w2_s),
+               flops, "TFLOP/s", {"moe_bf16 (ours)": lambda x=x, w=weights, i=ids: fused_moe(
+                   x, w1, w2, w, i)})
+
+
 OPS = {
     "attention": attention_cases,
     "gdn": gdn_cases,
     "conv1d": conv_cases,
     "elementwise": elementwise_cases,
     "fp8": fp8_cases,
+    "moe": moe_cases,
 }

@@ -11,8 +11,10 @@ from tolerances import assert_close, poison
 from kernels.conv1d import (
     causal_conv1d,
     causal_conv1d_ref,
-    causal_conv1d_ref_with_states,
     causal_conv1d_triton,
+    causal_conv1d_verify,
+    causal_conv1d_verify_ref,
+    causal_conv1d_verify_triton,
 )
 
 
@@ -58,18 +60,22 @@ def test_conv1d_matches_reference(lens, has_init, activation, dtype):
     check_states(inputs[2], ref_states, inputs[3], dtype)  # a len-0 request keeps its state
 
 
-def test_verify_rows_keep_every_row_state():
-    lens = [3, 4]
-    inputs = make_inputs(lens, 40, 4, torch.float32, seed=2, has_init=[True, False])
-    spare = [s for s in range(inputs[2].shape[0]) if s not in inputs[3].tolist()]
-    inter = torch.tensor([spare[0], spare[1], -1, spare[2], -1, -1, spare[3]], device=DEVICE)
-    ref_states = inputs[2].clone()
-    expected = causal_conv1d_ref_with_states(inputs[0], inputs[1], ref_states, *inputs[3:], inter)
-    got = causal_conv1d_triton(*inputs, intermediate_state_slots=inter)
-    assert_close(got, expected, torch.float32, name="out")
-    written = torch.cat([inputs[3], inter[inter >= 0]])
-    check_states(inputs[2], ref_states, written, torch.float32)
-    assert torch.equal(inputs[2][inter[6]], inputs[2][inputs[3][1]])  # last row == final state
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_fill_windows_and_keep_committed_state(dtype):
+    lens = [3, 4, 1]
+    inputs = make_inputs(lens, 40, 4, dtype, seed=2, has_init=[True] * 3)
+    x, weight, states, slots, cu, _ = inputs
+    windows = poison(torch.empty(states.shape[0], 40, 3 + 5, dtype=dtype, device=DEVICE))
+    ref_windows = windows.clone()
+    committed = states.clone()
+    expected = causal_conv1d_verify_ref(x, weight, states, ref_windows, slots, cu)
+    out = poison(torch.empty(x.shape, dtype=dtype, device=DEVICE))
+    got = causal_conv1d_verify_triton(x, weight, states, windows, slots, cu, out=out)
+    assert_close(got, expected, dtype, name="out")
+    assert torch.equal(states.nan_to_num(7.0), committed.nan_to_num(7.0)), "committed state changed"
+    assert torch.equal(windows.nan_to_num(7.0), ref_windows.nan_to_num(7.0))
+    assert torch.isnan(windows[slots[2], :, 4:]).all()  # a 1-row request fills 3 + 1 columns
+    assert_close(causal_conv1d_verify(x, weight, states, windows, slots, cu), expected, dtype)
 
 
 def test_dispatcher_matches_reference():
@@ -89,3 +95,15 @@ def test_full_size_qwen35_27b(lens):
     got = causal_conv1d(*inputs)
     assert_close(got, expected, torch.bfloat16, name="out")
     check_states(inputs[2], ref_states, inputs[3], torch.bfloat16)
+
+
+@gpu
+def test_full_size_verify_rows():
+    inputs = make_inputs([4] * 64, 10240, 4, torch.bfloat16, seed=3, has_init=[True] * 64)
+    x, weight, states, slots, cu, _ = inputs
+    windows = torch.zeros(states.shape[0], 10240, 3 + 4, dtype=torch.bfloat16, device=DEVICE)
+    ref_windows = windows.clone()
+    expected = causal_conv1d_verify_ref(x, weight, states, ref_windows, slots, cu)
+    got = causal_conv1d_verify(x, weight, states, windows, slots, cu, max_q_len=4)
+    assert_close(got, expected, torch.bfloat16, name="out")
+    assert torch.equal(windows[slots], ref_windows[slots])

@@ -16,12 +16,14 @@ from kernels.gdn import (
     gdn_recurrent_ref,
     gdn_recurrent_triton,
     gdn_ref,
-    gdn_ref_with_states,
+    gdn_verify,
+    gdn_verify_ref,
+    gdn_verify_triton,
 )
 
 
 def make_inputs(lens, hk, hv, dk, dv, dtype, seed, has_init):
-    """Packed projections viewed per head (as the GDN layer slices them), pool with poisoned slots."""
+    """Packed projections viewed per head (as the GDN layer slices them), poisoned pool slots."""
     total = sum(lens)
     mixed = randn(total, 2 * hk * dk + hv * dv, dtype=dtype, seed=seed)
     q = mixed[:, : hk * dk].view(total, hk, dk)
@@ -57,12 +59,13 @@ def check_pool(pool, ref_pool, slots, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens,has_init", [([1, 1, 1], [True, False, True]),
-                                           ([3, 3], [True, True]), ([2, 0, 5], [False, True, True])])
+@pytest.mark.parametrize("lens,has_init", [
+    ([1, 1, 1], [True, False, True]), ([3, 3], [True, True]), ([2, 0, 5], [False, True, True])])
 def test_recurrent_matches_reference(lens, has_init, dtype):
     inputs = make_inputs(lens, 2, 4, 16, 32, dtype, seed=sum(lens), has_init=has_init)
     out = poison(torch.empty(inputs[2].shape, dtype=dtype, device=DEVICE))
-    got, expected, pool, ref_pool = run_both(gdn_recurrent_ref, gdn_recurrent_triton, inputs, out=out)
+    got, expected, pool, ref_pool = run_both(gdn_recurrent_ref, gdn_recurrent_triton, inputs,
+                                             out=out)
     assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
     check_pool(pool, ref_pool, inputs[6], dtype)
 
@@ -92,21 +95,24 @@ def test_mixed_batch_split_between_kernels_matches_gdn_ref():
     check_pool(inputs[5], ref_inputs[5], inputs[6][:3], torch.float32)  # len-0 request untouched
 
 
-def test_verify_rows_keep_every_row_state():
-    lens = [3, 2]
-    inputs = make_inputs(lens, 2, 4, 16, 16, torch.float32, seed=9, has_init=[True, False])
-    pool = inputs[5]
-    spare = torch.tensor([s for s in range(pool.shape[0]) if s not in inputs[6].tolist()])
-    inter = torch.tensor([spare[0], -1, spare[1], spare[2], -1], device=DEVICE)
-    ref_inputs = list(inputs)
-    ref_inputs[5] = pool.clone()
-    expected = gdn_ref_with_states(*ref_inputs, inter)
-    got = gdn_recurrent_triton(*inputs, intermediate_state_slots=inter)
-    assert_close(got, expected, torch.float32, factor=ACCUMULATING, name="o")
-    written = torch.cat([inputs[6], inter[inter >= 0]])
-    check_pool(pool, ref_inputs[5], written, torch.float32)
-    # the last verify row's state equals the request's final state
-    assert torch.equal(pool[inter[2]], pool[inputs[6][0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_fill_candidates_and_keep_committed_state(dtype):
+    lens = [3, 2, 4]
+    inputs = make_inputs(lens, 2, 4, 16, 16, dtype, seed=9, has_init=[True] * 3)
+    q, k, v, g, beta, pool, slots, cu, _ = inputs
+    candidates = poison(torch.empty(pool.shape[0], 4, *pool.shape[1:], device=DEVICE))
+    ref_candidates = candidates.clone()
+    committed = pool.clone()
+    expected = gdn_verify_ref(q, k, v, g, beta, pool, ref_candidates, slots, cu)
+    out = poison(torch.empty(v.shape, dtype=dtype, device=DEVICE))
+    got = gdn_verify_triton(q, k, v, g, beta, pool, candidates, slots, cu, out=out)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
+    assert torch.equal(pool.nan_to_num(7.0), committed.nan_to_num(7.0)), "committed state changed"
+    assert_close(candidates, ref_candidates, dtype, factor=ACCUMULATING, name="candidates",
+                 equal_nan=True)
+    assert torch.isnan(candidates[slots[0], 3]).all()  # a 3-row request fills rows 0..2 only
+    assert_close(gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu), expected, dtype,
+                 factor=ACCUMULATING, name="dispatcher")
 
 
 def test_dispatcher_matches_gdn_ref():
@@ -117,10 +123,12 @@ def test_dispatcher_matches_gdn_ref():
 
 
 @gpu
-@pytest.mark.parametrize("lens", [[1] * 64, [1] * 256, [4] * 16, [8192], [3000, 1, 2000, 1]],
-                         ids=["decode64", "decode256", "verify16x4", "prefill8k", "mixed"])
+@pytest.mark.parametrize(
+    "lens", [[1] * 64, [1] * 256, [4] * 16, [8192], [3000, 1, 2000, 1], [1024] * 8],
+    ids=["decode64", "decode256", "rows16x4", "prefill8k", "mixed", "prefill8x1k"])
 def test_full_size_qwen35_27b(lens):
-    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=1, has_init=[True] * len(lens))
+    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=1,
+                         has_init=[True] * len(lens))
     ref_inputs = list(inputs)
     ref_inputs[5] = inputs[5].clone()
     expected = gdn_ref(*ref_inputs)
@@ -128,3 +136,15 @@ def test_full_size_qwen35_27b(lens):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
     slots = inputs[6]
     assert_close(inputs[5][slots], ref_inputs[5][slots], torch.bfloat16, factor=ACCUMULATING)
+
+
+@gpu
+def test_full_size_verify_rows():
+    inputs = make_inputs([4] * 64, 16, 48, 128, 128, torch.bfloat16, seed=2, has_init=[True] * 64)
+    q, k, v, g, beta, pool, slots, cu, _ = inputs
+    candidates = torch.zeros(pool.shape[0], 4, *pool.shape[1:], device=DEVICE)
+    ref_candidates = candidates.clone()
+    expected = gdn_verify_ref(q, k, v, g, beta, pool, ref_candidates, slots, cu)
+    got = gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
+    assert_close(candidates[slots], ref_candidates[slots], torch.bfloat16, factor=ACCUMULATING)

@@ -1,0 +1,155 @@
+"""Static step benchmark: prefill and decode step times of the model runner with MTP off and on
+(k = 1, 2, 3) at several batch sizes, on `--load-format dummy` weights from a real config.
+
+Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
+k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode step
+(weight bytes / peak bandwidth) so the plain step is read against physics. Usage:
+  python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from appliance.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from appliance.engine.runner import ModelRunner
+from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
+
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Bench:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.step = 0
+        self.next_kv = 0
+
+    def kv(self, n: int) -> list[int]:
+        out = list(range(self.next_kv, self.next_kv + n))
+        self.next_kv += n
+        return out
+
+    def run(self, plan_chunks, new=(), released=()) -> float:
+        plan = StepPlan(self.step, list(new), plan_chunks, list(released))
+        self.step += 1
+        sync()
+        start = time.perf_counter()
+        self.runner.execute(plan)
+        sync()
+        return time.perf_counter() - start
+
+    def prefill(self, batch: int, prompt_len: int, num_draft: int) -> tuple[float, list[int]]:
+        vocab = self.runner.text_config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        new, chunks = [], []
+        for slot in range(batch):
+            ids = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+            new.append(NewRequest(slot, ids, GREEDY, num_draft=num_draft))
+            chunks.append(ScheduledChunk(slot, 0, prompt_len, self.kv(prompt_len), True))
+        return self.run(chunks, new), [prompt_len] * batch  # each now knows prompt_len + 1 tokens
+
+    def decode(self, starts: list[int], num_draft: int) -> float:
+        chunks = [ScheduledChunk(slot, start, num_draft + 1, self.kv(num_draft + 1), True, num_draft)
+                  for slot, start in enumerate(starts)]
+        elapsed = self.run(chunks)
+        for slot in range(len(starts)):  # advance by what the worker actually committed
+            starts[slot] = self.runner.num_tokens[slot] - 1
+        return elapsed
+
+
+def timed_draft(runner: ModelRunner) -> list[float]:
+    """Wraps the drafter so each step's draft pass is timed separately."""
+    times: list[float] = []
+    original = runner.drafter.run
+
+    def run(hidden, rows):
+        sync()
+        start = time.perf_counter()
+        original(hidden, rows)
+        sync()
+        times.append(time.perf_counter() - start)
+
+    runner.drafter.run = run
+    return times
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def measure(runner: ModelRunner, draft_times: list[float], batch: int, prompt_len: int, k: int,
+            steps: int) -> dict:
+    bench = Bench(runner)
+    runner.drafter.k = max(k, 1) if runner.drafter is not None else 0
+    prefill_s, starts = bench.prefill(batch, prompt_len, num_draft=k)
+    draft_times.clear()
+    samples = [bench.decode(starts, k) for _ in range(steps)]
+    samples = sorted(samples)[: max(1, steps - 2)]  # drop the slowest (allocator warm-up)
+    draft = sorted(draft_times)[: max(1, len(draft_times) - 2)] if k else [0.0]
+    released = list(range(batch))
+    bench.run([], released=released)
+    step_ms = sum(samples) / len(samples) * 1e3
+    draft_ms = sum(draft) / len(draft) * 1e3
+    # step = verify forward + sampling + acceptance (+ the draft pass when k > 0)
+    return {"batch": batch, "k": k, "prefill_ms": prefill_s * 1e3, "step_ms": step_ms,
+            "verify_ms": step_ms - draft_ms, "draft_ms": draft_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--mtp", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="peak HBM bandwidth (H200)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = json.loads(Path(args.config).read_text())
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        max_batch = max(args.batch)
+        need = max_batch * (args.prompt_len + (args.steps + 2) * 4)
+        engine = EngineConfig(
+            model=ModelConfig(model_dir=tmp, load_format="dummy", max_model_len=4096),
+            scheduler=SchedulerConfig(max_num_seqs=max_batch, mtp_step=max(args.mtp),
+                                      max_num_batched_tokens=max_batch * args.prompt_len,
+                                      num_kv_slots=need * 2),
+            parallel=ParallelConfig(device=args.device))
+        runner = ModelRunner(engine)
+    floor_ms = weight_bytes(runner.model) / (args.hbm_gbps * 1e9) * 1e3
+    rows = []
+    draft_times = timed_draft(runner) if runner.drafter is not None else []
+    print(f"{'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} {'draft ms':>9} "
+          f"{'verify/plain':>12} {'draft/plain':>11} {'plain/HBM floor':>15}")
+    for batch in args.batch:
+        plain = None
+        for k in args.mtp:
+            r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps)
+            plain = r["step_ms"] if k == 0 else plain
+            r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
+            r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
+            r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
+            rows.append(r)
+            print(f"{batch:>5} {k:>2} {r['prefill_ms']:>10.1f} {r['verify_ms']:>9.2f} "
+                  f"{r['draft_ms']:>9.2f} {r['verify_over_plain']:>12.2f} "
+                  f"{r['draft_over_plain']:>11.2f} {r['plain_over_floor']:>15.2f}")
+    print(f"weights {weight_bytes(runner.model) / 2**30:.1f} GiB, HBM floor {floor_ms:.2f} ms/step")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
