@@ -58,7 +58,6 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
-    kv_cache_dtype: str = "auto"  # auto (model dtype) | fp8_e4m3
 
     def __post_init__(self) -> None:
         _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")

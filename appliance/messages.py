@@ -33,6 +33,16 @@ def mtp_compatible(options: SamplingOptions) -> bool:
             and options.frequency_penalty == 0.0 and options.repetition_penalty == 1.0)
 
 
+class ImageInput(msgspec.Struct, frozen=True):
+    """One image of a request's prompt. Written by router (from the visual server's answer), read by
+    worker, which fetches the embeddings by `handle` (appliance/engine/mm_inputs.py)."""
+
+    offset: int  # index in token_ids of the image's first <|image_pad|> token
+    num_tokens: int  # image tokens: t*h*w / merge_size**2
+    grid_thw: tuple[int, int, int]  # ViT patch grid (t, h, w) before the spatial merge
+    handle: str  # key of its embeddings [1 + deepstack, num_tokens, hidden] in the image store
+
+
 class NewRequest(msgspec.Struct, frozen=True):
     """A request the worker has not seen yet. Written by router, read by worker (once per admission;
     a preempted request is sent again with all its known tokens)."""
@@ -42,6 +52,7 @@ class NewRequest(msgspec.Struct, frozen=True):
     sampling: SamplingOptions
     num_prompt_tokens: int = -1  # leading prompt tokens in token_ids (-1: all); for penalties
     num_draft: int = 0  # MTP draft tokens per step for this request (0 = MTP off for it)
+    mm: list[ImageInput] = []  # images in token_ids, sorted by offset (empty for text-only)
 
 
 class ScheduledChunk(msgspec.Struct, frozen=True):

@@ -1,6 +1,6 @@
 """Adapters that run an op through an optional external library behind the op's own signature
 (selected in kernels.backends): fp8 GEMM via torch._scaled_mm / sglang-kernel / vLLM cutlass, GDN
-chunked prefill via fla-core / flash-qla. Called by the dispatchers in kernels/fp8.py and kernels/gdn.py.
+chunked prefill via fla-core / flash-qla. Called by the dispatchers in kernels/fp8.py and gdn.py.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 
 from kernels.fp8 import fp8_scaled_mm_ref
 
-# ------------------------------------------------ fp8 ------------------------------------------------
+# ---------------------------------------------- fp8 ----------------------------------------------
 
 
 def _per_channel(scale_b: torch.Tensor, n: int) -> torch.Tensor:
-    """cuBLASLt row-wise / sgl / cutlass take one scale per output channel: expand a per-tensor one."""
+    """cuBLASLt row-wise / sgl / cutlass take a scale per output channel: expand per-tensor."""
     scale_b = scale_b.float().reshape(-1)
     return scale_b.expand(n).contiguous() if scale_b.numel() == 1 else scale_b
 
@@ -41,8 +41,8 @@ def fp8_scaled_mm_external(
     if backend == "sgl":
         from sgl_kernel import fp8_scaled_mm
 
-        return fp8_scaled_mm(a_q, b_q.t(), _per_row(scale_a, m), _per_channel(scale_b, n).reshape(n, 1),
-                             out_dtype, bias)
+        return fp8_scaled_mm(a_q, b_q.t(), _per_row(scale_a, m),
+                             _per_channel(scale_b, n).reshape(n, 1), out_dtype, bias)
     if backend == "cutlass":
         from vllm import _custom_ops
 
@@ -52,7 +52,7 @@ def fp8_scaled_mm_external(
     return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
 
 
-# ------------------------------------------------ GDN ------------------------------------------------
+# ---------------------------------------------- GDN ----------------------------------------------
 
 
 def gdn_chunked_external(
@@ -70,8 +70,9 @@ def gdn_chunked_external(
     min_len: int,
     out: torch.Tensor,  # [T, Hv, Dv]; rows of requests longer than min_len are written
 ) -> torch.Tensor:
-    """fla-core / flash-qla `chunk_gated_delta_rule` over the requests longer than min_len: their rows
-    are packed, states gathered from the pool (zeros without an initial state) and scattered back."""
+    """fla-core / flash-qla `chunk_gated_delta_rule` over the requests longer than min_len: their
+    rows are packed, states gathered from the pool (zeros without an initial state) and scattered
+    back."""
     if backend == "flashqla":
         from flash_qla import chunk_gated_delta_rule
     else:

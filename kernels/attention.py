@@ -377,13 +377,7 @@ def paged_attention(
                                    seq_lens, scale)
     from kernels import backends
 
-    name = backends.selected("attention")
-    if name == "flashinfer":
-        from kernels.attention_flashinfer import paged_attention_flashinfer
-
-        return paged_attention_flashinfer(q, k_cache, v_cache, req_to_token, req_slots,
-                                          cu_seqlens_q, seq_lens, scale)
-    if name == "triton" and use_triton(q):
+    if backends.selected("attention") == "triton" and use_triton(q):
         return paged_attention_triton(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
                                       seq_lens, scale, max_q_len=max_q_len, num_splits=num_splits)
     return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,

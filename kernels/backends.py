@@ -6,12 +6,14 @@ dispatchers read the choice with `selected(kind)`. Flags come from appliance.env
 
 Rules (a requested backend that cannot run falls back with exactly one warning naming the reason):
 - every kind resolves to `torch` (the reference ops) on a machine without CUDA;
-- attention: auto -> triton (own kernel); flashinfer when requested and importable;
+- attention: auto -> triton (own kernel); flashinfer is accepted but has no adapter yet, so it
+  falls back to triton with a warning (page-size-1 CSR plan + wrapper reuse still to write);
 - gdn_prefill: auto -> triton; fla when `fla` imports; flashqla only on SM90+ with `flash_qla`
-  importable (it is ~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);
-- fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+), else torch (`torch._scaled_mm`, cuBLASLt
-  row-wise scales) on SM90+, triton on SM89, torch below SM89 (dequantise + matmul);
-  sgl = sglang-kernel's `fp8_scaled_mm` when `sgl_kernel` imports (SM90+).
+  importable (~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);
+- fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+); else on SM90+ `MIXED_FP8` = our Triton
+  kernel for M <= FP8_TRITON_MAX_M rows (1.0-1.5x cuBLASLt on the H200 up to M = 64) and torch
+  (`torch._scaled_mm`, cuBLASLt row-wise scales) above (it wins at M = 256); triton on SM89; torch
+  below SM89 (dequantise + matmul). sgl = sglang-kernel's `fp8_scaled_mm` when importable (SM90+).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("auto", "cutlass", "sgl", "triton", "torch"),
 }
 OPTIONAL_MODULES = ("triton", "flashinfer", "fla", "flash_qla", "sgl_kernel", "vllm")
+FP8_TRITON_MAX_M = 64
+MIXED_FP8 = f"triton(M<={FP8_TRITON_MAX_M})+torch"  # resolved auto choice on SM90+ without vLLM
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,9 @@ def detect_platform() -> Platform:
 def _resolve_attention(requested: str, p: Platform) -> tuple[str, str | None]:
     own = "triton" if "triton" in p.importable else "torch"
     if requested == "flashinfer":
-        if "flashinfer" in p.importable:
-            return "flashinfer", None
-        return own, "flashinfer is not importable"
+        if "flashinfer" not in p.importable:
+            return own, "flashinfer is not importable"
+        return own, "the flashinfer adapter is not implemented yet"
     if requested == "triton" and own != "triton":
         return "torch", "triton is not importable"
     return (own if requested == "auto" else requested), None
@@ -76,7 +80,9 @@ def _resolve_gdn(requested: str, p: Platform) -> tuple[str, str | None]:
 
 def _fp8_auto(p: Platform) -> str:
     if p.capability >= (9, 0):
-        return "cutlass" if "vllm" in p.importable else "torch"
+        if "vllm" in p.importable:
+            return "cutlass"
+        return MIXED_FP8 if "triton" in p.importable else "torch"
     if p.capability >= (8, 9) and "triton" in p.importable:
         return "triton"
     return "torch"
@@ -85,7 +91,8 @@ def _fp8_auto(p: Platform) -> str:
 def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
     auto = _fp8_auto(p)
     sm = f"SM{p.capability[0]}{p.capability[1]}"
-    needs = {"cutlass": ((9, 0), "vllm"), "sgl": ((9, 0), "sgl_kernel"), "triton": ((8, 9), "triton")}
+    needs = {"cutlass": ((9, 0), "vllm"), "sgl": ((9, 0), "sgl_kernel"),
+             "triton": ((8, 9), "triton")}
     if requested in needs:
         capability, module = needs[requested]
         if p.capability < capability:
@@ -99,12 +106,13 @@ def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
     return (auto if requested == "auto" else requested), None
 
 
-_RESOLVERS = {"attention": _resolve_attention, "gdn_prefill": _resolve_gdn, "fp8_gemm": _resolve_fp8}
+_RESOLVERS = {"attention": _resolve_attention, "gdn_prefill": _resolve_gdn,
+              "fp8_gemm": _resolve_fp8}
 _ENV_FLAGS = {"gdn_prefill": "APPLIANCE_GDN_PREFILL_BACKEND", "fp8_gemm": "APPLIANCE_FP8_GEMM"}
 
 
 def _requested_from_env(kind: str) -> str:
-    """Flags are read only through appliance.envs (imported lazily: kernels/ does not depend on it)."""
+    """Flags are read only through appliance.envs (imported lazily: kernels/ does not need it)."""
     if kind not in _ENV_FLAGS:
         return "auto"
     try:
@@ -128,7 +136,8 @@ def resolve_backends(
                             ("fp8_gemm", fp8_gemm)):
         requested = (requested or _requested_from_env(kind)).lower()
         if requested not in CHOICES[kind]:
-            raise ValueError(f"{kind} backend {requested!r}: expected one of {', '.join(CHOICES[kind])}")
+            accepted = ", ".join(CHOICES[kind])
+            raise ValueError(f"{kind} backend {requested!r}: expected one of {accepted}")
         if not platform.cuda:
             name, reason = "torch", (None if requested in ("auto", "torch") else "no CUDA device")
         else:
@@ -148,7 +157,7 @@ def configure(
     fp8_gemm: str | None = None,
     platform: Platform | None = None,
 ) -> dict[str, str]:
-    """Resolve once per process (worker start) and log the table; dispatchers then use `selected`."""
+    """Resolve once per process (worker start) and log the table; dispatchers use `selected`."""
     global _selected
     _selected = resolve_backends(attention, gdn_prefill, fp8_gemm, platform)
     log.info("kernel backends: %s", " ".join(f"{k}={v}" for k, v in _selected.items()))

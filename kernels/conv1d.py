@@ -71,9 +71,9 @@ def causal_conv1d_verify_ref(
 
 # -------------------------------------------------------------------------------------------------
 # Triton. `_conv1d_fwd_kernel`: one program per (request, channel block, token block) computes
-# outputs, reading the left context from the old state. The new state (the last K-1 inputs of [old | x]) is
-# written inside that kernel when one token block covers every request (decode: one launch) and by
-# `_conv1d_state_kernel` otherwise, so no program overwrites a state another program still reads.
+# outputs, reading the left context from the old state. The new state (last K-1 inputs of [old | x])
+# is written inside that kernel when one token block covers every request (decode: one launch) and
+# by `_conv1d_state_kernel` otherwise, so no program overwrites a state another program still reads.
 # The verify variant leaves the committed state alone and writes [old state | rows] to the window.
 # -------------------------------------------------------------------------------------------------
 

@@ -3,8 +3,8 @@ fp8 experts: references, Triton kernels and the dispatchers `fp8_quant`, `fp8_sc
 `fp8_linear` (the backend chosen in kernels.backends). Called by appliance/models/layers/linear.py
 and kernels/moe_triton.py.
 
-Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale per
-output channel [N] or one per tensor [1].
+Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale
+per output channel [N] or one per tensor [1].
 """
 
 from __future__ import annotations
@@ -242,6 +242,8 @@ def fp8_scaled_mm(
     from kernels import backends
 
     name = backends.selected("fp8_gemm")
+    if name == backends.MIXED_FP8:
+        name = "triton" if a_q.shape[0] <= backends.FP8_TRITON_MAX_M else "torch"
     if name == "triton":
         return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
     from kernels import adapters

@@ -151,8 +151,9 @@ def gdn_verify_ref(
 
 
 # -------------------------------------------------------------------------------------------------
-# Triton. Decode / verify rows: one program per (request, value head, block of value columns) carries
-# its [Dk, BV] slice of the state in registers through the request's rows. Prefill, three kernels:
+# Triton. Decode / verify rows: one program per (request, value head, block of value columns)
+# carries its [Dk, BV] slice of the state in registers through the request's rows. Prefill, three
+# kernels:
 #   prep (parallel over chunks x heads): UT transform w = T (k beta e^G), u = T (v beta) with
 #       T = (I + A)^-1, and k~ = k e^(G_last - G) (the key as it enters the chunk-end state);
 #   scan (per request x head x value block, sequential over chunks): v_new = u - w h, h_c saved,
@@ -459,7 +460,7 @@ def _chunk_tables(cu_seqlens: torch.Tensor, min_len: int) -> tuple[torch.Tensor,
     graph-captured)."""
     cu = cu_seqlens.tolist()
     rows, offsets = [], []
-    for s, e in zip(cu[:-1], cu[1:]):
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
         offsets.append(len(rows))
         if e - s > min_len:
             rows.extend((c, min(c + CHUNK, e)) for c in range(s, e, CHUNK))

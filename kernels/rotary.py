@@ -60,10 +60,10 @@ def apply_rotary_ref(
     return torch.cat([out, x_pass], dim=-1)
 
 
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Triton: `apply_rotary` reads a [heads, head_dim] tile per token once and its rotate-half partner,
 # rounding each product like the reference; `rotary_cos_sin` builds the (M-RoPE) tables per token.
-# ---------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 
 
 @jit
@@ -127,7 +127,8 @@ def _rotary_cos_sin_kernel(
     inv = tl.load(inv_freq_ptr + j, mask=j < half, other=0.0)
     if MROPE:
         row = tl.load(rows_ptr + j, mask=j < half, other=0)
-        pos = tl.load(pos_ptr + row[None, :].to(tl.int64) * stride_pr + t[:, None], mask=mask, other=0)
+        pos = tl.load(pos_ptr + row[None, :].to(tl.int64) * stride_pr + t[:, None], mask=mask,
+                      other=0)
     else:
         pos = tl.load(pos_ptr + t, mask=t < num_tokens, other=0)[:, None]
     freqs = pos.to(tl.float32) * inv[None, :]

@@ -1,7 +1,7 @@
 """Optional Triton import and launcher helpers shared by the kernel files in `kernels/`.
 
-Triton is an optional dependency (CPU-only installs lack it): kernels are decorated with `jit`, which is
-`triton.jit` when Triton imports and a no-op otherwise; dispatchers check `HAS_TRITON` before launching.
+Triton is an optional dependency (CPU-only installs lack it): kernels are decorated with `jit`,
+which is `triton.jit` when Triton imports and a no-op otherwise; dispatchers check `use_triton`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ def next_pow2(n: int) -> int:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """The dispatch rule of every op: Triton on CUDA tensors when Triton is present, else the reference."""
+    """The dispatch rule of every op: Triton on CUDA tensors (Triton present), else the ref."""
     return HAS_TRITON and t.is_cuda
 
 
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 8  # interpreter runs (CPU tests): a small fixed machine keeps split heuristics testable
+        return 8  # interpreter (CPU tests): a small fixed machine keeps split heuristics testable
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -14,11 +14,18 @@ import torch
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.context import forward_context
+from appliance.engine.mm_inputs import MultimodalInputs, SharedMemoryImageStore
 from appliance.engine.mtp import Drafter, ExtendRows, accept, commit_gdn
 from appliance.engine.pools import PoolSizes, Pools, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.sampler import Sampler
 from appliance.logging import get_logger
-from appliance.messages import SampledTokens, SamplingOptions, StepPlan, StepResult
+from appliance.messages import (
+    SampledTokens,
+    SamplingOptions,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+)
 from appliance.models.config import TextConfig, load_text_config
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
@@ -46,8 +53,9 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 tp_group=None) -> None:
+                 tp_group=None, reserved_bytes: int = 0) -> None:
         self.config = config
+        self.reserved_bytes = reserved_bytes  # device memory held for the ViT (visual server)
         self.rank = rank
         set_tp(rank, world_size, tp_group)
         self.model_dir = resolve_model_dir(config.model.model_dir)
@@ -75,6 +83,9 @@ class ModelRunner:
         self.options: dict[int, SamplingOptions] = {}
         self.prompt_lens: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}  # req_slot -> tokens known to this worker
+        # image inputs (M-RoPE layout, embeddings to splice); tests may swap `self.mm.store`
+        self.mm = MultimodalInputs(self.text_config, getattr(self.model, "num_deepstack", 0),
+                                   SharedMemoryImageStore(), self.device, self.dtype)
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -130,16 +141,52 @@ class ModelRunner:
     def _pool_sizes(self) -> PoolSizes:
         sched = self.config.scheduler
         slots = sched.num_kv_slots
-        if not slots:
-            per_slot = max(1, kv_bytes_per_slot(self.model, self.dtype))
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * sched.max_num_seqs
-                budget = free * self.config.cache.mem_fraction - state
-                slots = int(budget // per_slot)
-            else:
-                slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
+        if not slots and self.device.type == "cuda":
+            slots = self._slots_from_memory()
+        elif not slots:
+            slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
         return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step)
+
+    @torch.inference_mode()
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of a worst-case step (one prefill of the whole token budget) above the
+        weights, measured on throwaway pools."""
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        probe = Pools([self.model, *self.draft_modules], PoolSizes(tokens, 1, tokens, self.mtp_step),
+                      self.dtype, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        probe.token_ids[0, :tokens] = 0
+        chunk = ScheduledChunk(0, 0, tokens, list(range(tokens)), True)
+        batch = build_batch([chunk], probe, self.device)
+        with forward_context(batch.ctx):
+            hidden = self.model(batch.input_ids, batch.positions)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del probe, batch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def _slots_from_memory(self) -> int:
+        """Startup order: weights (loaded) -> worst-case profile forward -> hold back the ViT
+        reservation -> `mem_fraction` of the rest, less the state pools, becomes the KV pool."""
+        sched = self.config.scheduler
+        activation = self._profile_activation_bytes()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * sched.max_num_seqs
+        per_slot = max(1, sum(kv_bytes_per_slot(m, self.dtype)
+                              for m in [self.model, *self.draft_modules]))
+        budget = (free - activation - self.reserved_bytes) * self.config.cache.mem_fraction - state
+        slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
+        log.info("memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
+                 "for the ViT, %.2f GiB state pools -> %d KV slots", free / 2**30,
+                 activation / 2**30, self.reserved_bytes / 2**30, state / 2**30, slots)
+        if slots < sched.max_num_batched_tokens:
+            raise RuntimeError(f"not enough device memory for the KV pool: {slots} slots fit, "
+                               f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}")
+        return slots
 
     # ------------------------------------------------------------------ steps
     def _admit(self, plan: StepPlan) -> None:
@@ -148,7 +195,9 @@ class ModelRunner:
             self.num_tokens.pop(slot, None)
             self.prompt_lens.pop(slot, None)
             self.mtp_slots.discard(slot)
+            self.mm.release(slot)
         for req in plan.new_requests:
+            self.mm.admit(req)
             n = len(req.token_ids)
             self.pools.token_ids[req.req_slot, :n] = torch.tensor(req.token_ids)
             self.num_tokens[req.req_slot] = n
@@ -166,8 +215,7 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult(plan.step_id, [], 0.0)
         batch: StepBatch = build_batch(plan.chunks, self.pools, self.device)
-        with forward_context(batch.ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+        hidden = self.forward_batch(batch)
         sampled: list[SampledTokens] = []
         accepted: dict[int, int] = {}  # req slot -> rows committed this step (verify chunks)
         if batch.sample_rows:
@@ -176,6 +224,17 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.run(hidden, self._extend_rows(batch, accepted))
         return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+
+    def forward_batch(self, batch: StepBatch) -> torch.Tensor:
+        """Post-final-norm hidden states [T, H] of a batch; requests with images get M-RoPE
+        positions [3, T], their image embeddings spliced in and (Qwen3-VL) deepstack rows."""
+        if not self.mm.involved(batch):
+            with forward_context(batch.ctx):
+                return self.model(batch.input_ids, batch.positions)
+        step = self.mm.step_inputs(batch, self.model.model.embed_tokens)
+        batch.ctx.deepstack = step.deepstack
+        with forward_context(batch.ctx):
+            return self.model(batch.input_ids, step.positions, step.input_embeds)
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch,
                 accepted: dict[int, int]) -> list[SampledTokens]:

@@ -7,12 +7,15 @@ from torch import nn
 from appliance.models.config import TextConfig
 from appliance.models.qwen3_5 import Qwen3_5ForCausalLM
 from appliance.models.qwen3_5_mtp import build_draft_modules
+from appliance.models.qwen3_vl import Qwen3VLForCausalLM
 
 _TEXT_MODELS: dict[str, type[nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForCausalLM,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLForCausalLM,
 }
 
 

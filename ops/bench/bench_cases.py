@@ -1,5 +1,5 @@
-"""Benchmark cases for ops/bench/bench_ops.py: inputs at Qwen3.5-27B shapes (35B-A3B for MoE) and the
-peers each op is compared with. Each generator yields (op, case, ours, work, unit, peers)."""
+"""Benchmark cases for ops/bench/bench_ops.py: inputs at Qwen3.5-27B shapes (35B-A3B for MoE) and
+the peers each op is compared with. Each generator yields (op, case, ours, work, unit, peers)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def maybe_compile(fn, enabled: bool):
     return torch.compile(fn, dynamic=False) if enabled else None
 
 
-# --------------------------------------------- attention ---------------------------------------------
+# ------------------------------------------- attention -------------------------------------------
 
 
 def _kv_batch(q_lens, kv_len):
@@ -73,7 +73,7 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
         dense_q = q.view(1, tokens, HQ, HEAD_DIM).transpose(1, 2)
         flops = 4 * HQ * HEAD_DIM * tokens * tokens / 2
 
-        def ours_p(args=args):
+        def ours_p(args=args, tokens=tokens):
             return attention.paged_attention_triton(*args, scale, max_q_len=tokens)
 
         def sdpa_p(q=dense_q, k=dense_k, v=dense_v):
@@ -91,7 +91,7 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
                {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p})
 
 
-# ------------------------------------------------ GDN ------------------------------------------------
+# ---------------------------------------------- GDN ----------------------------------------------
 
 
 def _gdn_inputs(lens):
@@ -112,9 +112,9 @@ def _gdn_inputs(lens):
 def gdn_cases(compile_peers: bool) -> Iterator[tuple]:
     fla = None
     if has("fla"):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops import gated_delta_rule as fla_gdn
 
-        fla = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)
+        fla = (fla_gdn.chunk_gated_delta_rule, fla_gdn.fused_recurrent_gated_delta_rule)
     for batch in (1, 16, 64, 256):
         args = _gdn_inputs([1] * batch)
         work = 2 * batch * HV * DK * DV * 4  # fp32 state read + write dominates
@@ -156,7 +156,7 @@ def gdn_cases(compile_peers: bool) -> Iterator[tuple]:
                flops, "TFLOP/s", peers)
 
 
-# ------------------------------------------------ conv ------------------------------------------------
+# ---------------------------------------------- conv ---------------------------------------------
 
 
 def conv_cases(compile_peers: bool) -> Iterator[tuple]:
@@ -173,96 +173,110 @@ def conv_cases(compile_peers: bool) -> Iterator[tuple]:
         peers = {"torch_ref": lambda args=args: conv1d.causal_conv1d_ref(*args)}
         if batch == 1:
             xt = x.t()[None].contiguous()
-            peers["F.conv1d dense"] = lambda xt=xt: F.silu(F.conv1d(xt, w[:, None], padding=3,
-                                                                   groups=CONV_DIM))
+            peers["F.conv1d dense"] = lambda xt=xt, w=w: F.silu(
+                F.conv1d(xt, w[:, None], padding=3, groups=CONV_DIM))
         yield ("conv1d", f"{batch}x{lens[0]} C={CONV_DIM}",
-               lambda args=args, m=max(lens): conv1d.causal_conv1d(*args, max_q_len=m), work, "GB/s",
-               peers)
+               lambda args=args, m=max(lens): conv1d.causal_conv1d(*args, max_q_len=m), work,
+               "GB/s", peers)
 
 
-# ---------------------------------------- norms, rotary, silu ----------------------------------------
+# -------------------------------------- norms, rotary, silu --------------------------------------
+
+
+def _peers(ref, compile_peers: bool, *args) -> dict:
+    peers = {"eager_ref": lambda: ref(*args)}
+    if compile_peers:
+        compiled = maybe_compile(ref, True)
+        peers["compiled_ref"] = lambda: compiled(*args)
+    return peers
+
+
+def _rms_case(tokens: int, compile_peers: bool) -> tuple:
+    x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
+    res = torch.randn_like(x)
+    w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
+    peers = _peers(norm.rms_norm_ref, compile_peers, x, w, 1e-6, True, res)
+    return ("rms_norm+res", f"T={tokens} H={HIDDEN}", lambda: norm.rms_norm(x, w, 1e-6, True, res),
+            4 * x.numel() * 2, "GB/s", peers)
+
+
+def _gated_case(tokens: int, compile_peers: bool) -> tuple:
+    xg = torch.randn(tokens * HV, DV, device=DEV, dtype=BF16)
+    gate = torch.randn_like(xg)
+    wg = torch.randn(DV, device=DEV, dtype=BF16)
+    return ("gated_rms_norm", f"rows={tokens * HV} D={DV}",
+            lambda: norm.gated_rms_norm(xg, gate, wg, 1e-6), 3 * xg.numel() * 2, "GB/s",
+            _peers(norm.gated_rms_norm_ref, compile_peers, xg, gate, wg, 1e-6))
+
+
+def _rotary_cases(tokens: int, compile_peers: bool) -> list[tuple]:
+    q = torch.randn(tokens, HQ, HEAD_DIM, device=DEV, dtype=BF16)
+    freqs = rotary.inv_freq(64, 1e7).to(DEV)
+    positions = torch.randint(0, 100000, (3, tokens), device=DEV)
+    rows = rotary.mrope_channel_rows(32, [11, 11, 10]).to(DEV)
+    cos, sin = rotary.rotary_cos_sin_ref(positions, freqs, rows)
+    return [
+        ("rotary", f"T={tokens} Hq={HQ} D={HEAD_DIM} rot=64",
+         lambda: rotary.apply_rotary(q, cos, sin),
+         2 * q.numel() * 2 + 2 * cos.numel() * 4, "GB/s",
+         _peers(rotary.apply_rotary_ref, compile_peers, q, cos, sin)),
+        ("mrope_cos_sin", f"T={tokens}", lambda: rotary.rotary_cos_sin(positions, freqs, rows),
+         2 * tokens * 64 * 4, "GB/s",
+         _peers(rotary.rotary_cos_sin_ref, False, positions, freqs, rows)),
+    ]
+
+
+def _silu_case(tokens: int, compile_peers: bool) -> tuple:
+    xs = torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16)
+    return ("silu_and_mul", f"T={tokens} I={INTER}", lambda: silu_and_mul(xs),
+            xs.numel() * 2 * 3 // 2, "GB/s", _peers(silu_and_mul_ref, compile_peers, xs))
 
 
 def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
+    """torch.compile'd references only at 8192 tokens (each shape recompiles)."""
     for tokens in (1, 256, 8192):
-        x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
-        res = torch.randn_like(x)
-        w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
-        peers = {"eager_ref": lambda: norm.rms_norm_ref(x, w, 1e-6, True, res)}
-        if compile_peers and tokens == 8192:
-            compiled = maybe_compile(norm.rms_norm_ref, True)
-            peers["compiled_ref"] = lambda c=compiled: c(x, w, 1e-6, True, res)
-        yield ("rms_norm+res", f"T={tokens} H={HIDDEN}",
-               lambda x=x, res=res, w=w: norm.rms_norm(x, w, 1e-6, True, res), 4 * x.numel() * 2,
-               "GB/s", peers)
-        rows = tokens * HV
-        xg = torch.randn(rows, DV, device=DEV, dtype=BF16)
-        gate = torch.randn_like(xg)
-        wg = torch.randn(DV, device=DEV, dtype=BF16)
-        peers = {"eager_ref": lambda: norm.gated_rms_norm_ref(xg, gate, wg, 1e-6)}
-        if compile_peers and tokens == 8192:
-            compiled = maybe_compile(norm.gated_rms_norm_ref, True)
-            peers["compiled_ref"] = lambda c=compiled: c(xg, gate, wg, 1e-6)
-        yield ("gated_rms_norm", f"rows={rows} D={DV}",
-               lambda xg=xg, gate=gate, wg=wg: norm.gated_rms_norm(xg, gate, wg, 1e-6),
-               3 * xg.numel() * 2, "GB/s", peers)
-        q = torch.randn(tokens, HQ, HEAD_DIM, device=DEV, dtype=BF16)
-        freqs = rotary.inv_freq(64, 1e7).to(DEV)
-        positions = torch.randint(0, 100000, (3, tokens), device=DEV)
-        rows_m = rotary.mrope_channel_rows(32, [11, 11, 10]).to(DEV)
-        cos, sin = rotary.rotary_cos_sin_ref(positions, freqs, rows_m)
-        peers = {"eager_ref": lambda: rotary.apply_rotary_ref(q, cos, sin)}
-        if compile_peers and tokens == 8192:
-            compiled = maybe_compile(rotary.apply_rotary_ref, True)
-            peers["compiled_ref"] = lambda c=compiled: c(q, cos, sin)
-        yield ("rotary", f"T={tokens} Hq={HQ} D={HEAD_DIM} rot=64",
-               lambda q=q, cos=cos, sin=sin: rotary.apply_rotary(q, cos, sin),
-               2 * q.numel() * 2 + 2 * cos.numel() * 4, "GB/s", peers)
-        peers = {"eager_ref": lambda: rotary.rotary_cos_sin_ref(positions, freqs, rows_m)}
-        yield ("mrope_cos_sin", f"T={tokens}",
-               lambda: rotary.rotary_cos_sin(positions, freqs, rows_m), 2 * tokens * 64 * 4, "GB/s",
-               peers)
-        xs = torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16)
-        peers = {"eager_ref": lambda: silu_and_mul_ref(xs)}
-        if compile_peers and tokens == 8192:
-            compiled = maybe_compile(silu_and_mul_ref, True)
-            peers["compiled_ref"] = lambda c=compiled: c(xs)
-        yield ("silu_and_mul", f"T={tokens} I={INTER}", lambda xs=xs: silu_and_mul(xs),
-               xs.numel() * 2 * 3 // 2, "GB/s", peers)
+        big = compile_peers and tokens == 8192
+        yield _rms_case(tokens, big)
+        yield _gated_case(tokens, big)
+        yield from _rotary_cases(tokens, big)
+        yield _silu_case(tokens, big)
 
 
-# ------------------------------------------------ fp8 ------------------------------------------------
+# ---------------------------------------------- fp8 ----------------------------------------------
+
+
+def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple:
+    from kernels import adapters
+
+    n, k = w_q.shape
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    a_q, a_s = fp8.per_token_quant_ref(x)
+    peers = {
+        "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external("torch", a_q, w_q, a_s, w_s,
+                                                                    BF16),
+        "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
+    }
+    if has("sgl_kernel"):
+        peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external("sgl", a_q, w_q, a_s, w_s,
+                                                                      BF16)
+    return ("fp8_gemm", f"M={m} N={n} K={k}",
+            lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16), 2 * m * n * k, "TFLOP/s",
+            peers)
 
 
 def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
-    from kernels import adapters
-
     for n, k in ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
         w = torch.randn(n, k, device=DEV) * 0.05
         w_q, w_s = fp8.per_token_quant_ref(w)
-        w_s = w_s.reshape(n)
-        w_bf16 = w.to(BF16)
         for m in (1, 16, 64, 256, 4096):
-            x = torch.randn(m, k, device=DEV, dtype=BF16)
-            a_q, a_s = fp8.per_token_quant_ref(x)
-            peers = {
-                "torch._scaled_mm": lambda a=a_q, s=a_s: adapters.fp8_scaled_mm_external(
-                    "torch", a, w_q, s, w_s, BF16),
-                "bf16 mm (not fp8)": lambda x=x: x @ w_bf16.t(),
-            }
-            if has("sgl_kernel"):
-                peers["sgl_kernel"] = lambda a=a_q, s=a_s: adapters.fp8_scaled_mm_external(
-                    "sgl", a, w_q, s, w_s, BF16)
-            yield ("fp8_gemm", f"M={m} N={n} K={k}",
-                   lambda a=a_q, s=a_s: fp8.fp8_scaled_mm_triton(a, w_q, s, w_s, BF16),
-                   2 * m * n * k, "TFLOP/s", peers)
+            yield _fp8_gemm_case(m, w_q, w_s.reshape(n), w.to(BF16))
     for tokens in (16, 8192):
         x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
         yield ("fp8_quant_tok", f"T={tokens} H={HIDDEN}", lambda x=x: fp8.fp8_quant(x),
                x.numel() * 3, "GB/s", {"eager_ref": lambda x=x: fp8.per_token_quant_ref(x)})
 
 
-# ----------------------------------------------- MoE -----------------------------------------------
+# ---------------------------------------------- MoE ----------------------------------------------
 
 
 def moe_cases(compile_peers: bool) -> Iterator[tuple]:

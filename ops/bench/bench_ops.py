@@ -2,7 +2,7 @@
 ratio to the best peer present in the same run (torch reference, torch.compile'd reference, torch
 SDPA, torch._scaled_mm, fla-core, flashinfer, sgl_kernel when importable).
 
-Run on the GPU machine: `PYTHONPATH=. python ops/bench/bench_ops.py [--ops attention,gdn] [--out F]`.
+Run on the GPU machine: `PYTHONPATH=. python ops/bench/bench_ops.py [--ops gdn,fp8] [--out F]`.
 ratio = best peer time / our time (> 1: ours is faster). Results go to docs/benchmarks.md by hand.
 """
 
@@ -77,8 +77,8 @@ def table(rows: list[Row]) -> str:
     for r in rows:
         name, peer_us = r.best_peer()
         others = ", ".join(f"{k} {v:.1f}" for k, v in r.peers.items())
-        lines.append(f"| {r.op} | {r.shape} | {r.ours_us:.1f} | {r.achieved():.1f} {r.unit} | {name} "
-                     f"| {peer_us:.1f} | {peer_us / r.ours_us:.2f} | {others} |")
+        lines.append(f"| {r.op} | {r.shape} | {r.ours_us:.1f} | {r.achieved():.1f} {r.unit} "
+                     f"| {name} | {peer_us:.1f} | {peer_us / r.ours_us:.2f} | {others} |")
     return "\n".join(lines)
 
 

@@ -1,13 +1,13 @@
 """Kernel tests: on a machine without CUDA the Triton launchers run through the Triton interpreter.
 
-`triton.jit` (and triton.language's own jit helpers such as `tl.sum`) read TRITON_INTERPRET when their
-module is imported, so the variable is set only while triton's Python modules and `kernels.*` are
-(re)imported here, then restored: nothing leaks into other test dirs, whose CPU paths call the torch
-references. If another test dir imported triton first, its Python modules are purged and re-imported
-(the native `triton._C` extension cannot be loaded twice and is kept). Triton 3.9's interpreter runs
-`tl.dot` on the raw bits of bf16 operands and truncates fp32 -> bf16 casts; `_patch_interpreter_bf16`
-widens dot operands to fp32 and rounds casts to nearest-even, as the GPU does (fp32 -> e4m3 casts
-go through torch for the same reason).
+`triton.jit` (and triton.language's own jit helpers such as `tl.sum`) read TRITON_INTERPRET when
+their module is imported, so the variable is set only while triton's Python modules and `kernels.*`
+are (re)imported here, then restored: nothing leaks into other test dirs, whose CPU paths call the
+torch references. If another test dir imported triton first, its Python modules are purged and
+re-imported (the native `triton._C` extension cannot be loaded twice and is kept). Triton 3.9's
+interpreter runs `tl.dot` on the raw bits of bf16 operands and truncates fp32 -> bf16 casts;
+`_patch_interpreter_bf16` widens dot operands to fp32 and rounds casts to nearest-even, as the GPU
+does (fp32 -> e4m3 casts go through torch for the same reason).
 """
 
 from __future__ import annotations
@@ -113,5 +113,5 @@ if INTERPRET:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: full-size kernel test, runs only where CUDA is present")
+    config.addinivalue_line("markers", "gpu: full-size kernel test, runs where CUDA is present")
 

@@ -10,7 +10,7 @@ ON_GPU = DEVICE.type == "cuda"
 
 
 def gpu(func):
-    """Full-size case: selected by `pytest -m gpu tests/kernels` on the GPU machine, skipped on CPU."""
+    """Full-size case: `pytest -m gpu tests/kernels` on the GPU machine; skipped on CPU."""
     func = pytest.mark.skipif(not ON_GPU, reason="full-size case needs CUDA")(func)
     return pytest.mark.gpu(func)
 

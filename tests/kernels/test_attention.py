@@ -1,4 +1,5 @@
-"""paged_attention_triton / store_kv_triton against the torch references (decode, verify, prefill)."""
+"""paged_attention_triton / store_kv_triton against the torch references (decode, verify,
+prefill)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_matches_reference(case, dtype):
     q_lens, seq_lens, hq, hkv, d = CASES[case]
-    args = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, seed=len(case), q_view=case == "verify_rows")
+    args = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, seed=len(case),
+                      q_view=case == "verify_rows")
     scale = d**-0.5
     expected = paged_attention_ref(*args, scale)
     out = poison(torch.empty(args[0].shape, dtype=dtype, device=DEVICE))

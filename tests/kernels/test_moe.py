@@ -1,4 +1,4 @@
-"""Fused MoE (Triton grouped GEMMs, bf16 / fp8 weights, shared-expert gate) against the references."""
+"""Fused MoE (Triton grouped GEMMs, bf16 / fp8 weights, shared-expert gate) vs the references."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_align_groups_rows_by_expert_with_padding():
     blocks = sorted_rows.view(-1, 4).tolist()
     experts = block_expert.tolist()
     seen = []
-    for rows, expert in zip(blocks, experts):
+    for rows, expert in zip(blocks, experts, strict=True):
         real = [r for r in rows if r < 6]
         if expert < 0:
             assert not real

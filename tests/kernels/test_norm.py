@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, gpu, randn
+from kernel_cases import gpu, randn
 from tolerances import assert_close
 
-from kernels.norm import gated_rms_norm, gated_rms_norm_ref, gated_rms_norm_triton, rms_norm
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.norm import (
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    gated_rms_norm_triton,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_triton,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

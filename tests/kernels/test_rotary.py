@@ -22,10 +22,12 @@ from kernels.rotary import (
 def tables(num_tokens, rot_dim, mrope_section, seed):
     freqs = inv_freq(rot_dim, 1e7).to(DEVICE)
     if mrope_section is None:
-        positions = torch.randint(0, 70000, (num_tokens,), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        positions = torch.randint(0, 70000, (num_tokens,), generator=gen)
         rows = None
     else:
-        positions = torch.randint(0, 5000, (3, num_tokens), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        positions = torch.randint(0, 5000, (3, num_tokens), generator=gen)
         rows = mrope_channel_rows(rot_dim // 2, mrope_section)
     return positions.to(DEVICE), freqs, rows
 
@@ -36,7 +38,7 @@ def test_cos_sin_tables_match_reference(mrope_section):
     positions, freqs, rows = tables(9, rot, mrope_section, seed=1)
     expected = rotary_cos_sin_ref(positions, freqs, rows)
     got = rotary_cos_sin_triton(positions, freqs, rows)
-    for g, e in zip(got, expected):
+    for g, e in zip(got, expected, strict=True):
         # positions up to 7e4 rad: fp32 argument reduction differs by a few ulp between libraries
         torch.testing.assert_close(g, e, atol=2e-4, rtol=0)
 

@@ -10,8 +10,8 @@ from appliance.engine.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import tp_rank, tp_size
-from kernels.attention import paged_attention_ref, store_kv_ref
-from kernels.rotary import apply_rotary_ref
+from kernels.attention import paged_attention, store_kv
+from kernels.rotary import apply_rotary
 
 
 def kv_head_shard(num_kv_heads: int, head_dim: int):
@@ -61,12 +61,12 @@ class Attention(nn.Module):
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rotary_ref(q, cos, sin)
-        k = apply_rotary_ref(k, cos, sin)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
         k_cache, v_cache = self.kv_cache
-        store_kv_ref(k, v, k_cache, v_cache, ctx.out_kv_slots)
-        out = paged_attention_ref(q, k_cache, v_cache, ctx.req_to_token, ctx.req_slots,
-                                  ctx.cu_seqlens_q, ctx.seq_lens, self.scale)
+        store_kv(k, v, k_cache, v_cache, ctx.out_kv_slots)
+        out = paged_attention(q, k_cache, v_cache, ctx.req_to_token, ctx.req_slots,
+                              ctx.cu_seqlens_q, ctx.seq_lens, self.scale, max_q_len=ctx.max_q_len)
         out = out.reshape(num_tokens, -1)
         if self.gated:
             out = out * torch.sigmoid(gate)

@@ -12,8 +12,8 @@ from appliance.engine.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, even_shard
 from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
-from kernels.conv1d import causal_conv1d_ref, causal_conv1d_verify_ref
-from kernels.gdn import gdn_ref, gdn_verify_ref
+from kernels.conv1d import causal_conv1d, causal_conv1d_verify
+from kernels.gdn import gdn, gdn_verify
 
 
 class GatedDeltaNet(nn.Module):
@@ -76,27 +76,27 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, mixed: torch.Tensor, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == mixed.shape[0]:
-            return causal_conv1d_ref(mixed, self.conv1d_weight, self.conv_states, ctx.req_slots,
-                                     ctx.cu_seqlens_q, ctx.has_initial_state)
-        plain = causal_conv1d_ref(mixed[:split], self.conv1d_weight, self.conv_states,
-                                  ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
-                                  ctx.has_initial_state[:reqs])
-        verify = causal_conv1d_verify_ref(mixed[split:], self.conv1d_weight, self.conv_states,
-                                          self.conv_windows, ctx.req_slots[reqs:],
-                                          ctx.cu_seqlens_q[reqs:] - split)
+            return causal_conv1d(mixed, self.conv1d_weight, self.conv_states, ctx.req_slots,
+                                 ctx.cu_seqlens_q, ctx.has_initial_state, max_q_len=ctx.max_q_len)
+        plain = causal_conv1d(mixed[:split], self.conv1d_weight, self.conv_states,
+                              ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
+                              ctx.has_initial_state[:reqs], max_q_len=ctx.max_q_len)
+        verify = causal_conv1d_verify(mixed[split:], self.conv1d_weight, self.conv_states,
+                                      self.conv_windows, ctx.req_slots[reqs:],
+                                      ctx.cu_seqlens_q[reqs:] - split, max_q_len=ctx.max_q_len)
         return torch.cat([plain, verify])
 
     def _delta_rule(self, q, k, v, g, beta, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == q.shape[0]:
-            return gdn_ref(q, k, v, g, beta, self.ssm_states, ctx.req_slots, ctx.cu_seqlens_q,
-                           ctx.has_initial_state)
-        plain = gdn_ref(q[:split], k[:split], v[:split], g[:split], beta[:split], self.ssm_states,
-                        ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
-                        ctx.has_initial_state[:reqs])
-        verify = gdn_verify_ref(q[split:], k[split:], v[split:], g[split:], beta[split:],
-                                self.ssm_states, self.ssm_candidates, ctx.req_slots[reqs:],
-                                ctx.cu_seqlens_q[reqs:] - split)
+            return gdn(q, k, v, g, beta, self.ssm_states, ctx.req_slots, ctx.cu_seqlens_q,
+                       ctx.has_initial_state, max_q_len=ctx.max_q_len)
+        plain = gdn(q[:split], k[:split], v[:split], g[:split], beta[:split], self.ssm_states,
+                    ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
+                    ctx.has_initial_state[:reqs], max_q_len=ctx.max_q_len)
+        verify = gdn_verify(q[split:], k[split:], v[split:], g[split:], beta[split:],
+                            self.ssm_states, self.ssm_candidates, ctx.req_slots[reqs:],
+                            ctx.cu_seqlens_q[reqs:] - split)
         return torch.cat([plain, verify])
 
     def commit_verify(self, slots: torch.Tensor, accepted_rows: torch.Tensor) -> None:

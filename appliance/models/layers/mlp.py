@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
-from kernels.activation import silu_and_mul_ref
+from kernels.activation import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -16,4 +16,4 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

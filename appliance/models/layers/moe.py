@@ -12,7 +12,7 @@ from torch import nn
 from appliance.models.layers.linear import ReplicatedLinear, copy_into, even_shard
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.parallel import all_reduce, tp_size
-from kernels.moe import fused_moe_ref, moe_route_ref
+from kernels.moe import fused_moe, moe_route
 
 
 class SparseMoE(nn.Module):
@@ -54,8 +54,10 @@ class SparseMoE(nn.Module):
             copy_into(param[expert, offset : offset + local], even_shard(loaded, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route_ref(self.gate(x), self.top_k, self.renormalize)
-        out = fused_moe_ref(x, self.w_gate_up, self.w_down, weights.to(x.dtype), ids)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        shared = gate = None
+        if self.shared_expert is not None:  # summed (times its sigmoid gate) inside the kernel
+            shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights.to(x.dtype), ids,
+                        shared_output=shared, shared_gate=gate)
         return all_reduce(out)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import copy_into
-from kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from kernels.norm import gated_rms_norm, rms_norm
 
 
 def _replicated(shape: int, fill: float) -> nn.Parameter:
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
-        out, new_residual = rms_norm_ref(x, self.weight, self.eps, self.zero_centered, residual)
+        out, new_residual = rms_norm(x, self.weight, self.eps, self.zero_centered, residual)
         return out if residual is None else (out, new_residual)
 
 
@@ -36,4 +36,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = _replicated(hidden, 1.0)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_ref(x, gate, self.weight, self.eps)
+        return gated_rms_norm(x, gate, self.weight, self.eps)

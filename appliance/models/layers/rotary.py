@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rotary import inv_freq, mrope_channel_rows, rotary_cos_sin_ref
+from kernels.rotary import inv_freq, mrope_channel_rows, rotary_cos_sin
 
 
 class Rotary(nn.Module):
@@ -21,4 +21,4 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] or [3, T] -> cos, sin [T, rotary_dim] fp32."""
-        return rotary_cos_sin_ref(positions, self.inv_freq, self.channel_rows)
+        return rotary_cos_sin(positions, self.inv_freq, self.channel_rows)

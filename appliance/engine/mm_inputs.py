@@ -1,0 +1,239 @@
+"""Image inputs on the worker: where a request's image embeddings come from (a store keyed by the
+handle in `ImageInput`) and how they enter a step (M-RoPE positions, splice into the input
+embeddings, Qwen3-VL deepstack rows). Called by the model runner; the visual server writes the
+shared-memory segments that `SharedMemoryImageStore` reads.
+
+Embeddings of one image are one tensor [1 + num_deepstack, num_tokens, hidden]: row 0 is spliced
+over the image's <|image_pad|> tokens, row 1 + i is added after decoder layer i (Qwen3-VL).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Protocol
+
+import torch
+
+from appliance.engine.batch import StepBatch
+from appliance.engine.context import DeepstackInput
+from appliance.messages import ImageInput, NewRequest
+from appliance.models.config import TextConfig
+from appliance.models.mrope import ImageSpan, MRopeLayout
+
+
+class ImageInputError(ValueError):
+    """A request's images do not fit its prompt or the model (bad offsets, counts, shapes)."""
+
+
+class ImageEmbeddingStore(Protocol):
+    """Writers `put` an image's ViT outputs under a handle; workers `load` them by handle."""
+
+    def put(
+        self, handle: str, embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
+    ) -> str: ...
+
+    def load(self, handle: str) -> torch.Tensor:
+        """Embeddings of one image: [1 + num_deepstack, num_tokens, hidden] (any device)."""
+        ...
+
+    def release(self, handle: str) -> None: ...
+
+
+def stack_embeddings(
+    embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
+) -> torch.Tensor:
+    """ViT outputs of one image ([n, H] and per deepstack layer [n, H]) -> [1 + D, n, H]."""
+    return torch.stack([embeds, *deepstack])
+
+
+class InProcessImageStore:
+    """Embeddings held in this process (tests, the offline LLM, a visual encoder in-process)."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, torch.Tensor] = {}
+
+    def put(
+        self, handle: str, embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
+    ) -> str:
+        self._items[handle] = stack_embeddings(embeds, deepstack)
+        return handle
+
+    def load(self, handle: str) -> torch.Tensor:
+        try:
+            return self._items[handle]
+        except KeyError:
+            raise ImageInputError(f"image embeddings {handle!r} are not in the store") from None
+
+    def release(self, handle: str) -> None:
+        self._items.pop(handle, None)
+
+
+# Segment layout: 64-byte header (magic, dtype code, 3 dims) then the tensor bytes, C order.
+_MAGIC = b"APPLIMG1"
+_HEADER = struct.Struct("<8sI3q")
+_HEADER_BYTES = 64
+_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+class SharedMemoryImageStore:
+    """Embeddings in POSIX shared memory, one segment per image, named by the handle. The visual
+    server writes (and owns, evicts, unlinks) segments; workers only read them."""
+
+    def __init__(self) -> None:
+        self._owned: dict[str, SharedMemory] = {}  # segments this process created
+
+    def put(
+        self, handle: str, embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
+    ) -> str:
+        tensor = stack_embeddings(embeds, deepstack).detach().to("cpu").contiguous()
+        if tensor.dtype not in _CODES:
+            raise ImageInputError(f"image embeddings dtype {tensor.dtype} is not supported")
+        raw = tensor.view(torch.uint8).reshape(-1)
+        shm = SharedMemory(name=handle, create=True, size=_HEADER_BYTES + raw.numel())
+        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, _CODES[tensor.dtype], *tensor.shape)
+        dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=raw.numel(), offset=_HEADER_BYTES)
+        dst.copy_(raw)
+        del dst  # no exported pointers may outlive the segment
+        self._owned[handle] = shm
+        return handle
+
+    def release(self, handle: str) -> None:
+        """Unlink a segment this process wrote (the visual server's cache eviction)."""
+        shm = self._owned.pop(handle, None)
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+
+    def load(self, handle: str) -> torch.Tensor:
+        try:
+            shm = SharedMemory(name=handle)
+        except FileNotFoundError:
+            raise ImageInputError(f"image embeddings {handle!r}: no such shared memory") from None
+        if handle not in self._owned:
+            # Python < 3.13 registers attached segments too; the reader must not unlink at exit.
+            resource_tracker.unregister(shm._name, "shared_memory")
+        try:
+            magic, code, *shape = _HEADER.unpack(bytes(shm.buf[: _HEADER.size]))
+            if magic != _MAGIC or code not in _DTYPES:
+                raise ImageInputError(f"image embeddings {handle!r}: bad segment header")
+            dtype = _DTYPES[code]
+            count = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
+            src = torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=_HEADER_BYTES)
+            out = src.clone().view(dtype).reshape(shape)
+            del src
+        finally:
+            shm.close()
+        return out
+
+
+@dataclass
+class RequestImages:
+    """One request's images on the worker. Embeddings are dropped once their rows are computed;
+    the layout stays for the request's life (decode positions = index + rope delta)."""
+
+    layout: MRopeLayout
+    inputs: list[ImageInput]
+    embeds: list[torch.Tensor | None] = field(default_factory=list)  # [1 + D, n, H] per image
+
+
+@dataclass
+class StepImageInputs:
+    positions: torch.Tensor  # [3, T]
+    input_embeds: torch.Tensor  # [T, H]
+    deepstack: DeepstackInput | None
+
+
+class MultimodalInputs:
+    """Per-request image state of one runner: admit/release with the request slot, and the
+    step inputs (3-row positions, embeddings with image rows spliced, deepstack) of a batch."""
+
+    def __init__(
+        self,
+        cfg: TextConfig,
+        num_deepstack: int,
+        store: ImageEmbeddingStore,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        vision = cfg.raw.get("vision_config")
+        self.merge_size = int(vision.get("spatial_merge_size", 2)) if vision else 0
+        self.hidden = cfg.hidden_size
+        self.num_deepstack = num_deepstack
+        self.store, self.device, self.dtype = store, device, dtype
+        self.requests: dict[int, RequestImages] = {}
+
+    def release(self, req_slot: int) -> None:
+        self.requests.pop(req_slot, None)
+
+    def admit(self, req: NewRequest) -> None:
+        self.requests.pop(req.req_slot, None)
+        if not req.mm:
+            return
+        if not self.merge_size:
+            raise ImageInputError(f"slot {req.req_slot}: this model has no vision tower")
+        spans = [ImageSpan(img.offset, tuple(img.grid_thw)) for img in req.mm]
+        try:
+            layout = MRopeLayout(spans, self.merge_size)
+        except ValueError as exc:
+            raise ImageInputError(f"slot {req.req_slot}: {exc}") from None
+        embeds = []
+        for img, span, end in zip(req.mm, spans, layout.ends):
+            n = span.num_tokens(self.merge_size)
+            if img.num_tokens != n or end > len(req.token_ids):
+                raise ImageInputError(
+                    f"slot {req.req_slot}: image at {img.offset} has "
+                    f"{img.num_tokens} tokens, grid {span.grid_thw} gives {n} "
+                    f"({len(req.token_ids)} tokens in the request)"
+                )
+            tensor = self.store.load(img.handle)
+            expected = (1 + self.num_deepstack, n, self.hidden)
+            if tuple(tensor.shape) != expected:
+                raise ImageInputError(
+                    f"slot {req.req_slot}: embeddings {img.handle!r} have shape "
+                    f"{tuple(tensor.shape)}, expected {expected}"
+                )
+            embeds.append(tensor.to(self.device, self.dtype))
+        self.requests[req.req_slot] = RequestImages(layout, list(req.mm), embeds)
+
+    def involved(self, batch: StepBatch) -> bool:
+        return any(c.req_slot in self.requests for c in batch.chunks)
+
+    def step_inputs(self, batch: StepBatch, embed_tokens: torch.nn.Module) -> StepImageInputs:
+        positions = batch.positions.expand(3, -1).clone()  # [3, T]
+        embeds = embed_tokens(batch.input_ids)  # [T, H]
+        rows, deep = [], [[] for _ in range(self.num_deepstack)]
+        first = 0
+        for chunk in batch.chunks:
+            req = self.requests.get(chunk.req_slot)
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            if req is not None:
+                positions[:, first : first + chunk.num_tokens] = req.layout.positions(
+                    start, end, positions.device
+                )
+                for i, img in enumerate(req.inputs):
+                    lo, hi = max(start, img.offset), min(end, img.offset + img.num_tokens)
+                    if lo >= hi:
+                        continue
+                    tensor = req.embeds[i]
+                    if tensor is None:
+                        raise ImageInputError(
+                            f"slot {chunk.req_slot}: image at {img.offset} was already consumed"
+                        )
+                    src = slice(lo - img.offset, hi - img.offset)
+                    embeds[first + lo - start : first + hi - start] = tensor[0, src]
+                    rows.append(torch.arange(first + lo - start, first + hi - start))
+                    for d in range(self.num_deepstack):
+                        deep[d].append(tensor[1 + d, src])
+                    if hi == img.offset + img.num_tokens:
+                        req.embeds[i] = None  # fully computed: free the device copy
+            first += chunk.num_tokens
+        deepstack = None
+        if rows and self.num_deepstack:
+            deepstack = DeepstackInput(
+                torch.cat(rows).to(embeds.device), [torch.cat(parts) for parts in deep]
+            )
+        return StepImageInputs(positions, embeds, deepstack)
