@@ -23,8 +23,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
-               "auto, float32, bfloat16 or float16")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            "auto, float32, bfloat16 or float16",
+        )
         _check(self.max_model_len >= 0, "max_model_len", "an integer >= 0")
 
 

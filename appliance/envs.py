@@ -36,8 +36,9 @@ _register("APPLIANCE_LOG_LEVEL", "INFO", str.upper, "Root log level: DEBUG, INFO
 _register(
     "APPLIANCE_LOG_COLOR", "auto", str.lower, "Colored level names.", ("auto", "always", "never")
 )
-_register("NO_COLOR", False, lambda s: s != "",
-          "Standard no-color switch; any value disables color.")
+_register(
+    "NO_COLOR", False, lambda s: s != "", "Standard no-color switch; any value disables color."
+)
 _register(
     "APPLIANCE_LOG_STATS_INTERVAL", 10.0, float, "Seconds between windowed stats lines (0 = off)."
 )

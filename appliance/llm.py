@@ -1,4 +1,5 @@
-"""Offline, in-process generation API (vLLM style): `LLM(model_dir).generate(prompts, SamplingParams())`.
+"""Offline, in-process generation API (vLLM style): `LLM(model_dir).generate(prompts,
+SamplingParams())`.
 
 Runs the real scheduler and model runner in this process (TP=1), or with TP > 1 drives worker
 processes through the same StepPlan broadcast the appliance uses. Used by scripts and by tests.
@@ -38,9 +39,11 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
         values[owner][key] = value
     values["model"]["model_dir"] = str(model_dir or "")
     values["parallel"]["tp"] = tp
-    return EngineConfig(model=replace(groups["model"], **values["model"]),
-                        scheduler=replace(groups["scheduler"], **values["scheduler"]),
-                        parallel=replace(groups["parallel"], **values["parallel"]))
+    return EngineConfig(
+        model=replace(groups["model"], **values["model"]),
+        scheduler=replace(groups["scheduler"], **values["scheduler"]),
+        parallel=replace(groups["parallel"], **values["parallel"]),
+    )
 
 
 class LLM:
@@ -56,8 +59,9 @@ class LLM:
             self.runner = TPRunnerGroup(self.config)
         self.model_dir = self.runner.model_dir
         self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
-        self.scheduler = Scheduler(self.config.scheduler, self.runner.num_kv_slots,
-                                   self.runner.max_model_len)
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.runner.num_kv_slots, self.runner.max_model_len
+        )
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -70,9 +74,11 @@ class LLM:
             return self.tokenizer.hf.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
-    def generate(self, prompts: str | list[int] | list[str | list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 ) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -83,12 +89,20 @@ class LLM:
         for prompt, sp in zip(prompts, params_list):
             req_id = f"offline-{next(self._ids)}"
             ids = self._encode(prompt)
-            self.scheduler.add_request(Request(
-                req_id=req_id, prompt_token_ids=ids, sampling=sp.to_options(),
-                max_tokens=sp.max_tokens, eos_token_ids=frozenset(self.runner.eos_token_ids),
-                stop_token_ids=frozenset(sp.stop_token_ids or ()), ignore_eos=sp.ignore_eos))
-            outputs[req_id] = CompletionOutput(prompt_token_ids=ids,
-                                               logprobs=[] if sp.logprobs is not None else None)
+            self.scheduler.add_request(
+                Request(
+                    req_id=req_id,
+                    prompt_token_ids=ids,
+                    sampling=sp.to_options(),
+                    max_tokens=sp.max_tokens,
+                    eos_token_ids=frozenset(self.runner.eos_token_ids),
+                    stop_token_ids=frozenset(sp.stop_token_ids or ()),
+                    ignore_eos=sp.ignore_eos,
+                )
+            )
+            outputs[req_id] = CompletionOutput(
+                prompt_token_ids=ids, logprobs=[] if sp.logprobs is not None else None
+            )
             stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
             detoks[req_id] = RequestDetokenizer(self.tokenizer, DetokParams(stop=stops))
             order.append(req_id)

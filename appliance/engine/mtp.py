@@ -1,8 +1,12 @@
-"""MTP speculative decoding on the worker: acceptance of verify rows, commit of GDN state, and the draft
-pass (extend the draft KV over newly committed rows, then chain k draft tokens). Called by the runner.
+"""MTP speculative decoding on the worker: acceptance of verify rows, commit of GDN state, and the
+draft
+pass (extend the draft KV over newly committed rows, then chain k draft tokens). Called by the
+runner.
 
-Acceptance (lossless for greedy and for sampling): the main model samples at every verify row with the
-request's own seed and the row's sequence offset; draft j+1 is accepted while it equals the main sample
+Acceptance (lossless for greedy and for sampling): the main model samples at every verify row with
+the
+request's own seed and the row's sequence offset; draft j+1 is accepted while it equals the main
+sample
 at row j; the main sample after the last accepted draft is added (so 1..k+1 tokens per step).
 """
 
@@ -12,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.batch import StepBatch
 from appliance.engine.context import ForwardContext, forward_context
 from appliance.engine.pools import Pools
 from appliance.models.layers.gdn import GatedDeltaNet
@@ -38,8 +41,9 @@ class ExtendRows:
     chain: bool  # the request sampled this step: draft its next k tokens
 
 
-def commit_gdn(gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int],
-               device: torch.device) -> None:
+def commit_gdn(
+    gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int], device: torch.device
+) -> None:
     if not slots:
         return
     slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
@@ -51,21 +55,34 @@ def commit_gdn(gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int
 class Drafter:
     """Runs the draft modules (eagle: one reused; vanilla: one per step) for MTP requests."""
 
-    def __init__(self, main: torch.nn.Module, modules: list[torch.nn.Module], mtp_step: int,
-                 pools: Pools, device: torch.device) -> None:
+    def __init__(
+        self,
+        main: torch.nn.Module,
+        modules: list[torch.nn.Module],
+        mtp_step: int,
+        pools: Pools,
+        device: torch.device,
+    ) -> None:
         self.main, self.modules, self.k = main, modules, mtp_step
         self.pools, self.device = pools, device
 
-    def _ctx(self, slots: list[int], q_lens: list[int], seq_lens: list[int],
-             kv_slots: list[int]) -> ForwardContext:
+    def _ctx(
+        self, slots: list[int], q_lens: list[int], seq_lens: list[int], kv_slots: list[int]
+    ) -> ForwardContext:
         t = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
-        return ForwardContext(req_slots=t(slots), cu_seqlens_q=t(cu), seq_lens=t(seq_lens),
-                              has_initial_state=t(seq_lens) > 0, out_kv_slots=t(kv_slots),
-                              req_to_token=self.pools.req_to_token, q_lens=q_lens,
-                              all_decode=all(n == 1 for n in q_lens))
+        return ForwardContext(
+            req_slots=t(slots),
+            cu_seqlens_q=t(cu),
+            seq_lens=t(seq_lens),
+            has_initial_state=t(seq_lens) > 0,
+            out_kv_slots=t(kv_slots),
+            req_to_token=self.pools.req_to_token,
+            q_lens=q_lens,
+            all_decode=all(n == 1 for n in q_lens),
+        )
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, rows: list[ExtendRows]) -> None:
@@ -73,10 +90,16 @@ class Drafter:
             return
         tokens = self.pools.token_ids
         index = torch.cat([torch.arange(r.first_row, r.first_row + r.count) for r in rows])
-        next_ids = torch.cat([tokens[r.req_slot, r.start + 1 : r.start + 1 + r.count] for r in rows])
+        next_ids = torch.cat(
+            [tokens[r.req_slot, r.start + 1 : r.start + 1 + r.count] for r in rows]
+        )
         positions = torch.cat([torch.arange(r.start, r.start + r.count) for r in rows])
-        ctx = self._ctx([r.req_slot for r in rows], [r.count for r in rows],
-                        [r.start + r.count for r in rows], [s for r in rows for s in r.kv_slots])
+        ctx = self._ctx(
+            [r.req_slot for r in rows],
+            [r.count for r in rows],
+            [r.start + r.count for r in rows],
+            [s for r in rows for s in r.kv_slots],
+        )
         h_in = hidden[index.to(hidden.device)]
         last_rows = torch.tensor([i for i, _ in enumerate(rows)], dtype=torch.int64)
         ends = torch.tensor([r.count for r in rows]).cumsum(0) - 1
@@ -105,7 +128,9 @@ class Drafter:
             chain_rows = list(range(first, step))
             for j in chain_rows:
                 for slot, p in zip(slots, last):
-                    self.pools.req_to_token[slot, p + j] = self.pools.sizes.scratch_slot(slot, j - 1)
+                    self.pools.req_to_token[slot, p + j] = self.pools.sizes.scratch_slot(
+                        slot, j - 1
+                    )
             n = len(chain_rows)
             ids = torch.stack([drafts[j - 1] for j in chain_rows], dim=1).reshape(-1)  # [B*n]
             h = torch.stack([ys[j - 1] for j in chain_rows], dim=1).reshape(len(rows) * n, -1)

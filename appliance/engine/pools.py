@@ -1,5 +1,6 @@
 """Device memory pools on a worker: the token-granular KV pool of the full-attention layers, the
-linear-attention state pool (conv + fp32 SSM per request slot) of the GDN layers, and the per-request
+linear-attention state pool (conv + fp32 SSM per request slot) of the GDN layers, and the
+per-request
 tables (`req_to_token`, token ids). Sizes come from the runner; the router owns the allocators."""
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype, mtp_step: int = 0
 class Pools:
     """Allocates and binds the KV and state tensors into the model's layers."""
 
-    def __init__(self, models: list[nn.Module], sizes: PoolSizes, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, models: list[nn.Module], sizes: PoolSizes, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.sizes = sizes
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -66,31 +68,59 @@ class Pools:
         for m in modules:
             if isinstance(m, Attention):
                 shape = (sizes.num_kv_slots + sizes.num_scratch_slots, m.num_kv_heads, m.head_dim)
-                m.kv_cache = (torch.zeros(shape, dtype=dtype, device=device),
-                              torch.zeros(shape, dtype=dtype, device=device))
+                m.kv_cache = (
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
                 self.kv.append(m.kv_cache)
             elif isinstance(m, GatedDeltaNet):
-                m.conv_states = torch.zeros(sizes.num_req_slots, m.conv_dim, m.conv_kernel - 1,
-                                            dtype=dtype, device=device)
-                m.ssm_states = torch.zeros(sizes.num_req_slots, m.num_v_heads, m.head_k_dim,
-                                           m.head_v_dim, dtype=torch.float32, device=device)
+                m.conv_states = torch.zeros(
+                    sizes.num_req_slots, m.conv_dim, m.conv_kernel - 1, dtype=dtype, device=device
+                )
+                m.ssm_states = torch.zeros(
+                    sizes.num_req_slots,
+                    m.num_v_heads,
+                    m.head_k_dim,
+                    m.head_v_dim,
+                    dtype=torch.float32,
+                    device=device,
+                )
                 self.states.append((m.conv_states, m.ssm_states))
                 if sizes.mtp_step:
-                    m.ssm_candidates = torch.zeros(sizes.num_req_slots, rows, m.num_v_heads,
-                                                   m.head_k_dim, m.head_v_dim, dtype=torch.float32,
-                                                   device=device)
-                    m.conv_windows = torch.zeros(sizes.num_req_slots, m.conv_dim,
-                                                 m.conv_kernel - 1 + rows, dtype=dtype, device=device)
+                    m.ssm_candidates = torch.zeros(
+                        sizes.num_req_slots,
+                        rows,
+                        m.num_v_heads,
+                        m.head_k_dim,
+                        m.head_v_dim,
+                        dtype=torch.float32,
+                        device=device,
+                    )
+                    m.conv_windows = torch.zeros(
+                        sizes.num_req_slots,
+                        m.conv_dim,
+                        m.conv_kernel - 1 + rows,
+                        dtype=dtype,
+                        device=device,
+                    )
         # Written before read (positions < seq_len only), so left uninitialised: with a long context
         # the untouched tail never costs memory on the host.
-        self.req_to_token = torch.empty(sizes.num_req_slots, sizes.max_model_len, dtype=torch.int32,
-                                        device=device)
-        self.token_ids = torch.empty(sizes.num_req_slots, sizes.max_model_len + 1,
-                                     dtype=torch.int64, device=device)
-        self.draft_tokens = torch.zeros(sizes.num_req_slots, max(1, sizes.mtp_step),
-                                        dtype=torch.int64, device=device)
+        self.req_to_token = torch.empty(
+            sizes.num_req_slots, sizes.max_model_len, dtype=torch.int32, device=device
+        )
+        self.token_ids = torch.empty(
+            sizes.num_req_slots, sizes.max_model_len + 1, dtype=torch.int64, device=device
+        )
+        self.draft_tokens = torch.zeros(
+            sizes.num_req_slots, max(1, sizes.mtp_step), dtype=torch.int64, device=device
+        )
         self.gdn_layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
         st_mib = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in self.states) / 2**20
-        log.info("pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",
-                 sizes.num_kv_slots, kv_mib, sizes.num_req_slots, st_mib)
+        log.info(
+            "pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",
+            sizes.num_kv_slots,
+            kv_mib,
+            sizes.num_req_slots,
+            st_mib,
+        )

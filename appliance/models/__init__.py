@@ -1,1 +1,2 @@
-"""Model families (one file each) composed from appliance/models/layers, and the architecture registry."""
+"""Model families (one file each) composed from appliance/models/layers, and the architecture
+registry."""

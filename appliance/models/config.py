@@ -1,4 +1,5 @@
-"""Text-model configuration parsed from a checkpoint's config.json (VLM `text_config` or flat causal-LM
+"""Text-model configuration parsed from a checkpoint's config.json (VLM `text_config` or flat
+causal-LM
 form), shared by every model family. Called by the registry and the runner."""
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def _layer_types(text: dict[str, Any]) -> tuple[str, ...]:
         return tuple(text["layer_types"][:n])
     interval = text.get("full_attention_interval")
     if interval:
-        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                     for i in range(n))
+        return tuple(
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
+        )
     return ("full_attention",) * n
 
 
@@ -96,12 +98,14 @@ def load_text_config(model_dir: str | Path) -> TextConfig:
         rms_norm_eps=text.get("rms_norm_eps", 1e-6),
         intermediate_size=text.get("intermediate_size", 0),
         rope_theta=float(theta),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor",
-                                             text.get("partial_rotary_factor", 1.0))),
+        partial_rotary_factor=float(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+        ),
         mrope_section=tuple(mrope) if mrope else None,
         max_position_embeddings=text.get("max_position_embeddings", 32768),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings",
-                                         text.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(
+            raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        ),
         eos_token_ids=_eos_ids(raw, text),
         linear_num_key_heads=text.get("linear_num_key_heads", 0),
         linear_num_value_heads=text.get("linear_num_value_heads", 0),

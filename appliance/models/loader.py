@@ -1,7 +1,8 @@
 """Weight loading: safetensors (single file or sharded index) in the real Hub layouts, or `dummy`
 random weights for any config. Each parameter's own `weight_loader` cuts its TP shard.
 
-A checkpoint that does not match the model raises `CheckpointMismatch` naming missing/unexpected keys."""
+A checkpoint that does not match the model raises `CheckpointMismatch` naming missing/unexpected
+keys."""
 
 from __future__ import annotations
 
@@ -48,8 +49,11 @@ def _short_list(names: list[str], limit: int = 12) -> str:
     return ", ".join(sorted(names)[:limit]) + extra
 
 
-def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
-                 tied: dict[str, str] | None = None) -> None:
+def load_weights(
+    model: nn.Module,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    tied: dict[str, str] | None = None,
+) -> None:
     """Feed checkpoint tensors through `model.map_weight_name` and each parameter's weight_loader.
 
     `tied` maps a parameter that may be absent from the checkpoint to the one it copies
@@ -84,7 +88,8 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]],
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights with sane magnitudes for performance work (`--load-format dummy`), drawn on the
+    """Random weights with sane magnitudes for performance work (`--load-format dummy`), drawn on
+    the
     parameters' own device (a 27B model would take minutes through the host)."""
     for i, (name, param) in enumerate(sorted(model.named_parameters())):
         gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)

@@ -1,6 +1,8 @@
-"""Qwen3.5 dense and MoE text stacks (hybrid Gated DeltaNet + gated full attention, zero-centred norms)
+"""Qwen3.5 dense and MoE text stacks (hybrid Gated DeltaNet + gated full attention, zero-centred
+norms)
 and their checkpoint-name mapping. Used by the runner for `Qwen3_5(Moe)ForConditionalGeneration` and
-`Qwen3_5(Moe)ForCausalLM`; the MTP draft (appliance/models/qwen3_5_mtp.py) reuses the decoder layer."""
+`Qwen3_5(Moe)ForCausalLM`; the MTP draft (appliance/models/qwen3_5_mtp.py) reuses the decoder
+layer."""
 
 from __future__ import annotations
 
@@ -21,9 +23,14 @@ from appliance.models.layers.rotary import Rotary
 
 def make_mlp(cfg: TextConfig) -> nn.Module:
     if cfg.is_moe:
-        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
-                         cfg.norm_topk_prob)
+        return SparseMoE(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size,
+            cfg.norm_topk_prob,
+        )
     return MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
@@ -33,19 +40,31 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(
-                cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
-                cfg.rms_norm_eps)
+                cfg.hidden_size,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                cfg.rms_norm_eps,
+            )
         else:
-            self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads,
-                                       cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps,
-                                       gated=True, zero_centered_norm=True)
+            self.self_attn = Attention(
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.rms_norm_eps,
+                gated=True,
+                zero_centered_norm=True,
+            )
         self.mlp = make_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
@@ -73,12 +92,20 @@ class Qwen3_5ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = TextModel(cfg)
-        self.rotary = Rotary(cfg.head_dim, cfg.partial_rotary_factor, cfg.rope_theta,
-                             list(cfg.mrope_section) if cfg.mrope_section else None)
+        self.rotary = Rotary(
+            cfg.head_dim,
+            cfg.partial_rotary_factor,
+            cfg.rope_theta,
+            list(cfg.mrope_section) if cfg.mrope_section else None,
+        )
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary(positions)
         residual = None
@@ -94,7 +121,9 @@ class Qwen3_5ForCausalLM(nn.Module):
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint tensor name -> (parameter name, shard_id), or None for tensors that belong to
         another component (vision tower, MTP head). Raises KeyError for unknown names."""
-        if name.startswith(("model.visual.", "visual.", "mtp.")) or name.endswith("rotary_emb.inv_freq"):
+        if name.startswith(("model.visual.", "visual.", "mtp.")) or name.endswith(
+            "rotary_emb.inv_freq"
+        ):
             return None
         name = re.sub(r"^model\.language_model\.", "model.", name)
         if name == "lm_head.weight":

@@ -1,5 +1,6 @@
 """The Qwen3.5 MTP draft head (dense and MoE): fc over [norm(embed(t+1)) | norm(h_t)], one gated
-full-attention decoder layer with its own KV layer, `mtp.norm`. Shares embeddings, lm_head and rotary
+full-attention decoder layer with its own KV layer, `mtp.norm`. Shares embeddings, lm_head and
+rotary
 with the main model (held by reference, not as parameters). Built by `build_draft_modules`."""
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ class Qwen3_5MTP(nn.Module):
     def main(self) -> nn.Module:
         return self._main[0]
 
-    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """next_ids [T] (token t+1), hidden [T, H] (post-norm state at t), positions [T] (t).
         Returns the post-`mtp.norm` state [T, H]; `main.compute_logits` of it predicts token t+2."""
         embeds = self.main.model.embed_tokens(next_ids)
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
-                               self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = self.fc(
+            torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        )
         cos, sin = self.main.rotary(positions)
         h, residual = self.layers[0](x, None, cos, sin)
         h, _ = self.norm(h, residual)
@@ -46,7 +49,7 @@ class Qwen3_5MTP(nn.Module):
         """`mtp.*` checkpoint names -> ours; every draft module loads the checkpoint's layer 0."""
         if not name.startswith("mtp."):
             return None
-        name = name[len("mtp."):]
+        name = name[len("mtp.") :]
         if name.startswith("layers."):
             rest = name.split(".", 2)[2]
             return map_layer_name(f"layers.0.{rest}")
@@ -60,7 +63,8 @@ def build_draft_modules(cfg: TextConfig, main: nn.Module, mode: str, step: int) 
     if not 1 <= step <= 3:
         raise ValueError(f"mtp_step: expected 1, 2 or 3, got {step}")
     if cfg.mtp_num_hidden_layers < 1:
-        raise ValueError(f"{cfg.architecture}: the checkpoint has no MTP head "
-                         "(mtp_num_hidden_layers is 0)")
+        raise ValueError(
+            f"{cfg.architecture}: the checkpoint has no MTP head (mtp_num_hidden_layers is 0)"
+        )
     count = step if mode == "vanilla" else 1
     return [Qwen3_5MTP(cfg, main) for _ in range(count)]

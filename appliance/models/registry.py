@@ -28,17 +28,23 @@ def model_class(cfg: TextConfig) -> type[nn.Module]:
         return _TEXT_MODELS[cfg.architecture]
     except KeyError:
         known = ", ".join(sorted(_TEXT_MODELS))
-        raise ValueError(f"architecture {cfg.architecture!r} is not supported (known: {known})") from None
+        raise ValueError(
+            f"architecture {cfg.architecture!r} is not supported (known: {known})"
+        ) from None
 
 
 # (text model_type, mtp_mode) -> builder(cfg, main_model, mode, step) -> list of draft modules
-_DRAFTS = {(mt, mode): build_draft_modules for mt in ("qwen3_5", "qwen3_5_moe")
-           for mode in ("vanilla", "eagle")}
+_DRAFTS = {
+    (mt, mode): build_draft_modules
+    for mt in ("qwen3_5", "qwen3_5_moe")
+    for mode in ("vanilla", "eagle")
+}
 
 
 def draft_factory(cfg: TextConfig, mtp_mode: str):
     try:
         return _DRAFTS[(cfg.model_type.removesuffix("_text"), mtp_mode)]
     except KeyError:
-        raise ValueError(f"MTP is not available for model_type {cfg.model_type!r} "
-                         f"with mtp_mode {mtp_mode!r}") from None
+        raise ValueError(
+            f"MTP is not available for model_type {cfg.model_type!r} with mtp_mode {mtp_mode!r}"
+        ) from None

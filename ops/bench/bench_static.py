@@ -2,7 +2,8 @@
 (k = 1, 2, 3) at several batch sizes, on `--load-format dummy` weights from a real config.
 
 Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
-k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode step
+k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode
+step
 (weight bytes / peak bandwidth) so the plain step is read against physics. Usage:
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
 """
@@ -60,8 +61,10 @@ class Bench:
         return self.run(chunks, new), [prompt_len] * batch  # each now knows prompt_len + 1 tokens
 
     def decode(self, starts: list[int], num_draft: int) -> float:
-        chunks = [ScheduledChunk(slot, start, num_draft + 1, self.kv(num_draft + 1), True, num_draft)
-                  for slot, start in enumerate(starts)]
+        chunks = [
+            ScheduledChunk(slot, start, num_draft + 1, self.kv(num_draft + 1), True, num_draft)
+            for slot, start in enumerate(starts)
+        ]
         elapsed = self.run(chunks)
         for slot in range(len(starts)):  # advance by what the worker actually committed
             starts[slot] = self.runner.num_tokens[slot] - 1
@@ -88,8 +91,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(runner: ModelRunner, draft_times: list[float], batch: int, prompt_len: int, k: int,
-            steps: int) -> dict:
+def measure(
+    runner: ModelRunner, draft_times: list[float], batch: int, prompt_len: int, k: int, steps: int
+) -> dict:
     bench = Bench(runner)
     runner.drafter.k = max(k, 1) if runner.drafter is not None else 0
     prefill_s, starts = bench.prefill(batch, prompt_len, num_draft=k)
@@ -102,8 +106,14 @@ def measure(runner: ModelRunner, draft_times: list[float], batch: int, prompt_le
     step_ms = sum(samples) / len(samples) * 1e3
     draft_ms = sum(draft) / len(draft) * 1e3
     # step = verify forward + sampling + acceptance (+ the draft pass when k > 0)
-    return {"batch": batch, "k": k, "prefill_ms": prefill_s * 1e3, "step_ms": step_ms,
-            "verify_ms": step_ms - draft_ms, "draft_ms": draft_ms}
+    return {
+        "batch": batch,
+        "k": k,
+        "prefill_ms": prefill_s * 1e3,
+        "step_ms": step_ms,
+        "verify_ms": step_ms - draft_ms,
+        "draft_ms": draft_ms,
+    }
 
 
 def main() -> None:
@@ -124,16 +134,22 @@ def main() -> None:
         need = max_batch * (args.prompt_len + (args.steps + 2) * 4)
         engine = EngineConfig(
             model=ModelConfig(model_dir=tmp, load_format="dummy", max_model_len=4096),
-            scheduler=SchedulerConfig(max_num_seqs=max_batch, mtp_step=max(args.mtp),
-                                      max_num_batched_tokens=max_batch * args.prompt_len,
-                                      num_kv_slots=need * 2),
-            parallel=ParallelConfig(device=args.device))
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch,
+                mtp_step=max(args.mtp),
+                max_num_batched_tokens=max_batch * args.prompt_len,
+                num_kv_slots=need * 2,
+            ),
+            parallel=ParallelConfig(device=args.device),
+        )
         runner = ModelRunner(engine)
     floor_ms = weight_bytes(runner.model) / (args.hbm_gbps * 1e9) * 1e3
     rows = []
     draft_times = timed_draft(runner) if runner.drafter is not None else []
-    print(f"{'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} {'draft ms':>9} "
-          f"{'verify/plain':>12} {'draft/plain':>11} {'plain/HBM floor':>15}")
+    print(
+        f"{'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} {'draft ms':>9} "
+        f"{'verify/plain':>12} {'draft/plain':>11} {'plain/HBM floor':>15}"
+    )
     for batch in args.batch:
         plain = None
         for k in args.mtp:
@@ -143,9 +159,11 @@ def main() -> None:
             r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
             r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
             rows.append(r)
-            print(f"{batch:>5} {k:>2} {r['prefill_ms']:>10.1f} {r['verify_ms']:>9.2f} "
-                  f"{r['draft_ms']:>9.2f} {r['verify_over_plain']:>12.2f} "
-                  f"{r['draft_over_plain']:>11.2f} {r['plain_over_floor']:>15.2f}")
+            print(
+                f"{batch:>5} {k:>2} {r['prefill_ms']:>10.1f} {r['verify_ms']:>9.2f} "
+                f"{r['draft_ms']:>9.2f} {r['verify_over_plain']:>12.2f} "
+                f"{r['draft_over_plain']:>11.2f} {r['plain_over_floor']:>15.2f}"
+            )
     print(f"weights {weight_bytes(runner.model) / 2**30:.1f} GiB, HBM floor {floor_ms:.2f} ms/step")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -1,4 +1,5 @@
-"""GPU end-to-end check of the engine with the Triton kernels: tiny dense and MoE Qwen3.5 checkpoints
+"""GPU end-to-end check of the engine with the Triton kernels: tiny dense and MoE Qwen3.5
+checkpoints
 run on CUDA (fp32 and bf16) against the CPU reference path; greedy tokens with MTP (k = 1..3, both
 modes) equal to greedy without MTP on the GPU. Prints one line per check; exit 1 on a failure.
 
@@ -26,15 +27,19 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def greedy(llm: LLM, seqs, n=48):
-    return [o.token_ids for o in llm.generate(seqs, SamplingParams(max_tokens=n, temperature=0,
-                                                                   ignore_eos=True))]
+    return [
+        o.token_ids
+        for o in llm.generate(seqs, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    ]
 
 
 def main() -> int:
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name, moe, types in (("dense", False, ["linear", "full", "linear", "full"]),
-                                 ("moe", True, ["linear", "linear", "full", "linear"])):
+        for name, moe, types in (
+            ("dense", False, ["linear", "full", "linear", "full"]),
+            ("moe", True, ["linear", "linear", "full", "linear"]),
+        ):
             ckpt = build_qwen3_5(f"{tmp}/{name}", moe=moe, layer_types=types, seed=0)
             cpu = LLM(str(ckpt), device="cpu", **OPTS)
             seqs = prompts(cpu.runner.text_config.vocab_size)
@@ -50,12 +55,20 @@ def main() -> int:
             print(f"{name}: bf16 first-8-token agreement with fp32 cpu {agree}/{8 * len(seqs)}")
             for mode in ("eagle", "vanilla"):
                 for k in (1, 2, 3):
-                    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", mtp_step=k, mtp_mode=mode,
-                              **OPTS)
+                    llm = LLM(
+                        str(ckpt),
+                        device="cuda",
+                        dtype="bfloat16",
+                        mtp_step=k,
+                        mtp_mode=mode,
+                        **OPTS,
+                    )
                     ok = greedy(llm, seqs) == base
                     stats = llm.scheduler.stats()
-                    print(f"{name}: bf16 cuda MTP {mode} k={k} lossless={ok} "
-                          f"accept_len={stats.mtp_mean_accept_len:.2f}")
+                    print(
+                        f"{name}: bf16 cuda MTP {mode} k={k} lossless={ok} "
+                        f"accept_len={stats.mtp_mean_accept_len:.2f}"
+                    )
                     failures += not ok
     print("FAILED" if failures else "ALL OK", failures)
     return 1 if failures else 0

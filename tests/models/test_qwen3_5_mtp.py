@@ -38,10 +38,17 @@ def ckpt(request):
 def reference(ckpt):
     llm = LLM(str(ckpt), **OPTS)
     seqs = prompts(llm.runner.text_config.vocab_size)
-    greedy = [o.token_ids for o in llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0,
-                                                                     ignore_eos=True))]
-    sampled = [o.token_ids for o in llm.generate(seqs, SamplingParams(
-        max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True))]
+    greedy = [
+        o.token_ids
+        for o in llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    ]
+    sampled = [
+        o.token_ids
+        for o in llm.generate(
+            seqs,
+            SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True),
+        )
+    ]
     assert_pools_empty(llm)
     return seqs, greedy, sampled
 
@@ -51,8 +58,9 @@ def test_draft_logits_match_hf(ckpt):
     runner = llm.runner
     seq = prompts(runner.text_config.vocab_size, lens=[90], seed=3)[0]
     runner.pools.token_ids[0, : len(seq)] = torch.tensor(seq)
-    batch = build_batch([ScheduledChunk(0, 0, len(seq), list(range(len(seq))), False)],
-                        runner.pools, runner.device)
+    batch = build_batch(
+        [ScheduledChunk(0, 0, len(seq), list(range(len(seq))), False)], runner.pools, runner.device
+    )
     n = len(seq) - 1
     with torch.inference_mode():
         with forward_context(batch.ctx):
@@ -70,8 +78,9 @@ def test_lossless_greedy_and_sampling(ckpt, reference, mode, k):
     llm = LLM(str(ckpt), mtp_step=k, mtp_mode=mode, **OPTS)
     got = llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in got] == greedy
-    got = llm.generate(seqs, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11,
-                                            ignore_eos=True))
+    got = llm.generate(
+        seqs, SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    )
     assert [o.token_ids for o in got] == sampled
     assert_pools_empty(llm)
 

@@ -1,4 +1,5 @@
-"""Qwen3.5 dense and MoE against HF transformers (fp32, CPU): teacher-forced logits at every position
+"""Qwen3.5 dense and MoE against HF transformers (fp32, CPU): teacher-forced logits at every
+position
 for a mixed batch with chunked prefill, greedy continuations, chunk-size invariance."""
 
 from __future__ import annotations
@@ -37,15 +38,18 @@ def engine_logits(runner, seqs: list[list[int]], chunk: int) -> list[torch.Tenso
                 n = min(chunk, len(seq) - done[slot])
                 if n == 0:
                     continue
-                chunks.append(ScheduledChunk(slot, done[slot], n, list(range(next_kv, next_kv + n)),
-                                             True))
+                chunks.append(
+                    ScheduledChunk(slot, done[slot], n, list(range(next_kv, next_kv + n)), True)
+                )
                 next_kv += n
             batch = build_batch(chunks, pools, runner.device)
             with forward_context(batch.ctx):
                 hidden = runner.model(batch.input_ids, batch.positions)
             logits = runner.model.compute_logits(hidden)
-            for c, (lo, hi) in zip(chunks, zip(batch.ctx.cu_seqlens_q[:-1].tolist(),
-                                               batch.ctx.cu_seqlens_q[1:].tolist())):
+            for c, (lo, hi) in zip(
+                chunks,
+                zip(batch.ctx.cu_seqlens_q[:-1].tolist(), batch.ctx.cu_seqlens_q[1:].tolist()),
+            ):
                 out[c.req_slot].append(logits[lo:hi])
                 done[c.req_slot] += c.num_tokens
     return [torch.cat(parts) for parts in out]
@@ -54,8 +58,9 @@ def engine_logits(runner, seqs: list[list[int]], chunk: int) -> list[torch.Tenso
 @pytest.fixture(scope="module", params=["tiny_dense", "tiny_moe"])
 def model(request):
     ckpt = request.getfixturevalue(request.param)
-    llm = LLM(str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, num_kv_slots=4096,
-              max_model_len=512)
+    llm = LLM(
+        str(ckpt), max_num_seqs=8, max_num_batched_tokens=64, num_kv_slots=4096, max_model_len=512
+    )
     yield ckpt, llm
     stats = llm.scheduler.stats()
     assert stats.kv_used == 0 and stats.num_running == 0 and stats.num_waiting == 0

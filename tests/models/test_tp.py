@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.multiprocessing as mp
-
 from tp_worker import engine_config, greedy_run, rank_main
 
 from appliance.engine.runner import ModelRunner
@@ -19,8 +18,13 @@ def prompts(vocab: int) -> list[list[int]]:
 def run_tp2(ckpt, ps, steps, tmp_path):
     out = tmp_path / "tp2.pt"
     init = f"file://{tmp_path}/dist_init"
-    mp.start_processes(rank_main, args=(2, init, str(ckpt), ps, steps, str(out)), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        rank_main,
+        args=(2, init, str(ckpt), ps, steps, str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     return torch.load(out)
 
 

@@ -11,9 +11,10 @@ from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, Step
 
 
 def engine_config(ckpt: str, mtp_step: int = 0) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model_dir=ckpt, max_model_len=512),
-                        scheduler=SchedulerConfig(max_num_seqs=4, num_kv_slots=2048,
-                                                  mtp_step=mtp_step))
+    return EngineConfig(
+        model=ModelConfig(model_dir=ckpt, max_model_len=512),
+        scheduler=SchedulerConfig(max_num_seqs=4, num_kv_slots=2048, mtp_step=mtp_step),
+    )
 
 
 def greedy_run(runner: ModelRunner, prompts: list[list[int]], steps: int) -> tuple[list, list]:

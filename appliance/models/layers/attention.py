@@ -1,5 +1,7 @@
-"""Full-attention layer for Qwen3.5 (gated output, zero-centred q/k norms, partial rotary) and Qwen3-VL
-(no gate, ordinary norms, M-RoPE). Reads the step's ForwardContext; K/V live in the shared KV pool."""
+"""Full-attention layer for Qwen3.5 (gated output, zero-centred q/k norms, partial rotary) and
+Qwen3-VL
+(no gate, ordinary norms, M-RoPE). Reads the step's ForwardContext; K/V live in the shared KV
+pool."""
 
 from __future__ import annotations
 
@@ -29,8 +31,17 @@ def kv_head_shard(num_kv_heads: int, head_dim: int):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                 gated: bool, zero_centered_norm: bool, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        gated: bool,
+        zero_centered_norm: bool,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         size = tp_size()
         if num_heads % size or (num_kv_heads % size and size % num_kv_heads):
@@ -65,8 +76,17 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = self.kv_cache
         store_kv(k, v, k_cache, v_cache, ctx.out_kv_slots)
-        out = paged_attention(q, k_cache, v_cache, ctx.req_to_token, ctx.req_slots,
-                              ctx.cu_seqlens_q, ctx.seq_lens, self.scale, max_q_len=ctx.max_q_len)
+        out = paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            ctx.req_to_token,
+            ctx.req_slots,
+            ctx.cu_seqlens_q,
+            ctx.seq_lens,
+            self.scale,
+            max_q_len=ctx.max_q_len,
+        )
         out = out.reshape(num_tokens, -1)
         if self.gated:
             out = out * torch.sigmoid(gate)

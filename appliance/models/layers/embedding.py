@@ -1,4 +1,5 @@
-"""Vocab-parallel token embedding and LM head: each TP rank holds a contiguous slice of the vocabulary."""
+"""Vocab-parallel token embedding and LM head: each TP rank holds a contiguous slice of the
+vocabulary."""
 
 from __future__ import annotations
 

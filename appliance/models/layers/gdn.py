@@ -1,5 +1,6 @@
 """Gated DeltaNet (linear attention) layer of Qwen3.5: projections, causal conv over [q|k|v], gates,
-the gated delta rule with per-request fp32 state, gated RMSNorm, output projection. TP splits key and
+the gated delta rule with per-request fp32 state, gated RMSNorm, output projection. TP splits key
+and
 value heads; conv and SSM state pools are bound by the runner."""
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from kernels.gdn import gdn, gdn_verify
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, conv_kernel: int, eps: float) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
         super().__init__()
         size = tp_size()
         if num_k_heads % size or num_v_heads % size:
-            raise ValueError(f"linear heads {num_k_heads}/{num_v_heads} cannot be split over tp={size}")
+            raise ValueError(
+                f"linear heads {num_k_heads}/{num_v_heads} cannot be split over tp={size}"
+            )
         self.num_k_heads, self.num_v_heads = num_k_heads // size, num_v_heads // size
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -34,7 +45,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = ColumnLinear(hidden, [value_dim])
         self.in_proj_b = ColumnLinear(hidden, [num_v_heads])
         self.in_proj_a = ColumnLinear(hidden, [num_v_heads])
-        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel), requires_grad=False)
+        self.conv1d_weight = nn.Parameter(
+            torch.empty(self.conv_dim, conv_kernel), requires_grad=False
+        )
         self.conv1d_weight.weight_loader = self._load_conv
         self.A_log = self._head_param()
         self.dt_bias = self._head_param()
@@ -76,27 +89,73 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, mixed: torch.Tensor, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == mixed.shape[0]:
-            return causal_conv1d(mixed, self.conv1d_weight, self.conv_states, ctx.req_slots,
-                                 ctx.cu_seqlens_q, ctx.has_initial_state, max_q_len=ctx.max_q_len)
-        plain = causal_conv1d(mixed[:split], self.conv1d_weight, self.conv_states,
-                              ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
-                              ctx.has_initial_state[:reqs], max_q_len=ctx.max_q_len)
-        verify = causal_conv1d_verify(mixed[split:], self.conv1d_weight, self.conv_states,
-                                      self.conv_windows, ctx.req_slots[reqs:],
-                                      ctx.cu_seqlens_q[reqs:] - split, max_q_len=ctx.max_q_len)
+            return causal_conv1d(
+                mixed,
+                self.conv1d_weight,
+                self.conv_states,
+                ctx.req_slots,
+                ctx.cu_seqlens_q,
+                ctx.has_initial_state,
+                max_q_len=ctx.max_q_len,
+            )
+        plain = causal_conv1d(
+            mixed[:split],
+            self.conv1d_weight,
+            self.conv_states,
+            ctx.req_slots[:reqs],
+            ctx.cu_seqlens_q[: reqs + 1],
+            ctx.has_initial_state[:reqs],
+            max_q_len=ctx.max_q_len,
+        )
+        verify = causal_conv1d_verify(
+            mixed[split:],
+            self.conv1d_weight,
+            self.conv_states,
+            self.conv_windows,
+            ctx.req_slots[reqs:],
+            ctx.cu_seqlens_q[reqs:] - split,
+            max_q_len=ctx.max_q_len,
+        )
         return torch.cat([plain, verify])
 
     def _delta_rule(self, q, k, v, g, beta, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == q.shape[0]:
-            return gdn(q, k, v, g, beta, self.ssm_states, ctx.req_slots, ctx.cu_seqlens_q,
-                       ctx.has_initial_state, max_q_len=ctx.max_q_len)
-        plain = gdn(q[:split], k[:split], v[:split], g[:split], beta[:split], self.ssm_states,
-                    ctx.req_slots[:reqs], ctx.cu_seqlens_q[: reqs + 1],
-                    ctx.has_initial_state[:reqs], max_q_len=ctx.max_q_len)
-        verify = gdn_verify(q[split:], k[split:], v[split:], g[split:], beta[split:],
-                            self.ssm_states, self.ssm_candidates, ctx.req_slots[reqs:],
-                            ctx.cu_seqlens_q[reqs:] - split)
+            return gdn(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                self.ssm_states,
+                ctx.req_slots,
+                ctx.cu_seqlens_q,
+                ctx.has_initial_state,
+                max_q_len=ctx.max_q_len,
+            )
+        plain = gdn(
+            q[:split],
+            k[:split],
+            v[:split],
+            g[:split],
+            beta[:split],
+            self.ssm_states,
+            ctx.req_slots[:reqs],
+            ctx.cu_seqlens_q[: reqs + 1],
+            ctx.has_initial_state[:reqs],
+            max_q_len=ctx.max_q_len,
+        )
+        verify = gdn_verify(
+            q[split:],
+            k[split:],
+            v[split:],
+            g[split:],
+            beta[split:],
+            self.ssm_states,
+            self.ssm_candidates,
+            ctx.req_slots[reqs:],
+            ctx.cu_seqlens_q[reqs:] - split,
+        )
         return torch.cat([plain, verify])
 
     def commit_verify(self, slots: torch.Tensor, accepted_rows: torch.Tensor) -> None:

@@ -1,7 +1,9 @@
-"""TP-aware linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id)` that cuts
+"""TP-aware linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id)` that
+cuts
 this rank's shard out of a full checkpoint tensor, so the model loader never knows about TP.
 
-Column layers split the output dim (per logical segment), row layers split the input dim and all-reduce.
+Column layers split the output dim (per logical segment), row layers split the input dim and
+all-reduce.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from torch import nn
 
 from appliance.models.layers.parallel import all_reduce, shard_range, tp_size
 
-ShardFn = Callable[[torch.Tensor, int], torch.Tensor]  # (full segment tensor, dim) -> this rank's part
+ShardFn = Callable[
+    [torch.Tensor, int], torch.Tensor
+]  # (full segment tensor, dim) -> this rank's part
 
 
 def even_shard(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -24,19 +28,29 @@ def even_shard(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs loaded {tuple(loaded.shape)}")
+        raise ValueError(
+            f"shape mismatch: parameter {tuple(param.shape)} vs loaded {tuple(loaded.shape)}"
+        )
     with torch.no_grad():
         param.copy_(loaded.to(param.dtype))
 
 
 class ColumnLinear(nn.Module):
-    """y = x W^T with W's rows made of `segments` (e.g. [q, k, v]); each segment is sharded on its own.
+    """y = x W^T with W's rows made of `segments` (e.g. [q, k, v]); each segment is sharded on its
+    own.
 
-    `shard_sizes` gives each segment's local size (defaults to segment / tp); `shard_fn` cuts the local
+    `shard_sizes` gives each segment's local size (defaults to segment / tp); `shard_fn` cuts the
+    local
     part from a full segment (defaults to an even split)."""
 
-    def __init__(self, in_features: int, segments: list[int], bias: bool = False,
-                 shard_sizes: list[int] | None = None, shard_fn: ShardFn = even_shard) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        segments: list[int],
+        bias: bool = False,
+        shard_sizes: list[int] | None = None,
+        shard_fn: ShardFn = even_shard,
+    ) -> None:
         super().__init__()
         self.segments = list(segments)
         self.local = shard_sizes or [s // tp_size() for s in segments]
@@ -66,12 +80,14 @@ class ColumnLinear(nn.Module):
 class RowLinear(nn.Module):
     """y = all_reduce(x_local W_local^T): input dim sharded. `reduce=False` leaves a partial sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 reduce: bool = True) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True
+    ) -> None:
         super().__init__()
         self.reduce = reduce
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp_size()),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features // tp_size()), requires_grad=False
+        )
         self.weight.weight_loader = lambda p, w, shard_id=None: copy_into(p, even_shard(w, 1))
         self.bias = None
         if bias:  # added once (rank 0) so the all-reduce does not multiply it

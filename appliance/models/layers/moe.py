@@ -16,14 +16,23 @@ from kernels.moe import fused_moe, moe_route
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 shared_intermediate: int, norm_topk_prob: bool = True) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        intermediate: int,
+        shared_intermediate: int,
+        norm_topk_prob: bool = True,
+    ) -> None:
         super().__init__()
         self.top_k, self.renormalize = top_k, norm_topk_prob
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         local = intermediate // tp_size()
         self.gate = ReplicatedLinear(hidden, num_experts)
-        self.w_gate_up = nn.Parameter(torch.empty(num_experts, 2 * local, hidden), requires_grad=False)
+        self.w_gate_up = nn.Parameter(
+            torch.empty(num_experts, 2 * local, hidden), requires_grad=False
+        )
         self.w_down = nn.Parameter(torch.empty(num_experts, hidden, local), requires_grad=False)
         self.w_gate_up.weight_loader = self.load_experts
         self.w_down.weight_loader = self.load_experts
@@ -58,6 +67,13 @@ class SparseMoE(nn.Module):
         shared = gate = None
         if self.shared_expert is not None:  # summed (times its sigmoid gate) inside the kernel
             shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
-        out = fused_moe(x, self.w_gate_up, self.w_down, weights.to(x.dtype), ids,
-                        shared_output=shared, shared_gate=gate)
+        out = fused_moe(
+            x,
+            self.w_gate_up,
+            self.w_down,
+            weights.to(x.dtype),
+            ids,
+            shared_output=shared,
+            shared_gate=gate,
+        )
         return all_reduce(out)

@@ -1,4 +1,5 @@
-"""Tensor-parallel state and collectives for the model layers (torch.distributed; gloo on CPU, NCCL on GPU).
+"""Tensor-parallel state and collectives for the model layers (torch.distributed; gloo on CPU, NCCL
+on GPU).
 
 The worker sets the TP group once (`set_tp`); layers read `tp_rank()` / `tp_size()` when built.
 """

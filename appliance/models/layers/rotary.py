@@ -1,4 +1,5 @@
-"""Rotary embedding module: holds inv_freq and the M-RoPE channel map; shared by the model's layers and
+"""Rotary embedding module: holds inv_freq and the M-RoPE channel map; shared by the model's layers
+and
 the MTP draft (one instance per model)."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from kernels.rotary import inv_freq, mrope_channel_rows, rotary_cos_sin
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, partial_factor: float, theta: float,
-                 mrope_section: list[int] | None) -> None:
+    def __init__(
+        self, head_dim: int, partial_factor: float, theta: float, mrope_section: list[int] | None
+    ) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * partial_factor)
         self.register_buffer("inv_freq", inv_freq(self.rotary_dim, theta), persistent=False)

@@ -219,3 +219,53 @@ def test_reasoning_split(make_server, tokenizer, thinking):
     msg = chat(client, chat_template_kwargs={"enable_thinking": thinking}).json()
     msg = msg["choices"][0]["message"]
     assert msg["content"] == "answer" and msg["reasoning_content"] == "plan"
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+TOOL_TEXT = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+def test_tool_calls_non_stream_and_stream(make_server, tokenizer):
+    ids = tokenizer.encode(TOOL_TEXT, add_special_tokens=False)
+    client, _, _ = make_server(script=lambda prompt: ids)
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    out = sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w"}], tools=TOOLS
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+    stream = sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w"}], tools=TOOLS, stream=True
+    )
+    args, names, finish = "", [], None
+    for chunk in stream:
+        for tc in chunk.choices[0].delta.tool_calls or []:
+            assert tc.index == 0
+            names += [tc.function.name] if tc.function.name else []
+            args += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert names == ["get_weather"] and args == call.function.arguments
+    assert finish == "tool_calls"
+    # tool_choice "none": the same text is plain content.
+    plain = sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "w"}], tools=TOOLS, tool_choice="none"
+    )
+    assert plain.choices[0].message.content == TOOL_TEXT
+    assert plain.choices[0].finish_reason == "stop"
