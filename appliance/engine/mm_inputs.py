@@ -161,6 +161,7 @@ class MultimodalInputs:
     ) -> None:
         vision = cfg.raw.get("vision_config")
         self.merge_size = int(vision.get("spatial_merge_size", 2)) if vision else 0
+        self.image_token_id = cfg.raw.get("image_token_id")
         self.hidden = cfg.hidden_size
         self.num_deepstack = num_deepstack
         self.store, self.device, self.dtype = store, device, dtype
@@ -188,6 +189,12 @@ class MultimodalInputs:
                     f"slot {req.req_slot}: image at {img.offset} has "
                     f"{img.num_tokens} tokens, grid {span.grid_thw} gives {n} "
                     f"({len(req.token_ids)} tokens in the request)"
+                )
+            run = req.token_ids[img.offset : img.offset + n]
+            if self.image_token_id is not None and any(t != self.image_token_id for t in run):
+                raise ImageInputError(
+                    f"slot {req.req_slot}: tokens {img.offset}..{img.offset + n - 1} are not all "
+                    f"<|image_pad|> ({self.image_token_id})"
                 )
             tensor = self.store.load(img.handle)
             expected = (1 + self.num_deepstack, n, self.hidden)

@@ -54,16 +54,16 @@ LOGPROB = m.TokenLogprob(
 DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, 3)
 WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7])
 
+IMAGE = m.ImageInput(offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="sha256:ab12")
+NEW = m.NewRequest(3, [1, 2, 3, 4, 5, 6], OPTS, num_prompt_tokens=5, num_draft=2, mm=[IMAGE])
+CHUNK = m.ScheduledChunk(3, 5, 3, [10, 11, 12], True, num_draft=2)
+
 SAMPLES: dict[type, msgspec.Struct] = {
     m.SamplingOptions: OPTS,
-    m.NewRequest: m.NewRequest(3, [1, 2, 3], OPTS),
-    m.ScheduledChunk: m.ScheduledChunk(3, 0, 3, [10, 11, 12], True),
-    m.StepPlan: m.StepPlan(
-        1,
-        [m.NewRequest(3, [1, 2, 3], OPTS)],
-        [m.ScheduledChunk(3, 0, 3, [10, 11, 12], True)],
-        [1, 2],
-    ),
+    m.ImageInput: IMAGE,
+    m.NewRequest: NEW,
+    m.ScheduledChunk: CHUNK,
+    m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2]),
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
     m.StepResult: m.StepResult(1, [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])], 0.01),
     m.DetokParams: DETOK,

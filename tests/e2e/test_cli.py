@@ -23,8 +23,13 @@ def _build(argv: list[str]) -> ServeConfig:
 
 
 def test_help_lists_every_field_and_env_var():
-    out = subprocess.run([sys.executable, "-m", "appliance.cli", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     for _, cls in _config_sections():
         for f in dataclasses.fields(cls):
@@ -40,9 +45,25 @@ def test_defaults_come_from_the_dataclasses():
 
 
 def test_flags_override_fields():
-    config = _build(["serve", "/models/x", "--tp", "2", "--port", "9001", "--max-model-len",
-                     "4096", "--max-num-seqs", "8", "--no-access-log", "--mem-fraction", "0.5",
-                     "--transport", "tcp"])
+    config = _build(
+        [
+            "serve",
+            "/models/x",
+            "--tp",
+            "2",
+            "--port",
+            "9001",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "8",
+            "--no-access-log",
+            "--mem-fraction",
+            "0.5",
+            "--transport",
+            "tcp",
+        ]
+    )
     assert config.engine.model.model_dir == "/models/x"
     assert config.engine.parallel.tp == 2 and config.server.port == 9001
     assert config.engine.model.max_model_len == 4096

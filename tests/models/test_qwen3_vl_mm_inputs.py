@@ -5,6 +5,7 @@ expert loader in both orientations."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,15 @@ from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from tests.models.qwen3_vl_oracle import Driver, engine, make_prompt, random_image
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread avoids OpenMP waits on busy shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +143,8 @@ def test_admission_checks(runner, vl_ckpt):
         runner.mm.admit(_request(prompt, "good", num_tokens=5))
     with pytest.raises(ImageInputError, match="tokens in the request"):
         runner.mm.admit(_request(prompt, "good", offset=len(prompt.token_ids) - 2))
+    with pytest.raises(ImageInputError, match=re.escape("are not all <|image_pad|> (1996)")):
+        runner.mm.admit(_request(prompt, "good", offset=prompt.spans[0].offset - 1))
     with pytest.raises(ImageInputError, match="multiple of merge size"):
         runner.mm.admit(_request(prompt, "good", grid_thw=(1, 3, 4)))
     with pytest.raises(ImageInputError, match="not in the store"):

@@ -1,6 +1,5 @@
-"""Image prompts through the engine against transformers (fp32, CPU) for tiny Qwen3-VL dense and
-Qwen3-VL MoE (transposed fused experts, as on the Hub) checkpoints (the Qwen3.5 VLM runs the same
-tests from test_qwen3_vl_qwen3_5_parity.py): teacher-forced
+"""Image prompts through the engine against transformers (fp32, CPU) for tiny Qwen3-VL dense,
+Qwen3-VL MoE (transposed fused experts, as on the Hub) and Qwen3.5 VLM checkpoints: teacher-forced
 logits at every position for a batch [1 image, 2 images of different sizes, text only] in one shot,
 with chunked prefill that cuts images, and token by token; greedy continuations; and negative
 controls showing the comparison sees the image embeddings, M-RoPE positions and deepstack."""
@@ -24,7 +23,7 @@ from tests.models.qwen3_vl_oracle import (
     random_image,
 )
 
-FAMILIES = ["qwen3_vl", "qwen3_vl_moe"]  # Qwen3.5 VLM: test_qwen3_vl_qwen3_5_parity.py
+FAMILIES = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5_vl"]
 NUM_EXTRA = 10  # teacher-forced tokens after each prompt (decode-side positions: index + delta)
 
 
@@ -56,6 +55,10 @@ class Case:
 
 
 def make_case(family: str, tmp_path_factory):
+    # One thread: these tiny models gain nothing from two, and on busy shared cores many small
+    # ops waiting on a second OpenMP thread were seen to take ten times longer.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     ckpt = build(family, tmp_path_factory.mktemp(family))
     prompts = [
         make_prompt(ckpt, [7, random_image(64, 64, 1), 9], seed=0),  # grid 1x4x4: 4 tokens
@@ -66,6 +69,7 @@ def make_case(family: str, tmp_path_factory):
     extra = torch.randint(0, 1900, (NUM_EXTRA,), generator=gen).tolist()
     runner = engine(ckpt)
     yield Case(family, ckpt, prompts, extra, Driver(runner, ckpt))
+    torch.set_num_threads(threads)
     assert not runner.mm.requests  # every slot released
 
 

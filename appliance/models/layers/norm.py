@@ -25,9 +25,15 @@ class RMSNorm(nn.Module):
         self.weight = _replicated(hidden, 0.0 if zero_centered else 1.0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: returns normed x. With residual: returns (normed(x + r), x + r)."""
-        out, new_residual = rms_norm(x, self.weight, self.eps, self.zero_centered, residual)
-        return out if residual is None else (out, new_residual)
+        """Without residual: returns normed x. With residual: returns (normed(x + r), x + r).
+        x may carry head dims ([T, H, D] for q/k norms); the kernels see [rows, hidden]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        flat_res = None if residual is None else residual.reshape(-1, shape[-1])
+        out, new_residual = rms_norm(flat, self.weight, self.eps, self.zero_centered, flat_res)
+        if residual is None:
+            return out.view(shape)
+        return out.view(shape), new_residual.view(shape)
 
 
 class GatedRMSNorm(nn.Module):
