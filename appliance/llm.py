@@ -49,29 +49,45 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
 class LLM:
     def __init__(self, model_dir: str | None = None, tp: int = 1, **options) -> None:
         self.config = build_engine_config(model_dir, tp, options)
-        if tp == 1:
-            from appliance.engine.runner import ModelRunner
+        from appliance.engine.runner import ModelRunner, resolve_model_dir
 
-            self.runner = ModelRunner(self.config)
-        else:
-            from appliance.engine.tp_group import TPRunnerGroup
-
-            self.runner = TPRunnerGroup(self.config)
-        self.model_dir = self.runner.model_dir
-        self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
-        self.scheduler = Scheduler(
-            self.config.scheduler, self.runner.num_kv_slots, self.runner.max_model_len
+        self.model_dir = resolve_model_dir(self.config.model.model_dir)
+        self.config = replace(
+            self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )
+        if tp == 1:
+            self.runner = ModelRunner(self.config)
+            num_kv, max_len, eos = (
+                self.runner.num_kv_slots,
+                self.runner.max_model_len,
+                self.runner.eos_token_ids,
+            )
+        else:  # worker processes over torch.distributed, driven through the StepPlan seam
+            from appliance.launch import WorkerGroup
+
+            self.runner = WorkerGroup(self.config)
+            info = self.runner.info
+            num_kv, max_len, eos = info.num_kv_slots, info.max_model_len, info.eos_token_ids
+        self.eos_token_ids = tuple(eos)
+        self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
+        self.scheduler = Scheduler(self.config.scheduler, num_kv, max_len)
         self._ids = itertools.count()
 
     def close(self) -> None:
+        """Stops the worker processes (tp > 1); a no-op in process."""
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.hf.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def generate(
@@ -95,7 +111,7 @@ class LLM:
                     prompt_token_ids=ids,
                     sampling=sp.to_options(),
                     max_tokens=sp.max_tokens,
-                    eos_token_ids=frozenset(self.runner.eos_token_ids),
+                    eos_token_ids=frozenset(self.eos_token_ids),
                     stop_token_ids=frozenset(sp.stop_token_ids or ()),
                     ignore_eos=sp.ignore_eos,
                 )

@@ -1,0 +1,64 @@
+"""The offline API: `LLM(model_dir, tp, **options).generate(prompts, SamplingParams)` with string and
+token-id prompts, stop strings, length finishes, seeds, option validation and TP=2 worker processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance import LLM, SamplingParams
+
+OPTS = dict(max_num_seqs=4, num_kv_slots=2048, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dense):
+    return LLM(str(tiny_dense), **OPTS)
+
+
+def test_string_and_token_prompts(llm):
+    ids = llm.tokenizer.encode("def main():")
+    a, b = llm.generate(
+        ["def main():", ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    )
+    assert a.prompt_token_ids == ids and a.token_ids == b.token_ids and len(a.token_ids) == 8
+    assert a.finish_reason == "length" and a.text == llm.tokenizer.decode(a.token_ids)
+
+
+def test_stop_string_truncates_text_and_frees_slots(llm):
+    full = llm.generate("import os", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    assert stop.strip(), "the continuation is too short to pick a stop string"
+    out = llm.generate(
+        "import os", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert full.text.startswith(out.text)
+    stats = llm.scheduler.stats()
+    assert stats.kv_used == 0 and stats.state_used == 0
+
+
+def test_seed_reproduces_and_differs(llm):
+    p = dict(max_tokens=10, temperature=1.0, ignore_eos=True)
+    a = llm.generate("x = ", SamplingParams(seed=1, **p))[0].token_ids
+    b = llm.generate("x = ", SamplingParams(seed=1, **p))[0].token_ids
+    c = llm.generate("x = ", SamplingParams(seed=2, **p))[0].token_ids
+    assert a == b and a != c
+
+
+def test_bad_options_name_the_field(tiny_dense):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="no_such_option"):
+        LLM(str(tiny_dense), no_such_option=1)
+    with pytest.raises(ValueError, match="mtp_step"):
+        LLM(str(tiny_dense), mtp_step=4)
+
+
+def test_tp2_worker_processes_match_tp1(tiny_moe):
+    prompts = [[5, 6, 7] * 10, "def f(x):", [9] * 40]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    tp1 = [o.token_ids for o in LLM(str(tiny_moe), **OPTS).generate(prompts, params)]
+    with LLM(str(tiny_moe), tp=2, **OPTS) as tp2:
+        assert [o.token_ids for o in tp2.generate(prompts, params)] == tp1
