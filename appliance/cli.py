@@ -158,6 +158,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         help="checkpoint folder (HF layout); omitted = the embedded default model",
     )
     dests = _add_flags(serve)
+    subparsers.add_parser(
+        "backends",
+        help="print the kernel backend each op resolves to on this machine",
+        description="Resolve APPLIANCE_GDN_PREFILL_BACKEND, APPLIANCE_FP8_GEMM and the attention "
+        "backend against what this machine has, and print the table.",
+    )
     return parser, dests
 
 
@@ -169,9 +175,23 @@ def _resolve_model_dir(model_dir: str) -> str:
     return str(ensure_default_model())
 
 
+def _print_backends() -> int:
+    from appliance.logging import setup_logging
+    from kernels.backends import detect_platform, resolve_backends
+
+    setup_logging()
+    platform = detect_platform()
+    print(f"platform: {platform}")
+    for kind, name in resolve_backends(platform=platform).items():
+        print(f"{kind:<12} {name}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "backends":
+        return _print_backends()
     if args.command != "serve":
         parser.print_usage()
         return 2

@@ -67,11 +67,21 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    attention_backend: str = "auto"  # auto | triton | flashinfer | torch (GDN/fp8: env flags)
+
+    def __post_init__(self) -> None:
+        _check(self.attention_backend in ("auto", "triton", "flashinfer", "torch"),
+               "attention_backend", "auto, triton, flashinfer or torch")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
 
 def field_names(cls) -> list[str]:

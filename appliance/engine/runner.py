@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from appliance.config import EngineConfig
+from kernels import backends
 from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.context import forward_context
 from appliance.engine.mm_inputs import MultimodalInputs, SharedMemoryImageStore
@@ -68,6 +69,7 @@ class ModelRunner:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
+        self.backends = backends.configure(attention=config.kernels.attention_backend)
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()

@@ -1,5 +1,5 @@
-"""The offline API: `LLM(model_dir, tp, **options).generate(prompts, SamplingParams)` with string and
-token-id prompts, stop strings, length finishes, seeds, option validation and TP=2 worker processes."""
+"""The offline API: `LLM(model_dir, tp, **options).generate(prompts, SamplingParams)` with string
+and token-id prompts, stop strings, length finishes, seeds, option validation and TP=2 workers."""
 
 from __future__ import annotations
 
