@@ -1,7 +1,8 @@
 """Every message that crosses a process boundary, as typed msgspec structs (msgpack on the wire).
 
 Writers and readers are named per class. No pickle anywhere: `encode()` / `decode()` below are the
-only serializers used on sockets. Bulk tensors never travel here (image embeddings go by shm handle).
+only serializers used on sockets. Bulk tensors never travel here (image embeddings go by shm
+handle).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class NewRequest(msgspec.Struct, frozen=True):
     a preempted request is sent again with all its known tokens)."""
 
     req_slot: int  # row in req_to_token / token tables and linear-state pool
-    token_ids: list[int]  # every known token (prompt, plus outputs when re-admitted after preemption)
+    token_ids: list[int]  # every known token (prompt + outputs when re-admitted after preemption)
     sampling: SamplingOptions
     num_prompt_tokens: int = -1  # leading prompt tokens in token_ids (-1: all); for penalties
     num_draft: int = 0  # MTP draft tokens per step for this request (0 = MTP off for it)

@@ -1,4 +1,5 @@
-"""Depthwise causal conv1d with per-request state (the GDN short conv): varlen prefill and decode in one
+"""Depthwise causal conv1d with per-request state (the GDN short conv): varlen prefill and decode
+in one
 reference op. Called by appliance/models/layers/gdn.py.
 
 conv_states[state_slot] holds the last K-1 inputs of the request (its left context); the op reads it
@@ -40,7 +41,7 @@ def causal_conv1d_ref(
         if activation == "silu":
             y = F.silu(y)
         out[start:end] = y.t().to(x.dtype)
-        conv_states[slot] = full[:, -(width - 1):].to(conv_states.dtype)
+        conv_states[slot] = full[:, -(width - 1) :].to(conv_states.dtype)
     return out
 
 
@@ -56,7 +57,6 @@ def causal_conv1d_verify_ref(
     """Conv over verify rows; the committed state is untouched and the wide working slot gets
     [left context | rows], so accepting row j commits window[:, j + 1 : j + K]."""
     out = torch.empty_like(x)
-    width = weight.shape[1]
     cu = cu_seqlens.tolist()
     for b, slot in enumerate(state_slots.tolist()):
         s, e = cu[b], cu[b + 1]
@@ -79,29 +79,69 @@ def causal_conv1d_verify_ref(
 
 
 @jit
-def _final_state(x_ptr, state_ptr, slot, start, length, cc, c_ok, stride_xt, stride_ss, stride_sc,
-                 init_flag, WIDTH: tl.constexpr, BLOCK_W: tl.constexpr):
+def _final_state(
+    x_ptr,
+    state_ptr,
+    slot,
+    start,
+    length,
+    cc,
+    c_ok,
+    stride_xt,
+    stride_ss,
+    stride_sc,
+    init_flag,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """state <- columns length .. length+K-2 of [old_state | x] (old columns where length < K-1)."""
     j = tl.arange(0, BLOCK_W)
     j_ok = j < WIDTH - 1
     has_init = j < BLOCK_W * init_flag.to(tl.int32)  # the scalar flag as a vector (interpreter)
     src = length + j - (WIDTH - 1)  # row inside the request; < 0 -> old state column src + K - 1
-    xv = tl.load(x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
-                 mask=(j_ok & (src >= 0))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    xv = tl.load(
+        x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
+        mask=(j_ok & (src >= 0))[:, None] & c_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
     state_row = state_ptr + slot * stride_ss + cc[None, :] * stride_sc
-    sv = tl.load(state_row + (src + WIDTH - 1)[:, None],
-                 mask=(j_ok & (src < 0) & has_init)[:, None] & c_ok[None, :], other=0.0)
-    tl.store(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
-             (xv + sv.to(tl.float32)).to(state_ptr.dtype.element_ty),
-             mask=j_ok[:, None] & c_ok[None, :])
+    sv = tl.load(
+        state_row + (src + WIDTH - 1)[:, None],
+        mask=(j_ok & (src < 0) & has_init)[:, None] & c_ok[None, :],
+        other=0.0,
+    )
+    tl.store(
+        state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
+        (xv + sv.to(tl.float32)).to(state_ptr.dtype.element_ty),
+        mask=j_ok[:, None] & c_ok[None, :],
+    )
 
 
 @jit
 def _conv1d_fwd_kernel(
-    x_ptr, w_ptr, out_ptr, state_ptr, win_ptr, slots_ptr, cu_ptr, has_init_ptr,
-    stride_xt, stride_ot, stride_wc, stride_ss, stride_sc, stride_ws, stride_wcc, channels,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    SILU: tl.constexpr, FUSE_STATE: tl.constexpr, VERIFY: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    state_ptr,
+    win_ptr,
+    slots_ptr,
+    cu_ptr,
+    has_init_ptr,
+    stride_xt,
+    stride_ot,
+    stride_wc,
+    stride_ss,
+    stride_sc,
+    stride_ws,
+    stride_wcc,
+    channels,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SILU: tl.constexpr,
+    FUSE_STATE: tl.constexpr,
+    VERIFY: tl.constexpr,
 ):
     b = tl.program_id(0)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -123,38 +163,79 @@ def _conv1d_fwd_kernel(
     state_row = state_ptr + slot * stride_ss + cc[None, :] * stride_sc
     for tap in tl.static_range(WIDTH):
         src = p - (WIDTH - 1) + tap
-        xv = tl.load(x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
-                     mask=(p_ok & (src >= 0))[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-        sv = tl.load(state_row + (src + WIDTH - 1)[:, None],
-                     mask=(p_ok & (src < 0) & has_init)[:, None] & c_ok[None, :],
-                     other=0.0).to(tl.float32)
+        xv = tl.load(
+            x_ptr + (start + src).to(tl.int64)[:, None] * stride_xt + cc[None, :],
+            mask=(p_ok & (src >= 0))[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sv = tl.load(
+            state_row + (src + WIDTH - 1)[:, None],
+            mask=(p_ok & (src < 0) & has_init)[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         w = tl.load(w_ptr + cc * stride_wc + tap, mask=c_ok, other=0.0).to(tl.float32)
         acc += (xv + sv) * w[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + (start + p).to(tl.int64)[:, None] * stride_ot + cc[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+    tl.store(
+        out_ptr + (start + p).to(tl.int64)[:, None] * stride_ot + cc[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=p_ok[:, None] & c_ok[None, :],
+    )
     if VERIFY:
         j = tl.arange(0, BLOCK_W)
         j_ok = j < WIDTH - 1
-        old = tl.load(state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
-                      mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+        old = tl.load(
+            state_ptr + slot * stride_ss + cc[None, :] * stride_sc + j[:, None],
+            mask=j_ok[:, None] & c_ok[None, :],
+            other=0.0,
+        )
         win = win_ptr + slot * stride_ws + cc[None, :] * stride_wcc
-        tl.store(win + j[:, None], old.to(win_ptr.dtype.element_ty),
-                 mask=j_ok[:, None] & c_ok[None, :])
-        rows = tl.load(x_ptr + (start + p).to(tl.int64)[:, None] * stride_xt + cc[None, :],
-                       mask=p_ok[:, None] & c_ok[None, :], other=0.0)
-        tl.store(win + (WIDTH - 1 + p)[:, None], rows.to(win_ptr.dtype.element_ty),
-                 mask=p_ok[:, None] & c_ok[None, :])
+        tl.store(
+            win + j[:, None], old.to(win_ptr.dtype.element_ty), mask=j_ok[:, None] & c_ok[None, :]
+        )
+        rows = tl.load(
+            x_ptr + (start + p).to(tl.int64)[:, None] * stride_xt + cc[None, :],
+            mask=p_ok[:, None] & c_ok[None, :],
+            other=0.0,
+        )
+        tl.store(
+            win + (WIDTH - 1 + p)[:, None],
+            rows.to(win_ptr.dtype.element_ty),
+            mask=p_ok[:, None] & c_ok[None, :],
+        )
     elif FUSE_STATE:
-        _final_state(x_ptr, state_ptr, slot, start, length, cc, c_ok, stride_xt, stride_ss,
-                     stride_sc, init_flag, WIDTH, BLOCK_W)
+        _final_state(
+            x_ptr,
+            state_ptr,
+            slot,
+            start,
+            length,
+            cc,
+            c_ok,
+            stride_xt,
+            stride_ss,
+            stride_sc,
+            init_flag,
+            WIDTH,
+            BLOCK_W,
+        )
 
 
 @jit
 def _conv1d_state_kernel(
-    x_ptr, state_ptr, slots_ptr, cu_ptr, has_init_ptr, stride_xt, stride_ss, stride_sc, channels,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_ptr,
+    has_init_ptr,
+    stride_xt,
+    stride_ss,
+    stride_sc,
+    channels,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
     b = tl.program_id(0)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -163,12 +244,35 @@ def _conv1d_state_kernel(
     if length == 0:
         return
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    _final_state(x_ptr, state_ptr, slot, start, length, cc, cc < channels, stride_xt, stride_ss,
-                 stride_sc, tl.load(has_init_ptr + b) != 0, WIDTH, BLOCK_W)
+    _final_state(
+        x_ptr,
+        state_ptr,
+        slot,
+        start,
+        length,
+        cc,
+        cc < channels,
+        stride_xt,
+        stride_ss,
+        stride_sc,
+        tl.load(has_init_ptr + b) != 0,
+        WIDTH,
+        BLOCK_W,
+    )
 
 
-def _conv_launch(x, weight, conv_states, windows, state_slots, cu_seqlens, has_initial_state,
-                 activation, max_q_len, out):
+def _conv_launch(
+    x,
+    weight,
+    conv_states,
+    windows,
+    state_slots,
+    cu_seqlens,
+    has_initial_state,
+    activation,
+    max_q_len,
+    out,
+):
     check_last_dim_contiguous("x", x)
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -194,18 +298,44 @@ def _conv_launch(x, weight, conv_states, windows, state_slots, cu_seqlens, has_i
     win = windows if verify else conv_states
     grid = (batch, -(-channels // block_c), -(-max_q_len // block_t))
     _conv1d_fwd_kernel[grid](
-        x, weight, out, conv_states, win, state_slots, cu_seqlens,
+        x,
+        weight,
+        out,
+        conv_states,
+        win,
+        state_slots,
+        cu_seqlens,
         has_initial_state if has_initial_state is not None else state_slots,
-        x.stride(0), out.stride(0), weight.stride(0), conv_states.stride(0), conv_states.stride(1),
-        win.stride(0), win.stride(1), channels,
-        WIDTH=width, BLOCK_W=block_w, BLOCK_T=block_t, BLOCK_C=block_c,
-        SILU=activation == "silu", FUSE_STATE=fuse, VERIFY=verify,
+        x.stride(0),
+        out.stride(0),
+        weight.stride(0),
+        conv_states.stride(0),
+        conv_states.stride(1),
+        win.stride(0),
+        win.stride(1),
+        channels,
+        WIDTH=width,
+        BLOCK_W=block_w,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        SILU=activation == "silu",
+        FUSE_STATE=fuse,
+        VERIFY=verify,
     )
     if not fuse:
         _conv1d_state_kernel[(batch, -(-channels // 256))](
-            x, conv_states, state_slots, cu_seqlens, has_initial_state,
-            x.stride(0), conv_states.stride(0), conv_states.stride(1), channels,
-            WIDTH=width, BLOCK_W=block_w, BLOCK_C=256,
+            x,
+            conv_states,
+            state_slots,
+            cu_seqlens,
+            has_initial_state,
+            x.stride(0),
+            conv_states.stride(0),
+            conv_states.stride(1),
+            channels,
+            WIDTH=width,
+            BLOCK_W=block_w,
+            BLOCK_C=256,
         )
     return out
 
@@ -223,8 +353,18 @@ def causal_conv1d_triton(
     out: torch.Tensor | None = None,  # [T, C]
 ) -> torch.Tensor:
     """Same result as causal_conv1d_ref (varlen prefill and decode update)."""
-    return _conv_launch(x, weight, conv_states, None, state_slots, cu_seqlens, has_initial_state,
-                        activation, max_q_len, out)
+    return _conv_launch(
+        x,
+        weight,
+        conv_states,
+        None,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        activation,
+        max_q_len,
+        out,
+    )
 
 
 def causal_conv1d_verify_triton(
@@ -242,8 +382,18 @@ def causal_conv1d_verify_triton(
     """Same result as causal_conv1d_verify_ref."""
     if conv_windows.stride(2) != 1:
         raise ValueError("conv1d verify: window rows must be contiguous")
-    return _conv_launch(x, weight, conv_states, conv_windows, state_slots, cu_seqlens, None,
-                        activation, max_q_len, out)
+    return _conv_launch(
+        x,
+        weight,
+        conv_states,
+        conv_windows,
+        state_slots,
+        cu_seqlens,
+        None,
+        activation,
+        max_q_len,
+        out,
+    )
 
 
 def causal_conv1d(
@@ -259,10 +409,19 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """Dispatcher used by the model layers: Triton on CUDA, the reference elsewhere."""
     if use_triton(x):
-        return causal_conv1d_triton(x, weight, conv_states, state_slots, cu_seqlens,
-                                    has_initial_state, activation, max_q_len=max_q_len)
-    return causal_conv1d_ref(x, weight, conv_states, state_slots, cu_seqlens, has_initial_state,
-                             activation)
+        return causal_conv1d_triton(
+            x,
+            weight,
+            conv_states,
+            state_slots,
+            cu_seqlens,
+            has_initial_state,
+            activation,
+            max_q_len=max_q_len,
+        )
+    return causal_conv1d_ref(
+        x, weight, conv_states, state_slots, cu_seqlens, has_initial_state, activation
+    )
 
 
 def causal_conv1d_verify(
@@ -278,7 +437,16 @@ def causal_conv1d_verify(
 ) -> torch.Tensor:
     """Dispatcher for the causal_conv1d_verify_ref contract: Triton on CUDA, else the reference."""
     if use_triton(x):
-        return causal_conv1d_verify_triton(x, weight, conv_states, conv_windows, state_slots,
-                                           cu_seqlens, activation, max_q_len=max_q_len)
-    return causal_conv1d_verify_ref(x, weight, conv_states, conv_windows, state_slots, cu_seqlens,
-                                    activation)
+        return causal_conv1d_verify_triton(
+            x,
+            weight,
+            conv_states,
+            conv_windows,
+            state_slots,
+            cu_seqlens,
+            activation,
+            max_q_len=max_q_len,
+        )
+    return causal_conv1d_verify_ref(
+        x, weight, conv_states, conv_windows, state_slots, cu_seqlens, activation
+    )

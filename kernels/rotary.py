@@ -34,7 +34,11 @@ def rotary_cos_sin_ref(
         freqs = positions.float()[:, None] * inv_freq[None, :]
     else:
         all_rows = positions.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, half]
-        rows = channel_rows if channel_rows is not None else torch.zeros_like(inv_freq, dtype=torch.long)
+        rows = (
+            channel_rows
+            if channel_rows is not None
+            else torch.zeros_like(inv_freq, dtype=torch.long)
+        )
         index = rows.to(positions.device)[None, None, :].expand(1, positions.shape[1], -1)
         freqs = all_rows.gather(0, index)[0]
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -68,9 +72,21 @@ def apply_rotary_ref(
 
 @jit
 def _apply_rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, head_dim, rot_dim,
-    stride_xt, stride_xh, stride_ct, stride_st, stride_ot, stride_oh,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    head_dim,
+    rot_dim,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -109,17 +125,39 @@ def apply_rotary_triton(
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, 4096 // block_d))
     _apply_rotary_kernel[(num_tokens, -(-num_heads // block_h))](
-        x, cos, sin, out, num_heads, head_dim, rot_dim,
-        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        x,
+        cos,
+        sin,
+        out,
+        num_heads,
+        head_dim,
+        rot_dim,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
     )
     return out
 
 
 @jit
 def _rotary_cos_sin_kernel(
-    pos_ptr, inv_freq_ptr, rows_ptr, cos_ptr, sin_ptr, num_tokens, half, stride_pr,
-    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, MROPE: tl.constexpr,
+    pos_ptr,
+    inv_freq_ptr,
+    rows_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_tokens,
+    half,
+    stride_pr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    MROPE: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, BLOCK_F)
@@ -127,8 +165,9 @@ def _rotary_cos_sin_kernel(
     inv = tl.load(inv_freq_ptr + j, mask=j < half, other=0.0)
     if MROPE:
         row = tl.load(rows_ptr + j, mask=j < half, other=0)
-        pos = tl.load(pos_ptr + row[None, :].to(tl.int64) * stride_pr + t[:, None], mask=mask,
-                      other=0)
+        pos = tl.load(
+            pos_ptr + row[None, :].to(tl.int64) * stride_pr + t[:, None], mask=mask, other=0
+        )
     else:
         pos = tl.load(pos_ptr + t, mask=t < num_tokens, other=0)[:, None]
     freqs = pos.to(tl.float32) * inv[None, :]
@@ -162,9 +201,17 @@ def rotary_cos_sin_triton(
     block_f = next_pow2(half)
     block_t = max(1, min(64, 2048 // block_f))
     _rotary_cos_sin_kernel[(-(-num_tokens // block_t),)](
-        positions, inv_freq, rows, cos, sin, num_tokens, half,
+        positions,
+        inv_freq,
+        rows,
+        cos,
+        sin,
+        num_tokens,
+        half,
         positions.stride(0) if mrope else 0,
-        BLOCK_T=block_t, BLOCK_F=block_f, MROPE=mrope,
+        BLOCK_T=block_t,
+        BLOCK_F=block_f,
+        MROPE=mrope,
     )
     return cos, sin
 

@@ -1,1 +1,2 @@
-"""The worker side: device tensors (weights, KV pool, linear-attention state pool), forward, sampling."""
+"""The worker side: device tensors (weights, KV pool, linear-attention state pool), forward,
+sampling."""

@@ -1,4 +1,5 @@
-"""Turns a StepPlan's chunks into the flat device batch of one forward: input ids, positions, KV slots
+"""Turns a StepPlan's chunks into the flat device batch of one forward: input ids, positions, KV
+slots
 and the ForwardContext. Plain chunks (prefill, decode) come first, MTP verify chunks last, so layers
 can treat the two kinds as two contiguous row ranges. Called by the runner."""
 

@@ -1,7 +1,9 @@
-"""The model runner: owns the model, the pools and the sampler on one TP rank, and executes StepPlans.
+"""The model runner: owns the model, the pools and the sampler on one TP rank, and executes
+StepPlans.
 
 Called by the worker process loop (appliance/engine/worker.py) and by the offline `LLM`. Every rank
-executes every plan; sampling is deterministic (seeded per request), so rank 0's result is the result.
+executes every plan; sampling is deterministic (seeded per request), so rank 0's result is the
+result.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from pathlib import Path
 import torch
 
 from appliance.config import EngineConfig
-from kernels import backends
 from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.context import forward_context
 from appliance.engine.mm_inputs import MultimodalInputs, SharedMemoryImageStore
 from appliance.engine.mtp import Drafter, ExtendRows, accept, commit_gdn
-from appliance.engine.pools import PoolSizes, Pools, kv_bytes_per_slot, state_bytes_per_slot
+from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.sampler import Sampler
 from appliance.logging import get_logger
 from appliance.messages import (
@@ -31,6 +32,7 @@ from appliance.models.config import TextConfig, load_text_config
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
+from kernels import backends
 
 log = get_logger(__name__)
 
@@ -53,8 +55,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 tp_group=None, reserved_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        tp_group=None,
+        reserved_bytes: int = 0,
+    ) -> None:
         self.config = config
         self.reserved_bytes = reserved_bytes  # device memory held for the ViT (visual server)
         self.rank = rank
@@ -75,19 +83,28 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         self.mtp_step = config.scheduler.mtp_step
         self.draft_modules = self._build_drafts() if self.mtp_step else []
-        self.pools = Pools([self.model, *self.draft_modules], self._pool_sizes(), self.dtype,
-                           self.device)
+        self.pools = Pools(
+            [self.model, *self.draft_modules], self._pool_sizes(), self.dtype, self.device
+        )
         self.num_kv_slots = self.pools.sizes.num_kv_slots
-        self.drafter = (Drafter(self.model, self.draft_modules, self.mtp_step, self.pools,
-                                self.device) if self.mtp_step else None)
+        self.drafter = (
+            Drafter(self.model, self.draft_modules, self.mtp_step, self.pools, self.device)
+            if self.mtp_step
+            else None
+        )
         self.mtp_slots: set[int] = set()
         self.sampler = Sampler()
         self.options: dict[int, SamplingOptions] = {}
         self.prompt_lens: dict[int, int] = {}
         self.num_tokens: dict[int, int] = {}  # req_slot -> tokens known to this worker
         # image inputs (M-RoPE layout, embeddings to splice); tests may swap `self.mm.store`
-        self.mm = MultimodalInputs(self.text_config, getattr(self.model, "num_deepstack", 0),
-                                   SharedMemoryImageStore(), self.device, self.dtype)
+        self.mm = MultimodalInputs(
+            self.text_config,
+            getattr(self.model, "num_deepstack", 0),
+            SharedMemoryImageStore(),
+            self.device,
+            self.dtype,
+        )
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -104,10 +121,17 @@ class ModelRunner:
         if self.config.model.load_format == "dummy":
             init_dummy_weights(model, self.config.model.seed)
         else:
-            tied = {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+            tied = (
+                {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+            )
             load_weights(model, iter_tensors(self.model_dir), tied)
-        log.info("loaded %s (%s) in %.2fs on %s", cfg.architecture, self.dtype,
-                 time.perf_counter() - start, self.device)
+        log.info(
+            "loaded %s (%s) in %.2fs on %s",
+            cfg.architecture,
+            self.dtype,
+            time.perf_counter() - start,
+            self.device,
+        )
         return model.eval()
 
     def _build_drafts(self) -> list[torch.nn.Module]:
@@ -126,8 +150,12 @@ class ModelRunner:
             else:
                 load_weights(module, iter_tensors(self.model_dir, prefix="mtp."))
             module.eval()
-        log.info("MTP: %s mode, %d draft step(s), %d draft module(s)", sched.mtp_mode,
-                 self.mtp_step, len(modules))
+        log.info(
+            "MTP: %s mode, %d draft step(s), %d draft module(s)",
+            sched.mtp_mode,
+            self.mtp_step,
+            len(modules),
+        )
         return modules
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -154,8 +182,12 @@ class ModelRunner:
         """Peak memory of a worst-case step (one prefill of the whole token budget) above the
         weights, measured on throwaway pools."""
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        probe = Pools([self.model, *self.draft_modules], PoolSizes(tokens, 1, tokens, self.mtp_step),
-                      self.dtype, self.device)
+        probe = Pools(
+            [self.model, *self.draft_modules],
+            PoolSizes(tokens, 1, tokens, self.mtp_step),
+            self.dtype,
+            self.device,
+        )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -178,16 +210,25 @@ class ModelRunner:
         activation = self._profile_activation_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
         state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * sched.max_num_seqs
-        per_slot = max(1, sum(kv_bytes_per_slot(m, self.dtype)
-                              for m in [self.model, *self.draft_modules]))
+        per_slot = max(
+            1, sum(kv_bytes_per_slot(m, self.dtype) for m in [self.model, *self.draft_modules])
+        )
         budget = (free - activation - self.reserved_bytes) * self.config.cache.mem_fraction - state
         slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
-        log.info("memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
-                 "for the ViT, %.2f GiB state pools -> %d KV slots", free / 2**30,
-                 activation / 2**30, self.reserved_bytes / 2**30, state / 2**30, slots)
+        log.info(
+            "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
+            "for the ViT, %.2f GiB state pools -> %d KV slots",
+            free / 2**30,
+            activation / 2**30,
+            self.reserved_bytes / 2**30,
+            state / 2**30,
+            slots,
+        )
         if slots < sched.max_num_batched_tokens:
-            raise RuntimeError(f"not enough device memory for the KV pool: {slots} slots fit, "
-                               f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}")
+            raise RuntimeError(
+                f"not enough device memory for the KV pool: {slots} slots fit, "
+                f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}"
+            )
         return slots
 
     # ------------------------------------------------------------------ steps
@@ -204,7 +245,9 @@ class ModelRunner:
             self.pools.token_ids[req.req_slot, :n] = torch.tensor(req.token_ids)
             self.num_tokens[req.req_slot] = n
             self.options[req.req_slot] = req.sampling
-            self.prompt_lens[req.req_slot] = req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
+            self.prompt_lens[req.req_slot] = (
+                req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
+            )
             if req.num_draft:
                 if self.drafter is None:
                     raise ValueError(f"slot {req.req_slot}: MTP requested but the worker has none")
@@ -238,8 +281,9 @@ class ModelRunner:
         with forward_context(batch.ctx):
             return self.model(batch.input_ids, step.positions, step.input_embeds)
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch,
-                accepted: dict[int, int]) -> list[SampledTokens]:
+    def _sample(
+        self, logits: torch.Tensor, batch: StepBatch, accepted: dict[int, int]
+    ) -> list[SampledTokens]:
         chunks = [c for c in batch.chunks if c.sample]
         rows, histories, offsets, prompt_lens = [], [], [], []
         for chunk in chunks:
@@ -267,8 +311,14 @@ class ModelRunner:
             self.pools.token_ids[slot, n : n + len(tokens)] = torch.tensor(tokens)
             self.num_tokens[slot] = n + len(tokens)
             logprob, top = out.logprobs[first], out.top_logprobs[first]
-            result.append(SampledTokens(slot, tokens, None if logprob is None else [logprob],
-                                        None if top is None else [top]))
+            result.append(
+                SampledTokens(
+                    slot,
+                    tokens,
+                    None if logprob is None else [logprob],
+                    None if top is None else [top],
+                )
+            )
         commit_gdn(self.pools.gdn_layers, verify_slots, verify_rows, self.device)
         return result
 
@@ -277,7 +327,15 @@ class ModelRunner:
         for chunk in batch.chunks:
             count = accepted.get(chunk.req_slot, chunk.num_tokens)
             if chunk.req_slot in self.mtp_slots:
-                rows.append(ExtendRows(chunk.req_slot, first, chunk.start, count,
-                                       list(chunk.kv_slots[:count]), chunk.sample))
+                rows.append(
+                    ExtendRows(
+                        chunk.req_slot,
+                        first,
+                        chunk.start,
+                        count,
+                        list(chunk.kv_slots[:count]),
+                        chunk.sample,
+                    )
+                )
             first += chunk.num_tokens
         return rows
