@@ -5,6 +5,7 @@ Validation raises ValueError naming the field and the accepted values.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields
 
 
@@ -89,6 +90,47 @@ def field_names(cls) -> list[str]:
 
 
 @dataclass(frozen=True)
+class VisualConfig:
+    """Image input: the limits the API server enforces and the visual server's knobs. Nested in
+    ServerConfig (the server validates images; the launcher hands the whole config to the visual
+    server)."""
+
+    vision: bool = True  # serve image input when the checkpoint has a vision tower (off: text only)
+    max_image_bytes: int = 20 * 1024 * 1024  # encoded bytes per image (data: URI or download)
+    max_image_pixels: int = 40_000_000  # width x height per decoded image (decompression bombs)
+    max_images_per_request: int = 16  # images across every message of one request
+    image_fetch_timeout_s: float = 10.0  # deadline of one http(s) image fetch, redirects included
+    image_fetch_allowed_networks: str = ""  # comma-separated CIDRs fetched even if not public
+    visual_reserved_mem_gb: float = -1.0  # device memory held for ViT activations; -1 = measure
+    visual_max_batch_size: int = 8  # images per ViT forward (the worst case measured at startup)
+    visual_cache_mb: int = 2048  # shared-memory embedding cache, LRU (pinned entries may exceed it)
+
+    def __post_init__(self) -> None:
+        _check(self.max_image_bytes >= 1, "max_image_bytes", "an integer >= 1")
+        _check(self.max_image_pixels >= 1, "max_image_pixels", "an integer >= 1")
+        _check(self.max_images_per_request >= 1, "max_images_per_request", "an integer >= 1")
+        _check(self.image_fetch_timeout_s > 0, "image_fetch_timeout_s", "a number > 0")
+        try:
+            for cidr in self.allowed_networks:
+                ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            _check(False, "image_fetch_allowed_networks", "comma-separated CIDRs (10.0.0.0/8,...)")
+        _check(
+            self.visual_reserved_mem_gb == -1.0 or self.visual_reserved_mem_gb >= 0,
+            "visual_reserved_mem_gb",
+            "-1 (measure) or a number >= 0",
+        )
+        _check(self.visual_max_batch_size >= 1, "visual_max_batch_size", "an integer >= 1")
+        _check(self.visual_cache_mb >= 1, "visual_cache_mb", "an integer >= 1")
+
+    @property
+    def allowed_networks(self) -> tuple[str, ...]:
+        """image_fetch_allowed_networks as a tuple of CIDR strings."""
+        parts = (p.strip() for p in self.image_fetch_allowed_networks.split(","))
+        return tuple(p for p in parts if p)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # HTTP bind address (0.0.0.0 to listen on every interface)
     port: int = 8000  # HTTP port
@@ -97,6 +139,8 @@ class ServerConfig:
     max_n: int = 16  # largest `n` (choices per request) accepted
     reasoning: str = "auto"  # <think> to reasoning_content: auto (prompt opens <think>) | on | off
     access_log: bool = True  # one INFO line per HTTP request (method, path, status, latency, id)
+    # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
+    visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", "an integer in [0, 65535]")

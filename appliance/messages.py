@@ -124,9 +124,20 @@ class DetokParams(msgspec.Struct, frozen=True):
     logprobs: bool = False  # send per-token logprob entries with the text
 
 
+class ImageData(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a request on its way to the visual server: the file the server fetched and
+    checked. Written by server (in TokenizedRequest.images), read by visual."""
+
+    key: str  # content hash of `data`, the embedding-cache key (an identical file is encoded once)
+    data: bytes  # the encoded file (PNG / JPEG / WebP / GIF) that the server's decoder accepted
+    offset: int  # index in prompt_token_ids of the image's first <|image_pad|>
+    grid_thw: tuple[int, int, int]  # ViT patch grid from the checkpoint's preprocessing settings
+
+
 class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     """A tokenized request (one choice: `n` > 1 arrives as n of these). Written by server, read by
-    router."""
+    router — through the visual server when the model has a vision tower (it encodes `images`
+    into `mm` and relays everything else unchanged)."""
 
     req_id: str  # unique id chosen by the server ("chatcmpl-…-0")
     prompt_token_ids: list[int]
@@ -136,6 +147,8 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     stop_token_ids: list[int] = []  # extra token ids that end the request (finish_reason "stop")
     detok: DetokParams = DetokParams()
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived (queue-time metrics)
+    images: list[ImageData] = []  # images to encode (server -> visual); empty once encoded
+    mm: list[ImageInput] = []  # encoded images by cache handle, sorted by offset (visual -> router)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -151,6 +164,35 @@ class FinishRequest(msgspec.Struct, tag="finish", frozen=True):
 
     req_id: str
     reason: str = "stop"
+
+
+class RejectRequest(msgspec.Struct, tag="reject", frozen=True):
+    """A request the visual server could not prepare (an image that fails preprocessing). Written by
+    visual, read by router, which fails it like one of its own rejections (HTTP `status`)."""
+
+    req_id: str
+    message: str
+    status: int = 400
+
+
+class VisualStats(msgspec.Struct, tag="visual_stats", frozen=True):
+    """The visual server's embedding cache and image timings. Written by visual (whenever its cache
+    changed), read by router, which reports it in RouterStats (mm_* / image_* fields)."""
+
+    cache_entries: int  # images held in the shared-memory cache
+    cache_pinned: int  # entries pinned by live requests (never evicted)
+    cache_bytes: int  # bytes of embeddings held
+    cache_queries: int = 0  # cumulative images looked up
+    cache_hits: int = 0  # cumulative images found already encoded (or being encoded)
+    preprocess_s: list[float] = []  # new per-image decode + preprocessing times since the last one
+    encode_s: list[float] = []  # new per-image ViT times (share of its batch) since the last one
+
+
+class ReleaseImages(msgspec.Struct, tag="release_images", frozen=True):
+    """Requests that ended (finished, aborted, rejected): unpin their cache entries. Written by
+    router once no step that could still load their embeddings is in flight, read by visual."""
+
+    req_ids: list[str]
 
 
 class StatusQuery(msgspec.Struct, tag="status_query", frozen=True):
@@ -209,6 +251,13 @@ class RouterStats(msgspec.Struct, frozen=True):
     num_steps: int = 0  # steps executed since start
     step_overhead_ms: float = 0.0  # mean router time per step minus the worker forward (recent)
     step_forward_ms: float = 0.0  # mean worker forward time per step (recent)
+    mm_cache_entries: int = 0  # visual embedding cache: images held (latest VisualStats)
+    mm_cache_pinned: int = 0  # entries pinned by live requests
+    mm_cache_bytes: int = 0  # embedding bytes held
+    mm_cache_queries: int = 0  # cumulative images looked up
+    mm_cache_hits: int = 0  # cumulative cache hits
+    image_preprocess_s: list[float] = []  # per-image preprocessing times since the last RouterStats
+    image_encode_s: list[float] = []  # per-image ViT times since the last RouterStats
 
 
 class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
@@ -293,13 +342,25 @@ class StartupProgress(msgspec.Struct, tag="progress", frozen=True):
     stage: str  # "loading model", "building tokenizer", ...
 
 
+class VisualInfo(msgspec.Struct, frozen=True):
+    """What the visual server measured at startup. Written by visual (in ProcessReady), read by
+    launcher, which passes reserved_bytes to the worker that shares the ViT's device."""
+
+    device: str  # the ViT's device ("cuda:0", "cpu")
+    reserved_bytes: int  # device bytes held back from the KV/state pools for ViT activations
+    peak_bytes: int  # measured activation peak of the worst case (-1 when overridden by a flag)
+    worst_case_grid: tuple[int, int, int]  # per-image patch grid of the worst case
+    batch_size: int  # images in the worst-case batch
+
+
 class ProcessReady(msgspec.Struct, tag="ready", frozen=True):
     """A role finished starting. Written by every role, read by launcher."""
 
-    role: str  # "server" | "router" | "detokenizer" | "worker"
+    role: str  # "server" | "router" | "detokenizer" | "worker" | "visual"
     rank: int  # worker TP rank; 0 for the other roles
     pid: int
     worker: WorkerInfo | None = None  # set by worker rank 0
+    visual: VisualInfo | None = None  # set by the visual server
 
 
 class Drained(msgspec.Struct, tag="drained", frozen=True):
@@ -330,6 +391,9 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
     message: str
 
 
-ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery
+ToRouter = (
+    TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest | VisualStats
+)
+ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ReleaseImages
 ToLauncher = StartupProgress | ProcessReady | Drained
 ToServerControl = EngineReady | Drain | Fatal

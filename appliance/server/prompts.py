@@ -7,6 +7,7 @@ The checkpoint's own tokenizer and chat template are used (transformers AutoToke
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,4 +142,23 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         value = getattr(message, key)
         if value is not None:
             out[key] = value
+    if message.tool_calls:
+        out["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI clients send `function.arguments` as a JSON string; Qwen templates iterate over
+    the arguments as a mapping (`<parameter=K>V</parameter>`), so a JSON object string is parsed.
+    Anything else (not JSON, not an object) is passed through for the template to render as is."""
+    function = call.get("function")
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}

@@ -57,6 +57,9 @@ WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7]
 IMAGE = m.ImageInput(offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="sha256:ab12")
 NEW = m.NewRequest(3, [1, 2, 3, 4, 5, 6], OPTS, num_prompt_tokens=5, num_draft=2, mm=[IMAGE])
 CHUNK = m.ScheduledChunk(3, 5, 3, [10, 11, 12], True, num_draft=2)
+IMAGE_DATA = m.ImageData("ab12cd", b"\x89PNG\r\n", 3, (1, 4, 4))
+VISUAL_STATS = m.VisualStats(3, 1, 4096, 5, 2, [0.01], [0.02, 0.03])
+VISUAL_INFO = m.VisualInfo("cuda:0", 2**30, 900_000_000, (1, 64, 64), 8)
 
 SAMPLES: dict[type, msgspec.Struct] = {
     m.SamplingOptions: OPTS,
@@ -67,8 +70,15 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
     m.StepResult: m.StepResult(1, [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])], 0.01),
     m.DetokParams: DETOK,
-    m.TokenizedRequest: m.TokenizedRequest("cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5),
+    m.TokenizedRequest: m.TokenizedRequest(
+        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE]
+    ),
     m.AbortRequest: m.AbortRequest("cmpl-1-0"),
+    m.ImageData: IMAGE_DATA,
+    m.RejectRequest: m.RejectRequest("cmpl-1-0", "bad image", 400),
+    m.VisualStats: VISUAL_STATS,
+    m.ReleaseImages: m.ReleaseImages(["cmpl-1-0", "cmpl-1-1"]),
+    m.VisualInfo: VISUAL_INFO,
     m.FinishRequest: m.FinishRequest("cmpl-1-0", "stop"),
     m.StatusQuery: m.StatusQuery(5),
     m.DetokRegister: m.DetokRegister("r1", 12, DETOK),
@@ -82,7 +92,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.DetokOutput: m.DetokOutput([DELTA], STATS, STATUS),
     m.WorkerInfo: WORKER,
     m.StartupProgress: m.StartupProgress("worker", 1, "loading model"),
-    m.ProcessReady: m.ProcessReady("worker", 0, 1234, WORKER),
+    m.ProcessReady: m.ProcessReady("worker", 0, 1234, WORKER, VISUAL_INFO),
     m.Drained: m.Drained(aborted=2),
     m.EngineReady: m.EngineReady(max_model_len=512, num_kv_slots=1024),
     m.Drain: m.Drain(timeout_s=30.0),
@@ -90,7 +100,15 @@ SAMPLES: dict[type, msgspec.Struct] = {
 }
 
 UNIONS = {
-    m.ToRouter: (m.TokenizedRequest, m.AbortRequest, m.FinishRequest, m.StatusQuery),
+    m.ToRouter: (
+        m.TokenizedRequest,
+        m.AbortRequest,
+        m.FinishRequest,
+        m.StatusQuery,
+        m.RejectRequest,
+        m.VisualStats,
+    ),
+    m.ToVisual: (m.TokenizedRequest, m.AbortRequest, m.StatusQuery, m.ReleaseImages),
     m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained),
     m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal),
 }

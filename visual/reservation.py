@@ -1,0 +1,179 @@
+"""Worst-case activation memory of the ViT: the largest input an admitted image can become, the peak
+its batch needs above the weights, and the rounded reservation the workers leave free for it.
+
+Called by the visual server at startup (its result travels to the launcher in VisualInfo and on to
+the worker that shares the ViT's device as `ModelRunner(reserved_bytes=...)`). On CUDA the peak is
+measured for real (`torch.cuda.max_memory_allocated`); on CPU the same worst case runs on the meta
+device under `MemoryTracker`, which adds up tensor storages as ops create them and subtracts them
+as they are freed, so the arithmetic is exercised without the memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from appliance.config import VisualConfig
+from appliance.messages import VisualInfo
+from visual.encoder import VisionEncoder
+from visual.preprocess import MAX_ASPECT_RATIO, PreprocessConfig
+from visual.qwen_vit import QwenVisionTransformer
+
+GIB = 2**30
+RESERVE_GRANULARITY = 64 * 2**20  # reservations are whole multiples of this
+RESERVE_MARGIN = 0.10  # headroom over the measured peak for allocator fragmentation
+
+
+# ------------------------------------------------------------------------------ the worst input
+
+
+def _rounding_bound(max_image_pixels: int, factor: int) -> float:
+    """Largest h_bar * w_bar smart_resize's plain rounding can give an image of at most
+    `max_image_pixels` pixels: (h + f/2)(w + f/2), with h + w largest at the steepest aspect."""
+    ratio = MAX_ASPECT_RATIO
+    side_sum = math.sqrt(max_image_pixels) * (math.sqrt(ratio) + 1 / math.sqrt(ratio))
+    return max_image_pixels + factor / 2 * side_sum + factor**2 / 4
+
+
+def worst_case_pixels(config: PreprocessConfig, max_image_pixels: int) -> int:
+    """Upper bound of the resized pixel count (h_bar * w_bar) over every image smart_resize
+    accepts (aspect ratio up to MAX_ASPECT_RATIO, at most `max_image_pixels` decoded pixels).
+
+    The three regimes of smart_resize: plain rounding stays <= max_pixels; downscaling floors both
+    sides but clamps the short one up to one factor, so a thin strip exceeds max_pixels (worst at
+    the steepest aspect); upscaling ceils both sides, at most min_pixels + f*(h'+w') + f^2."""
+    f = config.factor
+    ratio = MAX_ASPECT_RATIO
+    rounding = _rounding_bound(max_image_pixels, f)
+    bound = min(config.max_pixels, rounding)
+    if rounding > config.max_pixels:  # some admissible image takes the downscaling branch
+        short = max(f, math.floor(math.sqrt(config.max_pixels / ratio) / f) * f)
+        long = max(f, math.floor(math.sqrt(config.max_pixels * ratio) / f) * f)
+        bound = max(bound, short * long)
+    low = config.min_pixels
+    upscaled = (math.sqrt(low / ratio) + f) * (math.sqrt(low * ratio) + f)
+    return int(math.ceil(max(bound, upscaled)))
+
+
+def worst_case_grid(config: PreprocessConfig, max_image_pixels: int) -> tuple[int, int, int]:
+    """A (t, h, w) patch grid with at least as many patches as any admissible image: a square of
+    merge windows (attention cost depends on the patch count of an image, not on its shape)."""
+    patches = worst_case_pixels(config, max_image_pixels) / config.patch_size**2
+    side = config.merge_size * math.ceil(math.sqrt(patches) / config.merge_size)
+    return 1, side, side
+
+
+def reservation_bytes(
+    peak_bytes: int, margin: float = RESERVE_MARGIN, granularity: int = RESERVE_GRANULARITY
+) -> int:
+    """Measured peak -> bytes to hold back: peak plus margin, rounded up to the granularity."""
+    if peak_bytes < 0:
+        raise ValueError(f"peak_bytes: expected an integer >= 0, got {peak_bytes}")
+    if peak_bytes == 0:
+        return 0
+    return math.ceil(peak_bytes * (1 + margin) / granularity) * granularity
+
+
+def override_bytes(gb: float) -> int:
+    """--visual-reserved-mem-gb in bytes."""
+    return int(round(gb * GIB))
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes of tensor storages created by ops inside the mode, and their peak.
+
+    Each op's outputs are looked at once: a storage not seen before adds its size; storages whose
+    last tensor was freed (weak reference expired) are subtracted before the next op counts. Views
+    share their base's storage and add nothing. Tensors created before the mode (weights) are not
+    counted. Works on any device, including meta (sizes without memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key, (ref, nbytes) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self._sweep()
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                key = storage._cdata
+                if key not in self._live:
+                    self._live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def _meta_tower(encoder: VisionEncoder) -> QwenVisionTransformer:
+    with torch.device("meta"):
+        return QwenVisionTransformer(encoder.config).to(encoder.dtype)
+
+
+@torch.inference_mode()
+def tracked_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> int:
+    """Activation peak of the worst case counted by MemoryTracker on a meta copy of the tower:
+    the fp32 input rows as preprocessing hands them over, the cast, every block, the mergers."""
+    tower = _meta_tower(encoder)
+    patches = sum(t * h * w for t, h, w in grids)
+    with MemoryTracker() as tracker:
+        pixel_values = torch.empty(patches, encoder.config.patch_dim, device="meta")
+        embeds, deepstack = tower(pixel_values.to(encoder.dtype), grids)
+        del pixel_values, embeds, deepstack
+    return tracker.peak
+
+
+@torch.inference_mode()
+def cuda_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> int:
+    """Peak device bytes above the allocations that existed before (the weights) while the worst
+    case runs exactly as a batch does (host fp32 rows in, host embeddings out). The allocator cache
+    is emptied afterwards: the workers, which start after this, see that memory as free and hold
+    the reservation back themselves."""
+    device = encoder.device
+    patches = sum(t * h * w for t, h, w in grids)
+    pixel_values = torch.randn(patches, encoder.config.patch_dim)  # host, as from numpy
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    embeds, deepstack = encoder.encode(pixel_values, grids)
+    host = [embeds.cpu(), *(d.cpu() for d in deepstack)]
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del embeds, deepstack, host
+    torch.cuda.empty_cache()
+    return peak
+
+
+def measure_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> int:
+    """Activation peak of encoding `grids` in one batch: measured on CUDA, tracked on meta else."""
+    if encoder.device.type == "cuda":
+        return cuda_peak(encoder, grids)
+    return tracked_peak(encoder, grids)
+
+
+def plan_reservation(encoder: VisionEncoder, config: VisualConfig) -> VisualInfo:
+    """The worst case (visual_max_batch_size images of the worst grid), its peak and the bytes
+    the workers on the ViT's device hold back; --visual-reserved-mem-gb >= 0 overrides."""
+    grid = worst_case_grid(encoder.preprocess, config.max_image_pixels)
+    batch = config.visual_max_batch_size
+    if config.visual_reserved_mem_gb >= 0:
+        peak, reserved = -1, override_bytes(config.visual_reserved_mem_gb)
+    else:
+        peak = measure_peak(encoder, [grid] * batch)
+        reserved = reservation_bytes(peak)
+    return VisualInfo(str(encoder.device), reserved, peak, grid, batch)
