@@ -1,5 +1,5 @@
 """The launcher: the only place that spawns processes (server, detokenizer, router, a worker per
-rank).
+rank, and the visual server for checkpoints with a vision tower).
 
 Called by `appliance serve` (cli.py) and by benchmarks. It allocates every address, shows startup
 progress from each role's messages, names a role that dies (failing every open request through the
@@ -8,6 +8,7 @@ server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exit
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import shutil
@@ -33,6 +34,7 @@ from appliance.messages import (
     StepPlan,
     StepResult,
     ToLauncher,
+    VisualInfo,
     WorkerInfo,
     decoder,
     encode,
@@ -53,10 +55,13 @@ class Addresses:
     detokenizer: str  # detokenizer PULL: RouterOutput from the router
     workers: list[str] = field(default_factory=list)  # worker rank r PULL: StepPlan from the router
     dist_init: str = ""  # torch.distributed init_method (file:// in the run dir)
+    # visual PULL: what the server sends the router (relayed) and ReleaseImages from the router
+    visual: str = ""
 
     @classmethod
     def allocate(cls, transport: str, tp: int, run_dir: Path) -> Addresses:
         names = ["launcher", "server_control", "server", "router", "router_results", "detokenizer"]
+        names.append("visual")
         names += [f"worker{r}" for r in range(tp)]
         if transport == "ipc":
             addr = {n: f"ipc://{run_dir}/{n}" for n in names}
@@ -71,7 +76,13 @@ class Addresses:
             addr["detokenizer"],
             [addr[f"worker{r}"] for r in range(tp)],
             f"file://{run_dir}/dist_init",
+            addr["visual"],
         )
+
+    def for_server(self, with_visual: bool) -> Addresses:
+        """The server's view: with a visual server, its engine socket ("router") is the visual
+        server's inbox, which relays text-only traffic and encodes images on the way."""
+        return dataclasses.replace(self, router=self.visual) if with_visual else self
 
 
 def _free_port() -> int:
@@ -142,8 +153,8 @@ class RoleLink:
     def progress(self, stage: str) -> None:
         self._sock.send(encode(StartupProgress(self.role, self.rank, stage)))
 
-    def ready(self, worker: WorkerInfo | None = None) -> None:
-        self._sock.send(encode(ProcessReady(self.role, self.rank, os.getpid(), worker)))
+    def ready(self, worker: WorkerInfo | None = None, visual: VisualInfo | None = None) -> None:
+        self._sock.send(encode(ProcessReady(self.role, self.rank, os.getpid(), worker, visual)))
 
     def send(self, msg) -> None:
         self._sock.send(encode(msg))
@@ -160,9 +171,13 @@ class Launcher:
     """Spawns and supervises the roles of one appliance; `run()` blocks, returns the exit code."""
 
     def __init__(self, config: ServeConfig) -> None:
+        from visual.checkpoint import wants_visual_server
+
         self.config = config
         self.model_dir = config.engine.model.model_dir  # resolved by the caller (cli.py)
         self.tp = config.engine.parallel.tp
+        self.with_visual = wants_visual_server(self.model_dir, config.server.visual)
+        self.visual_info: VisualInfo | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-"))
         self.addrs = Addresses.allocate(config.launch.transport, self.tp, self._run_dir)
         self._mp = mp.get_context("spawn")
@@ -181,29 +196,44 @@ class Launcher:
         self._procs[role] = proc
         logger.debug("spawned %s (pid %d)", role, proc.pid)
 
-    def _spawn_workers_and_frontends(self) -> None:
+    def _spawn_frontends(self) -> None:
+        """Visual server (its reservation must be known before the workers size their pools),
+        detokenizer and server; the workers follow at once when there is no visual server."""
         from appliance.detokenizer.process import run_detokenizer
-        from appliance.engine.worker import run_worker
         from appliance.server.process import run_server
 
-        engine = self.config.engine
+        if self.with_visual:
+            from visual.server import run_visual
+
+            self._spawn("visual", run_visual, self.config, self.model_dir, self.addrs)
+        self._spawn("detokenizer", run_detokenizer, self.model_dir, self.addrs)
+        server_addrs = self.addrs.for_server(self.with_visual)
+        self._spawn("server", run_server, self.config, self.model_dir, server_addrs)
+        if not self.with_visual:
+            self._spawn_workers()
+
+    def _spawn_workers(self) -> None:
+        """One worker per rank. The ViT shares worker rank 0's device (visual/server.py), so rank 0
+        alone leaves the visual server's reservation out of its pools."""
+        from appliance.engine.worker import run_worker
+
+        reserved = self.visual_info.reserved_bytes if self.visual_info is not None else 0
         for rank in range(self.tp):
             self._spawn(
                 f"worker {rank}",
                 run_worker,
-                engine,
+                self.config.engine,
                 self.addrs,
                 rank,
                 self.tp,
                 self.config.launch.runner,
+                reserved if rank == 0 else 0,
             )
-        self._spawn("detokenizer", run_detokenizer, self.model_dir, self.addrs)
-        self._spawn("server", run_server, self.config, self.model_dir, self.addrs)
 
     def _spawn_router(self, info: WorkerInfo) -> None:
         from appliance.router.process import run_router
 
-        self._spawn("router", run_router, self.config.engine, self.addrs, info)
+        self._spawn("router", run_router, self.config.engine, self.addrs, info, self.with_visual)
 
     # -------------------------------------------------------------- supervision
     def _dead_role(self) -> str | None:
@@ -220,6 +250,9 @@ class Launcher:
     def _wait_startup(self) -> WorkerInfo:
         """Waits for every role's ProcessReady, spawning the router once the workers are ready."""
         pending = {f"worker {r}" for r in range(self.tp)} | {"detokenizer", "server", "router"}
+        if self.with_visual:
+            pending.add("visual")
+        total = len(pending)
         info: WorkerInfo | None = None
         while pending:
             if self._stop_signal is not None:
@@ -241,9 +274,12 @@ class Launcher:
                     self._elapsed(),
                     who,
                     msg.pid,
-                    self.tp + 3 - len(pending),
-                    self.tp + 3,
+                    total - len(pending),
+                    total,
                 )
+                if msg.visual is not None:
+                    self.visual_info = msg.visual
+                    self._spawn_workers()
                 if (
                     who.startswith("worker")
                     and info is not None
@@ -270,7 +306,7 @@ class Launcher:
         """Starts everything, serves until a signal (exit 0 after draining) or a death (exit 1)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._spawn_workers_and_frontends()
+            self._spawn_frontends()
             info = self._wait_startup()
             self._control.send(encode(EngineReady(info.max_model_len, info.num_kv_slots)))
             server = self.config.server
@@ -341,6 +377,12 @@ class Launcher:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(1.0)
+        visual = self._procs.get("visual")
+        if visual is not None:
+            from visual.cache import remove_leftover_segments
+
+            if remove_leftover_segments(visual.pid):  # only after a crash: SIGTERM cleans up
+                logger.warning("removed image embeddings the visual server left in shared memory")
         self._inbox.close()
         self._control.close()
         shutil.rmtree(self._run_dir, ignore_errors=True)

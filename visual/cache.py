@@ -10,17 +10,64 @@ preemption, by a worker that reads its segment) is never evicted; the router's R
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from pathlib import Path
 from typing import Protocol
 
 from appliance.logging import get_logger
 
 logger = get_logger(__name__)
 
+SEGMENT_PREFIX = "apimg"
+_SHM_DIR = Path("/dev/shm")  # where POSIX shm_open keeps segments on Linux
+
 
 class SegmentStore(Protocol):
     def release(self, handle: str) -> None: ...
+
+
+def segment_name(key: str, pid: int | None = None) -> str:
+    """Shared-memory name of an image's embeddings: unique per visual server process."""
+    return f"{SEGMENT_PREFIX}{os.getpid() if pid is None else pid}_{key}"
+
+
+def remove_leftover_segments(pid: int) -> int:
+    """Unlinks segments a dead visual server (process `pid`) left behind; called by the launcher
+    after stopping it. Returns how many were removed (0 where /dev/shm does not exist)."""
+    removed = 0
+    if _SHM_DIR.is_dir():
+        for path in _SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}_*"):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class UntrackedSegmentStore:
+    """The writer side of SharedMemoryImageStore (appliance/engine/mm_inputs.py), kept out of
+    multiprocessing's resource tracker. Every spawned role shares the launcher's tracker, which
+    holds one entry per name: a worker's attach + unregister would drop the visual server's entry,
+    and the visual server's own unlink would then fail inside the tracker. Segments are unlinked
+    by the cache (eviction, shutdown) and, after a crash, by the launcher."""
+
+    def __init__(self) -> None:
+        from appliance.engine.mm_inputs import SharedMemoryImageStore
+
+        self._store = SharedMemoryImageStore()
+
+    def put(self, handle: str, embeds, deepstack=()) -> str:
+        self._store.put(handle, embeds, deepstack)
+        resource_tracker.unregister("/" + handle, "shared_memory")  # SharedMemory's POSIX name
+        return handle
+
+    def load(self, handle: str):
+        return self._store.load(handle)
+
+    def release(self, handle: str) -> None:
+        resource_tracker.register("/" + handle, "shared_memory")  # unlink() unregisters it
+        self._store.release(handle)
 
 
 @dataclass

@@ -11,7 +11,6 @@ Called by visual/server.py and by tests.
 from __future__ import annotations
 
 import collections
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 
 from appliance.logging import get_logger
 from appliance.messages import ImageData, ImageInput, RejectRequest, TokenizedRequest, VisualStats
-from visual.cache import EmbeddingCache
+from visual.cache import EmbeddingCache, segment_name
 from visual.image_io import ImageError, ImageLimits, decode_image
 from visual.preprocess import preprocess_image
 
@@ -187,11 +186,6 @@ class VisualPipeline:
 
 
 # ------------------------------------------------------------------------------ the encoder side
-
-
-def segment_name(key: str) -> str:
-    """Shared-memory name of an image's embeddings: unique per visual server process."""
-    return f"apimg{os.getpid()}_{key}"
 
 
 def encode_jobs(

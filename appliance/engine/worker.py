@@ -40,7 +40,12 @@ def _init_distributed(config: EngineConfig, addrs: Addresses, rank: int, world_s
 
 
 def run_worker(
-    config: EngineConfig, addrs: Addresses, rank: int, world_size: int, runner_path: str
+    config: EngineConfig,
+    addrs: Addresses,
+    rank: int,
+    world_size: int,
+    runner_path: str,
+    reserved_bytes: int = 0,  # device bytes the visual server holds for ViT activations
 ) -> None:
     child_init(f"worker {rank}")
     link = RoleLink(addrs.launcher, "worker", rank)
@@ -48,7 +53,8 @@ def run_worker(
         link.progress(f"joining the tensor-parallel group ({world_size} ranks)")
         _init_distributed(config, addrs, rank, world_size)
     link.progress("loading model")
-    runner = load_runner_class(runner_path)(config, rank, world_size)
+    extra = {"reserved_bytes": reserved_bytes} if reserved_bytes else {}
+    runner = load_runner_class(runner_path)(config, rank, world_size, **extra)
     ctx = zmq.Context.instance()
     inbox = zmq_socket(ctx, zmq.PULL, addrs.workers[rank], bind=True)
     results = zmq_socket(ctx, zmq.PUSH, addrs.router_results, bind=False) if rank == 0 else None

@@ -1,6 +1,8 @@
 """The router process loop: wraps the Scheduler. Takes tokenized requests, aborts and stop-string
 finishes in; runs schedule -> broadcast StepPlan to every worker -> StepResult from rank 0 ->
-update; sends token updates (and periodic RouterStats) to the detokenizer.
+update; sends token updates (and periodic RouterStats) to the detokenizer. With a visual server,
+requests arrive through it (image requests carry `mm` handles); when such a request ends, the
+router tells the visual server (ReleaseImages) to unpin its cached embeddings.
 
 Spawned by appliance/launch.py (`run_router`); `RouterLoop` is socket-agnostic enough for tests and
 the overhead benchmark to drive it in-process.
@@ -20,6 +22,8 @@ from appliance.messages import (
     AbortRequest,
     DetokRegister,
     FinishRequest,
+    RejectRequest,
+    ReleaseImages,
     RequestProgress,
     RouterOutput,
     RouterStats,
@@ -30,6 +34,7 @@ from appliance.messages import (
     TokenizedRequest,
     TokenUpdate,
     ToRouter,
+    VisualStats,
     WorkerInfo,
     decoder,
     encode,
@@ -54,6 +59,7 @@ class RouterLoop:
         results: zmq.Socket,
         to_workers: list[zmq.Socket],
         to_detok: zmq.Socket,
+        to_visual: zmq.Socket | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -73,6 +79,12 @@ class RouterLoop:
         self._forward_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
         self._last_stats = 0.0
         self._was_busy = False
+        self.to_visual = to_visual
+        self._mm_live: set[str] = set()  # live requests whose images the visual server pins
+        self._mm_ended: list[str] = []  # ended since the last flush: unpin after the step
+        self._visual: VisualStats | None = None  # latest cache report
+        self._image_preprocess_s: list[float] = []
+        self._image_encode_s: list[float] = []
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -99,6 +111,8 @@ class RouterLoop:
         result = self._wait_result(plan.step_id)
         for out in self.scheduler.update(result):
             reason = out.finish_reason.value if out.finish_reason is not None else None
+            if reason is not None:
+                self._ended(out.req_id)
             self._updates.append(
                 TokenUpdate(out.req_id, out.new_token_ids, reason, out.logprobs, out.top_logprobs)
             )
@@ -135,9 +149,17 @@ class RouterLoop:
                 self.scheduler.abort(msg.req_id)
                 self._queued.pop(msg.req_id, None)
                 self._updates.append(TokenUpdate(msg.req_id, [], "abort"))
+                self._ended(msg.req_id)
         elif isinstance(msg, FinishRequest):
             self.scheduler.finish(msg.req_id, FinishReason(msg.reason))
             self._queued.pop(msg.req_id, None)
+            self._ended(msg.req_id)
+        elif isinstance(msg, RejectRequest):
+            self._reject(msg.req_id, msg.message, msg.status)
+        elif isinstance(msg, VisualStats):
+            self._visual = msg
+            self._image_preprocess_s += msg.preprocess_s
+            self._image_encode_s += msg.encode_s
         elif isinstance(msg, StatusQuery):
             self._status = RouterStatus(msg.query_id, self.stats(), self._progress())
 
@@ -150,20 +172,33 @@ class RouterLoop:
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=frozenset(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            mm=list(msg.mm),
         )
+        if msg.mm:
+            self._mm_live.add(msg.req_id)
         try:
             self.scheduler.add_request(req)
         except QueueFull as exc:
             self._reject(msg.req_id, f"The router queue is full ({exc}). Please retry later.", 429)
+            self._ended(msg.req_id)
             return
         except (SchedulerError, ValueError) as exc:
             self._reject(msg.req_id, str(exc), 400)
+            self._ended(msg.req_id)
             return
         self._queued[msg.req_id] = req.arrival_time
         self._registers.append(DetokRegister(msg.req_id, len(msg.prompt_token_ids), msg.detok))
 
     def _reject(self, req_id: str, message: str, status: int) -> None:
         self._updates.append(TokenUpdate(req_id, [], "error", error=message, error_status=status))
+
+    def _ended(self, req_id: str) -> None:
+        """A request is gone; if the visual server pinned images for it, unpin them at the next
+        flush — after the step in flight (whose plan may admit it, i.e. load its embeddings) is
+        done. Preempted requests are not ended: their re-admission reloads the same handles."""
+        if req_id in self._mm_live:
+            self._mm_live.discard(req_id)
+            self._mm_ended.append(req_id)
 
     def _note_admissions(self) -> None:
         """Queue time of requests scheduled for the first time (FIFO: stop at the first waiter)."""
@@ -178,6 +213,9 @@ class RouterLoop:
 
     # ------------------------------------------------------------------ outbound
     def _flush(self) -> None:
+        if self._mm_ended and self.to_visual is not None:
+            self.to_visual.send(encode(ReleaseImages(self._mm_ended)))
+        self._mm_ended = []
         now = time.monotonic()
         busy = self.scheduler.has_work()
         stats = None
@@ -194,6 +232,9 @@ class RouterLoop:
     def stats(self) -> RouterStats:
         s = self.scheduler.stats()
         queue_times, self._queue_times = self._queue_times, []
+        preprocess, self._image_preprocess_s = self._image_preprocess_s, []
+        encode_s, self._image_encode_s = self._image_encode_s, []
+        visual = self._visual or VisualStats(0, 0, 0)
         n = len(self._overhead_s)
         return RouterStats(
             num_running=s.num_running,
@@ -209,6 +250,13 @@ class RouterLoop:
             num_steps=s.num_steps,
             step_overhead_ms=1000.0 * sum(self._overhead_s) / n if n else 0.0,
             step_forward_ms=1000.0 * sum(self._forward_s) / n if n else 0.0,
+            mm_cache_entries=visual.cache_entries,
+            mm_cache_pinned=visual.cache_pinned,
+            mm_cache_bytes=visual.cache_bytes,
+            mm_cache_queries=visual.cache_queries,
+            mm_cache_hits=visual.cache_hits,
+            image_preprocess_s=preprocess,
+            image_encode_s=encode_s,
         )
 
     def _progress(self) -> list[RequestProgress]:
@@ -227,7 +275,9 @@ class RouterLoop:
         ]
 
 
-def run_router(config: EngineConfig, addrs: Addresses, worker: WorkerInfo) -> None:
+def run_router(
+    config: EngineConfig, addrs: Addresses, worker: WorkerInfo, with_visual: bool = False
+) -> None:
     child_init("router")
     link = RoleLink(addrs.launcher, "router")
     scheduler = Scheduler(config.scheduler, worker.num_kv_slots, worker.max_model_len)
@@ -239,6 +289,7 @@ def run_router(config: EngineConfig, addrs: Addresses, worker: WorkerInfo) -> No
         results=zmq_socket(ctx, zmq.PULL, addrs.router_results, bind=True),
         to_workers=[zmq_socket(ctx, zmq.PUSH, a, bind=False) for a in addrs.workers],
         to_detok=zmq_socket(ctx, zmq.PUSH, addrs.detokenizer, bind=False),
+        to_visual=zmq_socket(ctx, zmq.PUSH, addrs.visual, bind=False) if with_visual else None,
     )
     link.ready()
     loop.run()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.messages import SamplingOptions
+from appliance.messages import ImageInput, SamplingOptions
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +41,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # always honoured
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
+    mm: list[ImageInput] = field(default_factory=list)  # prompt images (by cache handle), by offset
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)

@@ -286,6 +286,7 @@ class Scheduler:
             sampling=req.sampling,
             num_prompt_tokens=req.num_prompt_tokens,
             num_draft=self.config.mtp_step if self._uses_mtp(req) else 0,
+            mm=req.mm,  # sent again on re-admission: the visual server keeps them pinned
         )
 
     def _reserve_kv(self, req: Request, upto: int) -> bool:

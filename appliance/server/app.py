@@ -15,14 +15,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from appliance.logging import get_logger
+from appliance.logging import log_access
 from appliance.server.errors import error_response, install_error_handlers
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
 from appliance.server.serving_chat import create_chat_completion
 from appliance.server.serving_completion import create_completion
 from appliance.server.state import ServerState
-
-access_logger = get_logger("appliance.access")
 
 _ROUTES = (
     "/v1/chat/completions",
@@ -64,13 +62,9 @@ class AccessLog:
             path = scope.get("path", "")
             self.state.metrics.on_http_response(path if path in _ROUTES else "other", status)
             if self.state.config.access_log:
-                access_logger.info(
-                    "%s %s %d %.1fms id=%s",
-                    scope.get("method"),
-                    path,
-                    status,
-                    (time.monotonic() - start) * 1000.0,
-                    request_id,
+                # probes (/health, /metrics) at DEBUG; control characters in the id neutralised
+                log_access(
+                    scope.get("method", ""), path, status, time.monotonic() - start, request_id
                 )
 
 

@@ -8,10 +8,13 @@ The checkpoint's own tokenizer and chat template are used (transformers AutoToke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.messages import ImageData
 from appliance.server.errors import BadRequest, ContextLengthExceeded
+from appliance.server.images import NOT_SUPPORTED, RequestImage, expand_image_tokens
 from appliance.server.protocol import ChatMessage, ImagePart
 
 CHARS_PER_TOKEN_LIMIT = 16  # max_prompt_chars = 0 means max_model_len x this
@@ -21,6 +24,7 @@ CHARS_PER_TOKEN_LIMIT = 16  # max_prompt_chars = 0 means max_model_len x this
 class Prompt:
     token_ids: list[int]
     text: str | None  # rendered prompt text (None for token-id prompts)
+    images: list[ImageData] = field(default_factory=list)  # with offsets into the expanded ids
 
 
 def context_error(max_model_len: int, num_tokens: int, param: str) -> ContextLengthExceeded:
@@ -86,9 +90,13 @@ class PromptBuilder:
         tools: list[dict] | None,
         template_kwargs: dict[str, Any] | None,
         add_generation_prompt: bool = True,
+        images: Sequence[RequestImage] = (),
+        image_token_id: int | None = None,
     ) -> Prompt:
-        rendered_messages = [_message_dict(m) for m in messages]
-        self.check_chars(sum(len(m.get("content") or "") for m in rendered_messages), "messages")
+        """Renders and tokenizes; `images` (checked by appliance/server/images.py, in message
+        order) each expand their one `<|image_pad|>` to their token count."""
+        rendered_messages = [_message_dict(m, bool(images)) for m in messages]
+        self.check_chars(sum(_text_chars(m.content) for m in messages), "messages")
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
@@ -104,8 +112,11 @@ class PromptBuilder:
                 f"messages: the chat template rejected the conversation: {exc}", "messages"
             ) from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
+        data: list[ImageData] = []
+        if images:
+            ids, data = expand_image_tokens(ids, image_token_id, images)
         self.check_tokens(len(ids), "messages")
-        return Prompt(ids, text)
+        return Prompt(ids, text, data)
 
     # ------------------------------------------------------------------ completions
     def completion(self, prompt: str | list[int]) -> Prompt:
@@ -127,16 +138,28 @@ class PromptBuilder:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template expects it: text parts joined into one string."""
+def _text_chars(content: str | list | None) -> int:
+    if isinstance(content, list):
+        return sum(len(p.text) for p in content if not isinstance(p, ImagePart))
+    return len(content or "")
+
+
+def _message_dict(message: ChatMessage, with_images: bool = False) -> dict[str, Any]:
+    """A message as the chat template expects it: text parts joined into one string, or, when it
+    has images, a list of {"type": "text"} / {"type": "image"} parts (the Qwen templates emit
+    one <|vision_start|><|image_pad|><|vision_end|> per image part)."""
     out: dict[str, Any] = {"role": message.role}
     content = message.content
     if isinstance(content, list):
         if any(isinstance(p, ImagePart) for p in content):
-            raise BadRequest(
-                "messages: image input is not supported by this model server.", "messages"
-            )
-        content = "\n".join(p.text for p in content)
+            if not with_images:  # images were not loaded: this server takes none
+                raise BadRequest(NOT_SUPPORTED, "messages")
+            content = [
+                {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in content
+            ]
+        else:
+            content = "\n".join(p.text for p in content)
     out["content"] = content if content is not None else ""
     for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
         value = getattr(message, key)

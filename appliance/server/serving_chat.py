@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: template + tokenize, submit n choices, answer as JSON or SSE.
+"""POST /v1/chat/completions: load images, template + tokenize, submit n choices, answer as JSON
+or SSE.
 
 Called by app.py. Per choice, model text runs through the reasoning parser and then the tool-call
 parser (appliance/parsers) before it becomes `content` / `reasoning_content` / `tool_calls`.
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from appliance.messages import TextDelta, TokenizedRequest, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
 from appliance.server.errors import APIError, BadRequest, sse_error
+from appliance.server.images import image_support, load_images
 from appliance.server.protocol import (
     ChatCompletionRequest,
     choice_options,
@@ -106,12 +108,16 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     model = state.check_model(body.model)
     _check(state, body)
     params = sampling_params(body, body.num_logprobs())
+    support = image_support(state.model_dir, state.config.visual)
+    images = await load_images(support, body.messages, state.metrics)
     prompt = await asyncio.to_thread(
         state.prompts.chat,
         body.messages,
         body.tools,
         body.chat_template_kwargs,
         body.add_generation_prompt,
+        images,
+        support.image_token_id,
     )
     max_tokens = state.prompts.max_tokens_for(body.requested_max_tokens(), len(prompt.token_ids))
     group_id = new_request_id("chatcmpl")
@@ -126,6 +132,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
             params.stop_token_ids,
             detok,
             time.time(),
+            prompt.images,  # the visual server encodes them (and dedupes across the n choices)
         )
         for i in range(body.n)
     ]

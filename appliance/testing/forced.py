@@ -1,5 +1,5 @@
-"""Test-only model runner whose generations follow a script: the real forward runs, then the logits of
-every sampled row are masked so that the scripted next token is the only choice.
+"""Test-only model runner whose generations follow a script: the real forward runs, then the logits
+of every sampled row are masked so that the scripted next token is the only choice.
 
 Live-appliance tests (tests/e2e) write the script with `write_scripts()` into a copy of a tiny
 checkpoint and start the appliance with `--runner appliance.testing.forced:ForcedRunner`. The
@@ -84,8 +84,14 @@ def pick_script(scripts: list[Script], prompt_text: str) -> Script | None:
 class ForcedRunner(ModelRunner):
     """ModelRunner that forces scripted outputs; requests matching no trigger sample normally."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, world_size: int = 1,
-                 tp_group=None, reserved_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        tp_group=None,
+        reserved_bytes: int = 0,
+    ) -> None:
         super().__init__(config, rank, world_size, tp_group, reserved_bytes)
         from transformers import AutoTokenizer
 
@@ -107,8 +113,9 @@ class ForcedRunner(ModelRunner):
             if script is not None:
                 self.forced[req.req_slot] = script
 
-    def _sample(self, logits: torch.Tensor, batch: StepBatch,
-                accepted: dict[int, int]) -> list[SampledTokens]:
+    def _sample(
+        self, logits: torch.Tensor, batch: StepBatch, accepted: dict[int, int]
+    ) -> list[SampledTokens]:
         # logits: [S, V], one row per sampled position, in the order the base class builds them
         chunks = [c for c in batch.chunks if c.sample]
         for chunk, (first, count) in zip(chunks, batch.sample_rows, strict=True):
@@ -118,8 +125,11 @@ class ForcedRunner(ModelRunner):
             known = chunk.start + 1 if chunk.num_draft else self.num_tokens[chunk.req_slot]
             for j in range(count):
                 out_index = known + j - self.prompt_lens[chunk.req_slot]
-                target = (script.token_ids[out_index] if out_index < len(script.token_ids)
-                          else self.forced_eos)
+                target = (
+                    script.token_ids[out_index]
+                    if out_index < len(script.token_ids)
+                    else self.forced_eos
+                )
                 row = logits[first + j]  # [V]
                 keep = row[target].clone()
                 row.fill_(float("-inf"))

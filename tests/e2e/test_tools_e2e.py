@@ -53,11 +53,11 @@ WEATHER_CALL = (
 )
 TWO_CALLS_TEXT = "I will look both up."
 TWO_CALLS = (
-    f"{TWO_CALLS_TEXT}\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n<function=get_time>\n"
+    f"{TWO_CALLS_TEXT}\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n<function=get_time>\n"
     "<parameter=timezone>\nEurope/Paris\n</parameter>\n</function>\n</tool_call>"
 )
-THOUGHT = "The user wants a forecast for São Paulo, so I call the tool."
+THOUGHT = "A forecast for São Paulo."
 THINK_CALL = (
     f"{THOUGHT}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão Paulo\n"
     "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
@@ -214,15 +214,6 @@ def test_two_functions_in_one_block_after_text(sdk):
         model=MODEL, messages=messages, tools=TOOLS, temperature=0, extra_body=NO_THINK
     )
     _check_message(out.choices[0], [PARIS, PARIS_TIME], TWO_CALLS_TEXT)
-    # parallel_tool_calls=false: only the first call is made
-    single = sdk.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        tools=TOOLS,
-        parallel_tool_calls=False,
-        extra_body=NO_THINK,
-    )
-    _check_message(single.choices[0], [PARIS], TWO_CALLS_TEXT)
 
 
 def test_reasoning_then_call(sdk):
@@ -239,18 +230,17 @@ def test_reasoning_then_call(sdk):
 
 
 def test_tool_choice_none_gives_raw_text(sdk):
-    kw = dict(model=MODEL, messages=_user("[case:weather]"), tools=TOOLS, temperature=0)
-    out = sdk.chat.completions.create(tool_choice="none", extra_body=NO_THINK, **kw)
+    out = sdk.chat.completions.create(
+        model=MODEL,
+        messages=_user("[case:weather]"),
+        tools=TOOLS,
+        tool_choice="none",
+        temperature=0,
+        extra_body=NO_THINK,
+    )
     choice = out.choices[0]
     assert (choice.message.content, choice.message.tool_calls) == (WEATHER_CALL, None)
     assert choice.finish_reason == "stop"
-    stream = sdk.chat.completions.create(
-        tool_choice="none", stream=True, extra_body=NO_THINK, **kw
-    )
-    chunks = [c for c in stream if c.choices]
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == WEATHER_CALL
-    assert not any(c.choices[0].delta.tool_calls for c in chunks)
-    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_tool_results_in_history_render_through_the_template(sdk, tokenizer):
@@ -293,4 +283,3 @@ def test_tool_results_in_history_render_through_the_template(sdk, tokenizer):
         extra_body=NO_THINK,
     )
     assert out.usage.prompt_tokens > first.usage.prompt_tokens + 20
-

@@ -1,0 +1,255 @@
+"""Images end to end: the official `openai` SDK against a live appliance serving a tiny Qwen3-VL
+(server, visual server, router, detokenizer, worker as real processes). Greedy text equals the
+offline path (ModelRunner + in-process image store, prompts built by hand with the HF image
+processor); a repeated image is served from the embedding cache; bad images get 400s and the server
+keeps serving; preempted image requests are recomputed correctly; afterwards no KV/state slot is
+used and no cache entry is pinned."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from transformers import AutoTokenizer
+
+from appliance.models.mrope import ImageSpan
+from appliance.testing.tiny_vl import build_tiny_qwen3_vl
+from tests.e2e.live import start_appliance
+from tests.models.qwen3_vl_oracle import Driver, VLPrompt, engine, hf_processor
+from tests.visual.test_image_io import png_header_only
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+MAX_TOKENS = 8
+KV_SLOTS = 160  # small on purpose: concurrent image requests preempt each other
+
+
+def random_image(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("vl_e2e"), tokenizer="bpe", seed=7)
+
+
+@pytest.fixture(scope="module")
+def app(ckpt, tmp_path_factory):
+    app = start_appliance(
+        ckpt,
+        tmp_path_factory.mktemp("vl_live") / "appliance.log",
+        "--max-num-seqs",
+        "4",
+        "--num-kv-slots",
+        str(KV_SLOTS),
+        "--visual-max-batch-size",
+        "4",
+    )
+    yield app
+    code = app.stop()
+    assert code == 0, app.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def sdk(app):
+    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    """expected(conversation) -> greedy text of the offline path for the same conversation."""
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    driver = Driver(engine(ckpt), ckpt)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def expected(conversation: list[tuple[str, list]], max_tokens: int = MAX_TOKENS) -> str:
+        hand, images = [], []
+        for role, parts in conversation:
+            content = []
+            for part in parts:
+                if isinstance(part, str):
+                    content.append({"type": "text", "text": part})
+                else:
+                    content.append({"type": "image"})
+                    images.append(part)
+            hand.append({"role": role, "content": content})
+        text = tokenizer.apply_chat_template(
+            hand, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+        single = tokenizer.encode(text, add_special_tokens=False)
+        processed = hf_processor(ckpt)(images, return_tensors="pt")
+        prompt = VLPrompt([], images, processed["pixel_values"], processed["image_grid_thw"])
+        grids = [tuple(int(v) for v in g) for g in processed["image_grid_thw"]]
+        for token in single:
+            if token != pad:
+                prompt.token_ids.append(token)
+                continue
+            grid = grids[len(prompt.spans)]
+            prompt.spans.append(ImageSpan(len(prompt.token_ids), grid))
+            prompt.token_ids += [pad] * (grid[0] * grid[1] * grid[2] // 4)
+        (tokens,) = driver.greedy([prompt], max_tokens, chunk=2048)
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    return expected
+
+
+def messages(conversation: list[tuple[str, list]]) -> list[dict]:
+    out = []
+    for role, parts in conversation:
+        content = [
+            {"type": "text", "text": p}
+            if isinstance(p, str)
+            else {"type": "image_url", "image_url": {"url": data_uri(p), "detail": "auto"}}
+            for p in parts
+        ]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def chat(sdk, conversation, **kw) -> str:
+    out = sdk.chat.completions.create(
+        model="m",
+        messages=messages(conversation),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body=NO_THINK,
+        **kw,
+    )
+    return out.choices[0].message.content
+
+
+ONE = [("user", ["What is in this picture?", random_image(64, 48, 1)])]
+TWO = [("user", ["Compare", random_image(120, 40, 2), "with", random_image(50, 70, 3)])]
+TURNS = [
+    ("user", [random_image(96, 96, 4), "Remember this."]),
+    ("assistant", ["I will."]),
+    ("user", ["And this one?", random_image(40, 40, 5)]),
+]
+
+
+def router(app) -> dict:
+    return app.status()["router"]
+
+
+def test_one_image_matches_offline_and_stream(sdk, app, offline):
+    text = chat(sdk, ONE)
+    assert text == offline(ONE)
+    stream = sdk.chat.completions.create(
+        model="m",
+        messages=messages(ONE),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_THINK,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens > 6  # the image's tokens are counted
+
+
+def test_repeated_image_hits_the_cache(sdk, app):
+    before = router(app)
+    assert chat(sdk, ONE) == chat(sdk, ONE)
+    after = router(app)
+    assert after["mm_cache_hits"] >= before["mm_cache_hits"] + 2
+    assert after["mm_cache_queries"] == before["mm_cache_queries"] + 2
+    assert after["mm_cache_entries"] == before["mm_cache_entries"]  # nothing new encoded
+
+
+def test_two_images_in_one_message_and_earlier_turns(sdk, offline):
+    assert chat(sdk, TWO) == offline(TWO)
+    assert chat(sdk, TURNS) == offline(TURNS)
+
+
+@pytest.mark.parametrize(
+    "url,reason",
+    [
+        (data_uri(random_image(32, 32, 9))[:200], "not valid base64"),
+        (
+            "data:image/png;base64," + base64.b64encode(b"plain text, no image").decode(),
+            "not a supported image",
+        ),
+        (
+            "data:image/png;base64," + base64.b64encode(png_header_only(50000, 50000)).decode(),
+            "pix",
+        ),
+        ("ftp://example.com/a.png", "scheme"),
+        ("http://192.168.1.10/a.png", "non-public address"),
+    ],
+)
+def test_bad_images_get_400_and_the_server_keeps_serving(sdk, url, reason):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+    assert info.value.status_code == 400 and reason in info.value.message
+    assert chat(sdk, ONE)  # still serving image requests
+
+
+def test_truncated_png_is_refused(app):
+    buf = io.BytesIO()
+    random_image(64, 64, 11).save(buf, "PNG")
+    truncated = base64.b64encode(buf.getvalue()[: len(buf.getvalue()) // 2]).decode()
+    body = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": f"data:image/png;base64,{truncated}"},
+                    }
+                ],
+            }
+        ]
+    }
+    r = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "could not decode PNG" in r.json()["error"]["message"]
+
+
+def test_preempted_image_requests_are_recomputed_correctly(sdk, app, offline):
+    conversations = [
+        [("user", [f"Picture {i}, in detail please.", random_image(128, 128, 20 + i)])]
+        for i in range(4)
+    ]
+    expected = [offline(c, 40) for c in conversations]
+    before = router(app)["num_preemptions"]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        results[i] = chat(sdk, conversations[i], max_tokens=40)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert router(app)["num_preemptions"] > before
+    assert [results[i] for i in range(4)] == expected
+
+
+def test_afterwards_no_slot_and_no_pin_is_held(app):
+    deadline = time.monotonic() + 10
+    while True:
+        status = router(app)
+        idle = status["kv_used"] == 0 and status["state_used"] == 0
+        if (idle and status["mm_cache_pinned"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status["kv_used"] == 0 and status["state_used"] == 0
+    assert status["num_running"] == 0 and status["num_waiting"] == 0
+    assert status["mm_cache_pinned"] == 0 and status["mm_cache_entries"] >= 9
+    assert "ViT worst case: 4 x grid (1, 16, 16)" in app.log()

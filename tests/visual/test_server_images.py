@@ -1,0 +1,204 @@
+"""The API server's image handling (appliance/server/images.py + prompts.py): which checkpoints take
+images, data: URIs and guarded http(s) fetches, the 400s for bad images, and the expansion of the
+chat template's one <|image_pad|> per image into t*h*w/merge^2 tokens at the right offsets."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import hashlib
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+from appliance.config import VisualConfig
+from appliance.metrics import MetricsRecorder
+from appliance.server.errors import BadRequest
+from appliance.server.images import expand_image_tokens, image_support, load_images
+from appliance.server.prompts import PromptBuilder
+from appliance.server.protocol import ChatMessage
+from appliance.testing.tiny_vl import build_tiny_qwen3_vl
+from tests.visual.conftest import random_image
+from tests.visual.test_image_fetch import PNG as SERVED_PNG
+from tests.visual.test_image_fetch import Handler, QuietServer
+from tests.visual.test_image_io import encode, png_header_only
+from visual.preprocess import image_grid
+
+CONFIG = VisualConfig()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(build_tiny_qwen3_vl(tmp_path_factory.mktemp("vl_bpe"), tokenizer="bpe", seed=4))
+
+
+@pytest.fixture(scope="module")
+def http_server():
+    httpd = QuietServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def data_uri(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    return encode(random_image(width, height, seed), "PNG")
+
+
+def message(*parts, role: str = "user") -> ChatMessage:
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image_url", "image_url": p}
+        for p in parts
+    ]
+    return ChatMessage.model_validate({"role": role, "content": content})
+
+
+def load(ckpt: str, messages, config: VisualConfig = CONFIG, metrics=None):
+    return asyncio.run(load_images(image_support(ckpt, config), messages, metrics))
+
+
+def test_support_follows_the_checkpoint_and_the_flag(ckpt, tiny_dense, tmp_path):
+    assert image_support(ckpt, CONFIG).enabled
+    assert image_support(str(tiny_dense), CONFIG).enabled  # Qwen3.5 VLM layout
+    assert not image_support(ckpt, VisualConfig(vision=False)).enabled
+    assert not image_support(str(tmp_path), CONFIG).enabled  # no config.json
+    msgs = [message("hi", {"url": data_uri(png(32, 32, 0))})]
+    with pytest.raises(BadRequest, match="image input is not supported") as info:
+        load(ckpt, msgs, VisualConfig(vision=False))
+    assert info.value.status == 400 and info.value.param == "messages"
+
+
+def test_data_uris_across_turns_with_keys_grids_and_timings(ckpt):
+    a, b = png(64, 48, 1), png(100, 30, 2)
+    msgs = [
+        message("first", {"url": data_uri(a), "detail": "high"}),
+        message("ok", role="assistant"),
+        message({"url": data_uri(b)}, "and", {"url": data_uri(a), "detail": "low"}),
+    ]
+    metrics = MetricsRecorder("tiny")
+    images = load(ckpt, msgs, metrics=metrics)
+    preprocess = image_support(ckpt, CONFIG).preprocess
+    assert [i.data for i in images] == [a, b, a]
+    assert images[0].key == images[2].key == hashlib.blake2b(a, digest_size=16).hexdigest()
+    assert images[1].key != images[0].key
+    assert images[1].grid_thw == image_grid(30, 100, preprocess)
+    assert [i.num_tokens for i in images] == [
+        t * h * w // 4 for t, h, w in (i.grid_thw for i in images)
+    ]
+    count = metrics.registry.get_sample_value(
+        "appliance_image_stage_seconds_count", {"model_name": "tiny", "stage": "fetch_decode"}
+    )
+    assert count == 3
+
+
+def test_http_image_is_fetched_when_allowed(ckpt, http_server):
+    url = f"{http_server}/img.png"
+    allowed = dataclasses.replace(CONFIG, image_fetch_allowed_networks="10.0.0.0/8, 127.0.0.1/32")
+    (image,) = load(ckpt, [message("look", {"url": url})], allowed)
+    assert image.data == SERVED_PNG
+    with pytest.raises(BadRequest, match="non-public address"):
+        load(ckpt, [message({"url": url})])  # loopback refused without the allow-list
+
+
+@pytest.mark.parametrize(
+    "url,reason",
+    [
+        (data_uri(png(32, 32, 3)[:1500]), "could not decode PNG"),  # truncated PNG
+        (data_uri(b"definitely not an image"), "not a supported image"),
+        (data_uri(png_header_only(50000, 50000)), "pixels"),  # decompression-bomb header
+        ("ftp://example.com/cat.png", "unsupported image URL scheme ftp"),
+        ("http://10.1.2.3/cat.png", "non-public address"),
+        ("http://169.254.169.254/latest/meta-data", "non-public address"),
+        ("data:text/plain;base64,aGVsbG8=", "media type"),
+    ],
+)
+def test_bad_images_are_400s_with_the_reason(ckpt, url, reason):
+    msgs = [message("fine", {"url": data_uri(png(32, 32, 0))}, "bad", {"url": url})]
+    with pytest.raises(BadRequest) as info:
+        load(ckpt, msgs)
+    assert info.value.status == 400 and info.value.param == "messages"
+    assert "image 2:" in str(info.value) and reason in str(info.value)
+
+
+def test_too_many_images(ckpt):
+    one = {"url": data_uri(png(32, 32, 0))}
+    config = dataclasses.replace(CONFIG, max_images_per_request=2)
+    assert len(load(ckpt, [message(one, one)], config)) == 2
+    with pytest.raises(BadRequest, match="3 images; at most 2"):
+        load(ckpt, [message(one), message(one, one)], config)
+
+
+def test_prompt_expands_each_placeholder_to_its_tokens(ckpt):
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    support = image_support(ckpt, CONFIG)
+    pad = support.image_token_id
+    assert pad == tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    a, b = png(64, 64, 5), png(200, 40, 6)
+    msgs = [
+        message("one", {"url": data_uri(a)}),
+        message("seen", role="assistant"),
+        message({"url": data_uri(b)}, "two"),
+    ]
+    images = load(ckpt, msgs)
+    builder = PromptBuilder(tokenizer, max_model_len=512)
+    prompt = builder.chat(msgs, None, {"enable_thinking": False}, True, images, pad)
+    # the same conversation rendered by hand: one placeholder per image, then expanded
+    hand = [
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "image"}]},
+        {"role": "assistant", "content": "seen"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "two"}]},
+    ]
+    text = tokenizer.apply_chat_template(
+        hand, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert prompt.text == text and text.count("<|image_pad|>") == 2
+    single = tokenizer.encode(text, add_special_tokens=False)
+    first = single.index(pad)
+    second = single.index(pad, first + 1)
+    n_a, n_b = images[0].num_tokens, images[1].num_tokens
+    expected = (
+        single[:first]
+        + [pad] * n_a
+        + single[first + 1 : second]
+        + [pad] * n_b
+        + single[second + 1 :]
+    )
+    assert prompt.token_ids == expected
+    offsets = [d.offset for d in prompt.images]
+    assert offsets == [first, second - 1 + n_a]
+    for data, image in zip(prompt.images, images):
+        assert data.key == image.key and data.grid_thw == image.grid_thw
+        run = prompt.token_ids[data.offset : data.offset + image.num_tokens]
+        assert run == [pad] * image.num_tokens
+        assert prompt.token_ids[data.offset - 1] == tokenizer.convert_tokens_to_ids(
+            "<|vision_start|>"
+        )
+        assert prompt.token_ids[data.offset + image.num_tokens] == tokenizer.convert_tokens_to_ids(
+            "<|vision_end|>"
+        )
+
+
+def test_placeholder_count_must_match_and_context_counts_image_tokens(ckpt):
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    support = image_support(ckpt, CONFIG)
+    images = load(ckpt, [message({"url": data_uri(png(128, 128, 7))})])
+    with pytest.raises(BadRequest, match="2 image placeholders for 1 images"):
+        pad = support.image_token_id
+        expand_image_tokens([5, pad, pad], pad, images)
+    msgs = [message("hello", {"url": data_uri(png(128, 128, 7))})]
+    without = PromptBuilder(tokenizer, max_model_len=512).chat(
+        msgs, None, None, True, images, support.image_token_id
+    )
+    limit = len(without.token_ids) - images[0].num_tokens + 2  # room for the unexpanded prompt
+    with pytest.raises(BadRequest, match="maximum context length"):
+        PromptBuilder(tokenizer, max_model_len=limit).chat(
+            msgs, None, None, True, images, support.image_token_id
+        )
+    with pytest.raises(BadRequest, match="image input is not supported"):
+        PromptBuilder(tokenizer, max_model_len=512).chat(msgs, None, None)

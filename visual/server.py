@@ -1,0 +1,203 @@
+"""The visual server process: spawned by appliance/launch.py (`run_visual`) for checkpoints with a
+vision tower, between the API server and the router.
+
+Startup: load the ViT on the first worker's device, measure the worst-case activation peak
+(visual/reservation.py) and report it in ProcessReady (VisualInfo). Serving, two threads:
+- main: every server -> router message arrives here. Text-only requests, aborts and status queries
+  are relayed at once, unchanged; requests with images go through `VisualPipeline` (cache pins,
+  encode jobs) and are forwarded with `ImageInput` handles when their images are cached. The
+  router's ReleaseImages unpin; VisualStats go to the router whenever the cache changed.
+- encoder: decodes, preprocesses and encodes one batch of jobs at a time (`encode_jobs`), so a long
+  ViT forward never holds back a relayed message.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+
+import zmq
+
+from appliance.config import ServeConfig
+from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.logging import get_logger
+from appliance.messages import (
+    AbortRequest,
+    ReleaseImages,
+    StatusQuery,
+    TokenizedRequest,
+    ToVisual,
+    decoder,
+    encode,
+)
+from visual.cache import EmbeddingCache, UntrackedSegmentStore
+from visual.checkpoint import preprocess_config
+from visual.image_io import ImageLimits
+from visual.pipeline import ImageJob, VisualPipeline, encode_jobs
+
+logger = get_logger(__name__)
+
+MIB = 2**20
+_WAKE = "inproc://visual-encoder-done"
+
+
+class EncoderThread(threading.Thread):
+    """Runs `encode_jobs` on batches from `jobs`; results (or the exception that stopped it) go to
+    `results`, and an empty message on the inproc socket wakes the main thread."""
+
+    def __init__(self, encoder, store, limits: ImageLimits, ctx: zmq.Context) -> None:
+        super().__init__(name="vit-encoder", daemon=True)
+        self.encoder, self.store, self.limits = encoder, store, limits
+        self.jobs: queue.Queue[list[ImageJob]] = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self._wake = zmq_socket(ctx, zmq.PUSH, _WAKE, bind=False)
+
+    def run(self) -> None:
+        wake = self._wake
+        while True:
+            batch = self.jobs.get()
+            try:
+                self.results.put(encode_jobs(self.encoder, self.store, batch, self.limits))
+            except BaseException as exc:  # the main thread re-raises it: the process fails fast
+                self.results.put(exc)
+            wake.send(b"")
+
+
+class VisualServer:
+    """The main thread's socket loop around a VisualPipeline and an EncoderThread."""
+
+    def __init__(
+        self,
+        pipeline: VisualPipeline,
+        encoder_thread: EncoderThread,
+        max_batch: int,
+        inbox: zmq.Socket,
+        wake: zmq.Socket,
+        to_router: zmq.Socket,
+    ) -> None:
+        self.pipeline = pipeline
+        self.encoder = encoder_thread
+        self.max_batch = max_batch
+        self.inbox, self.wake, self.to_router = inbox, wake, to_router
+        self._decoder = decoder(ToVisual)
+        self._poller = zmq.Poller()
+        self._poller.register(inbox, zmq.POLLIN)
+        self._poller.register(wake, zmq.POLLIN)
+        self._busy = False  # a batch is on the encoder thread
+
+    def run(self) -> None:
+        while True:
+            self.run_once(timeout_ms=100)
+
+    def run_once(self, timeout_ms: int) -> None:
+        events = dict(self._poller.poll(timeout_ms))
+        if self.inbox in events:
+            self._read_inbox()
+        if self.wake in events:
+            self._collect_results()
+        if not self._busy:
+            batch = self.pipeline.next_batch(self.max_batch)
+            if batch:
+                self.encoder.jobs.put(batch)
+                self._busy = True
+        if self.pipeline.dirty:
+            self.to_router.send(encode(self.pipeline.stats()))
+
+    def _read_inbox(self) -> None:
+        while True:
+            try:
+                frame = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decoder.decode(frame)
+            if isinstance(msg, TokenizedRequest) and msg.images:
+                self.pipeline.on_request(msg)
+            elif isinstance(msg, ReleaseImages):
+                self.pipeline.on_release(msg.req_ids)
+            elif isinstance(msg, AbortRequest) and self.pipeline.on_abort(msg.req_id):
+                logger.debug("aborted %s before its images were encoded", msg.req_id)
+            elif isinstance(msg, (TokenizedRequest, AbortRequest, StatusQuery)):
+                self.to_router.send(frame)  # relayed byte for byte, in arrival order
+
+    def _collect_results(self) -> None:
+        while True:
+            try:
+                self.wake.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while True:
+            try:
+                results = self.encoder.results.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(results, BaseException):
+                raise RuntimeError("the ViT encoder thread failed") from results
+            self._busy = False
+            self.pipeline.on_encoded(results)
+
+
+def _device_and_dtype(config: ServeConfig):
+    import torch
+
+    name = config.engine.parallel.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)  # worker rank 0's device: the reservation is taken there
+        device = torch.device("cuda", 0)
+    dtype = config.engine.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, dtype)
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
+    """Entry point of the visual server process (spawned by the launcher)."""
+    from visual.encoder import VisionEncoder
+    from visual.reservation import plan_reservation
+
+    child_init("visual")
+    signal.signal(signal.SIGTERM, _raise_exit)  # unlink the cache's segments on the way out
+    link = RoleLink(addrs.launcher, "visual")
+    visual = config.server.visual
+    device, dtype = _device_and_dtype(config)
+    link.progress(f"loading the vision tower on {device}")
+    load = config.engine.model.load_format != "dummy"
+    encoder = VisionEncoder.from_pretrained(model_dir, device, dtype, load_weights=load)
+    if encoder.preprocess != preprocess_config(model_dir):
+        raise RuntimeError("the encoder's preprocessing settings differ from the API server's")
+    link.progress("measuring the worst-case ViT activation memory")
+    info = plan_reservation(encoder, visual)
+    logger.info(
+        "ViT worst case: %d x grid %s -> peak %.3f GiB, reserving %.3f GiB on %s%s",
+        info.batch_size,
+        info.worst_case_grid,
+        max(info.peak_bytes, 0) / 2**30,
+        info.reserved_bytes / 2**30,
+        info.device,
+        " (--visual-reserved-mem-gb)" if info.peak_bytes < 0 else "",
+    )
+    store = UntrackedSegmentStore()
+    cache = EmbeddingCache(store, visual.visual_cache_mb * MIB)
+    ctx = zmq.Context.instance()
+    wake = zmq_socket(ctx, zmq.PULL, _WAKE, bind=True)
+    to_router = zmq_socket(ctx, zmq.PUSH, addrs.router, bind=False)
+    inbox = zmq_socket(ctx, zmq.PULL, addrs.visual, bind=True)
+    limits = ImageLimits(visual.max_image_bytes, visual.max_image_pixels)
+    thread = EncoderThread(encoder, store, limits, ctx)
+    pipeline = VisualPipeline(
+        cache, encoder.config.spatial_merge_size, lambda msg: to_router.send(encode(msg))
+    )
+    server = VisualServer(pipeline, thread, visual.visual_max_batch_size, inbox, wake, to_router)
+    thread.start()
+    link.ready(visual=info)
+    try:
+        server.run()
+    finally:
+        cache.clear()
