@@ -133,11 +133,11 @@ class LLM:
 
     def _apply(self, delta, out: CompletionOutput, detok: RequestDetokenizer) -> None:
         for i, token in enumerate(delta.new_token_ids):
+            if detok.stopped:
+                break  # an MTP run may carry tokens past the stop string: they are not output
             out.token_ids.append(token)
             if out.logprobs is not None and delta.logprobs is not None:
                 out.logprobs.append(delta.logprobs[i])
-            if detok.stopped:
-                continue
             if delta.finished and delta.stop_token_id == token:
                 continue  # the eos / stop token is not part of the text
             detok.add_token(token)

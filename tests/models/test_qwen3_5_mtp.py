@@ -124,3 +124,88 @@ def test_accept_and_commit_with_oracle_drafts(ckpt, reference, wrong_every):
     else:  # every other draft wrong: never past the second position
         assert 1.0 < stats.mtp_mean_accept_len < 2.0 and per_position[1] == 0
     assert_pools_empty(llm)
+
+
+def test_stop_tokens_strings_and_max_tokens_inside_accepted_runs(ckpt, reference):
+    """With (nearly) every draft accepted, stops and length limits land inside multi-token runs:
+    output must be truncated exactly as without MTP, and the rest of the run freed."""
+    seqs, greedy, _ = reference
+    plain = LLM(str(ckpt), **OPTS)
+    params = []
+    for i, g in enumerate(greedy):
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=64, temperature=0, stop_token_ids=[g[6 + i]]))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=5 + i, temperature=0, ignore_eos=True))
+        else:
+            text = plain.tokenizer.decode(g[:12])
+            params.append(
+                SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, stop=[text[-3:]])
+            )
+    want = plain.generate(seqs, params)
+    llm = LLM(str(ckpt), mtp_step=3, **OPTS)
+    llm.runner.drafter = OracleDrafter(
+        llm.runner.drafter, dict(zip(map(tuple, seqs), greedy)), 1000
+    )
+    got = llm.generate(seqs, params)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
+        (o.token_ids, o.text, o.finish_reason) for o in want
+    ]
+    assert llm.scheduler.stats().mtp_mean_accept_len > 2.5
+    assert_pools_empty(llm)
+
+
+def test_mtp_incompatible_requests_share_the_batch(ckpt, reference):
+    """Penalties / logprobs decode one token per step next to MTP requests in the same steps."""
+    seqs, _, _ = reference
+    params = [
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            **(
+                {"repetition_penalty": 1.3} if i % 3 == 0 else {"logprobs": 2} if i % 3 == 1 else {}
+            ),
+        )
+        for i in range(len(seqs))
+    ]
+    want = LLM(str(ckpt), **OPTS).generate(seqs, params)
+    llm = LLM(str(ckpt), mtp_step=2, **OPTS)
+    got = llm.generate(seqs, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        if b.logprobs is not None:
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    stats = llm.scheduler.stats()
+    assert stats.mtp_drafts > 0 and stats.mtp_draft_tokens <= 2 * stats.mtp_drafts
+    assert_pools_empty(llm)
+
+
+def test_abort_mid_generation_frees_everything(ckpt, reference):
+    from appliance.router.request import Request
+
+    seqs, greedy, _ = reference
+    llm = LLM(str(ckpt), mtp_step=3, **OPTS)
+    sched = llm.scheduler
+    for i, seq in enumerate(seqs[:3]):
+        sched.add_request(
+            Request(
+                req_id=f"r{i}",
+                prompt_token_ids=seq,
+                max_tokens=40,
+                sampling=SamplingParams(temperature=0).to_options(),
+                ignore_eos=True,
+            )
+        )
+    outputs: dict[str, list[int]] = {"r0": [], "r1": [], "r2": []}
+    steps = 0
+    while sched.has_work():
+        result = llm.runner.execute(sched.schedule())
+        for delta in sched.update(result):
+            outputs[delta.req_id].extend(delta.new_token_ids)
+        steps += 1
+        if steps == 4:
+            sched.abort("r1")  # mid-generation, with drafts outstanding on the worker
+    assert outputs["r0"] == greedy[0][:40] and outputs["r2"] == greedy[2][:40]
+    assert len(outputs["r1"]) < 40
+    assert_pools_empty(llm)
