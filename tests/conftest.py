@@ -46,3 +46,17 @@ def tiny_dense_qwen_vocab(tmp_path_factory) -> pathlib.Path:
         seed=2,
         tokenizer="qwen3.5",
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(tmp_path_factory) -> pathlib.Path:
+    """Dense tiny model (and its MTP head) trained for a few seconds on a permutation language, so
+    the draft head agrees with the main model (MTP acceptance tests)."""
+    from appliance.testing.synthetic import train_permutation_language
+
+    return build_qwen3_5(
+        tmp_path_factory.mktemp("tiny_trained"),
+        layer_types=DENSE_LAYER_TYPES,
+        seed=5,
+        train=train_permutation_language,
+    )

@@ -333,6 +333,7 @@ def build_qwen3_5(
     mtp_moe_layout: str = "per_expert",
     dtype: str = "float32",
     num_shards: int = 1,
+    train: Any = None,
     **overrides: Any,
 ) -> pathlib.Path:
     """Write a tiny random Qwen3.5 (MoE if `moe`) checkpoint with tokenizer files into `out_dir`.
@@ -342,6 +343,8 @@ def build_qwen3_5(
     (`Qwen3_5[Moe]ForCausalLM`).
     moe_layout "fused" (Hub: `experts.gate_up_proj [E,2I,H]`, `down_proj [E,H,I]`) or "per_expert".
     The text weights depend only on the config and seed, not on layout choices.
+    `train(model, head)`, if given, may update the randomised HF model and MTP head in place before
+    they are written (see `appliance.testing.synthetic`).
     """
     for name, value, allowed in (
         ("layout", layout, LAYOUTS),
@@ -372,6 +375,8 @@ def build_qwen3_5(
         overrides=overrides,
     )
     model, head = _build_model(text, moe=moe, special=special, seed=seed)
+    if train is not None:
+        train(model, head)
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if text["tie_word_embeddings"]:

@@ -27,6 +27,7 @@ from tests.visual.test_image_io import png_header_only
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
 MAX_TOKENS = 8
+MODEL = "vl_e2e"  # the checkpoint folder's name is the served model id
 KV_SLOTS = 160  # small on purpose: concurrent image requests preempt each other
 
 
@@ -43,7 +44,8 @@ def data_uri(image: Image.Image, fmt: str = "PNG") -> str:
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return build_tiny_qwen3_vl(tmp_path_factory.mktemp("vl_e2e"), tokenizer="bpe", seed=7)
+    out = tmp_path_factory.mktemp("vl") / MODEL
+    return build_tiny_qwen3_vl(out, tokenizer="bpe", seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,10 @@ def app(ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sdk(app):
-    return openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+def sdk(app, ckpt):
+    client = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+    assert client.models.list().data[0].id == ckpt.name == MODEL
+    return client
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +123,13 @@ def messages(conversation: list[tuple[str, list]]) -> list[dict]:
     return out
 
 
-def chat(sdk, conversation, **kw) -> str:
+def chat(sdk, conversation, max_tokens: int = MAX_TOKENS) -> str:
     out = sdk.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=messages(conversation),
         temperature=0,
-        max_tokens=MAX_TOKENS,
+        max_tokens=max_tokens,
         extra_body=NO_THINK,
-        **kw,
     )
     return out.choices[0].message.content
 
@@ -148,7 +151,7 @@ def test_one_image_matches_offline_and_stream(sdk, app, offline):
     text = chat(sdk, ONE)
     assert text == offline(ONE)
     stream = sdk.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=messages(ONE),
         temperature=0,
         max_tokens=MAX_TOKENS,
@@ -159,6 +162,15 @@ def test_one_image_matches_offline_and_stream(sdk, app, offline):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.prompt_tokens > 6  # the image's tokens are counted
+    both = sdk.chat.completions.create(
+        model=MODEL,
+        messages=messages(ONE),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        n=2,
+        extra_body=NO_THINK,
+    )
+    assert [c.message.content for c in both.choices] == [text, text]
 
 
 def test_repeated_image_hits_the_cache(sdk, app):
@@ -185,7 +197,7 @@ def test_two_images_in_one_message_and_earlier_turns(sdk, offline):
         ),
         (
             "data:image/png;base64," + base64.b64encode(png_header_only(50000, 50000)).decode(),
-            "pix",
+            "pixels",
         ),
         ("ftp://example.com/a.png", "scheme"),
         ("http://192.168.1.10/a.png", "non-public address"),
@@ -194,7 +206,7 @@ def test_two_images_in_one_message_and_earlier_turns(sdk, offline):
 def test_bad_images_get_400_and_the_server_keeps_serving(sdk, url, reason):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        sdk.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
     assert info.value.status_code == 400 and reason in info.value.message
     assert chat(sdk, ONE)  # still serving image requests
 
