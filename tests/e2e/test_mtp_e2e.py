@@ -1,0 +1,73 @@
+"""The appliance with `--mtp-step 2` (eagle) on a tiny model whose MTP head agrees with it: streams
+through the official `openai` SDK give the same greedy text as the offline engine without MTP, and
+the appliance reports the accept length (Prometheus counters and the /debug/status snapshot)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+import torch
+
+from appliance import LLM, SamplingParams
+from appliance.testing.synthetic import permutation, sample_sequences
+from tests.e2e.live import start_appliance
+
+
+@pytest.fixture(scope="module")
+def mtp_appliance(tiny_trained, tmp_path_factory):
+    app = start_appliance(
+        tiny_trained,
+        tmp_path_factory.mktemp("mtp") / "appliance.log",
+        "--mtp-step",
+        "2",
+        "--max-num-seqs",
+        "8",
+    )
+    yield app
+    assert app.stop() == 0, app.log()[-4000:]
+
+
+def counter(metrics: str, name: str) -> float:
+    return sum(float(m) for m in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
+
+
+def test_streams_match_mtp_off_and_report_accept_length(mtp_appliance, tiny_trained):
+    gen = torch.Generator().manual_seed(3)
+    prompts = sample_sequences(permutation(0), 4, 10, gen).tolist()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [
+        o.text
+        for o in LLM(
+            str(tiny_trained), max_num_seqs=4, num_kv_slots=2048, max_model_len=512
+        ).generate(prompts, params)
+    ]
+    client = openai.OpenAI(base_url=f"{mtp_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    for prompt, text in zip(prompts, want):
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        got = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert got == text
+    metrics = httpx.get(f"{mtp_appliance.url}/metrics").text
+    drafts = counter(metrics, "appliance_mtp_drafts_total")
+    accepted = counter(metrics, "appliance_mtp_accepted_tokens_total")
+    assert drafts > 0 and 1.0 + accepted / drafts > 1.5
+    per_position = re.findall(
+        r"^appliance_mtp_accepted_tokens_per_position_total{[^}]*"
+        r'position="(\d)"[^}]*} (\S+)$',
+        metrics,
+        re.M,
+    )
+    assert sorted(int(p) for p, _ in per_position) == [0, 1]
+    router = mtp_appliance.wait_idle()["router"]
+    assert (router["kv_used"], router["state_used"]) == (0, 0)
+    assert router["mtp_drafts"] == drafts and router["mtp_accepted_tokens"] == accepted
