@@ -199,15 +199,27 @@ class EngineClient:
             for delta in out.deltas:
                 self._deliver(delta, now)
             if out.stats is not None:
-                if self.metrics is not None:
-                    self.metrics.apply_router_stats(out.stats)
+                self._record_stats(out.stats)
             if out.status is not None:
                 # A status snapshot drained the router's new queue-time samples too: keep them.
-                if self.metrics is not None:
-                    self.metrics.apply_router_stats(out.status.stats)
+                self._record_stats(out.status.stats)
                 waiter = self._status_waiters.get(out.status.query_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(out.status)
+
+    def _record_stats(self, stats) -> None:
+        """Router snapshot -> gauges/counters; the visual server's numbers ride along in it."""
+        if self.metrics is None:
+            return
+        self.metrics.apply_router_stats(stats)
+        self.metrics.apply_visual_stats(
+            {
+                "preprocess_s": stats.image_preprocess_s,
+                "encode_s": stats.image_encode_s,
+                "cache_queries": stats.mm_cache_queries,
+                "cache_hits": stats.mm_cache_hits,
+            }
+        )
 
     def _deliver(self, delta: TextDelta, now: float) -> None:
         group = self._groups.get(delta.req_id)

@@ -7,6 +7,8 @@ used and no cache entry is pinned."""
 
 from __future__ import annotations
 
+import re
+
 import base64
 import io
 import threading
@@ -180,6 +182,9 @@ def test_repeated_image_hits_the_cache(sdk, app):
     assert after["mm_cache_hits"] >= before["mm_cache_hits"] + 2
     assert after["mm_cache_queries"] == before["mm_cache_queries"] + 2
     assert after["mm_cache_entries"] == before["mm_cache_entries"]  # nothing new encoded
+    metrics = httpx.get(f"{app.url}/metrics").text  # the hits reach Prometheus too
+    hits = re.search(r"^appliance_mm_cache_hits_total{[^}]*} (\S+)$", metrics, re.M)
+    assert hits is not None and float(hits.group(1)) >= 2
 
 
 def test_two_images_in_one_message_and_earlier_turns(sdk, offline):
