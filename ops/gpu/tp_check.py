@@ -24,9 +24,11 @@ from appliance.testing.tiny import build_qwen3_5  # noqa: E402
 
 
 def config(ckpt: str, device: str) -> EngineConfig:
-    return EngineConfig(model=ModelConfig(model_dir=ckpt, max_model_len=512, dtype="float32"),
-                        scheduler=SchedulerConfig(max_num_seqs=4, num_kv_slots=2048),
-                        parallel=ParallelConfig(device=device))
+    return EngineConfig(
+        model=ModelConfig(model_dir=ckpt, max_model_len=512, dtype="float32"),
+        scheduler=SchedulerConfig(max_num_seqs=4, num_kv_slots=2048),
+        parallel=ParallelConfig(device=device),
+    )
 
 
 def main() -> int:
@@ -49,15 +51,17 @@ def main() -> int:
         if rank == 0:
             build_qwen3_5(ckpt, moe=moe, seed=4)
         dist.barrier()
-        tp_logits, tp_tokens = greedy_run(ModelRunner(config(str(ckpt), device), rank, world),
-                                          prompts, 16)
+        tp_logits, tp_tokens = greedy_run(
+            ModelRunner(config(str(ckpt), device), rank, world), prompts, 16
+        )
         dist.barrier()
         if rank == 0:
             set_tp(0, 1)
             ref_logits, ref_tokens = greedy_run(ModelRunner(config(str(ckpt), device)), prompts, 16)
             err = (tp_logits - ref_logits).abs().max().item()
             same = tp_tokens == ref_tokens
-            line = f"{name}: TP{world} ({args.backend}) vs TP1 max|dlogit| {err:.2e}, greedy equal {same}"
+            line = (f"{name}: TP{world} ({args.backend}) vs TP1 max|dlogit| {err:.2e}, "
+                    f"greedy equal {same}")
             print(line, flush=True)
             (out / "tp_check.txt").open("a").write(line + "\n")
             failures += (err > 1e-3) or not same

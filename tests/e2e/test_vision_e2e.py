@@ -7,10 +7,9 @@ used and no cache entry is pinned."""
 
 from __future__ import annotations
 
-import re
-
 import base64
 import io
+import re
 import threading
 import time
 
