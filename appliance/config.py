@@ -72,8 +72,11 @@ class KernelConfig:
     attention_backend: str = "auto"  # auto | triton | flashinfer | torch (GDN/fp8: env flags)
 
     def __post_init__(self) -> None:
-        _check(self.attention_backend in ("auto", "triton", "flashinfer", "torch"),
-               "attention_backend", "auto, triton, flashinfer or torch")
+        _check(
+            self.attention_backend in ("auto", "triton", "flashinfer", "torch"),
+            "attention_backend",
+            "auto, triton, flashinfer or torch",
+        )
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,12 @@ def mtp_compatible(options: SamplingOptions) -> bool:
     """Whether a request can decode with MTP drafts. Penalties and logprobs need per-row history and
     reporting that verify rows do not carry, so such requests decode one token per step (in the same
     batch). Read by the router (to plan verify rows) — the worker just follows num_draft."""
-    return (options.logprobs is None and options.presence_penalty == 0.0
-            and options.frequency_penalty == 0.0 and options.repetition_penalty == 1.0)
+    return (
+        options.logprobs is None
+        and options.presence_penalty == 0.0
+        and options.frequency_penalty == 0.0
+        and options.repetition_penalty == 1.0
+    )
 
 
 class ImageInput(msgspec.Struct, frozen=True):

@@ -37,7 +37,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(inter), 2048)
     _silu_and_mul_kernel[(rows, -(-inter // block))](
-        x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4 if block <= 1024 else 8,
+        x,
+        out,
+        inter,
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4 if block <= 1024 else 8,
     )
     return out
 

@@ -35,20 +35,36 @@ def fp8_scaled_mm_external(
     m, n = a_q.shape[0], b_q.shape[0]
     if backend == "torch" and torch.cuda.get_device_capability(a_q.device) >= (9, 0):
         # cuBLASLt: b column-major (the transposed view of the row-major weight), scales (M,1)/(1,N)
-        return torch._scaled_mm(a_q, b_q.t(), scale_a=_per_row(scale_a, m),
-                                scale_b=_per_channel(scale_b, n).reshape(1, n), bias=bias,
-                                out_dtype=out_dtype)
+        return torch._scaled_mm(
+            a_q,
+            b_q.t(),
+            scale_a=_per_row(scale_a, m),
+            scale_b=_per_channel(scale_b, n).reshape(1, n),
+            bias=bias,
+            out_dtype=out_dtype,
+        )
     if backend == "sgl":
         from sgl_kernel import fp8_scaled_mm
 
-        return fp8_scaled_mm(a_q, b_q.t(), _per_row(scale_a, m),
-                             _per_channel(scale_b, n).reshape(n, 1), out_dtype, bias)
+        return fp8_scaled_mm(
+            a_q,
+            b_q.t(),
+            _per_row(scale_a, m),
+            _per_channel(scale_b, n).reshape(n, 1),
+            out_dtype,
+            bias,
+        )
     if backend == "cutlass":
         from vllm import _custom_ops
 
-        return _custom_ops.cutlass_scaled_mm(a_q, b_q.t(), scale_a=_per_row(scale_a, m),
-                                             scale_b=_per_channel(scale_b, n).reshape(n, 1),
-                                             out_dtype=out_dtype, bias=bias)
+        return _custom_ops.cutlass_scaled_mm(
+            a_q,
+            b_q.t(),
+            scale_a=_per_row(scale_a, m),
+            scale_b=_per_channel(scale_b, n).reshape(n, 1),
+            out_dtype=out_dtype,
+            bias=bias,
+        )
     return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
 
 
@@ -90,10 +106,16 @@ def gdn_chunked_external(
     slots = state_slots.long()[picked]
     init = torch.where(has_initial_state[picked].view(-1, 1, 1, 1), ssm_states[slots], 0.0)
     o, final = chunk_gated_delta_rule(
-        q[rows].unsqueeze(0), k[rows].unsqueeze(0), v[rows].unsqueeze(0),
-        g=g[rows].float().unsqueeze(0), beta=beta[rows].float().unsqueeze(0),
-        scale=q.shape[-1] ** -0.5, initial_state=init, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu,
+        q[rows].unsqueeze(0),
+        k[rows].unsqueeze(0),
+        v[rows].unsqueeze(0),
+        g=g[rows].float().unsqueeze(0),
+        beta=beta[rows].float().unsqueeze(0),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=init,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu,
     )
     out[rows] = o[0].to(out.dtype)
     ssm_states[slots] = final.to(ssm_states.dtype)

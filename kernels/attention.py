@@ -83,11 +83,23 @@ _LOG2E = 1.4426950408889634
 
 @jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcs, stride_kch, stride_vcs, stride_vch,
-    num_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    num_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -96,10 +108,16 @@ def _store_kv_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_kcs + h * stride_kch + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vcs + h * stride_vch + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        k_cache_ptr + slot * stride_kcs + h * stride_kch + d,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr + slot * stride_vcs + h * stride_vch + d,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def store_kv_triton(
@@ -117,18 +135,50 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, kv_slots,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        num_heads, head_dim,
-        BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        kv_slots,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        num_heads,
+        head_dim,
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_D=next_pow2(head_dim),
     )
 
 
 @jit
-def _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr, v_cache_ptr, kv_head,
-                  stride_kcs, stride_kch, stride_vcs, stride_vch, qk_scale, d, d_ok,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+def _attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    hi,
+    q_pos,
+    r2t,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    qk_scale,
+    d,
+    d_ok,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -138,10 +188,16 @@ def _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr, v_cache_
     else:
         slot = tl.load(r2t + n).to(tl.int64)
         kv_mask = d_ok[None, :]
-    k = tl.load(k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :],
-                mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        k_cache_ptr + slot[:, None] * stride_kcs + kv_head * stride_kch + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    v = tl.load(
+        v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -155,14 +211,38 @@ def _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr, v_cache_
 
 @jit
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    req_to_token_ptr, req_slots_ptr, cu_q_ptr, seq_lens_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_o_ptr,
+    part_lse_ptr,
+    req_to_token_ptr,
+    req_slots_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_ot, stride_oh,
-    stride_r2t, stride_ps, stride_pt, stride_ls, stride_lt,
+    stride_qt,
+    stride_qh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    stride_ot,
+    stride_oh,
+    stride_r2t,
+    stride_ps,
+    stride_pt,
+    stride_ls,
+    stride_lt,
     q_bucket,  # autotuning key only: next power of two of the longest query (prefill path)
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     ROWS = BLOCK_M // GROUP  # query rows per program
     b = tl.program_id(0)
@@ -186,9 +266,14 @@ def _paged_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
 
-    q = tl.load(q_ptr + (q_start + q_row)[:, None].to(tl.int64) * stride_qt
-                + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q = tl.load(
+        q_ptr
+        + (q_start + q_row)[:, None].to(tl.int64) * stride_qt
+        + head[:, None] * stride_qh
+        + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
 
     # keys this block can see: up to the last row's position (causal), split evenly across programs
     kv_hi = tl.minimum(seq_len, seq_len - q_len + tl.minimum(row0 + ROWS, q_len))
@@ -204,45 +289,116 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     r2t = req_to_token_ptr + req_slot * stride_r2t
     for start in range(lo, unmasked_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr,
-                                      v_cache_ptr, kv_head, stride_kcs, stride_kch, stride_vcs,
-                                      stride_vch, qk_scale, d, d_ok, BLOCK_N, False, PREC)
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            start,
+            hi,
+            q_pos,
+            r2t,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_head,
+            stride_kcs,
+            stride_kch,
+            stride_vcs,
+            stride_vch,
+            qk_scale,
+            d,
+            d_ok,
+            BLOCK_N,
+            False,
+            PREC,
+        )
     for start in range(unmasked_hi, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(q, m_i, l_i, acc, start, hi, q_pos, r2t, k_cache_ptr,
-                                      v_cache_ptr, kv_head, stride_kcs, stride_kch, stride_vcs,
-                                      stride_vch, qk_scale, d, d_ok, BLOCK_N, True, PREC)
+        m_i, l_i, acc = _attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            start,
+            hi,
+            q_pos,
+            r2t,
+            k_cache_ptr,
+            v_cache_ptr,
+            kv_head,
+            stride_kcs,
+            stride_kch,
+            stride_vcs,
+            stride_vch,
+            qk_scale,
+            d,
+            d_ok,
+            BLOCK_N,
+            True,
+            PREC,
+        )
 
     t_row = (q_start + q_row).to(tl.int64)
     out_mask = row_ok[:, None] & d_ok[None, :]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(part_o_ptr + split * stride_ps + t_row[:, None] * stride_pt
-                 + head[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        tl.store(
+            part_o_ptr
+            + split * stride_ps
+            + t_row[:, None] * stride_pt
+            + head[:, None] * HEAD_DIM
+            + d[None, :],
+            o,
+            mask=out_mask,
+        )
         tl.store(part_lse_ptr + split * stride_ls + t_row * stride_lt + head, lse, mask=row_ok)
 
 
 def _prefill_configs() -> list:
-    shapes = ((64, 64, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3),
-              (128, 128, 8, 2))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in shapes]
+    shapes = (
+        (64, 64, 4, 2),
+        (64, 64, 8, 2),
+        (128, 64, 8, 2),
+        (128, 32, 8, 2),
+        (64, 32, 4, 3),
+        (128, 128, 8, 2),
+    )
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bm, bn, w, st in shapes
+    ]
 
 
 # prefill (many query rows): block sizes tuned once per (group, head_dim, length class) on the GPU
 _paged_attention_prefill = (
     triton.autotune(configs=_prefill_configs(), key=["GROUP", "HEAD_DIM", "q_bucket"])(
-        _paged_attention_kernel) if HAS_TRITON else None)
+        _paged_attention_kernel
+    )
+    if HAS_TRITON
+    else None
+)
 
 
 @jit
 def _merge_splits_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ls, stride_lt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ps,
+    stride_pt,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -251,11 +407,17 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)  # [S]
     m = tl.max(lse, 0)
     w = tl.exp2(lse - m)  # empty splits have lse -inf -> weight 0
-    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
-                mask=d[None, :] < HEAD_DIM, other=0.0)  # [S, BLOCK_D]
+    o = tl.load(
+        part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
+        mask=d[None, :] < HEAD_DIM,
+        other=0.0,
+    )  # [S, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        o.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
@@ -296,19 +458,44 @@ def paged_attention_triton(
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
     group = num_q_heads // num_kv_heads
     block_d = next_pow2(head_dim)
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-               v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-               req_to_token.stride(0))
-    fixed = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+    )
+    fixed = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     tensors = (q, k_cache, v_cache, out)
     meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, scale * _LOG2E)
     if max_q_len > 16 and q.is_cuda and num_splits in (None, 1):
+
         def grid(cfg):
             return (batch, -(-max_q_len // (cfg["BLOCK_M"] // group)), num_kv_heads)
 
-        _paged_attention_prefill[grid](*tensors, out, out, *meta, *strides, 0, 0, 0, 0,
-                                       min(next_pow2(max_q_len), 4096), NUM_SPLITS=1, **fixed)
+        _paged_attention_prefill[grid](
+            *tensors,
+            out,
+            out,
+            *meta,
+            *strides,
+            0,
+            0,
+            0,
+            0,
+            min(next_pow2(max_q_len), 4096),
+            NUM_SPLITS=1,
+            **fixed,
+        )
         return out
     block_m = max(16, next_pow2(group))
     if max_q_len * group > 16:
@@ -320,26 +507,46 @@ def paged_attention_triton(
         raise ValueError(f"paged_attention: num_splits {num_splits} must be a power of two")
     block_n = 64 if block_m >= 64 or block_d > 128 else 128
     if num_splits > 1:
-        part_o = torch.empty(num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty(num_splits, num_tokens, num_q_heads, dtype=torch.float32,
-                               device=q.device)
+        part_o = torch.empty(
+            num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_splits, num_tokens, num_q_heads, dtype=torch.float32, device=q.device
+        )
         part_strides = (part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1))
     else:
         part_o = part_lse = out  # unused
         part_strides = (0, 0, 0, 0)
     grid = (batch, num_q_blocks, num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
-        *tensors, part_o, part_lse, *meta, *strides, *part_strides, 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, **fixed,
-        num_warps=8 if block_m * block_d >= 64 * 256 else 4, num_stages=2 if block_d >= 256 else 3,
+        *tensors,
+        part_o,
+        part_lse,
+        *meta,
+        *strides,
+        *part_strides,
+        0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        **fixed,
+        num_warps=8 if block_m * block_d >= 64 * 256 else 4,
+        num_stages=2 if block_d >= 256 else 3,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
-            part_o, part_lse, out,
-            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            part_o,
+            part_lse,
+            out,
+            part_o.stride(0),
+            part_o.stride(1),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
         )
     return out
 
@@ -374,13 +581,24 @@ def paged_attention(
     """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
     by default, the torch reference when 'torch'); the torch reference on CPU."""
     if not q.is_cuda:
-        return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
-                                   seq_lens, scale)
+        return paged_attention_ref(
+            q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale
+        )
     from kernels import backends
 
     if backends.selected("attention") == "triton" and use_triton(q):
-        return paged_attention_triton(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
-                                      seq_lens, scale, max_q_len=max_q_len, num_splits=num_splits)
-    return paged_attention_ref(q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q,
-                               seq_lens, scale)
-
+        return paged_attention_triton(
+            q,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_slots,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            max_q_len=max_q_len,
+            num_splits=num_splits,
+        )
+    return paged_attention_ref(
+        q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale
+    )

@@ -91,8 +91,11 @@ def _fp8_auto(p: Platform) -> str:
 def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
     auto = _fp8_auto(p)
     sm = f"SM{p.capability[0]}{p.capability[1]}"
-    needs = {"cutlass": ((9, 0), "vllm"), "sgl": ((9, 0), "sgl_kernel"),
-             "triton": ((8, 9), "triton")}
+    needs = {
+        "cutlass": ((9, 0), "vllm"),
+        "sgl": ((9, 0), "sgl_kernel"),
+        "triton": ((8, 9), "triton"),
+    }
     if requested in needs:
         capability, module = needs[requested]
         if p.capability < capability:
@@ -106,8 +109,11 @@ def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
     return (auto if requested == "auto" else requested), None
 
 
-_RESOLVERS = {"attention": _resolve_attention, "gdn_prefill": _resolve_gdn,
-              "fp8_gemm": _resolve_fp8}
+_RESOLVERS = {
+    "attention": _resolve_attention,
+    "gdn_prefill": _resolve_gdn,
+    "fp8_gemm": _resolve_fp8,
+}
 _ENV_FLAGS = {"gdn_prefill": "APPLIANCE_GDN_PREFILL_BACKEND", "fp8_gemm": "APPLIANCE_FP8_GEMM"}
 
 
@@ -132,8 +138,11 @@ def resolve_backends(
     A None request reads the env flag (attention: 'auto')."""
     platform = platform or detect_platform()
     result: dict[str, str] = {}
-    for kind, requested in (("attention", attention), ("gdn_prefill", gdn_prefill),
-                            ("fp8_gemm", fp8_gemm)):
+    for kind, requested in (
+        ("attention", attention),
+        ("gdn_prefill", gdn_prefill),
+        ("fp8_gemm", fp8_gemm),
+    ):
         requested = (requested or _requested_from_env(kind)).lower()
         if requested not in CHOICES[kind]:
             accepted = ", ".join(CHOICES[kind])

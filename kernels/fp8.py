@@ -28,8 +28,9 @@ def per_token_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
-def per_tensor_quant_ref(x: torch.Tensor, scale: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_tensor_quant_ref(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (x_q e4m3, scale [1] fp32); a given scale is static, else the tensor's amax."""
     if scale is None:
         scale = (x.float().abs().amax() / FP8_MAX).clamp_min(MIN_SCALE).reshape(1)
@@ -75,8 +76,9 @@ def _per_token_quant_kernel(x_ptr, q_ptr, s_ptr, hidden, stride_x, stride_q, BLO
 
 
 @jit
-def _amax_kernel(x_ptr, amax_ptr, rows, hidden, stride_x, BLOCK_R: tl.constexpr,
-                 BLOCK_H: tl.constexpr):
+def _amax_kernel(
+    x_ptr, amax_ptr, rows, hidden, stride_x, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     amax = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for start in range(0, hidden, BLOCK_H):
@@ -88,8 +90,18 @@ def _amax_kernel(x_ptr, amax_ptr, rows, hidden, stride_x, BLOCK_R: tl.constexpr,
 
 
 @jit
-def _static_quant_kernel(x_ptr, q_ptr, s_ptr, rows, hidden, stride_x, stride_q,
-                         FROM_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _static_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    rows,
+    hidden,
+    stride_x,
+    stride_q,
+    FROM_AMAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (r < rows)[:, None] & (cols < hidden)[None, :]
@@ -108,13 +120,22 @@ def per_token_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(next_pow2(hidden), 4096)
-        _per_token_quant_kernel[(rows,)](x, q, scale, hidden, x.stride(0), q.stride(0), BLOCK=block,
-                                         num_warps=min(max(block // 256, 1), 8))
+        _per_token_quant_kernel[(rows,)](
+            x,
+            q,
+            scale,
+            hidden,
+            x.stride(0),
+            q.stride(0),
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )
     return q, scale
 
 
-def per_tensor_quant_triton(x: torch.Tensor, scale: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_tensor_quant_triton(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_last_dim_contiguous("x", x)
     rows, hidden = x.shape
     q = torch.empty(rows, hidden, dtype=FP8_DTYPE, device=x.device)
@@ -122,15 +143,26 @@ def per_tensor_quant_triton(x: torch.Tensor, scale: torch.Tensor | None = None
     if scale is None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         if rows:
-            _amax_kernel[(-(-rows // block_r),)](x, amax, rows, hidden, x.stride(0),
-                                                 BLOCK_R=block_r, BLOCK_H=block_h)
+            _amax_kernel[(-(-rows // block_r),)](
+                x, amax, rows, hidden, x.stride(0), BLOCK_R=block_r, BLOCK_H=block_h
+            )
         source, from_amax = amax, True
     else:
         source, from_amax = scale.float().reshape(1), False
     if rows:
         grid = (-(-rows // block_r), -(-hidden // block_h))
-        _static_quant_kernel[grid](x, q, source, rows, hidden, x.stride(0), q.stride(0),
-                                   FROM_AMAX=from_amax, BLOCK_R=block_r, BLOCK_H=block_h)
+        _static_quant_kernel[grid](
+            x,
+            q,
+            source,
+            rows,
+            hidden,
+            x.stride(0),
+            q.stride(0),
+            FROM_AMAX=from_amax,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+        )
     if from_amax:
         source = (source / FP8_MAX).clamp_min(MIN_SCALE)
     return q, source
@@ -138,10 +170,25 @@ def per_tensor_quant_triton(x: torch.Tensor, scale: torch.Tensor | None = None
 
 @jit
 def _fp8_mm_kernel(
-    a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, m_size, n_size, k_size,
-    stride_am, stride_bn, stride_om,
-    SA_PER_ROW: tl.constexpr, SB_PER_COL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    m_size,
+    n_size,
+    k_size,
+    stride_am,
+    stride_bn,
+    stride_om,
+    SA_PER_ROW: tl.constexpr,
+    SB_PER_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(m_size, BLOCK_M)
@@ -173,8 +220,11 @@ def _fp8_mm_kernel(
         acc = acc * tl.load(sb_ptr)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + rn, mask=rn < n_size, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(rm < m_size)[:, None] & (rn < n_size)[None, :])
+    tl.store(
+        out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rm < m_size)[:, None] & (rn < n_size)[None, :],
+    )
 
 
 def _mm_config(m: int) -> dict[str, int]:
@@ -210,9 +260,22 @@ def fp8_scaled_mm_triton(
     cfg = _mm_config(m)
     grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
     _fp8_mm_kernel[grid](
-        a_q, b_q, out, sa, sb, bias if bias is not None else sb, m, n, k,
-        a_q.stride(0), b_q.stride(0), out.stride(0),
-        SA_PER_ROW=sa.numel() > 1, SB_PER_COL=sb.numel() > 1, HAS_BIAS=bias is not None, **cfg,
+        a_q,
+        b_q,
+        out,
+        sa,
+        sb,
+        bias if bias is not None else sb,
+        m,
+        n,
+        k,
+        a_q.stride(0),
+        b_q.stride(0),
+        out.stride(0),
+        SA_PER_ROW=sa.numel() > 1,
+        SB_PER_COL=sb.numel() > 1,
+        HAS_BIAS=bias is not None,
+        **cfg,
     )
     return out
 
@@ -220,8 +283,9 @@ def fp8_scaled_mm_triton(
 # ------------------------------------------ dispatchers ------------------------------------------
 
 
-def fp8_quant(x: torch.Tensor, per_token: bool = True, scale: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quant(
+    x: torch.Tensor, per_token: bool = True, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (default) or per-tensor (dynamic, or static with `scale`) e4m3 quantisation."""
     if per_token:
         return per_token_quant_triton(x) if use_triton(x) else per_token_quant_ref(x)

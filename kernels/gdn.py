@@ -98,8 +98,18 @@ def gdn_chunked_ref(
     has_initial_state: torch.Tensor,  # [B] bool
 ) -> torch.Tensor:
     """Chunked (UT-transform) algorithm, chunk 64; returns [T, Hv, Dv] in v's dtype."""
-    return _run(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
-                lambda n: _chunked_one)
+    return _run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        lambda n: _chunked_one,
+    )
 
 
 def gdn_recurrent_ref(
@@ -114,15 +124,35 @@ def gdn_recurrent_ref(
     has_initial_state: torch.Tensor,
 ) -> torch.Tensor:
     """Token-by-token recurrence (decode); same signature and result as gdn_chunked_ref."""
-    return _run(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
-                lambda n: _recurrent_one)
+    return _run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        lambda n: _recurrent_one,
+    )
 
 
 def gdn_ref(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state):
     """What the model calls: recurrence for one-token rows (decode), chunked for longer ones, per
     request, so a request computes the same way alone or in a mixed batch."""
-    return _run(q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
-                lambda n: _recurrent_one if n == 1 else _chunked_one)
+    return _run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        lambda n: _recurrent_one if n == 1 else _chunked_one,
+    )
 
 
 def gdn_verify_ref(
@@ -145,9 +175,14 @@ def gdn_verify_ref(
         s, e = cu[b], cu[b + 1]
         state = ssm_states[slot].float()
         for j in range(e - s):
-            o, state = _recurrent_one(qf[s + j : s + j + 1], kf[s + j : s + j + 1],
-                                      vf[s + j : s + j + 1], gf[s + j : s + j + 1],
-                                      bf[s + j : s + j + 1], state)
+            o, state = _recurrent_one(
+                qf[s + j : s + j + 1],
+                kf[s + j : s + j + 1],
+                vf[s + j : s + j + 1],
+                gf[s + j : s + j + 1],
+                bf[s + j : s + j + 1],
+                state,
+            )
             out[s + j] = o[0].to(v.dtype)
             ssm_candidates[slot, j] = state.to(ssm_candidates.dtype)
     return out
@@ -175,14 +210,42 @@ def _l2norm(x, eps):
 
 @jit
 def _gdn_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, cand_ptr,
-    state_slots_ptr, cu_ptr, has_init_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_gt, stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_ss, stride_sh,
-    stride_cs, stride_cr, stride_ch,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    out_ptr,
+    state_ptr,
+    cand_ptr,
+    state_slots_ptr,
+    cu_ptr,
+    has_init_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    stride_ot,
+    stride_oh,
+    stride_ss,
+    stride_sh,
+    stride_cs,
+    stride_cr,
+    stride_ch,
     scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    MAX_LEN: tl.constexpr, VERIFY: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    MAX_LEN: tl.constexpr,
+    VERIFY: tl.constexpr,
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -219,11 +282,15 @@ def _gdn_recurrent_kernel(
         delta = (v - tl.sum(h * k[:, None], 0)) * beta  # [BV]
         h = h + k[:, None] * delta[None, :]
         o = tl.sum(h * q[:, None], 0)
-        tl.store(out_ptr + t * stride_ot + hv * stride_oh + vv, o.to(out_ptr.dtype.element_ty),
-                 mask=v_ok)
+        tl.store(
+            out_ptr + t * stride_ot + hv * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok
+        )
         if VERIFY:  # one candidate state per verify row; the committed state stays as it was
-            tl.store(cand_ptr + slot * stride_cs + i * stride_cr + hv * stride_ch + s_offs, h,
-                     mask=s_mask)
+            tl.store(
+                cand_ptr + slot * stride_cs + i * stride_cr + hv * stride_ch + s_offs,
+                h,
+                mask=s_mask,
+            )
     if not VERIFY:
         tl.store(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, h, mask=s_mask)
 
@@ -260,11 +327,32 @@ def _unit_lower_inverse(a, r, PREC: tl.constexpr):
 
 @jit
 def _gdn_chunk_prep_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, ktail_ptr, gcum_ptr, chunks_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_bt, stride_bh,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    w_ptr,
+    u_ptr,
+    ktail_ptr,
+    gcum_ptr,
+    chunks_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
     num_v_heads,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BDV: tl.constexpr,
-    CHUNK: tl.constexpr, DOT: tl.constexpr, INV_DOT: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BDV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DOT: tl.constexpr,
+    INV_DOT: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -278,11 +366,13 @@ def _gdn_chunk_prep_kernel(
     vv = tl.arange(0, BDV)
     k_mask = row_ok[:, None] & (kk < DK)[None, :]
     v_mask = row_ok[:, None] & (vv < DV)[None, :]
-    k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=k_mask,
-                other=0.0).to(tl.float32)
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=k_mask, other=0.0
+    ).to(tl.float32)
     k = _l2norm(k, 1e-6)
-    v = tl.load(v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask,
-                other=0.0).to(tl.float32)
+    v = tl.load(
+        v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
+    ).to(tl.float32)
     g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
     big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start (masked rows add 0)
@@ -306,10 +396,27 @@ def _gdn_chunk_prep_kernel(
 
 @jit
 def _gdn_chunk_scan_kernel(
-    w_ptr, u_ptr, ktail_ptr, gcum_ptr, vnew_ptr, hbuf_ptr, state_ptr, state_slots_ptr, cu_ptr,
-    has_init_ptr, chunk_offsets_ptr, stride_ss, stride_sh, num_v_heads,
-    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr,
-    MIN_LEN: tl.constexpr, DOT: tl.constexpr,
+    w_ptr,
+    u_ptr,
+    ktail_ptr,
+    gcum_ptr,
+    vnew_ptr,
+    hbuf_ptr,
+    state_ptr,
+    state_slots_ptr,
+    cu_ptr,
+    has_init_ptr,
+    chunk_offsets_ptr,
+    stride_ss,
+    stride_sh,
+    num_v_heads,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MIN_LEN: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -334,17 +441,28 @@ def _gdn_chunk_scan_kernel(
         t = (c0 + r).to(tl.int64)
         row_ok = c0 + r < end
         row = t * num_v_heads + hv
-        tl.store(hbuf_ptr + (chunk * num_v_heads + hv) * (DK * DV) + s_offs,
-                 h.to(hbuf_ptr.dtype.element_ty), mask=s_mask)
-        w = tl.load(w_ptr + row[:, None] * DK + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        u = tl.load(u_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :],
-                    other=0.0)
+        tl.store(
+            hbuf_ptr + (chunk * num_v_heads + hv) * (DK * DV) + s_offs,
+            h.to(hbuf_ptr.dtype.element_ty),
+            mask=s_mask,
+        )
+        w = tl.load(
+            w_ptr + row[:, None] * DK + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        u = tl.load(
+            u_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0
+        )
         v_new = u - _mm(w, h, DOT)  # [C, BV]
-        tl.store(vnew_ptr + row[:, None] * DV + vv[None, :], v_new.to(vnew_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & v_ok[None, :])
-        k_tail_t = tl.load(ktail_ptr + row[None, :] * DK + kk[:, None],
-                           mask=row_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, C]
+        tl.store(
+            vnew_ptr + row[:, None] * DV + vv[None, :],
+            v_new.to(vnew_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & v_ok[None, :],
+        )
+        k_tail_t = tl.load(
+            ktail_ptr + row[None, :] * DK + kk[:, None],
+            mask=row_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )  # [BK, C]
         last = (tl.minimum(c0 + CHUNK, end) - 1).to(tl.int64)
         g_last = tl.load(gcum_ptr + last * num_v_heads + hv)
         h = h * tl.exp(g_last) + _mm(k_tail_t, v_new, DOT)
@@ -354,10 +472,28 @@ def _gdn_chunk_scan_kernel(
 
 @jit
 def _gdn_chunk_out_kernel(
-    q_ptr, k_ptr, gcum_ptr, vnew_ptr, hbuf_ptr, out_ptr, chunks_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, scale, num_v_heads,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    CHUNK: tl.constexpr, DOT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    gcum_ptr,
+    vnew_ptr,
+    hbuf_ptr,
+    out_ptr,
+    chunks_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    scale,
+    num_v_heads,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -372,10 +508,12 @@ def _gdn_chunk_out_kernel(
     k_ok = kk < DK
     v_ok = vv < DV
     qk_mask = row_ok[:, None] & k_ok[None, :]
-    q = tl.load(q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=qk_mask,
-                other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask,
-                other=0.0).to(tl.float32)
+    q = tl.load(
+        q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=qk_mask, other=0.0
+    ).to(tl.float32)
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask, other=0.0
+    ).to(tl.float32)
     q = _l2norm(q, 1e-6) * scale
     k = _l2norm(k, 1e-6)
     row = t * num_v_heads + hv
@@ -384,13 +522,20 @@ def _gdn_chunk_out_kernel(
     scores = _mm(q, tl.trans(k), DOT)
     decay = tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0))
     scores = tl.where(causal, scores * decay, 0.0)
-    h = tl.load(hbuf_ptr + (c.to(tl.int64) * num_v_heads + hv) * (DK * DV) + kk[:, None] * DV
-                + vv[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-    v_new = tl.load(vnew_ptr + row[:, None] * DV + vv[None, :],
-                    mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+    h = tl.load(
+        hbuf_ptr + (c.to(tl.int64) * num_v_heads + hv) * (DK * DV) + kk[:, None] * DV + vv[None, :],
+        mask=k_ok[:, None] & v_ok[None, :],
+        other=0.0,
+    )
+    v_new = tl.load(
+        vnew_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0
+    )
     o = _mm(q * tl.exp(big_g)[:, None], h, DOT) + _mm(scores, v_new, DOT)
-    tl.store(out_ptr + t[:, None] * stride_ot + hv * stride_oh + vv[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+    tl.store(
+        out_ptr + t[:, None] * stride_ot + hv * stride_oh + vv[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & v_ok[None, :],
+    )
 
 
 def _check_gdn(q, k, v, g, beta, ssm_states):
@@ -400,8 +545,11 @@ def _check_gdn(q, k, v, g, beta, ssm_states):
         raise ValueError(f"gdn: q {q.shape} k {k.shape} v {v.shape}")
     if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
         raise ValueError(f"gdn: g {g.shape} / beta {beta.shape} must be [T, Hv] = {v.shape[:2]}")
-    if ssm_states.dtype != torch.float32 or ssm_states.shape[-3:] != (v.shape[1], q.shape[2],
-                                                                      v.shape[2]):
+    if ssm_states.dtype != torch.float32 or ssm_states.shape[-3:] != (
+        v.shape[1],
+        q.shape[2],
+        v.shape[2],
+    ):
         raise ValueError(f"gdn: ssm_states {ssm_states.dtype} {ssm_states.shape}")
     if ssm_states.stride(-1) != 1 or ssm_states.stride(-2) != v.shape[2]:
         raise ValueError("gdn: each state [slot, head] must be a contiguous [Dk, Dv] matrix")
@@ -411,8 +559,20 @@ def _dot_mode(dtype: torch.dtype) -> str:
     return {torch.float32: "ieee", torch.float16: "fp16"}.get(dtype, "bf16")
 
 
-def _recurrent_launch(q, k, v, g, beta, ssm_states, candidates, state_slots, cu_seqlens,
-                      has_initial_state, max_len, out):
+def _recurrent_launch(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ssm_states,
+    candidates,
+    state_slots,
+    cu_seqlens,
+    has_initial_state,
+    max_len,
+    out,
+):
     _check_gdn(q, k, v, g, beta, ssm_states)
     num_tokens, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
@@ -424,37 +584,86 @@ def _recurrent_launch(q, k, v, g, beta, ssm_states, candidates, state_slots, cu_
     verify = candidates is not None
     cand = candidates if verify else ssm_states
     _gdn_recurrent_kernel[(batch, num_v_heads, -(-dv // bv))](
-        q, k, v, g, beta, out, ssm_states, cand, state_slots, cu_seqlens,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        ssm_states,
+        cand,
+        state_slots,
+        cu_seqlens,
         has_initial_state if has_initial_state is not None else state_slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        ssm_states.stride(0), ssm_states.stride(1),
-        cand.stride(0), cand.stride(1) if verify else 0, cand.stride(2) if verify else 0,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        out.stride(0),
+        out.stride(1),
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        cand.stride(0),
+        cand.stride(1) if verify else 0,
+        cand.stride(2) if verify else 0,
         dk**-0.5,
-        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BK=bk, BV=bv, MAX_LEN=max_len,
-        VERIFY=verify, num_warps=4 if bk * bv <= 4096 else 8,
+        GROUP=num_v_heads // num_k_heads,
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        MAX_LEN=max_len,
+        VERIFY=verify,
+        num_warps=4 if bk * bv <= 4096 else 8,
     )
     return out
 
 
 def gdn_recurrent_triton(
-    q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ssm_states,
+    state_slots,
+    cu_seqlens,
+    has_initial_state,
     *,
     max_len: int = 0,  # >0: skip requests with more rows (they go to the chunked kernels)
     out: torch.Tensor | None = None,  # [T, Hv, Dv]
 ) -> torch.Tensor:
     """Fused recurrent decode over varlen rows; same result as gdn_recurrent_ref."""
-    return _recurrent_launch(q, k, v, g, beta, ssm_states, None, state_slots, cu_seqlens,
-                             has_initial_state, max_len, out)
+    return _recurrent_launch(
+        q, k, v, g, beta, ssm_states, None, state_slots, cu_seqlens, has_initial_state, max_len, out
+    )
 
 
-def gdn_verify_triton(q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens,
-                      *, out: torch.Tensor | None = None) -> torch.Tensor:
+def gdn_verify_triton(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ssm_states,
+    ssm_candidates,
+    state_slots,
+    cu_seqlens,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """MTP verify rows: same result as gdn_verify_ref (candidates[slot, j] = state after row j)."""
     if ssm_candidates.stride(-1) != 1 or ssm_candidates.shape[2:] != ssm_states.shape[1:]:
         raise ValueError(f"gdn_verify: candidates {ssm_candidates.shape} vs {ssm_states.shape}")
-    return _recurrent_launch(q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens,
-                             None, 0, out)
+    return _recurrent_launch(
+        q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens, None, 0, out
+    )
 
 
 def _chunk_tables(cu_seqlens: torch.Tensor, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -473,7 +682,15 @@ def _chunk_tables(cu_seqlens: torch.Tensor, min_len: int) -> tuple[torch.Tensor,
 
 
 def gdn_chunked_triton(
-    q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ssm_states,
+    state_slots,
+    cu_seqlens,
+    has_initial_state,
     *,
     min_len: int = 0,  # skip requests with at most this many rows (they go to the recurrent kernel)
     out: torch.Tensor | None = None,
@@ -501,23 +718,74 @@ def gdn_chunked_triton(
     bk, bdv = next_pow2(dk), next_pow2(dv)
     common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot)
     _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
-        k, v, g, beta, w, u, k_tail, gcum, chunks,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
-        beta.stride(0), beta.stride(1), num_v_heads,
-        GROUP=group, BDV=bdv, INV_DOT="ieee" if dot == "ieee" else "tf32", num_warps=4, **common,
+        k,
+        v,
+        g,
+        beta,
+        w,
+        u,
+        k_tail,
+        gcum,
+        chunks,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        num_v_heads,
+        GROUP=group,
+        BDV=bdv,
+        INV_DOT="ieee" if dot == "ieee" else "tf32",
+        num_warps=4,
+        **common,
     )
     batch = state_slots.shape[0]
     bv = min(bdv, 64)
     _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
-        w, u, k_tail, gcum, v_new, h_chunks, ssm_states, state_slots, cu_seqlens,
-        has_initial_state, offsets, ssm_states.stride(0), ssm_states.stride(1), num_v_heads,
-        BV=bv, MIN_LEN=min_len, num_warps=8 if bk * bv >= 128 * 64 else 4, num_stages=2, **common,
+        w,
+        u,
+        k_tail,
+        gcum,
+        v_new,
+        h_chunks,
+        ssm_states,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        offsets,
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        num_v_heads,
+        BV=bv,
+        MIN_LEN=min_len,
+        num_warps=8 if bk * bv >= 128 * 64 else 4,
+        num_stages=2,
+        **common,
     )
     bvo = min(bdv, 64)
     _gdn_chunk_out_kernel[(num_chunks, num_v_heads, -(-dv // bvo))](
-        q, k, gcum, v_new, h_chunks, out, chunks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-        dk**-0.5, num_v_heads, GROUP=group, BV=bvo, num_warps=4, **common,
+        q,
+        k,
+        gcum,
+        v_new,
+        h_chunks,
+        out,
+        chunks,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        out.stride(0),
+        out.stride(1),
+        dk**-0.5,
+        num_v_heads,
+        GROUP=group,
+        BV=bvo,
+        num_warps=4,
+        **common,
     )
     return out
 
@@ -571,6 +839,7 @@ def gdn_verify(
 ) -> torch.Tensor:
     """Dispatcher for the gdn_verify_ref contract: Triton on CUDA, the reference elsewhere."""
     if use_triton(q):
-        return gdn_verify_triton(q, k, v, g, beta, ssm_states, ssm_candidates, state_slots,
-                                 cu_seqlens)
+        return gdn_verify_triton(
+            q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens
+        )
     return gdn_verify_ref(q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens)

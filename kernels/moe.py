@@ -46,11 +46,17 @@ def dequantize_expert_weight(w_q: torch.Tensor, scale: torch.Tensor) -> torch.Te
     return w_q.float() * (scale[..., None] if scale.dim() == 2 else scale[:, None, None])
 
 
-def fused_moe_fp8_ref(x, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale, topk_weights,
-                      topk_ids) -> torch.Tensor:
+def fused_moe_fp8_ref(
+    x, w_gate_up_q, w_gate_up_scale, w_down_q, w_down_scale, topk_weights, topk_ids
+) -> torch.Tensor:
     """fp8-weight MoE reference: dequantised weights, fp32 activations; returns x's dtype."""
-    out = fused_moe_ref(x.float(), dequantize_expert_weight(w_gate_up_q, w_gate_up_scale),
-                        dequantize_expert_weight(w_down_q, w_down_scale), topk_weights, topk_ids)
+    out = fused_moe_ref(
+        x.float(),
+        dequantize_expert_weight(w_gate_up_q, w_gate_up_scale),
+        dequantize_expert_weight(w_down_q, w_down_scale),
+        topk_weights,
+        topk_ids,
+    )
     return out.to(x.dtype)
 
 
@@ -73,12 +79,21 @@ def fused_moe(
     if use_triton(x):
         from kernels.moe_triton import fused_moe_triton
 
-        return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids,
-                                w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale,
-                                shared_output=shared_output, shared_gate=shared_gate)
+        return fused_moe_triton(
+            x,
+            w_gate_up,
+            w_down,
+            topk_weights,
+            topk_ids,
+            w_gate_up_scale=w_gate_up_scale,
+            w_down_scale=w_down_scale,
+            shared_output=shared_output,
+            shared_gate=shared_gate,
+        )
     if w_gate_up_scale is not None:
-        out = fused_moe_fp8_ref(x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_weights,
-                                topk_ids)
+        out = fused_moe_fp8_ref(
+            x, w_gate_up, w_gate_up_scale, w_down, w_down_scale, topk_weights, topk_ids
+        )
     else:
         out = fused_moe_ref(x, w_gate_up, w_down, topk_weights, topk_ids)
     if shared_output is not None:
@@ -86,8 +101,9 @@ def fused_moe(
     return out
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher for routing: the torch ops of the reference on every device (a handful of small
     kernels; no Triton version yet)."""
     return moe_route_ref(router_logits, top_k, renormalize)

@@ -12,8 +12,9 @@ from kernels.fp8 import FP8_DTYPE, per_token_quant_triton
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort the T*k (token, slot) rows by expert, each expert padded to a multiple of block_m.
     Returns (sorted_rows [capacity] with T*k as padding, block_expert [capacity / block_m] with -1
     for unused blocks); capacity is the worst case, so nothing here waits for the device."""
@@ -40,12 +41,31 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, a_scale_ptr, w_scale_ptr, route_w_ptr,
-    num_rows, n_size, k_size, top_k,
-    stride_at, stride_we, stride_wn, stride_ot, stride_se,
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    expert_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    route_w_ptr,
+    num_rows,
+    n_size,
+    k_size,
+    top_k,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    stride_se,
     GATE_UP: tl.constexpr,  # True: silu(A Wg^T) * (A Wu^T) over tokens; False: A W^T over rows
-    FP8: tl.constexpr, W_PER_CHANNEL: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr,
+    W_PER_CHANNEL: tl.constexpr,
+    ROUTE_WEIGHT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
     expert = tl.load(expert_ptr + block)
@@ -101,13 +121,28 @@ def _moe_gemm_kernel(
         result = acc1
     if ROUTE_WEIGHT:
         result = result * tl.load(route_w_ptr + ids, mask=valid, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + ids.to(tl.int64)[:, None] * stride_ot + n[None, :],
-             result.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + ids.to(tl.int64)[:, None] * stride_ot + n[None, :],
+        result.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None] & n_ok[None, :],
+    )
 
 
 @jit
-def _moe_sum_kernel(rows_ptr, out_ptr, shared_ptr, gate_ptr, hidden, top_k, stride_r, stride_o,
-                    stride_s, stride_g, HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(
+    rows_ptr,
+    out_ptr,
+    shared_ptr,
+    gate_ptr,
+    hidden,
+    top_k,
+    stride_r,
+    stride_o,
+    stride_s,
+    stride_g,
+    HAS_SHARED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -155,7 +190,7 @@ def fused_moe_triton(
     block_m = _block_m(num_rows, num_experts)
     sorted_rows, block_expert = moe_align(topk_ids, num_experts, block_m)
     route_w = topk_weights.reshape(-1).float().contiguous()
-    a, a_scale = (per_token_quant_triton(x) if fp8 else (x, route_w))
+    a, a_scale = per_token_quant_triton(x) if fp8 else (x, route_w)
     a_scale = a_scale.reshape(-1)
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per row
     block_n = min(next_pow2(inter), 64 if block_m <= 32 else 128)
@@ -163,36 +198,84 @@ def fused_moe_triton(
     grid = (block_expert.shape[0], -(-inter // block_n))
     w1_scale = w_gate_up_scale.float() if fp8 else route_w
     _moe_gemm_kernel[grid](
-        a, w_gate_up, h, sorted_rows, block_expert, a_scale, w1_scale, route_w,
-        num_rows, inter, hidden, top_k,
-        a.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        a,
+        w_gate_up,
+        h,
+        sorted_rows,
+        block_expert,
+        a_scale,
+        w1_scale,
+        route_w,
+        num_rows,
+        inter,
+        hidden,
+        top_k,
+        a.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        h.stride(0),
         w1_scale.stride(0) if fp8 else 0,
-        GATE_UP=True, FP8=fp8, W_PER_CHANNEL=fp8 and w1_scale.dim() == 2, ROUTE_WEIGHT=False,
+        GATE_UP=True,
+        FP8=fp8,
+        W_PER_CHANNEL=fp8 and w1_scale.dim() == 2,
+        ROUTE_WEIGHT=False,
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+        num_stages=3,
     )
-    h_in, h_scale = (per_token_quant_triton(h) if fp8 else (h, route_w))
+    h_in, h_scale = per_token_quant_triton(h) if fp8 else (h, route_w)
     h_scale = h_scale.reshape(-1)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     block_n2 = min(next_pow2(hidden), 64 if block_m <= 32 else 128)
     w2_scale = w_down_scale.float() if fp8 else route_w
     _moe_gemm_kernel[(block_expert.shape[0], -(-hidden // block_n2))](
-        h_in, w_down, rows_out, sorted_rows, block_expert, h_scale, w2_scale, route_w,
-        num_rows, hidden, inter, 1,
-        h_in.stride(0), w_down.stride(0), w_down.stride(1), rows_out.stride(0),
+        h_in,
+        w_down,
+        rows_out,
+        sorted_rows,
+        block_expert,
+        h_scale,
+        w2_scale,
+        route_w,
+        num_rows,
+        hidden,
+        inter,
+        1,
+        h_in.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        rows_out.stride(0),
         w2_scale.stride(0) if fp8 else 0,
-        GATE_UP=False, FP8=fp8, W_PER_CHANNEL=fp8 and w2_scale.dim() == 2, ROUTE_WEIGHT=True,
+        GATE_UP=False,
+        FP8=fp8,
+        W_PER_CHANNEL=fp8 and w2_scale.dim() == 2,
+        ROUTE_WEIGHT=True,
         IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n2,
+        BLOCK_K=block_k,
+        num_warps=4,
+        num_stages=3,
     )
     has_shared = shared_output is not None
     if has_shared and shared_gate is None:
         raise ValueError("fused_moe: shared_output needs shared_gate")
     block = min(next_pow2(hidden), 1024)
     _moe_sum_kernel[(num_tokens, -(-hidden // block))](
-        rows_out, out, shared_output if has_shared else out, shared_gate if has_shared else out,
-        hidden, top_k, rows_out.stride(0), out.stride(0),
-        shared_output.stride(0) if has_shared else 0, shared_gate.stride(0) if has_shared else 0,
-        HAS_SHARED=has_shared, BLOCK=block,
+        rows_out,
+        out,
+        shared_output if has_shared else out,
+        shared_gate if has_shared else out,
+        hidden,
+        top_k,
+        rows_out.stride(0),
+        out.stride(0),
+        shared_output.stride(0) if has_shared else 0,
+        shared_gate.stride(0) if has_shared else 0,
+        HAS_SHARED=has_shared,
+        BLOCK=block,
     )
     return out

@@ -55,9 +55,20 @@ def gated_rms_norm_ref(
 
 @jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    stride_x, stride_r, stride_o, stride_nr, hidden, eps,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -66,7 +77,7 @@ def _rms_norm_kernel(
     dtype = x.dtype
     x = x.to(tl.float32)
     if HAS_RES:
-        x = (x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         x = x.to(dtype).to(tl.float32)
         tl.store(new_res_ptr + row * stride_nr + cols, x.to(dtype), mask=ok)
     h = x / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
@@ -97,10 +108,20 @@ def rms_norm_triton(
         return out, new_res
     block = next_pow2(hidden)
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, new_res,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        new_res.stride(0), hidden, eps,
-        BLOCK=block, HAS_RES=residual is not None, ZERO_CENTERED=zero_centered,
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        new_res,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        new_res.stride(0),
+        hidden,
+        eps,
+        BLOCK=block,
+        HAS_RES=residual is not None,
+        ZERO_CENTERED=zero_centered,
         num_warps=min(max(block // 512, 1), 16),
     )
     return out, new_res
@@ -108,8 +129,19 @@ def rms_norm_triton(
 
 @jit
 def _gated_rms_norm_kernel(
-    x_ptr, gate_ptr, w_ptr, out_ptr, rows, dim, stride_x, stride_g, stride_o, eps,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_WEIGHTED: tl.constexpr,
+    x_ptr,
+    gate_ptr,
+    w_ptr,
+    out_ptr,
+    rows,
+    dim,
+    stride_x,
+    stride_g,
+    stride_o,
+    eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROUND_WEIGHTED: tl.constexpr,
 ):
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -125,8 +157,9 @@ def _gated_rms_norm_kernel(
     gate = tl.load(gate_ptr + r[:, None] * stride_g + d[None, :], mask=mask, other=0.0)
     gate = gate.to(tl.float32)
     y = y * (gate / (1.0 + tl.exp(-gate)))
-    tl.store(out_ptr + r[:, None] * stride_o + d[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        out_ptr + r[:, None] * stride_o + d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def gated_rms_norm_triton(
@@ -145,8 +178,18 @@ def gated_rms_norm_triton(
     block_d = next_pow2(dim)
     block_r = max(1, min(16, 4096 // block_d))  # 64 rows x 8 warps measured slower on the H200
     _gated_rms_norm_kernel[(-(-rows // block_r),)](
-        x, gate, weight, out, rows, dim, x.stride(0), gate.stride(0), out.stride(0), eps,
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        x,
+        gate,
+        weight,
+        out,
+        rows,
+        dim,
+        x.stride(0),
+        gate.stride(0),
+        out.stride(0),
+        eps,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
         ROUND_WEIGHTED=weight.dtype == x.dtype and x.dtype != torch.float32,
         num_warps=4,
     )

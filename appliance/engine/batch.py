@@ -31,12 +31,16 @@ def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device
     for chunk in chunks:
         end = chunk.start + chunk.num_tokens
         if len(chunk.kv_slots) != chunk.num_tokens:
-            raise ValueError(f"chunk for slot {chunk.req_slot}: {len(chunk.kv_slots)} kv slots "
-                             f"for {chunk.num_tokens} tokens")
+            raise ValueError(
+                f"chunk for slot {chunk.req_slot}: {len(chunk.kv_slots)} kv slots "
+                f"for {chunk.num_tokens} tokens"
+            )
         if chunk.num_draft:
             if chunk.num_tokens != chunk.num_draft + 1:
-                raise ValueError(f"verify chunk for slot {chunk.req_slot}: {chunk.num_tokens} rows "
-                                 f"for {chunk.num_draft} drafts")
+                raise ValueError(
+                    f"verify chunk for slot {chunk.req_slot}: {chunk.num_tokens} rows "
+                    f"for {chunk.num_draft} drafts"
+                )
             ids.append(pools.token_ids[chunk.req_slot, chunk.start : chunk.start + 1])
             ids.append(pools.draft_tokens[chunk.req_slot, : chunk.num_draft])
         else:
@@ -70,5 +74,6 @@ def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device
         num_plain_reqs=num_plain,
         num_plain_tokens=cu[num_plain],
     )
-    return StepBatch(chunks, torch.cat(ids), torch.cat(positions), ctx, t(logits_indices),
-                     sample_rows)
+    return StepBatch(
+        chunks, torch.cat(ids), torch.cat(positions), ctx, t(logits_indices), sample_rows
+    )

@@ -46,8 +46,13 @@ def _kv_batch(q_lens, kv_len):
 
 def attention_cases(compile_peers: bool) -> Iterator[tuple]:
     scale = HEAD_DIM**-0.5
-    for batch, q_len, kv_len in ((1, 1, 32768), (16, 1, 4096), (64, 1, 4096), (256, 1, 4096),
-                                 (64, 4, 4096)):
+    for batch, q_len, kv_len in (
+        (1, 1, 32768),
+        (16, 1, 4096),
+        (64, 1, 4096),
+        (256, 1, 4096),
+        (64, 4, 4096),
+    ):
         args = _kv_batch([q_len] * batch, kv_len)
         q, k_cache, v_cache, r2t = args[:4]
         dense_k = k_cache[r2t.long()].transpose(1, 2)  # [B, Hkv, L, D], a copy in logical order
@@ -62,8 +67,14 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
 
         name = "decode" if q_len == 1 else "verify"
-        yield ("attn_" + name, f"B={batch} q={q_len} kv={kv_len}", ours, work, "GB/s",
-               {"sdpa_dense": sdpa})
+        yield (
+            "attn_" + name,
+            f"B={batch} q={q_len} kv={kv_len}",
+            ours,
+            work,
+            "GB/s",
+            {"sdpa_dense": sdpa},
+        )
         del dense_k, dense_v
     for tokens in (8192,):
         args = _kv_batch([tokens], tokens)
@@ -87,8 +98,14 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
                 return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
 
-        yield ("attn_prefill", f"T={tokens} causal", ours_p, flops, "TFLOP/s",
-               {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p})
+        yield (
+            "attn_prefill",
+            f"T={tokens} causal",
+            ours_p,
+            flops,
+            "TFLOP/s",
+            {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p},
+        )
 
 
 # ---------------------------------------------- GDN ----------------------------------------------
@@ -128,9 +145,17 @@ def gdn_cases(compile_peers: bool) -> Iterator[tuple]:
             state = pool[:batch].clone()
 
             def fla_rec(q=q, k=k, v=v, g=g, beta=beta, state=state):
-                return fla[1](q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None],
-                              scale=DK**-0.5, initial_state=state, output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
+                return fla[1](
+                    q[:, None],
+                    k[:, None],
+                    v[:, None],
+                    g=g[:, None],
+                    beta=beta[:, None],
+                    scale=DK**-0.5,
+                    initial_state=state,
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                )
 
             peers["fla_fused_recurrent(no pool gather)"] = fla_rec
         if batch <= 16:
@@ -147,13 +172,28 @@ def gdn_cases(compile_peers: bool) -> Iterator[tuple]:
             state = args[5][: len(lens)].clone()
 
             def fla_chunk(q=q, k=k, v=v, g=g, beta=beta, cu=cu64, state=state):
-                return fla[0](q[None], k[None], v[None], g=g[None], beta=beta[None],
-                              scale=DK**-0.5, initial_state=state, output_final_state=True,
-                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+                return fla[0](
+                    q[None],
+                    k[None],
+                    v[None],
+                    g=g[None],
+                    beta=beta[None],
+                    scale=DK**-0.5,
+                    initial_state=state,
+                    output_final_state=True,
+                    use_qk_l2norm_in_kernel=True,
+                    cu_seqlens=cu,
+                )
 
             peers["fla_chunk"] = fla_chunk
-        yield ("gdn_prefill", f"{len(lens)}x{lens[0]} tokens", lambda args=args: gdn.gdn(*args),
-               flops, "TFLOP/s", peers)
+        yield (
+            "gdn_prefill",
+            f"{len(lens)}x{lens[0]} tokens",
+            lambda args=args: gdn.gdn(*args),
+            flops,
+            "TFLOP/s",
+            peers,
+        )
 
 
 # ---------------------------------------------- conv ---------------------------------------------
@@ -174,10 +214,16 @@ def conv_cases(compile_peers: bool) -> Iterator[tuple]:
         if batch == 1:
             xt = x.t()[None].contiguous()
             peers["F.conv1d dense"] = lambda xt=xt, w=w: F.silu(
-                F.conv1d(xt, w[:, None], padding=3, groups=CONV_DIM))
-        yield ("conv1d", f"{batch}x{lens[0]} C={CONV_DIM}",
-               lambda args=args, m=max(lens): conv1d.causal_conv1d(*args, max_q_len=m), work,
-               "GB/s", peers)
+                F.conv1d(xt, w[:, None], padding=3, groups=CONV_DIM)
+            )
+        yield (
+            "conv1d",
+            f"{batch}x{lens[0]} C={CONV_DIM}",
+            lambda args=args, m=max(lens): conv1d.causal_conv1d(*args, max_q_len=m),
+            work,
+            "GB/s",
+            peers,
+        )
 
 
 # -------------------------------------- norms, rotary, silu --------------------------------------
@@ -196,17 +242,28 @@ def _rms_case(tokens: int, compile_peers: bool) -> tuple:
     res = torch.randn_like(x)
     w = torch.randn(HIDDEN, device=DEV, dtype=BF16)
     peers = _peers(norm.rms_norm_ref, compile_peers, x, w, 1e-6, True, res)
-    return ("rms_norm+res", f"T={tokens} H={HIDDEN}", lambda: norm.rms_norm(x, w, 1e-6, True, res),
-            4 * x.numel() * 2, "GB/s", peers)
+    return (
+        "rms_norm+res",
+        f"T={tokens} H={HIDDEN}",
+        lambda: norm.rms_norm(x, w, 1e-6, True, res),
+        4 * x.numel() * 2,
+        "GB/s",
+        peers,
+    )
 
 
 def _gated_case(tokens: int, compile_peers: bool) -> tuple:
     xg = torch.randn(tokens * HV, DV, device=DEV, dtype=BF16)
     gate = torch.randn_like(xg)
     wg = torch.randn(DV, device=DEV, dtype=BF16)
-    return ("gated_rms_norm", f"rows={tokens * HV} D={DV}",
-            lambda: norm.gated_rms_norm(xg, gate, wg, 1e-6), 3 * xg.numel() * 2, "GB/s",
-            _peers(norm.gated_rms_norm_ref, compile_peers, xg, gate, wg, 1e-6))
+    return (
+        "gated_rms_norm",
+        f"rows={tokens * HV} D={DV}",
+        lambda: norm.gated_rms_norm(xg, gate, wg, 1e-6),
+        3 * xg.numel() * 2,
+        "GB/s",
+        _peers(norm.gated_rms_norm_ref, compile_peers, xg, gate, wg, 1e-6),
+    )
 
 
 def _rotary_cases(tokens: int, compile_peers: bool) -> list[tuple]:
@@ -216,20 +273,35 @@ def _rotary_cases(tokens: int, compile_peers: bool) -> list[tuple]:
     rows = rotary.mrope_channel_rows(32, [11, 11, 10]).to(DEV)
     cos, sin = rotary.rotary_cos_sin_ref(positions, freqs, rows)
     return [
-        ("rotary", f"T={tokens} Hq={HQ} D={HEAD_DIM} rot=64",
-         lambda: rotary.apply_rotary(q, cos, sin),
-         2 * q.numel() * 2 + 2 * cos.numel() * 4, "GB/s",
-         _peers(rotary.apply_rotary_ref, compile_peers, q, cos, sin)),
-        ("mrope_cos_sin", f"T={tokens}", lambda: rotary.rotary_cos_sin(positions, freqs, rows),
-         2 * tokens * 64 * 4, "GB/s",
-         _peers(rotary.rotary_cos_sin_ref, False, positions, freqs, rows)),
+        (
+            "rotary",
+            f"T={tokens} Hq={HQ} D={HEAD_DIM} rot=64",
+            lambda: rotary.apply_rotary(q, cos, sin),
+            2 * q.numel() * 2 + 2 * cos.numel() * 4,
+            "GB/s",
+            _peers(rotary.apply_rotary_ref, compile_peers, q, cos, sin),
+        ),
+        (
+            "mrope_cos_sin",
+            f"T={tokens}",
+            lambda: rotary.rotary_cos_sin(positions, freqs, rows),
+            2 * tokens * 64 * 4,
+            "GB/s",
+            _peers(rotary.rotary_cos_sin_ref, False, positions, freqs, rows),
+        ),
     ]
 
 
 def _silu_case(tokens: int, compile_peers: bool) -> tuple:
     xs = torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16)
-    return ("silu_and_mul", f"T={tokens} I={INTER}", lambda: silu_and_mul(xs),
-            xs.numel() * 2 * 3 // 2, "GB/s", _peers(silu_and_mul_ref, compile_peers, xs))
+    return (
+        "silu_and_mul",
+        f"T={tokens} I={INTER}",
+        lambda: silu_and_mul(xs),
+        xs.numel() * 2 * 3 // 2,
+        "GB/s",
+        _peers(silu_and_mul_ref, compile_peers, xs),
+    )
 
 
 def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
@@ -252,16 +324,23 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple:
     x = torch.randn(m, k, device=DEV, dtype=BF16)
     a_q, a_s = fp8.per_token_quant_ref(x)
     peers = {
-        "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external("torch", a_q, w_q, a_s, w_s,
-                                                                    BF16),
+        "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external(
+            "torch", a_q, w_q, a_s, w_s, BF16
+        ),
         "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
     }
     if has("sgl_kernel"):
-        peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external("sgl", a_q, w_q, a_s, w_s,
-                                                                      BF16)
-    return ("fp8_gemm", f"M={m} N={n} K={k}",
-            lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16), 2 * m * n * k, "TFLOP/s",
-            peers)
+        peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external(
+            "sgl", a_q, w_q, a_s, w_s, BF16
+        )
+    return (
+        "fp8_gemm",
+        f"M={m} N={n} K={k}",
+        lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16),
+        2 * m * n * k,
+        "TFLOP/s",
+        peers,
+    )
 
 
 def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
@@ -272,8 +351,14 @@ def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
             yield _fp8_gemm_case(m, w_q, w_s.reshape(n), w.to(BF16))
     for tokens in (16, 8192):
         x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
-        yield ("fp8_quant_tok", f"T={tokens} H={HIDDEN}", lambda x=x: fp8.fp8_quant(x),
-               x.numel() * 3, "GB/s", {"eager_ref": lambda x=x: fp8.per_token_quant_ref(x)})
+        yield (
+            "fp8_quant_tok",
+            f"T={tokens} H={HIDDEN}",
+            lambda x=x: fp8.fp8_quant(x),
+            x.numel() * 3,
+            "GB/s",
+            {"eager_ref": lambda x=x: fp8.per_token_quant_ref(x)},
+        )
 
 
 # ---------------------------------------------- MoE ----------------------------------------------
@@ -293,15 +378,29 @@ def moe_cases(compile_peers: bool) -> Iterator[tuple]:
         x = torch.randn(tokens, hidden, device=DEV, dtype=BF16)
         weights, ids = moe_route_ref(torch.randn(tokens, experts, device=DEV), top_k, True)
         flops = tokens * top_k * 6 * hidden * inter
-        peers = {"torch_ref (loop over experts)": lambda x=x, w=weights, i=ids: fused_moe_ref(
-            x, w1, w2, w, i)}
-        yield ("moe_bf16", f"T={tokens} E={experts} k={top_k}",
-               lambda x=x, w=weights, i=ids: fused_moe(x, w1, w2, w, i), flops, "TFLOP/s", peers)
-        yield ("moe_fp8", f"T={tokens} E={experts} k={top_k} per-channel",
-               lambda x=x, w=weights, i=ids: fused_moe(x, w1_q, w2_q, w, i, w_gate_up_scale=w1_s,
-                                                       w_down_scale=w2_s),
-               flops, "TFLOP/s", {"moe_bf16 (ours)": lambda x=x, w=weights, i=ids: fused_moe(
-                   x, w1, w2, w, i)})
+        peers = {
+            "torch_ref (loop over experts)": lambda x=x, w=weights, i=ids: fused_moe_ref(
+                x, w1, w2, w, i
+            )
+        }
+        yield (
+            "moe_bf16",
+            f"T={tokens} E={experts} k={top_k}",
+            lambda x=x, w=weights, i=ids: fused_moe(x, w1, w2, w, i),
+            flops,
+            "TFLOP/s",
+            peers,
+        )
+        yield (
+            "moe_fp8",
+            f"T={tokens} E={experts} k={top_k} per-channel",
+            lambda x=x, w=weights, i=ids: fused_moe(
+                x, w1_q, w2_q, w, i, w_gate_up_scale=w1_s, w_down_scale=w2_s
+            ),
+            flops,
+            "TFLOP/s",
+            {"moe_bf16 (ours)": lambda x=x, w=weights, i=ids: fused_moe(x, w1, w2, w, i)},
+        )
 
 
 OPS = {

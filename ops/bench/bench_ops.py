@@ -63,22 +63,31 @@ def measure(op: str, shape: str, ours: Fn, work: float, unit: str, peers: dict[s
             row.peers[name] = time_us(fn)
         except Exception as exc:  # a peer that cannot run is reported, not fatal
             row.peers[name] = float("nan")
-            print(f"  peer {name} failed on {op} {shape}: {type(exc).__name__}: {exc}"[:300],
-                  file=sys.stderr)
+            print(
+                f"  peer {name} failed on {op} {shape}: {type(exc).__name__}: {exc}"[:300],
+                file=sys.stderr,
+            )
     name, peer_us = row.best_peer()
-    print(f"{op:14s} {shape:34s} {row.ours_us:10.1f} us {row.achieved():9.1f} {unit:7s} "
-          f"best peer {name} {peer_us:.1f} us ratio {peer_us / row.ours_us:.2f}", flush=True)
+    print(
+        f"{op:14s} {shape:34s} {row.ours_us:10.1f} us {row.achieved():9.1f} {unit:7s} "
+        f"best peer {name} {peer_us:.1f} us ratio {peer_us / row.ours_us:.2f}",
+        flush=True,
+    )
     return row
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| op | case | ours µs | achieved | best peer | peer µs | ratio | all peers µs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| op | case | ours µs | achieved | best peer | peer µs | ratio | all peers µs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         name, peer_us = r.best_peer()
         others = ", ".join(f"{k} {v:.1f}" for k, v in r.peers.items())
-        lines.append(f"| {r.op} | {r.shape} | {r.ours_us:.1f} | {r.achieved():.1f} {r.unit} "
-                     f"| {name} | {peer_us:.1f} | {peer_us / r.ours_us:.2f} | {others} |")
+        lines.append(
+            f"| {r.op} | {r.shape} | {r.ours_us:.1f} | {r.achieved():.1f} {r.unit} "
+            f"| {name} | {peer_us:.1f} | {peer_us / r.ours_us:.2f} | {others} |"
+        )
     return "\n".join(lines)
 
 
@@ -92,9 +101,11 @@ def main() -> int:
         print("bench_ops needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"peers: {[m for m in ('fla', 'flashinfer', 'sgl_kernel', 'flash_qla') if has(m)]}",
-          flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()} torch {torch.__version__} "
+        f"peers: {[m for m in ('fla', 'flashinfer', 'sgl_kernel', 'flash_qla') if has(m)]}",
+        flush=True,
+    )
     rows: list[Row] = []
     for op in args.ops.split(","):
         start = time.time()

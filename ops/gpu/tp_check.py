@@ -60,8 +60,10 @@ def main() -> int:
             ref_logits, ref_tokens = greedy_run(ModelRunner(config(str(ckpt), device)), prompts, 16)
             err = (tp_logits - ref_logits).abs().max().item()
             same = tp_tokens == ref_tokens
-            line = (f"{name}: TP{world} ({args.backend}) vs TP1 max|dlogit| {err:.2e}, "
-                    f"greedy equal {same}")
+            line = (
+                f"{name}: TP{world} ({args.backend}) vs TP1 max|dlogit| {err:.2e}, "
+                f"greedy equal {same}"
+            )
             print(line, flush=True)
             (out / "tp_check.txt").open("a").write(line + "\n")
             failures += (err > 1e-3) or not same

@@ -44,8 +44,12 @@ def _import_interpreted() -> None:
             for name in stale:
                 if not name.startswith("triton._C"):
                     del sys.modules[name]
-        for name in ("triton", "triton.language", "triton.runtime.interpreter",
-                     "triton.experimental.gluon"):
+        for name in (
+            "triton",
+            "triton.language",
+            "triton.runtime.interpreter",
+            "triton.experimental.gluon",
+        ):
             importlib.import_module(name)
         for name in KERNEL_MODULES:
             if name in sys.modules:
@@ -114,4 +118,3 @@ if INTERPRET:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: full-size kernel test, runs where CUDA is present")
-

@@ -19,8 +19,8 @@ def generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0
-          ) -> torch.Tensor:
+def randn(
+    *shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0
+) -> torch.Tensor:
     """Fresh random input built on the CPU (same values on every device), moved to DEVICE."""
     return (torch.randn(*shape, generator=generator(seed)) * scale).to(DEVICE, dtype)
-

@@ -40,8 +40,15 @@ def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, see
     v_cache = randn(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=seed + 3)
     cu = torch.tensor([0] + list(q_lens)).cumsum(0).int()
     to = dict(device=DEVICE)
-    return (q, k_cache, v_cache, req_to_token.to(**to), req_slots.to(**to), cu.to(**to),
-            torch.tensor(seq_lens, dtype=torch.int32, **to))
+    return (
+        q,
+        k_cache,
+        v_cache,
+        req_to_token.to(**to),
+        req_slots.to(**to),
+        cu.to(**to),
+        torch.tensor(seq_lens, dtype=torch.int32, **to),
+    )
 
 
 CASES = {
@@ -57,8 +64,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_paged_attention_matches_reference(case, dtype):
     q_lens, seq_lens, hq, hkv, d = CASES[case]
-    args = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, seed=len(case),
-                      q_view=case == "verify_rows")
+    args = make_batch(
+        q_lens, seq_lens, hq, hkv, d, dtype, seed=len(case), q_view=case == "verify_rows"
+    )
     scale = d**-0.5
     expected = paged_attention_ref(*args, scale)
     out = poison(torch.empty(args[0].shape, dtype=dtype, device=DEVICE))
@@ -100,8 +108,13 @@ def test_store_kv_writes_only_named_slots(dtype):
 @gpu
 @pytest.mark.parametrize(
     "q_lens,seq_lens",
-    [([1] * 64, [4096] * 64), ([1], [32768]), ([4] * 16, [2048] * 16), ([8192], [8192]),
-     ([2048, 1024], [6144, 1024])],
+    [
+        ([1] * 64, [4096] * 64),
+        ([1], [32768]),
+        ([4] * 16, [2048] * 16),
+        ([8192], [8192]),
+        ([2048, 1024], [6144, 1024]),
+    ],
     ids=["decode64x4k", "decode1x32k", "verify16", "prefill8k", "prefill_prefix"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16])

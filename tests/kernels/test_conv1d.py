@@ -45,9 +45,11 @@ def check_states(states, ref_states, written, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "lens,has_init,activation",
-    [([1, 1, 1], [True, False, True], "silu"),  # decode update
-     ([2, 1], [True, True], None),  # short rows: state mixes old columns and new inputs
-     ([70, 0, 5, 130], [False, True, True, True], "silu")],  # varlen prefill, several token blocks
+    [
+        ([1, 1, 1], [True, False, True], "silu"),  # decode update
+        ([2, 1], [True, True], None),  # short rows: state mixes old columns and new inputs
+        ([70, 0, 5, 130], [False, True, True, True], "silu"),
+    ],  # varlen prefill, several token blocks
     ids=["decode", "short", "prefill"],
 )
 def test_conv1d_matches_reference(lens, has_init, activation, dtype):
@@ -86,8 +88,11 @@ def test_dispatcher_matches_reference():
 
 
 @gpu
-@pytest.mark.parametrize("lens", [[1] * 256, [4] * 64, [8192], [3000, 1, 17, 2000]],
-                         ids=["decode256", "verify64x4", "prefill8k", "mixed"])
+@pytest.mark.parametrize(
+    "lens",
+    [[1] * 256, [4] * 64, [8192], [3000, 1, 17, 2000]],
+    ids=["decode256", "verify64x4", "prefill8k", "mixed"],
+)
 def test_full_size_qwen35_27b(lens):
     inputs = make_inputs(lens, 10240, 4, torch.bfloat16, seed=1, has_init=[True] * len(lens))
     ref_states = inputs[2].clone()

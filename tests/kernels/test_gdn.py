@@ -59,13 +59,16 @@ def check_pool(pool, ref_pool, slots, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens,has_init", [
-    ([1, 1, 1], [True, False, True]), ([3, 3], [True, True]), ([2, 0, 5], [False, True, True])])
+@pytest.mark.parametrize(
+    "lens,has_init",
+    [([1, 1, 1], [True, False, True]), ([3, 3], [True, True]), ([2, 0, 5], [False, True, True])],
+)
 def test_recurrent_matches_reference(lens, has_init, dtype):
     inputs = make_inputs(lens, 2, 4, 16, 32, dtype, seed=sum(lens), has_init=has_init)
     out = poison(torch.empty(inputs[2].shape, dtype=dtype, device=DEVICE))
-    got, expected, pool, ref_pool = run_both(gdn_recurrent_ref, gdn_recurrent_triton, inputs,
-                                             out=out)
+    got, expected, pool, ref_pool = run_both(
+        gdn_recurrent_ref, gdn_recurrent_triton, inputs, out=out
+    )
     assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
     check_pool(pool, ref_pool, inputs[6], dtype)
 
@@ -108,11 +111,17 @@ def test_verify_rows_fill_candidates_and_keep_committed_state(dtype):
     got = gdn_verify_triton(q, k, v, g, beta, pool, candidates, slots, cu, out=out)
     assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
     assert torch.equal(pool.nan_to_num(7.0), committed.nan_to_num(7.0)), "committed state changed"
-    assert_close(candidates, ref_candidates, dtype, factor=ACCUMULATING, name="candidates",
-                 equal_nan=True)
+    assert_close(
+        candidates, ref_candidates, dtype, factor=ACCUMULATING, name="candidates", equal_nan=True
+    )
     assert torch.isnan(candidates[slots[0], 3]).all()  # a 3-row request fills rows 0..2 only
-    assert_close(gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu), expected, dtype,
-                 factor=ACCUMULATING, name="dispatcher")
+    assert_close(
+        gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu),
+        expected,
+        dtype,
+        factor=ACCUMULATING,
+        name="dispatcher",
+    )
 
 
 def test_dispatcher_matches_gdn_ref():
@@ -124,11 +133,14 @@ def test_dispatcher_matches_gdn_ref():
 
 @gpu
 @pytest.mark.parametrize(
-    "lens", [[1] * 64, [1] * 256, [4] * 16, [8192], [3000, 1, 2000, 1], [1024] * 8],
-    ids=["decode64", "decode256", "rows16x4", "prefill8k", "mixed", "prefill8x1k"])
+    "lens",
+    [[1] * 64, [1] * 256, [4] * 16, [8192], [3000, 1, 2000, 1], [1024] * 8],
+    ids=["decode64", "decode256", "rows16x4", "prefill8k", "mixed", "prefill8x1k"],
+)
 def test_full_size_qwen35_27b(lens):
-    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=1,
-                         has_init=[True] * len(lens))
+    inputs = make_inputs(
+        lens, 16, 48, 128, 128, torch.bfloat16, seed=1, has_init=[True] * len(lens)
+    )
     ref_inputs = list(inputs)
     ref_inputs[5] = inputs[5].clone()
     expected = gdn_ref(*ref_inputs)

@@ -16,4 +16,5 @@ def test_kernels_are_interpreted_and_the_flag_is_restored():
 
     assert isinstance(attention._paged_attention_kernel, InterpretedFunction)
     assert os.environ.get("TRITON_INTERPRET") in (None, "", "0") or pytest.skip(
-        "TRITON_INTERPRET was set before the run")
+        "TRITON_INTERPRET was set before the run"
+    )

@@ -71,8 +71,12 @@ def test_shared_expert_gate_and_dispatcher():
     expected = fused_moe_ref(x, w1, w2, weights, ids) + torch.sigmoid(gate) * shared
     got = fused_moe_triton(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate)
     assert_close(got, expected, torch.float32, name="triton")
-    assert_close(fused_moe(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate),
-                 expected, torch.float32, name="dispatcher")
+    assert_close(
+        fused_moe(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate),
+        expected,
+        torch.float32,
+        name="dispatcher",
+    )
 
 
 @gpu

@@ -67,5 +67,6 @@ def test_full_size_qwen35_27b(tokens):
     xg = randn(tokens * 48, 128, dtype=torch.bfloat16, seed=4)
     gate = randn(tokens * 48, 128, dtype=torch.bfloat16, seed=5)
     wg = randn(128, dtype=torch.bfloat16, seed=6)
-    assert_close(gated_rms_norm(xg, gate, wg, 1e-6), gated_rms_norm_ref(xg, gate, wg, 1e-6),
-                 torch.bfloat16)
+    assert_close(
+        gated_rms_norm(xg, gate, wg, 1e-6), gated_rms_norm_ref(xg, gate, wg, 1e-6), torch.bfloat16
+    )

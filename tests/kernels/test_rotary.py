@@ -63,8 +63,9 @@ def test_dispatchers_match_references():
     ref_cos, ref_sin = rotary_cos_sin_ref(positions, freqs, rows)
     torch.testing.assert_close(cos, ref_cos, atol=2e-4, rtol=0)
     x = randn(5, 2, 32, seed=4)
-    assert_close(apply_rotary(x, ref_cos, ref_sin), apply_rotary_ref(x, ref_cos, ref_sin),
-                 torch.float32)
+    assert_close(
+        apply_rotary(x, ref_cos, ref_sin), apply_rotary_ref(x, ref_cos, ref_sin), torch.float32
+    )
 
 
 @gpu
@@ -75,5 +76,6 @@ def test_full_size_qwen35_27b(tokens):
     ref_cos, ref_sin = rotary_cos_sin_ref(positions, freqs, rows)
     torch.testing.assert_close(cos, ref_cos, atol=2e-4, rtol=0)
     q = randn(tokens, 24, 512, dtype=torch.bfloat16, seed=6)[:, :, :256]  # q half of q+gate
-    assert_close(apply_rotary(q, ref_cos, ref_sin), apply_rotary_ref(q, ref_cos, ref_sin),
-                 torch.bfloat16)
+    assert_close(
+        apply_rotary(q, ref_cos, ref_sin), apply_rotary_ref(q, ref_cos, ref_sin), torch.bfloat16
+    )

@@ -21,12 +21,23 @@ FP8_REL_ERROR = 0.06
 FP8_GEMM_TOLERANCE = (2e-3, 2e-2)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
-                 factor: float = 1.0, name: str = "", equal_nan: bool = False) -> None:
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    factor: float = 1.0,
+    name: str = "",
+    equal_nan: bool = False,
+) -> None:
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol * factor,
-                               rtol=rtol * factor, equal_nan=equal_nan,
-                               msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(
+        actual.float(),
+        expected.float(),
+        atol=atol * factor,
+        rtol=rtol * factor,
+        equal_nan=equal_nan,
+        msg=lambda m: f"{name}: {m}",
+    )
 
 
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

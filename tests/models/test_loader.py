@@ -20,8 +20,9 @@ IDS = list(range(3, 90, 2))
 
 
 def logits(ckpt) -> torch.Tensor:
-    config = build_engine_config(str(ckpt), 1, dict(max_num_seqs=2, num_kv_slots=256,
-                                                    max_model_len=128))
+    config = build_engine_config(
+        str(ckpt), 1, dict(max_num_seqs=2, num_kv_slots=256, max_model_len=128)
+    )
     return engine_logits(ModelRunner(config), [IDS], chunk=64)[0]
 
 
