@@ -76,7 +76,11 @@ class LiveAppliance:
 
 
 def start_appliance(
-    model_dir: pathlib.Path, log_path: pathlib.Path, *args: str, max_model_len: int = 512
+    model_dir: pathlib.Path,
+    log_path: pathlib.Path,
+    *args: str,
+    max_model_len: int = 512,
+    env: dict[str, str] | None = None,
 ) -> LiveAppliance:
     port = free_port()
     cmd = [
@@ -93,7 +97,12 @@ def start_appliance(
         str(max_model_len),
         *args,
     ]
-    env = {**os.environ, "APPLIANCE_LOG_STATS_INTERVAL": "0", "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "APPLIANCE_LOG_STATS_INTERVAL": "0",
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     app = LiveAppliance(proc, port, log_path)

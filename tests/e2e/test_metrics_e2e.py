@@ -9,10 +9,7 @@ known; the stats interval is 1 s so the launcher log carries stats lines.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from appliance.testing.forced import write_scripts
-from tests.e2e.live import ROOT, STARTUP_TIMEOUT_S, LiveAppliance, free_port
+from tests.e2e.live import start_appliance
 
 MODEL = "tiny-metrics"
 SECRET = "zebracorn"  # in every prompt; must never reach a log line or /debug/status
@@ -40,31 +37,6 @@ def _messages(trigger: str) -> list[dict]:
     return [{"role": "user", "content": f"Say something, {SECRET}. {trigger}"}]
 
 
-def _start(model_dir, log_path, env: dict[str, str]) -> LiveAppliance:
-    """Like tests.e2e.live.start_appliance, with extra environment for the appliance."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "appliance.cli", "serve", str(model_dir), "--port", str(port)]
-    cmd += ["--device", "cpu", "--max-model-len", "512"]
-    cmd += ["--runner", "appliance.testing.forced:ForcedRunner"]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    app = LiveAppliance(proc, port, log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"appliance exited with {proc.returncode}:\n{app.log()}")
-        try:
-            if httpx.get(f"{app.url}/health", timeout=2).status_code == 200:
-                return app
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            app.stop()
-            raise AssertionError(f"appliance not ready in {STARTUP_TIMEOUT_S}s:\n{app.log()}")
-        time.sleep(0.25)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_dense, tmp_path_factory):
     model = tmp_path_factory.mktemp("metrics") / MODEL
@@ -78,8 +50,12 @@ def model_dir(tiny_dense, tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("live_metrics") / "appliance.log"
-    app = _start(
-        model_dir, log, {"APPLIANCE_LOG_STATS_INTERVAL": "1", "APPLIANCE_LOG_COLOR": "never"}
+    app = start_appliance(
+        model_dir,
+        log,
+        "--runner",
+        "appliance.testing.forced:ForcedRunner",
+        env={"APPLIANCE_LOG_STATS_INTERVAL": "1", "APPLIANCE_LOG_COLOR": "never"},
     )
     yield app
     code = app.stop()

@@ -4,6 +4,7 @@ recorded, and every Grafana dashboard query evaluates without error."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -72,9 +73,10 @@ def served_recorder():
     server.server_close()
 
 
-@pytest.fixture()
-def prometheus(tmp_path, served_recorder):
-    recorder, target_port = served_recorder
+@contextlib.contextmanager
+def run_prometheus(tmp_path: Path, target_port: int):
+    """A real Prometheus on 127.0.0.1 scraping 127.0.0.1:target_port every second with the shipped
+    scrape config; yields its base URL."""
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     config["global"]["scrape_interval"] = "1s"
     job = config["scrape_configs"][0]
@@ -95,13 +97,20 @@ def prometheus(tmp_path, served_recorder):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=1).status == 200, 30)
-        yield recorder, base
+        yield base
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture()
+def prometheus(tmp_path, served_recorder):
+    recorder, target_port = served_recorder
+    with run_prometheus(tmp_path, target_port) as base:
+        yield recorder, base
 
 
 def wait_for(check, timeout_s: float):
