@@ -7,7 +7,6 @@ run at TP=N gives TP=1's logits within fp32 reduction noise and the same greedy 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ def config(ckpt: str, device: str) -> EngineConfig:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="nccl")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/tp-check"))
+    ap.add_argument("--out", default="/tmp/tp-check")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

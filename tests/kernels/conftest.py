@@ -22,6 +22,7 @@ import torch
 KERNEL_MODULES = (
     "kernels.triton_utils",
     "kernels.attention",
+    "kernels.gdn_chunk",
     "kernels.gdn",
     "kernels.conv1d",
     "kernels.norm",

@@ -1,0 +1,405 @@
+"""Gated DeltaNet chunked prefill in Triton (three kernels: prep, scan, out) and its launcher, plus
+the helpers the recurrent kernels in kernels/gdn.py share. Reference: `kernels.gdn.gdn_chunked_ref`;
+dispatch: `kernels.gdn.gdn`. Split out of gdn.py to keep each file readable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+
+CHUNK = 64
+
+
+@jit
+def _l2norm(x, eps):
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) + eps))
+
+
+@jit
+def _mm(a, b, DOT: tl.constexpr):
+    """a @ b with fp32 accumulation: exact fp32 ('ieee') or in a 16-bit type ('bf16' / 'fp16')."""
+    if DOT == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    elif DOT == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@jit
+def _unit_lower_inverse(a, r, PREC: tl.constexpr):
+    """(I + a)^-1 for a strictly lower [64, 64] a: the 16x16 diagonal blocks D by repeated squaring,
+    (I + D)^-1 = (I - D)(I + D^2)(I + D^4)(I + D^8), then the off-diagonal part L folded in:
+    (I + A)^-1 = (I + M)^-1 (I + D)^-1 with M = (I + D)^-1 L nilpotent of order 4. Ten dots."""
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    diag_block = (r[:, None] // 16) == (r[None, :] // 16)
+    p = tl.where(diag_block, -a, 0.0)
+    off = tl.where(diag_block, 0.0, a)
+    inv_d = eye + p
+    for _ in tl.static_range(3):
+        p = tl.dot(p, p, input_precision=PREC)
+        inv_d = tl.dot(inv_d, eye + p, input_precision=PREC)
+    m = tl.dot(inv_d, off, input_precision=PREC)
+    m2 = tl.dot(m, m, input_precision=PREC)
+    left = tl.dot(eye - m, eye + m2, input_precision=PREC)
+    return tl.dot(left, inv_d, input_precision=PREC)
+
+
+@jit
+def _gdn_chunk_prep_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    w_ptr,
+    u_ptr,
+    ktail_ptr,
+    gcum_ptr,
+    chunks_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    num_v_heads,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BDV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DOT: tl.constexpr,
+    INV_DOT: tl.constexpr,
+):
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, CHUNK)
+    t = (start + r).to(tl.int64)
+    row_ok = start + r < end
+    kk = tl.arange(0, BK)
+    vv = tl.arange(0, BDV)
+    k_mask = row_ok[:, None] & (kk < DK)[None, :]
+    v_mask = row_ok[:, None] & (vv < DV)[None, :]
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=k_mask, other=0.0
+    ).to(tl.float32)
+    k = _l2norm(k, 1e-6)
+    v = tl.load(
+        v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
+    ).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
+    big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start (masked rows add 0)
+    g_last = tl.max(tl.where(r == end - start - 1, big_g, float("-inf")), 0)
+
+    below = r[:, None] > r[None, :]
+    k_beta = k * beta[:, None]
+    a = _mm(k_beta, tl.trans(k), DOT)
+    a = tl.where(below, a * tl.exp(tl.where(below, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
+    inv = _unit_lower_inverse(a, r, INV_DOT)
+    w = _mm(inv, k_beta * tl.exp(big_g)[:, None], DOT)  # [C, BK]
+    u = _mm(inv, v * beta[:, None], DOT)  # [C, BDV]
+    k_tail = k * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[:, None]
+    row = t * num_v_heads + hv
+    out_k = row[:, None] * DK + kk[None, :]
+    tl.store(w_ptr + out_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(ktail_ptr + out_k, k_tail.to(ktail_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(u_ptr + row[:, None] * DV + vv[None, :], u, mask=v_mask)
+    tl.store(gcum_ptr + row, big_g, mask=row_ok)
+
+
+@jit
+def _gdn_chunk_scan_kernel(
+    w_ptr,
+    u_ptr,
+    ktail_ptr,
+    gcum_ptr,
+    vnew_ptr,
+    hbuf_ptr,
+    state_ptr,
+    state_slots_ptr,
+    cu_ptr,
+    has_init_ptr,
+    chunk_offsets_ptr,
+    stride_ss,
+    stride_sh,
+    num_v_heads,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    MIN_LEN: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hv = tl.program_id(1)
+    start = tl.load(cu_ptr + b)
+    end = tl.load(cu_ptr + b + 1)
+    if end - start <= MIN_LEN:
+        return
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = kk < DK
+    v_ok = vv < DV
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    s_offs = kk[:, None] * DV + vv[None, :]
+    slot = tl.load(state_slots_ptr + b).to(tl.int64)
+    if tl.load(has_init_ptr + b) != 0:
+        h = tl.load(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, mask=s_mask, other=0.0)
+    else:
+        h = tl.zeros([BK, BV], dtype=tl.float32)
+    chunk = tl.load(chunk_offsets_ptr + b).to(tl.int64)
+    r = tl.arange(0, CHUNK)
+    for c0 in range(start, end, CHUNK):
+        t = (c0 + r).to(tl.int64)
+        row_ok = c0 + r < end
+        row = t * num_v_heads + hv
+        tl.store(
+            hbuf_ptr + (chunk * num_v_heads + hv) * (DK * DV) + s_offs,
+            h.to(hbuf_ptr.dtype.element_ty),
+            mask=s_mask,
+        )
+        w = tl.load(
+            w_ptr + row[:, None] * DK + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        u = tl.load(
+            u_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0
+        )
+        v_new = u - _mm(w, h, DOT)  # [C, BV]
+        tl.store(
+            vnew_ptr + row[:, None] * DV + vv[None, :],
+            v_new.to(vnew_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & v_ok[None, :],
+        )
+        k_tail_t = tl.load(
+            ktail_ptr + row[None, :] * DK + kk[:, None],
+            mask=row_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )  # [BK, C]
+        last = (tl.minimum(c0 + CHUNK, end) - 1).to(tl.int64)
+        g_last = tl.load(gcum_ptr + last * num_v_heads + hv)
+        h = h * tl.exp(g_last) + _mm(k_tail_t, v_new, DOT)
+        chunk += 1
+    tl.store(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, h, mask=s_mask)
+
+
+@jit
+def _gdn_chunk_out_kernel(
+    q_ptr,
+    k_ptr,
+    gcum_ptr,
+    vnew_ptr,
+    hbuf_ptr,
+    out_ptr,
+    chunks_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    scale,
+    num_v_heads,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    c = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    start = tl.load(chunks_ptr + 2 * c)
+    end = tl.load(chunks_ptr + 2 * c + 1)
+    r = tl.arange(0, CHUNK)
+    t = (start + r).to(tl.int64)
+    row_ok = start + r < end
+    kk = tl.arange(0, BK)
+    vv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = kk < DK
+    v_ok = vv < DV
+    qk_mask = row_ok[:, None] & k_ok[None, :]
+    q = tl.load(
+        q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=qk_mask, other=0.0
+    ).to(tl.float32)
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask, other=0.0
+    ).to(tl.float32)
+    q = _l2norm(q, 1e-6) * scale
+    k = _l2norm(k, 1e-6)
+    row = t * num_v_heads + hv
+    big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
+    causal = r[:, None] >= r[None, :]
+    scores = _mm(q, tl.trans(k), DOT)
+    decay = tl.exp(tl.where(causal, big_g[:, None] - big_g[None, :], 0.0))
+    scores = tl.where(causal, scores * decay, 0.0)
+    h = tl.load(
+        hbuf_ptr + (c.to(tl.int64) * num_v_heads + hv) * (DK * DV) + kk[:, None] * DV + vv[None, :],
+        mask=k_ok[:, None] & v_ok[None, :],
+        other=0.0,
+    )
+    v_new = tl.load(
+        vnew_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0
+    )
+    o = _mm(q * tl.exp(big_g)[:, None], h, DOT) + _mm(scores, v_new, DOT)
+    tl.store(
+        out_ptr + t[:, None] * stride_ot + hv * stride_oh + vv[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & v_ok[None, :],
+    )
+
+
+def _check_gdn(q, k, v, g, beta, ssm_states):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(name, t)
+    if q.shape != k.shape or v.shape[0] != q.shape[0] or v.shape[1] % q.shape[1]:
+        raise ValueError(f"gdn: q {q.shape} k {k.shape} v {v.shape}")
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"gdn: g {g.shape} / beta {beta.shape} must be [T, Hv] = {v.shape[:2]}")
+    if ssm_states.dtype != torch.float32 or ssm_states.shape[-3:] != (
+        v.shape[1],
+        q.shape[2],
+        v.shape[2],
+    ):
+        raise ValueError(f"gdn: ssm_states {ssm_states.dtype} {ssm_states.shape}")
+    if ssm_states.stride(-1) != 1 or ssm_states.stride(-2) != v.shape[2]:
+        raise ValueError("gdn: each state [slot, head] must be a contiguous [Dk, Dv] matrix")
+
+
+def _dot_mode(dtype: torch.dtype) -> str:
+    return {torch.float32: "ieee", torch.float16: "fp16"}.get(dtype, "bf16")
+
+
+def _chunk_tables(cu_seqlens: torch.Tensor, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([num_chunks, 2] first/end token of every CHUNK-row chunk of the requests longer than
+    min_len, [B] index of each request's first chunk); built on the host (prefill is not
+    graph-captured)."""
+    cu = cu_seqlens.tolist()
+    rows, offsets = [], []
+    for s, e in zip(cu[:-1], cu[1:], strict=True):
+        offsets.append(len(rows))
+        if e - s > min_len:
+            rows.extend((c, min(c + CHUNK, e)) for c in range(s, e, CHUNK))
+    device = cu_seqlens.device
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+    return table.to(device, non_blocking=True), torch.tensor(offsets, dtype=torch.int32).to(device)
+
+
+def gdn_chunked_triton(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    ssm_states,
+    state_slots,
+    cu_seqlens,
+    has_initial_state,
+    *,
+    min_len: int = 0,  # skip requests with at most this many rows (they go to the recurrent kernel)
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Chunked prefill (chunk 64, fp32 state); same result as gdn_chunked_ref."""
+    _check_gdn(q, k, v, g, beta, ssm_states)
+    num_tokens, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
+    chunks, offsets = _chunk_tables(cu_seqlens, min_len)
+    num_chunks = chunks.shape[0]
+    if num_chunks == 0:
+        return out
+    group = num_v_heads // num_k_heads
+    dot = _dot_mode(v.dtype)
+    # intermediates that only feed 16-bit dots are kept in that type (half the traffic)
+    low = torch.float32 if dot == "ieee" else v.dtype
+    dev = v.device
+    w = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
+    k_tail = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
+    u = torch.empty(num_tokens, num_v_heads, dv, dtype=torch.float32, device=dev)
+    v_new = torch.empty(num_tokens, num_v_heads, dv, dtype=low, device=dev)
+    gcum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=dev)
+    h_chunks = torch.empty(num_chunks, num_v_heads, dk, dv, dtype=low, device=dev)
+    bk, bdv = next_pow2(dk), next_pow2(dv)
+    common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot)
+    _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
+        k,
+        v,
+        g,
+        beta,
+        w,
+        u,
+        k_tail,
+        gcum,
+        chunks,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        num_v_heads,
+        GROUP=group,
+        BDV=bdv,
+        INV_DOT="ieee" if dot == "ieee" else "tf32",
+        num_warps=4,
+        **common,
+    )
+    batch = state_slots.shape[0]
+    bv = min(bdv, 64)
+    _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
+        w,
+        u,
+        k_tail,
+        gcum,
+        v_new,
+        h_chunks,
+        ssm_states,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        offsets,
+        ssm_states.stride(0),
+        ssm_states.stride(1),
+        num_v_heads,
+        BV=bv,
+        MIN_LEN=min_len,
+        num_warps=8 if bk * bv >= 128 * 64 else 4,
+        num_stages=2,
+        **common,
+    )
+    bvo = min(bdv, 64)
+    _gdn_chunk_out_kernel[(num_chunks, num_v_heads, -(-dv // bvo))](
+        q,
+        k,
+        gcum,
+        v_new,
+        h_chunks,
+        out,
+        chunks,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        out.stride(0),
+        out.stride(1),
+        dk**-0.5,
+        num_v_heads,
+        GROUP=group,
+        BV=bvo,
+        num_warps=4,
+        **common,
+    )
+    return out
