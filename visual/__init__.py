@@ -16,7 +16,8 @@ Modules and the calls the server processes make:
   `split_per_image(embeds, grid_thw)`; `visual.qwen_vit` holds the modules, `visual.weights` the
   safetensors loader (`VisionCheckpointError` names missing/unexpected keys).
 
-- `visual.server` (`run_visual`, spawned by appliance/launch.py for checkpoints with a vision tower):
+- `visual.server` (`run_visual`, spawned by appliance/launch.py for checkpoints with a vision
+  tower):
   batches images across requests (`visual.pipeline`), keeps embeddings in a content-hash keyed
   shared-memory cache with LRU eviction and pinning (`visual.cache`), and reserves the worst-case
   ViT activation memory at startup (`visual.reservation`). The LLM-side splice and M-RoPE live in

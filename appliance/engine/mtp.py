@@ -101,7 +101,6 @@ class Drafter:
             [s for r in rows for s in r.kv_slots],
         )
         h_in = hidden[index.to(hidden.device)]
-        last_rows = torch.tensor([i for i, _ in enumerate(rows)], dtype=torch.int64)
         ends = torch.tensor([r.count for r in rows]).cumsum(0) - 1
         y_last = None
         with forward_context(ctx):
@@ -111,7 +110,9 @@ class Drafter:
                     y_last = y[ends.to(y.device)]
         chained = [i for i, r in enumerate(rows) if r.chain]
         if chained:
-            self._chain([rows[i] for i in chained], y_last[last_rows[chained].to(self.device)])
+            self._chain(
+                [rows[i] for i in chained], y_last[torch.tensor(chained, device=y_last.device)]
+            )
 
     def _chain(self, rows: list[ExtendRows], y1: torch.Tensor) -> None:
         """Draft d'_1..d'_k per request. Chain row j (j >= 1) sits at position P + j (P = last

@@ -61,6 +61,19 @@ def write_scripts(model_dir: str | os.PathLike, scripts: Mapping[str, str]) -> l
     return out
 
 
+def forced_copy(
+    model_dir: str | os.PathLike, dest: str | os.PathLike, scripts: Mapping[str, str]
+) -> Path:
+    """`dest`: a copy of the checkpoint (files symlinked) with `scripts` written into it, so a test
+    can force outputs without touching the shared checkpoint."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    for item in Path(model_dir).iterdir():
+        (dest / item.name).symlink_to(item)
+    write_scripts(dest, scripts)
+    return dest
+
+
 def load_scripts(model_dir: str | os.PathLike) -> tuple[list[Script], int | None]:
     """The scripts and the EOS id forced after a script ends; ([], None) without a file."""
     path = Path(model_dir) / SCRIPT_FILE

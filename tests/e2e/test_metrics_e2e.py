@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from appliance.testing.forced import write_scripts
+from appliance.testing.forced import forced_copy
 from tests.e2e.live import start_appliance
 
 MODEL = "tiny-metrics"
@@ -39,12 +39,7 @@ def _messages(trigger: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_dense, tmp_path_factory):
-    model = tmp_path_factory.mktemp("metrics") / MODEL
-    model.mkdir()
-    for item in tiny_dense.iterdir():
-        (model / item.name).symlink_to(item)
-    write_scripts(model, SCRIPTS)
-    return model
+    return forced_copy(tiny_dense, tmp_path_factory.mktemp("metrics") / MODEL, SCRIPTS)
 
 
 @pytest.fixture(scope="module")

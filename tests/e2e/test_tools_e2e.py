@@ -13,7 +13,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from appliance.testing.forced import write_scripts
+from appliance.testing.forced import forced_copy
 from tests.e2e.live import start_appliance
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -81,12 +81,7 @@ def _user(trigger: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def forced_model(tiny_dense, tmp_path_factory):
     """A copy of the tiny checkpoint (files linked) plus the forced-output scripts."""
-    model = tmp_path_factory.mktemp("forced") / MODEL
-    model.mkdir()
-    for item in tiny_dense.iterdir():
-        (model / item.name).symlink_to(item)
-    write_scripts(model, SCRIPTS)
-    return model
+    return forced_copy(tiny_dense, tmp_path_factory.mktemp("forced") / MODEL, SCRIPTS)
 
 
 @pytest.fixture(scope="module")
