@@ -1,6 +1,7 @@
 """Adapters that run an op through an optional external library behind the op's own signature
 (selected in kernels.backends): fp8 GEMM via torch._scaled_mm / sglang-kernel / vLLM cutlass, GDN
-chunked prefill via fla-core / flash-qla. Called by the dispatchers in kernels/fp8.py and gdn.py.
+chunked prefill via fla-core / flash-qla, paged attention via flashinfer. Called by the dispatchers
+in kernels/fp8.py, gdn.py and attention.py.
 """
 
 from __future__ import annotations
@@ -120,3 +121,110 @@ def gdn_chunked_external(
     out[rows] = o[0].to(out.dtype)
     ssm_states[slots] = final.to(ssm_states.dtype)
     return out
+
+
+# ------------------------------------------- attention -------------------------------------------
+
+FLASHINFER_WORKSPACE_BYTES = 256 * 2**20
+# decode kernels on CUDA cores exist for these q-per-kv group sizes; others use the tensor-core path
+_FI_CUDA_CORE_GROUPS = (1, 2, 4, 8)
+
+
+class _FlashInferPlans:
+    """One flashinfer wrapper per (device, kind) and the plan of the last batch metadata seen.
+
+    The model calls attention once per layer with the same metadata tensors, so the plan (host
+    work plus a sync) is made once per step: the cache key is the identity and version of those
+    tensors, and it holds them, so a later step's tensors cannot reuse their ids."""
+
+    def __init__(self) -> None:
+        self.workspaces: dict[torch.device, torch.Tensor] = {}
+        self.wrappers: dict[tuple, object] = {}
+        self.last: dict[tuple, tuple] = {}
+
+    def wrapper(self, device: torch.device, decode: bool, tensor_cores: bool):
+        import flashinfer
+
+        key = (device, decode, tensor_cores)
+        if key not in self.wrappers:
+            if device not in self.workspaces:
+                self.workspaces[device] = torch.empty(
+                    FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device
+                )
+            ws = self.workspaces[device]
+            if decode:
+                self.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    ws, "NHD", use_tensor_cores=tensor_cores
+                )
+            else:
+                self.wrappers[key] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    ws, "NHD", backend="fa2"
+                )
+        return self.wrappers[key]
+
+
+_FI = _FlashInferPlans()
+
+
+def _page1_table(req_to_token, req_slots, seq_lens):
+    """CSR page table with one token per page: indptr [B+1], indices [sum(lens)], last_len [B]."""
+    lens = seq_lens.long()
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
+    indptr[1:] = torch.cumsum(lens, 0)
+    rows = req_to_token[req_slots.long()]  # [B, max_len]
+    keep = torch.arange(rows.shape[1], device=rows.device)[None, :] < lens[:, None]
+    indices = rows[keep].to(torch.int32)
+    return indptr, indices, torch.ones_like(indptr[1:])
+
+
+def paged_attention_flashinfer(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    req_to_token: torch.Tensor,  # [max_reqs, max_len]
+    req_slots: torch.Tensor,  # [B]
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Same result as kernels.attention.paged_attention_ref through flashinfer's paged wrappers,
+    our token-granular cache viewed as pages of one token (no copy). Decode batches (one q row
+    per request) use the decode wrapper; verify rows and prefill the FA2 prefill wrapper, causal
+    with the q rows as the last tokens of each sequence."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[1]
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+    decode = max_q_len == 1 and q.shape[0] == req_slots.shape[0]
+    group = num_q_heads // num_kv_heads
+    tensor_cores = decode and group not in _FI_CUDA_CORE_GROUPS
+    wrapper = _FI.wrapper(q.device, decode, tensor_cores)
+    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens)
+    key = (q.device, decode, tensor_cores)
+    stamp = tuple((id(t), t._version) for t in meta) + (num_q_heads, num_kv_heads, head_dim)
+    cached = _FI.last.get(key)
+    if cached is None or cached[0] != stamp:
+        indptr, indices, last_len = _page1_table(req_to_token, req_slots, seq_lens)
+        common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale)
+        if decode:
+            wrapper.plan(
+                indptr, indices, last_len, num_q_heads, num_kv_heads, head_dim, 1, **common
+            )
+        else:
+            wrapper.plan(
+                cu_seqlens_q.to(torch.int32),
+                indptr,
+                indices,
+                last_len,
+                num_q_heads,
+                num_kv_heads,
+                head_dim,
+                1,
+                causal=True,
+                **common,
+            )
+        _FI.last[key] = (stamp, meta)  # holding meta keeps the ids in the stamp unique
+    q = q if q.is_contiguous() else q.contiguous()
+    return wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))

@@ -579,14 +579,29 @@ def paged_attention(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
-    by default, the torch reference when 'torch'); the torch reference on CPU."""
+    by default, flashinfer's paged wrappers, or the torch reference); the reference on CPU."""
     if not q.is_cuda:
         return paged_attention_ref(
             q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale
         )
     from kernels import backends
 
-    if backends.selected("attention") == "triton" and use_triton(q):
+    backend = backends.selected("attention")
+    if backend == "flashinfer":
+        from kernels.adapters import paged_attention_flashinfer
+
+        return paged_attention_flashinfer(
+            q,
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_slots,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            max_q_len=max_q_len,
+        )
+    if backend == "triton" and use_triton(q):
         return paged_attention_triton(
             q,
             k_cache,

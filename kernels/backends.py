@@ -6,8 +6,8 @@ dispatchers read the choice with `selected(kind)`. Flags come from appliance.env
 
 Rules (a requested backend that cannot run falls back with exactly one warning naming the reason):
 - every kind resolves to `torch` (the reference ops) on a machine without CUDA;
-- attention: auto -> triton (own kernel); flashinfer is accepted but has no adapter yet, so it
-  falls back to triton with a warning (page-size-1 CSR plan + wrapper reuse still to write);
+- attention: auto -> triton (own kernel); flashinfer (kernels.adapters: its paged decode / FA2
+  prefill wrappers over our cache viewed as one-token pages) on SM80+ when `flashinfer` imports;
 - gdn_prefill: auto -> triton; fla when `fla` imports; flashqla only on SM90+ with `flash_qla`
   importable (~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);
 - fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+); else on SM90+ `MIXED_FP8` = our Triton
@@ -57,7 +57,10 @@ def _resolve_attention(requested: str, p: Platform) -> tuple[str, str | None]:
     if requested == "flashinfer":
         if "flashinfer" not in p.importable:
             return own, "flashinfer is not importable"
-        return own, "the flashinfer adapter is not implemented yet"
+        if p.capability < (8, 0):
+            sm = f"SM{p.capability[0]}{p.capability[1]}"
+            return own, f"flashinfer needs SM80+, this GPU is {sm}"
+        return "flashinfer", None
     if requested == "triton" and own != "triton":
         return "torch", "triton is not importable"
     return (own if requested == "auto" else requested), None

@@ -10,6 +10,19 @@ import torch
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 CHUNK = 64
+# Launch parameters of the three kernels; ops/gpu/gdn_probe.py times the alternatives on the GPU.
+TUNING = {
+    "prep_warps": 4,
+    "scan_warps": 0,  # 0: 8 warps for a [128, 64] state block, 4 below
+    "scan_bv": 64,
+    "out_warps": 4,
+    "out_bv": 64,
+    "u_low": False,  # keep u (feeds only v_new = u - w h) in the 16-bit type
+    "reload_k": False,  # prep: re-read k after the inverse instead of holding it in registers
+}
+# Smallest register tile of a 16-bit path: Triton 3.6 faulted (illegal address) on Hopper with
+# [16, 64] x [64, 16] bf16 dots (head dims 16); padding the tiles to 32 (masked) avoids them.
+MIN_TILE_16BIT = 32
 
 
 @jit
@@ -75,6 +88,7 @@ def _gdn_chunk_prep_kernel(
     CHUNK: tl.constexpr,
     DOT: tl.constexpr,
     INV_DOT: tl.constexpr,
+    RELOAD_K: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -88,24 +102,23 @@ def _gdn_chunk_prep_kernel(
     vv = tl.arange(0, BDV)
     k_mask = row_ok[:, None] & (kk < DK)[None, :]
     v_mask = row_ok[:, None] & (vv < DV)[None, :]
-    k = tl.load(
-        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=k_mask, other=0.0
-    ).to(tl.float32)
-    k = _l2norm(k, 1e-6)
-    v = tl.load(
-        v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
-    ).to(tl.float32)
+    k_offs = k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :]
+    k = _l2norm(tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32), 1e-6)
     g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
     big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start (masked rows add 0)
     g_last = tl.max(tl.where(r == end - start - 1, big_g, float("-inf")), 0)
 
     below = r[:, None] > r[None, :]
-    k_beta = k * beta[:, None]
-    a = _mm(k_beta, tl.trans(k), DOT)
+    a = _mm(k * beta[:, None], tl.trans(k), DOT)
     a = tl.where(below, a * tl.exp(tl.where(below, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     inv = _unit_lower_inverse(a, r, INV_DOT)
-    w = _mm(inv, k_beta * tl.exp(big_g)[:, None], DOT)  # [C, BK]
+    if RELOAD_K:  # read k again (from L2) instead of keeping it in registers across the inverse
+        k = _l2norm(tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32), 1e-6)
+    w = _mm(inv, k * (beta * tl.exp(big_g))[:, None], DOT)  # [C, BK]
+    v = tl.load(
+        v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
+    ).to(tl.float32)
     u = _mm(inv, v * beta[:, None], DOT)  # [C, BDV]
     k_tail = k * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[:, None]
     row = t * num_v_heads + hv
@@ -326,11 +339,13 @@ def gdn_chunked_triton(
     dev = v.device
     w = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
     k_tail = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
-    u = torch.empty(num_tokens, num_v_heads, dv, dtype=torch.float32, device=dev)
+    u_dtype = low if TUNING["u_low"] else torch.float32
+    u = torch.empty(num_tokens, num_v_heads, dv, dtype=u_dtype, device=dev)
     v_new = torch.empty(num_tokens, num_v_heads, dv, dtype=low, device=dev)
     gcum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=dev)
     h_chunks = torch.empty(num_chunks, num_v_heads, dk, dv, dtype=low, device=dev)
-    bk, bdv = next_pow2(dk), next_pow2(dv)
+    min_tile = 1 if dot == "ieee" else MIN_TILE_16BIT
+    bk, bdv = max(next_pow2(dk), min_tile), max(next_pow2(dv), min_tile)
     common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot)
     _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
         k,
@@ -354,11 +369,13 @@ def gdn_chunked_triton(
         GROUP=group,
         BDV=bdv,
         INV_DOT="ieee" if dot == "ieee" else "tf32",
-        num_warps=4,
+        RELOAD_K=TUNING["reload_k"],
+        num_warps=TUNING["prep_warps"],
         **common,
     )
     batch = state_slots.shape[0]
-    bv = min(bdv, 64)
+    bv = min(bdv, TUNING["scan_bv"])
+    scan_warps = TUNING["scan_warps"] or (8 if bk * bv >= 128 * 64 else 4)
     _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
         w,
         u,
@@ -376,11 +393,11 @@ def gdn_chunked_triton(
         num_v_heads,
         BV=bv,
         MIN_LEN=min_len,
-        num_warps=8 if bk * bv >= 128 * 64 else 4,
+        num_warps=scan_warps,
         num_stages=2,
         **common,
     )
-    bvo = min(bdv, 64)
+    bvo = min(bdv, TUNING["out_bv"])
     _gdn_chunk_out_kernel[(num_chunks, num_v_heads, -(-dv // bvo))](
         q,
         k,
@@ -399,7 +416,7 @@ def gdn_chunked_triton(
         num_v_heads,
         GROUP=group,
         BV=bvo,
-        num_warps=4,
+        num_warps=TUNING["out_warps"],
         **common,
     )
     return out

@@ -127,6 +127,11 @@ def rms_norm_triton(
     return out, new_res
 
 
+# rows per program and warps of the gated norm (64 rows x 8 warps measured slower on the H200 than
+# 16 x 4); ops/gpu/gdn_probe.py sweeps the alternatives
+GATED_TUNING = {"rows": 16, "warps": 4}
+
+
 @jit
 def _gated_rms_norm_kernel(
     x_ptr,
@@ -176,7 +181,7 @@ def gated_rms_norm_triton(
     if rows == 0:
         return out
     block_d = next_pow2(dim)
-    block_r = max(1, min(16, 4096 // block_d))  # 64 rows x 8 warps measured slower on the H200
+    block_r = max(1, min(GATED_TUNING["rows"], 4096 // block_d))
     _gated_rms_norm_kernel[(-(-rows // block_r),)](
         x,
         gate,
@@ -191,7 +196,7 @@ def gated_rms_norm_triton(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         ROUND_WEIGHTED=weight.dtype == x.dtype and x.dtype != torch.float32,
-        num_warps=4,
+        num_warps=GATED_TUNING["warps"],
     )
     return out
 

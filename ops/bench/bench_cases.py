@@ -44,6 +44,19 @@ def _kv_batch(q_lens, kv_len):
     return q, k_cache, v_cache, req_to_token, slots_b, cu, seq
 
 
+def _flashinfer_peer(args, scale, q_len) -> dict:
+    """flashinfer's paged decode / FA2 prefill on the same paged cache (our backend adapter; the
+    plan is made on the first call and reused, as across a step's layers)."""
+    if not has("flashinfer"):
+        return {}
+    from kernels.adapters import paged_attention_flashinfer
+
+    def run():
+        return paged_attention_flashinfer(*args, scale, max_q_len=q_len)
+
+    return {"flashinfer": run}
+
+
 def attention_cases(compile_peers: bool) -> Iterator[tuple]:
     scale = HEAD_DIM**-0.5
     for batch, q_len, kv_len in (
@@ -73,7 +86,7 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
             ours,
             work,
             "GB/s",
-            {"sdpa_dense": sdpa},
+            {"sdpa_dense": sdpa} | _flashinfer_peer(args, scale, q_len),
         )
         del dense_k, dense_v
     for tokens in (8192,):
@@ -104,7 +117,8 @@ def attention_cases(compile_peers: bool) -> Iterator[tuple]:
             ours_p,
             flops,
             "TFLOP/s",
-            {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p},
+            {"sdpa_dense": sdpa_p, "sdpa_cudnn(+repeat kv)": cudnn_p}
+            | _flashinfer_peer(args, scale, tokens),
         )
 
 

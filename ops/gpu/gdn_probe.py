@@ -1,0 +1,141 @@
+"""GPU probe of the GDN chunked prefill: per-kernel times (prep / scan / out) of the launch variants
+in kernels.gdn_chunk.TUNING at Qwen3.5-27B shapes, each variant's error against the fp32 reference,
+and fla-core / flash-qla totals when importable. Prints one line per (shape, variant).
+
+  python ops/gpu/gdn_probe.py [--variants base,prep8,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from functools import partial
+
+import torch
+import triton.testing
+
+from kernels import gdn_chunk, norm
+from kernels.gdn import gdn_chunked_ref
+from ops.bench.bench_cases import _gdn_inputs
+
+VARIANTS = {
+    "base": {},
+    "prep8": {"prep_warps": 8},
+    "out8": {"out_warps": 8},
+    "out8_bv128": {"out_warps": 8, "out_bv": 128},
+    "u_low": {"u_low": True},
+    "scan_bv32": {"scan_bv": 32, "scan_warps": 4},
+    "reload_k": {"reload_k": True},
+    "prep8_reload": {"prep_warps": 8, "reload_k": True},
+    "combo": {"prep_warps": 8, "out_warps": 8, "out_bv": 128, "u_low": True},
+}
+
+
+def kernel_times(fn, iters: int = 10) -> dict[str, float]:
+    """Mean device µs per call of each Triton kernel fn launches."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if "_gdn_" in ev.key or "chunk" in ev.key:
+            total = getattr(ev, "device_time_total", None) or ev.cuda_time_total
+            out[ev.key.replace("_gdn_chunk_", "").replace("_kernel", "")] = total / iters
+    return out
+
+
+def gated_norm_sweep() -> None:
+    """The GDN output norm at 27B prefill size: launch variants against the compiled reference."""
+    rows, dim = 8192 * 48, 128
+    x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn_like(x)
+    weight = torch.rand(dim, device="cuda", dtype=torch.bfloat16) + 0.5
+    compiled = torch.compile(norm.gated_rms_norm_ref, dynamic=False)
+    ref_us = triton.testing.do_bench(lambda: compiled(x, gate, weight, 1e-6)) * 1e3
+    print(f"gated_norm compiled ref: {ref_us:.1f} us", flush=True)
+    default = dict(norm.GATED_TUNING)
+    for rows_per, warps in ((16, 4), (8, 2), (16, 2), (32, 4), (32, 8), (8, 1), (4, 1)):
+        norm.GATED_TUNING.update(rows=rows_per, warps=warps)
+        us = triton.testing.do_bench(lambda: norm.gated_rms_norm_triton(x, gate, weight, 1e-6))
+        print(
+            f"gated_norm rows={rows_per} warps={warps}: {us * 1e3:.1f} us "
+            f"ratio {ref_us / (us * 1e3):.2f}",
+            flush=True,
+        )
+    norm.GATED_TUNING.update(default)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    gated_norm_sweep()
+    default = dict(gdn_chunk.TUNING)
+    for lens in ([8192], [1024] * 8):
+        q, k, v, g, beta, pool, slots, cu, init = _gdn_inputs(lens)
+        ref_pool = pool.clone()
+        ref = gdn_chunked_ref(q, k, v, g, beta, ref_pool, slots, cu, init)
+        scale = ref.float().abs().max().item()
+        name = f"{len(lens)}x{lens[0]}"
+        for variant in args.variants.split(","):
+            gdn_chunk.TUNING.clear()
+            gdn_chunk.TUNING.update(default | VARIANTS[variant])
+            work = pool.clone()
+            run = partial(gdn_chunk.gdn_chunked_triton, q, k, v, g, beta, work, slots, cu, init)
+
+            try:
+                out = run()
+                err = (out.float() - ref.float()).abs().max().item() / scale
+                work.copy_(pool)
+                total = triton.testing.do_bench(run, warmup=5, rep=50)
+                parts = kernel_times(run)
+                parts_s = " ".join(f"{key}={val:.1f}" for key, val in sorted(parts.items()))
+                print(
+                    f"gdn {name} {variant}: total {total * 1e3:.1f} us | {parts_s} | "
+                    f"rel err {err:.2e}",
+                    flush=True,
+                )
+            except Exception as exc:  # a variant that fails is reported, not fatal
+                print(f"gdn {name} {variant}: FAILED {type(exc).__name__}: {exc}", flush=True)
+        gdn_chunk.TUNING.clear()
+        gdn_chunk.TUNING.update(default)
+        peers = {}
+        if importlib.util.find_spec("fla") is not None:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            peers["fla"] = chunk_gated_delta_rule
+        if importlib.util.find_spec("flash_qla") is not None:
+            import flash_qla
+
+            peers["flashqla"] = flash_qla.chunk_gated_delta_rule
+        qn = torch.nn.functional.normalize(q.float(), dim=-1, eps=1e-6).to(q.dtype)
+        kn = torch.nn.functional.normalize(k.float(), dim=-1, eps=1e-6).to(k.dtype)
+        cu64 = cu.long()
+        for peer, fn in peers.items():
+            run_peer = partial(
+                fn,
+                qn[None],
+                kn[None],
+                v[None],
+                g=g[None],
+                beta=beta[None],
+                initial_state=pool[: len(lens)],
+                output_final_state=True,
+                cu_seqlens=cu64,
+            )
+
+            try:
+                o, _ = run_peer()
+                err = (o[0].float() - ref.float()).abs().max().item() / scale
+                total = triton.testing.do_bench(run_peer, warmup=5, rep=50)
+                print(f"gdn {name} peer {peer}: total {total * 1e3:.1f} us | rel err {err:.2e}")
+            except Exception as exc:
+                print(f"gdn {name} peer {peer}: FAILED {type(exc).__name__}: {exc}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One consolidated GPU call: install the carried optional packages, then run the steps named in
+# STEPS (space-separated, in order), each under its own time limit, logs in $OUT.
+#
+#   STEPS="probe tests bench model vision sampling" bash ops/gpu/session.sh
+#
+# Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
+# .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
+# Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_S SAMPLING_S; BENCH_ARGS and
+# PYTEST_ARGS pass through.
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-./gpu-out}
+mkdir -p "$OUT"
+SITE=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu-payload/*.whl
+for a in .gpu-payload/*.tar.xz; do [ -s "$a" ] && tar -xJf "$a" -C "$SITE"; done
+export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
+export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 HOME=${HOME:-/root}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+python3 -c "
+import importlib.util as u
+print('optional:', [m for m in ('fla','flashinfer','sgl_kernel','flash_qla') if u.find_spec(m)])"
+date -u +"date %Y-%m-%dT%H:%MZ"
+
+step() {  # step NAME LIMIT CMD...
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" 2>&1 | grep --line-buffered -v "^\[transformers\]" | tee "$OUT/$name.log"
+  echo "=== $name exit ${PIPESTATUS[0]} in $((SECONDS - t0)) s"
+}
+
+for s in ${STEPS:-probe tests bench}; do
+  case $s in
+    probe) step probe "${PROBE_S:-150}" python3 ops/gpu/gdn_probe.py ${PROBE_ARGS:-} ;;
+    tests) step tests "${TESTS_S:-200}" python3 -m pytest tests/kernels -q -p no:cacheprovider \
+      --confcutdir=tests/kernels -rfE --durations=10 ${PYTEST_ARGS:-} ;;
+    bench) step bench "${BENCH_S:-200}" python3 ops/bench/bench_ops.py --out "$OUT/bench.md" \
+      ${BENCH_ARGS:-} ;;
+    model) step model "${MODEL_S:-150}" python3 ops/gpu/check_model.py ;;
+    vision) step vision "${VISION_S:-150}" bash -c \
+      "python3 ops/gpu/check_vision.py && python3 ops/bench/bench_vit.py --json $OUT/vit.json" ;;
+    static) step static "${STATIC_S:-170}" python3 ops/bench/bench_static.py \
+      --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --mtp 0 1 --prompt-len 256 \
+      --steps 6 --json "$OUT/static.json" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
