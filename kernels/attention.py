@@ -420,11 +420,16 @@ def _merge_splits_kernel(
     )
 
 
+# decode / verify launch knobs (ops/gpu/gdn_probe.py sweeps them on the GPU)
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 2}
+
+
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
     """Split the KV only for short query blocks (decode, verify) that leave SMs idle."""
     if max_q_len > 16 or num_programs >= num_sms(device):
         return 1
-    return min(next_pow2(-(-2 * num_sms(device) // num_programs)), 32)
+    wanted = ATTN_TUNING["split_factor"] * num_sms(device)
+    return min(next_pow2(-(-wanted // num_programs)), 32)
 
 
 def paged_attention_triton(
@@ -497,9 +502,11 @@ def paged_attention_triton(
             **fixed,
         )
         return out
+    # rows of a program = query rows x the q heads of one kv head; the smallest tile holding a
+    # request's verify rows (k + 1 <= 4 rows x group 6 -> 32) keeps the dots small
     block_m = max(16, next_pow2(group))
     if max_q_len * group > 16:
-        block_m = max(block_m, 64)
+        block_m = max(block_m, min(ATTN_TUNING["max_block_m"], next_pow2(max_q_len * group)))
     num_q_blocks = -(-max_q_len // (block_m // group))
     if num_splits is None:
         num_splits = _attention_splits(batch * num_q_blocks * num_kv_heads, max_q_len, q.device)

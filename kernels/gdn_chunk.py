@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, num_sms, tl
 
 CHUNK = 64
 # Launch parameters of the three kernels; ops/gpu/gdn_probe.py times the alternatives on the GPU.
 TUNING = {
     "prep_warps": 4,
     "scan_warps": 0,  # 0: 8 warps for a [128, 64] state block, 4 below
-    "scan_bv": 64,
+    "scan_bv": 0,  # 0: by occupancy (_scan_block_v)
     "out_warps": 4,
     "out_bv": 64,
-    "u_low": False,  # keep u (feeds only v_new = u - w h) in the 16-bit type
+    "u_low": True,  # keep u (feeds only v_new = u - w h) in the 16-bit type
     "reload_k": False,  # prep: re-read k after the inverse instead of holding it in registers
+    "ktail_in_scan": True,  # scan derives exp(G_last - G) k from k instead of reading a buffer
+    "prenorm": True,  # l2-normalise q, k once (one small kernel) instead of in every program
 }
 # Smallest register tile of a 16-bit path: Triton 3.6 faulted (illegal address) on Hopper with
 # [16, 64] x [64, 16] bf16 dots (head dims 16); padding the tiles to 32 (masked) avoids them.
@@ -89,12 +91,16 @@ def _gdn_chunk_prep_kernel(
     DOT: tl.constexpr,
     INV_DOT: tl.constexpr,
     RELOAD_K: tl.constexpr,
+    KTAIL_IN_SCAN: tl.constexpr,
+    NORM_IN_KERNEL: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     start = tl.load(chunks_ptr + 2 * c)
     end = tl.load(chunks_ptr + 2 * c + 1)
+    if end <= start:  # the table is sized by a bound; unused entries are empty
+        return
     r = tl.arange(0, CHUNK)
     t = (start + r).to(tl.int64)
     row_ok = start + r < end
@@ -103,7 +109,9 @@ def _gdn_chunk_prep_kernel(
     k_mask = row_ok[:, None] & (kk < DK)[None, :]
     v_mask = row_ok[:, None] & (vv < DV)[None, :]
     k_offs = k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :]
-    k = _l2norm(tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32), 1e-6)
+    k = tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM_IN_KERNEL:
+        k = _l2norm(k, 1e-6)
     g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
     big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start (masked rows add 0)
@@ -114,18 +122,21 @@ def _gdn_chunk_prep_kernel(
     a = tl.where(below, a * tl.exp(tl.where(below, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     inv = _unit_lower_inverse(a, r, INV_DOT)
     if RELOAD_K:  # read k again (from L2) instead of keeping it in registers across the inverse
-        k = _l2norm(tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32), 1e-6)
+        k = tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM_IN_KERNEL:
+            k = _l2norm(k, 1e-6)
     w = _mm(inv, k * (beta * tl.exp(big_g))[:, None], DOT)  # [C, BK]
     v = tl.load(
         v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
     ).to(tl.float32)
     u = _mm(inv, v * beta[:, None], DOT)  # [C, BDV]
-    k_tail = k * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[:, None]
     row = t * num_v_heads + hv
     out_k = row[:, None] * DK + kk[None, :]
     tl.store(w_ptr + out_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(ktail_ptr + out_k, k_tail.to(ktail_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(u_ptr + row[:, None] * DV + vv[None, :], u, mask=v_mask)
+    if not KTAIL_IN_SCAN:
+        k_tail = k * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[:, None]
+        tl.store(ktail_ptr + out_k, k_tail.to(ktail_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(u_ptr + row[:, None] * DV + vv[None, :], u.to(u_ptr.dtype.element_ty), mask=v_mask)
     tl.store(gcum_ptr + row, big_g, mask=row_ok)
 
 
@@ -134,6 +145,7 @@ def _gdn_chunk_scan_kernel(
     w_ptr,
     u_ptr,
     ktail_ptr,
+    k_ptr,
     gcum_ptr,
     vnew_ptr,
     hbuf_ptr,
@@ -142,9 +154,12 @@ def _gdn_chunk_scan_kernel(
     cu_ptr,
     has_init_ptr,
     chunk_offsets_ptr,
+    stride_kt,
+    stride_kh,
     stride_ss,
     stride_sh,
     num_v_heads,
+    GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
@@ -152,9 +167,12 @@ def _gdn_chunk_scan_kernel(
     CHUNK: tl.constexpr,
     MIN_LEN: tl.constexpr,
     DOT: tl.constexpr,
+    KTAIL_IN_SCAN: tl.constexpr,
+    NORM_IN_KERNEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
+    hk = hv // GROUP
     start = tl.load(cu_ptr + b)
     end = tl.load(cu_ptr + b + 1)
     if end - start <= MIN_LEN:
@@ -193,13 +211,25 @@ def _gdn_chunk_scan_kernel(
             v_new.to(vnew_ptr.dtype.element_ty),
             mask=row_ok[:, None] & v_ok[None, :],
         )
-        k_tail_t = tl.load(
-            ktail_ptr + row[None, :] * DK + kk[:, None],
-            mask=row_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )  # [BK, C]
         last = (tl.minimum(c0 + CHUNK, end) - 1).to(tl.int64)
         g_last = tl.load(gcum_ptr + last * num_v_heads + hv)
+        if KTAIL_IN_SCAN:  # k_tail = normalised k * exp(G_last - G), from k (shared by GROUP heads)
+            k_t = tl.load(
+                k_ptr + t[None, :] * stride_kt + hk * stride_kh + kk[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            ).to(tl.float32)  # [BK, C]
+            big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
+            k_scale = tl.where(row_ok, tl.exp(g_last - big_g), 0.0)
+            if NORM_IN_KERNEL:
+                k_scale = k_scale / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
+            k_tail_t = k_t * k_scale[None, :]
+        else:
+            k_tail_t = tl.load(
+                ktail_ptr + row[None, :] * DK + kk[:, None],
+                mask=row_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )  # [BK, C]
         h = h * tl.exp(g_last) + _mm(k_tail_t, v_new, DOT)
         chunk += 1
     tl.store(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, h, mask=s_mask)
@@ -229,12 +259,15 @@ def _gdn_chunk_out_kernel(
     BV: tl.constexpr,
     CHUNK: tl.constexpr,
     DOT: tl.constexpr,
+    NORM_IN_KERNEL: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
     hk = hv // GROUP
     start = tl.load(chunks_ptr + 2 * c)
     end = tl.load(chunks_ptr + 2 * c + 1)
+    if end <= start:
+        return
     r = tl.arange(0, CHUNK)
     t = (start + r).to(tl.int64)
     row_ok = start + r < end
@@ -245,12 +278,13 @@ def _gdn_chunk_out_kernel(
     qk_mask = row_ok[:, None] & k_ok[None, :]
     q = tl.load(
         q_ptr + t[:, None] * stride_qt + hk * stride_qh + kk[None, :], mask=qk_mask, other=0.0
-    ).to(tl.float32)
+    )
     k = tl.load(
         k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask, other=0.0
-    ).to(tl.float32)
-    q = _l2norm(q, 1e-6) * scale
-    k = _l2norm(k, 1e-6)
+    )
+    if NORM_IN_KERNEL:
+        q = _l2norm(q.to(tl.float32), 1e-6) * scale
+        k = _l2norm(k.to(tl.float32), 1e-6)
     row = t * num_v_heads + hv
     big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
     causal = r[:, None] >= r[None, :]
@@ -265,7 +299,7 @@ def _gdn_chunk_out_kernel(
     v_new = tl.load(
         vnew_ptr + row[:, None] * DV + vv[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0
     )
-    o = _mm(q * tl.exp(big_g)[:, None], h, DOT) + _mm(scores, v_new, DOT)
+    o = _mm(q.to(tl.float32) * tl.exp(big_g)[:, None], h, DOT) + _mm(scores, v_new, DOT)
     tl.store(
         out_ptr + t[:, None] * stride_ot + hv * stride_oh + vv[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -294,19 +328,86 @@ def _dot_mode(dtype: torch.dtype) -> str:
     return {torch.float32: "ieee", torch.float16: "fp16"}.get(dtype, "bf16")
 
 
-def _chunk_tables(cu_seqlens: torch.Tensor, min_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([num_chunks, 2] first/end token of every CHUNK-row chunk of the requests longer than
-    min_len, [B] index of each request's first chunk); built on the host (prefill is not
-    graph-captured)."""
-    cu = cu_seqlens.tolist()
-    rows, offsets = [], []
-    for s, e in zip(cu[:-1], cu[1:], strict=True):
-        offsets.append(len(rows))
-        if e - s > min_len:
-            rows.extend((c, min(c + CHUNK, e)) for c in range(s, e, CHUNK))
-    device = cu_seqlens.device
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
-    return table.to(device, non_blocking=True), torch.tensor(offsets, dtype=torch.int32).to(device)
+@jit
+def _qk_l2norm_kernel(
+    q_ptr,
+    k_ptr,
+    qn_ptr,
+    kn_ptr,
+    rows,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    q_scale,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """qn = l2norm(q) * q_scale and kn = l2norm(k), [T, H, DK] contiguous, once per prefill (the
+    three chunk kernels then read them instead of normalising per (chunk, value head) program)."""
+    i = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    d = tl.arange(0, BK)
+    mask = (i < rows)[:, None] & (d < DK)[None, :]
+    t, h = i // num_heads, i % num_heads
+    if tl.program_id(1) == 0:
+        x = tl.load(
+            q_ptr + (t * stride_qt + h * stride_qh)[:, None] + d[None, :], mask=mask, other=0.0
+        )
+        y = _l2norm(x.to(tl.float32), 1e-6) * q_scale
+        tl.store(qn_ptr + i[:, None] * DK + d[None, :], y.to(qn_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(
+            k_ptr + (t * stride_kt + h * stride_kh)[:, None] + d[None, :], mask=mask, other=0.0
+        )
+        y = _l2norm(x.to(tl.float32), 1e-6)
+        tl.store(kn_ptr + i[:, None] * DK + d[None, :], y.to(kn_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _chunk_table_kernel(
+    cu_ptr, table_ptr, offsets_ptr, batch, bound, MIN_LEN: tl.constexpr, CHUNK: tl.constexpr
+):
+    """One program: the [bound, 2] first/end token of every CHUNK-row chunk of the requests longer
+    than MIN_LEN (entries past the last chunk empty), and [B] each request's first chunk."""
+    n = 0
+    for b in range(batch):
+        start = tl.load(cu_ptr + b)
+        end = tl.load(cu_ptr + b + 1)
+        tl.store(offsets_ptr + b, n)
+        if end - start > MIN_LEN:
+            for c in range(start, end, CHUNK):
+                tl.store(table_ptr + 2 * n, c)
+                tl.store(table_ptr + 2 * n + 1, tl.minimum(c + CHUNK, end))
+                n += 1
+    for e in range(n, bound):
+        tl.store(table_ptr + 2 * e, 0)
+        tl.store(table_ptr + 2 * e + 1, 0)
+
+
+def _chunk_tables(
+    cu_seqlens: torch.Tensor, num_tokens: int, min_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk table sized by a host bound (num_tokens // CHUNK + B chunks), filled on the device:
+    no sync, so a prefill step does not wait for the GPU to drain before launching."""
+    batch = cu_seqlens.shape[0] - 1
+    bound = num_tokens // CHUNK + batch
+    table = torch.empty(bound, 2, dtype=torch.int32, device=cu_seqlens.device)
+    offsets = torch.empty(batch, dtype=torch.int32, device=cu_seqlens.device)
+    _chunk_table_kernel[(1,)](
+        cu_seqlens, table, offsets, batch, bound, MIN_LEN=min_len, CHUNK=CHUNK, num_warps=1
+    )
+    return table, offsets
+
+
+def _scan_block_v(sequences: int, bdv: int, device: torch.device) -> int:
+    """State columns per scan program: 64, or 32 when (sequence, head) pairs leave SMs idle (the
+    scan is sequential over chunks; narrower blocks give more programs). H200, 27B heads: one
+    8k request 297 us at 32 vs 389 at 64; 8 x 1k 422 at 32 vs 329 at 64."""
+    if device.type == "cuda" and sequences * -(-bdv // 64) < 2 * num_sms(device):
+        return 32
+    return 64
 
 
 def gdn_chunked_triton(
@@ -328,17 +429,18 @@ def gdn_chunked_triton(
     num_tokens, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
-    chunks, offsets = _chunk_tables(cu_seqlens, min_len)
-    num_chunks = chunks.shape[0]
-    if num_chunks == 0:
+    if num_tokens == 0 or state_slots.shape[0] == 0:
         return out
+    chunks, offsets = _chunk_tables(cu_seqlens, num_tokens, min_len)
+    num_chunks = chunks.shape[0]
     group = num_v_heads // num_k_heads
     dot = _dot_mode(v.dtype)
     # intermediates that only feed 16-bit dots are kept in that type (half the traffic)
     low = torch.float32 if dot == "ieee" else v.dtype
     dev = v.device
     w = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
-    k_tail = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
+    ktail_in_scan = TUNING["ktail_in_scan"]
+    k_tail = w if ktail_in_scan else torch.empty_like(w)  # unused when the scan derives it
     u_dtype = low if TUNING["u_low"] else torch.float32
     u = torch.empty(num_tokens, num_v_heads, dv, dtype=u_dtype, device=dev)
     v_new = torch.empty(num_tokens, num_v_heads, dv, dtype=low, device=dev)
@@ -346,7 +448,18 @@ def gdn_chunked_triton(
     h_chunks = torch.empty(num_chunks, num_v_heads, dk, dv, dtype=low, device=dev)
     min_tile = 1 if dot == "ieee" else MIN_TILE_16BIT
     bk, bdv = max(next_pow2(dk), min_tile), max(next_pow2(dv), min_tile)
-    common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot)
+    scale = dk**-0.5
+    prenorm = TUNING["prenorm"]
+    if prenorm:  # normalise q (with the scale folded in) and k once, in the dots' 16-bit type
+        qn = torch.empty(num_tokens, num_k_heads, dk, dtype=low, device=dev)
+        kn = torch.empty_like(qn)
+        rows, block_r = num_tokens * num_k_heads, 16
+        _qk_l2norm_kernel[(-(-rows // block_r), 2)](
+            q, k, qn, kn, rows, num_k_heads, *q.stride()[:2], *k.stride()[:2], scale,
+            DK=dk, BK=bk, BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+        q, k, scale = qn, kn, 1.0
+    common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot, NORM_IN_KERNEL=not prenorm)
     _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
         k,
         v,
@@ -370,16 +483,18 @@ def gdn_chunked_triton(
         BDV=bdv,
         INV_DOT="ieee" if dot == "ieee" else "tf32",
         RELOAD_K=TUNING["reload_k"],
+        KTAIL_IN_SCAN=ktail_in_scan,
         num_warps=TUNING["prep_warps"],
         **common,
     )
     batch = state_slots.shape[0]
-    bv = min(bdv, TUNING["scan_bv"])
+    bv = min(bdv, TUNING["scan_bv"] or _scan_block_v(batch * num_v_heads, bdv, dev))
     scan_warps = TUNING["scan_warps"] or (8 if bk * bv >= 128 * 64 else 4)
     _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
         w,
         u,
         k_tail,
+        k,
         gcum,
         v_new,
         h_chunks,
@@ -388,11 +503,15 @@ def gdn_chunked_triton(
         cu_seqlens,
         has_initial_state,
         offsets,
+        k.stride(0),
+        k.stride(1),
         ssm_states.stride(0),
         ssm_states.stride(1),
         num_v_heads,
+        GROUP=group,
         BV=bv,
         MIN_LEN=min_len,
+        KTAIL_IN_SCAN=ktail_in_scan,
         num_warps=scan_warps,
         num_stages=2,
         **common,
@@ -412,7 +531,7 @@ def gdn_chunked_triton(
         k.stride(1),
         out.stride(0),
         out.stride(1),
-        dk**-0.5,
+        scale,
         num_v_heads,
         GROUP=group,
         BV=bvo,

@@ -127,9 +127,9 @@ def rms_norm_triton(
     return out, new_res
 
 
-# rows per program and warps of the gated norm (64 rows x 8 warps measured slower on the H200 than
-# 16 x 4); ops/gpu/gdn_probe.py sweeps the alternatives
-GATED_TUNING = {"rows": 16, "warps": 4}
+# rows per program and warps of the gated norm at [393216, 128] on the H200 (ops/gpu/gdn_probe.py):
+# 32 x 8 76.9 us, 8 x 1 77.4, 16 x 4 80.5, 32 x 4 83.8, 16 x 2 85.4; compiled reference 77.5
+GATED_TUNING = {"rows": 32, "warps": 8}
 
 
 @jit

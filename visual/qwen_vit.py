@@ -105,14 +105,19 @@ class VisionAttention(nn.Module):
         q = apply_vision_rotary(q, cos, sin)
         k = apply_vision_rotary(k, cos, sin)
         outputs = []
-        # One SDPA call per image: bidirectional inside an image, nothing across images.
+        # One SDPA call per image: bidirectional inside an image, nothing across images. The inputs
+        # are 4-D [1, H, L, D]: torch sends only 4-D inputs to its fused (flash / memory-efficient)
+        # kernels; 3-D ones take the math path, which materialises [H, L, L] fp32 scores (256 GiB
+        # for one 16k-patch-side image).
         for q_img, k_img, v_img in zip(
             q.split(seq_lens), k.split(seq_lens), v.split(seq_lens), strict=True
         ):
             out = F.scaled_dot_product_attention(
-                q_img.transpose(0, 1), k_img.transpose(0, 1), v_img.transpose(0, 1)
-            )  # [H, L, D]
-            outputs.append(out.transpose(0, 1))
+                q_img.transpose(0, 1)[None],
+                k_img.transpose(0, 1)[None],
+                v_img.transpose(0, 1)[None],
+            )  # [1, H, L, D]
+            outputs.append(out[0].transpose(0, 1))
         attn = torch.cat(outputs, dim=0).reshape(tokens, -1)  # [T, hidden]
         return self.proj(attn)
 

@@ -20,14 +20,15 @@ from ops.bench.bench_cases import _gdn_inputs
 
 VARIANTS = {
     "base": {},
-    "prep8": {"prep_warps": 8},
-    "out8": {"out_warps": 8},
+    "legacy": {"prenorm": False, "ktail_in_scan": False, "u_low": False, "scan_bv": 64},
+    "no_prenorm": {"prenorm": False},
+    "ktail_buffer": {"ktail_in_scan": False},
+    "u_fp32": {"u_low": False},
+    "scan_bv64": {"scan_bv": 64},
+    "scan_bv32": {"scan_bv": 32},
+    "out_bv128": {"out_bv": 128},
     "out8_bv128": {"out_warps": 8, "out_bv": 128},
-    "u_low": {"u_low": True},
-    "scan_bv32": {"scan_bv": 32, "scan_warps": 4},
-    "reload_k": {"reload_k": True},
-    "prep8_reload": {"prep_warps": 8, "reload_k": True},
-    "combo": {"prep_warps": 8, "out_warps": 8, "out_bv": 128, "u_low": True},
+    "prep8": {"prep_warps": 8},
 }
 
 
@@ -41,7 +42,7 @@ def kernel_times(fn, iters: int = 10) -> dict[str, float]:
         torch.cuda.synchronize()
     out: dict[str, float] = {}
     for ev in prof.key_averages():
-        if "_gdn_" in ev.key or "chunk" in ev.key:
+        if "_gdn_" in ev.key or "chunk" in ev.key or "l2norm" in ev.key:
             total = getattr(ev, "device_time_total", None) or ev.cuda_time_total
             out[ev.key.replace("_gdn_chunk_", "").replace("_kernel", "")] = total / iters
     return out
@@ -68,11 +69,54 @@ def gated_norm_sweep() -> None:
     norm.GATED_TUNING.update(default)
 
 
+def attention_sweep() -> None:
+    """Decode / verify launch knobs of the Triton paged attention against flashinfer, 27B heads."""
+    from kernels import attention
+    from ops.bench.bench_cases import HEAD_DIM, _flashinfer_peer, _kv_batch
+
+    scale = HEAD_DIM**-0.5
+    default = dict(attention.ATTN_TUNING)
+    for batch, q_len, kv_len in ((16, 1, 4096), (64, 4, 4096), (64, 2, 4096), (16, 4, 4096)):
+        args = _kv_batch([q_len] * batch, kv_len)
+        peer = _flashinfer_peer(args, scale, q_len).get("flashinfer")
+        fi_us = triton.testing.do_bench(peer) * 1e3 if peer else float("nan")
+        for knobs in (
+            {},
+            {"split_factor": 1},
+            {"split_factor": 4},
+            {"split_factor": 8},
+            {"max_block_m": 32},
+            {"max_block_m": 16},
+        ):
+            attention.ATTN_TUNING.clear()
+            attention.ATTN_TUNING.update(default | knobs)
+            try:
+                fn = partial(attention.paged_attention_triton, *args, scale, max_q_len=q_len)
+                us = triton.testing.do_bench(fn) * 1e3
+                print(
+                    f"attn B={batch} q={q_len} kv={kv_len} {knobs or 'default'}: {us:.1f} us, "
+                    f"flashinfer {fi_us:.1f} us, ratio {fi_us / us:.2f}",
+                    flush=True,
+                )
+            except Exception as exc:
+                print(f"attn B={batch} q={q_len} {knobs}: FAILED {exc}"[:300], flush=True)
+        del args
+    attention.ATTN_TUNING.clear()
+    attention.ATTN_TUNING.update(default)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--skip", default="", help="comma-separated: norm,attention,gdn")
     args = ap.parse_args()
-    gated_norm_sweep()
+    skip = set(args.skip.split(","))
+    if "norm" not in skip:
+        gated_norm_sweep()
+    if "attention" not in skip:
+        attention_sweep()
+    if "gdn" in skip:
+        return 0
     default = dict(gdn_chunk.TUNING)
     for lens in ([8192], [1024] * 8):
         q, k, v, g, beta, pool, slots, cu, init = _gdn_inputs(lens)

@@ -35,6 +35,13 @@ def warnings_of(caplog) -> list[str]:
         ("gdn_prefill", "torch", H200_ALL, "torch", None),
         ("fp8_gemm", "auto", H200_ALL, "cutlass", None),
         ("fp8_gemm", "auto", H200_BARE, backends.MIXED_FP8, None),
+        (
+            "fp8_gemm",
+            "auto",
+            Platform(True, (9, 0), frozenset({"triton", "sgl_kernel"})),
+            backends.MIXED_SGL,
+            None,
+        ),
         ("fp8_gemm", "auto", L40, "triton", None),
         ("fp8_gemm", "auto", A100, "torch", None),
         ("fp8_gemm", "cutlass", H200_ALL, "cutlass", None),
