@@ -331,7 +331,8 @@ def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
 # ---------------------------------------------- fp8 ----------------------------------------------
 
 
-def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple:
+def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
+    """Our Triton kernel, and the auto backend (the dispatcher), against the same peers."""
     from kernels import adapters
 
     n, k = w_q.shape
@@ -347,14 +348,26 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple:
         peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external(
             "sgl", a_q, w_q, a_s, w_s, BF16
         )
-    return (
+    shape = f"M={m} N={n} K={k}"
+    triton_case = (
         "fp8_gemm",
-        f"M={m} N={n} K={k}",
+        shape,
         lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16),
         2 * m * n * k,
         "TFLOP/s",
         peers,
     )
+    from kernels import backends
+
+    auto_case = (
+        f"fp8_auto[{backends.selected('fp8_gemm')}]",
+        shape,
+        lambda: fp8.fp8_scaled_mm(a_q, w_q, a_s, w_s, BF16),  # what the model layers call
+        2 * m * n * k,
+        "TFLOP/s",
+        {name: fn for name, fn in peers.items() if name != "bf16 mm (not fp8)"},
+    )
+    return triton_case, auto_case
 
 
 def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
@@ -362,7 +375,7 @@ def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
         w = torch.randn(n, k, device=DEV) * 0.05
         w_q, w_s = fp8.per_token_quant_ref(w)
         for m in (1, 16, 64, 256, 4096):
-            yield _fp8_gemm_case(m, w_q, w_s.reshape(n), w.to(BF16))
+            yield from _fp8_gemm_case(m, w_q, w_s.reshape(n), w.to(BF16))
     for tokens in (16, 8192):
         x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
         yield (
