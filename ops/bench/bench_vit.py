@@ -4,12 +4,15 @@ faster).
 
 Real-size Qwen3.5-27B vision tower (models.md real-config table) with random weights, bf16 on CUDA;
 the transformers tower (`Qwen3_5VisionModel`, attn_implementation sdpa) gets the same weights
-(our state dict: parameter names are the checkpoint's `model.visual.*` names in both).
+(our state dict: parameter names are the checkpoint's `model.visual.*` names in both); the relative
+difference of the two outputs is reported. The SDPA backend our attention runs on is printed.
 Preprocessing: ours = the visual server's path (`decode_image` + `preprocess_image`) on JPEG
 bytes; transformers = `Image.open` + the Qwen2-VL image processor our parity tests compare
-against (PIL backend) and, where importable, the torchvision ("fast") one, on CPU and on CUDA.
+against (PIL backend; "exact" = bit-identical pixel values) and, where importable, the torchvision
+("fast") one, on CPU and on CUDA.
 Images: noise photos (random low-frequency field plus grain) at 640x480, 1280x720, 1920x1080 and
-a 6000x4000 photo that smart_resize brings down to the maximum pixel budget.
+a 6000x4000 photo that smart_resize brings down to the maximum pixel budget. Each size prints its
+RESULT line as it finishes; a size that fails (OOM included) says so and the run goes on.
 
   python ops/bench/bench_vit.py --json vit.json        # CUDA, ~1.5 min
   python ops/bench/bench_vit.py --smoke                # CPU, tiny tower and images, seconds
@@ -199,10 +202,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: int):
-    """(median seconds, last result) of `iters` synchronised calls after `warmup` calls."""
-    for _ in range(warmup):
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: int, budget_s=10.0):
+    """(median seconds, last result) of synchronised calls after warm-up; a slow call (the first
+    warm-up is timed) cuts the rest of the warm-up and the iterations to fit about `budget_s`."""
+    first = None
+    for i in range(warmup):
+        sync(device)
+        start = time.perf_counter()
         fn()
+        sync(device)
+        if i == 0:
+            first = time.perf_counter() - start
+            if first * (warmup + iters) > budget_s:
+                break
+    if first is not None:
+        iters = max(1, min(iters, int(budget_s / max(first, 1e-9))))
     times, result = [], None
     for _ in range(iters):
         sync(device)
@@ -211,6 +225,42 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: in
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+# ------------------------------------------------------------------------------ attention backend
+
+
+_BACKENDS = (
+    ("flash_attention_for_cpu", "flash (cpu)"),
+    ("cudnn", "cudnn"),
+    ("efficient", "memory-efficient"),
+    ("flash", "flash"),
+    ("math", "math (L x L scores)"),
+)
+
+
+@torch.inference_mode()
+def attention_backend(encoder) -> str:
+    """The SDPA backend our first block's attention runs on (from the profiler's aten op names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block = encoder.tower.blocks[0]
+    tokens, head_dim = 64, encoder.config.head_dim
+    x = torch.randn(tokens, encoder.config.hidden_size, device=encoder.device, dtype=encoder.dtype)
+    cos = torch.ones(tokens, head_dim, device=encoder.device)
+    sin = torch.zeros(tokens, head_dim, device=encoder.device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        block.attn(x, [tokens], cos, sin)
+        sync(encoder.device)
+    names = [e.key for e in prof.key_averages() if "_scaled_dot_product_" in e.key]
+    for key, label in _BACKENDS:
+        if any(key in name for name in names):
+            return label
+    return "unknown: " + ", ".join(names)
 
 
 # ------------------------------------------------------------------------------ transformers side
@@ -263,7 +313,7 @@ def hf_image_processors(config: PreprocessConfig) -> tuple[dict[str, object], di
 
 def hf_vision_tower(vision: dict, state: dict, device: torch.device, dtype: torch.dtype):
     """transformers' Qwen3.5 vision tower (sdpa) on `device`, loaded with our tower's weights."""
-    from transformers import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     keys = (
@@ -303,175 +353,236 @@ def hf_embeds(out) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the benchmark
 
 
-def bench_preprocess(sizes, config, limits, device, n_images, seed=0) -> tuple[list, dict]:
-    """Rows of ms per image (median over n_images distinct images, JPEG decode included)."""
-    processors, missing = hf_image_processors(config)
-    rows, pixel_values = [], {}
-    for width, height, label in sizes:
+def error_text(exc: BaseException, limit: int = 160) -> str:
+    return "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"[:limit]
+
+
+def release(device: torch.device) -> None:
+    """Give cached blocks back after a failure (call outside the except block: its frames hold
+    the failed call's tensors)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+_PREP_IMPLS = (
+    ("hf_pil", "hf-pil"),
+    ("hf_fast_cpu", "hf-fast-cpu"),
+    ("hf_fast_cuda", "hf-fast-cuda"),
+)
+
+
+def preprocess_impls(processors: dict, limits, config, device) -> dict[str, Callable]:
+    impls: dict[str, Callable[[bytes], object]] = {
+        "ours": lambda d: preprocess_image(decode_image(d, limits), config),
+    }
+    if "pil" in processors:
+        proc = processors["pil"]
+        impls["hf_pil"] = lambda d, p=proc: p(
+            images=[Image.open(io.BytesIO(d))], return_tensors="np"
+        )
+    if "fast" in processors:
+        proc = processors["fast"]
+        impls["hf_fast_cpu"] = lambda d, p=proc: p(
+            images=[Image.open(io.BytesIO(d))], return_tensors="pt"
+        )
+        if device.type == "cuda":
+            impls["hf_fast_cuda"] = lambda d, p=proc: p(
+                images=[Image.open(io.BytesIO(d))], return_tensors="pt", device=str(device)
+            )
+    return impls
+
+
+def preprocess_one(size, impls, config, limits, device, n_images, seed) -> tuple[dict, object]:
+    """One image size: ms per image of every implementation (median over n_images distinct JPEGs,
+    decode included), HF's agreement with ours; (row, ours' (pixel_values, grid) or None)."""
+    width, height, label = size
+    resized = smart_resize(height, width, config)
+    row: dict = {
+        "image": label,
+        "width": width,
+        "height": height,
+        "resized": f"{resized[1]}x{resized[0]}",
+        "patches": resized[0] * resized[1] // config.patch_size**2,
+    }
+    try:
         n = max(1, n_images if width * height < 4_000_000 else min(n_images, 3))
         datas = [
             encode_image(make_photo(width, height, seed + i), limits.max_bytes) for i in range(n)
         ]
-        impls: dict[str, Callable[[bytes], object]] = {
-            "ours": lambda d: preprocess_image(decode_image(d, limits), config),
-        }
-        if "pil" in processors:
-            proc = processors["pil"]
-            impls["hf_pil"] = lambda d, p=proc: p(
-                images=[Image.open(io.BytesIO(d))], return_tensors="np"
+    except Exception as exc:
+        row["error"] = f"making the images: {error_text(exc)}"
+        return row, None
+    row.update(n_images=n, jpeg_kb=round(sum(len(d) for d in datas) / n / 1024))
+    outputs = {}
+    for name, fn in impls.items():
+        try:
+            outputs[name] = fn(datas[0])  # warm-up, and the output for the parity columns
+            times = []
+            for data in datas:
+                sync(device)
+                start = time.perf_counter()
+                fn(data)
+                sync(device)
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = statistics.median(times) * 1e3
+        except Exception as exc:
+            row[f"{name}_ms"], row[f"{name}_error"] = None, error_text(exc)
+    del datas
+    ours = outputs.get("ours")
+    if ours is None:
+        return row, None
+    if "hf_pil" in outputs:
+        ref = np.asarray(outputs["hf_pil"]["pixel_values"])
+        row["hf_pil_exact"] = bool(ref.shape == ours.pixel_values.shape) and bool(
+            np.array_equal(ref, ours.pixel_values)
+        )
+    for name in ("hf_fast_cpu", "hf_fast_cuda"):
+        if name in outputs:
+            ref = outputs[name]["pixel_values"].float().cpu().numpy()
+            same = ref.shape == ours.pixel_values.shape
+            row[f"{name}_max_abs_diff"] = (
+                float(np.abs(ref - ours.pixel_values).max()) if same else None
             )
-        if "fast" in processors:
-            proc = processors["fast"]
-            impls["hf_fast_cpu"] = lambda d, p=proc: p(
-                images=[Image.open(io.BytesIO(d))], return_tensors="pt"
-            )
-            if device.type == "cuda":
-                impls["hf_fast_cuda"] = lambda d, p=proc: p(
-                    images=[Image.open(io.BytesIO(d))], return_tensors="pt", device=str(device)
-                )
-        resized = smart_resize(height, width, config)
-        row = {
-            "image": label,
-            "width": width,
-            "height": height,
-            "jpeg_kb": round(sum(len(d) for d in datas) / n / 1024),
-            "resized": f"{resized[1]}x{resized[0]}",
-            "patches": resized[0] * resized[1] // config.patch_size**2,
-            "n_images": n,
-        }
-        outputs = {}
-        for name, fn in impls.items():
-            try:
-                outputs[name] = fn(datas[0])  # warm-up, and the output for the parity column
-                times = []
-                for data in datas:
-                    sync(device)
-                    start = time.perf_counter()
-                    fn(data)
-                    sync(device)
-                    times.append(time.perf_counter() - start)
-                row[f"{name}_ms"] = statistics.median(times) * 1e3
-            except Exception as exc:
-                row[f"{name}_ms"] = None
-                missing[name] = f"{type(exc).__name__}: {exc}"[:160]
-        ours = outputs["ours"].pixel_values
-        pixel_values[label] = (outputs["ours"].pixel_values, outputs["ours"].grid_thw)
-        if "hf_pil" in outputs:
-            ref = np.asarray(outputs["hf_pil"]["pixel_values"])
-            row["hf_pil_exact"] = bool(ref.shape == ours.shape and np.array_equal(ref, ours))
-        for name in ("hf_fast_cpu", "hf_fast_cuda"):
-            if name in outputs:
-                ref = outputs[name]["pixel_values"].float().cpu().numpy()
-                diff = float(np.abs(ref - ours).max()) if ref.shape == ours.shape else None
-                row[f"{name}_max_abs_diff"] = diff
-        for name in impls:
-            if name != "ours" and row.get(f"{name}_ms"):
-                row[f"{name}_ratio"] = row[f"{name}_ms"] / row["ours_ms"]
-        rows.append(row)
-    return rows, {"pixel_values": pixel_values, "unavailable": missing}
+    for name, _ in _PREP_IMPLS:
+        if row.get(f"{name}_ms") and row.get("ours_ms"):
+            row[f"{name}_ratio"] = row[f"{name}_ms"] / row["ours_ms"]
+    return row, (ours.pixel_values, ours.grid_thw)
+
+
+def preprocess_line(row: dict) -> str:
+    head = f"RESULT preprocess {row['image']} -> {row['resized']}: "
+    if row.get("error"):
+        return head + f"FAIL {row['error']}"
+    if row.get("ours_ms") is None:
+        return head + f"FAIL ours: {row.get('ours_error')}"
+    parts = [f"ours {row['ours_ms']:.1f} ms/img"]
+    for name, label in _PREP_IMPLS:
+        if f"{name}_ms" not in row:
+            continue
+        if row[f"{name}_ms"] is None:
+            parts.append(f"{label} FAIL {row.get(f'{name}_error')}")
+            continue
+        note = ""
+        if "hf_pil_exact" in row and name == "hf_pil":
+            note = ", exact" if row["hf_pil_exact"] else ", NOT exact"
+        elif row.get(f"{name}_max_abs_diff") is not None:
+            note = f", max abs diff {row[f'{name}_max_abs_diff']:.1e}"
+        parts.append(
+            f"{label} {row[f'{name}_ms']:.1f} ms/img (ratio {row[f'{name}_ratio']:.2f}{note})"
+        )
+    return head + ", ".join(parts)
+
+
+def _try_timed(fn, device, warmup, iters):
+    """timed(...), or (None, None, 'OOM' | error text) when the call fails."""
+    try:
+        seconds, out = timed(fn, device, warmup, iters)
+        return seconds, out, None
+    except Exception as exc:
+        error = error_text(exc, 120)
+    release(device)
+    return None, None, error
 
 
 @torch.inference_mode()
-def bench_vit(sizes, pixel_values, encoder, hf_tower, batch, max_batch, warmup, iters) -> list:
-    """Rows of images/s for batches of one size: our tower vs HF's on the same device input;
-    'ours_e2e' is the server's call (host fp32 rows in, host embeddings out)."""
+def vit_one(label, pixel_values, grid, encoder, hf_tower, n, warmup, iters) -> dict:
+    """Images/s of one batch of `n` copies of an image, ours and HF's tower, on the same device
+    input; rel diff = |ours - HF| / |HF| over the merged embeddings."""
     device, dtype = encoder.device, encoder.dtype
-    rows = []
-    for width, height, label in sizes:
-        rows_np, grid = pixel_values[label]
-        n = max_batch if label.endswith("(max)") else batch
-        host = np.concatenate([rows_np] * n)
-        grids = [tuple(grid)] * n
-        dev = torch.from_numpy(host).to(device, dtype)
+    row = {"image": label, "batch": n, "patches_per_image": int(np.prod(grid))}
+    grids = [tuple(int(v) for v in grid)] * n
+    try:
+        dev = torch.from_numpy(np.concatenate([pixel_values] * n)).to(device, dtype)
         grid_t = torch.tensor(grids, device=device)
-        ours_s, ours_out = timed(lambda: encoder.tower(dev, grids)[0], device, warmup, iters)
-        hf_s, hf_out = timed(
-            lambda: hf_embeds(hf_tower(dev, grid_thw=grid_t)), device, warmup, iters
-        )
+    except Exception as exc:
+        row.update(ours_error=error_text(exc), hf_error="no input")
+        dev = grid_t = None
+    if dev is None:
+        release(device)
+        return row
 
-        def e2e(host=host, grids=grids):
-            embeds, deepstack = encoder.encode(host, grids)
-            return [embeds.cpu(), *(d.cpu() for d in deepstack)]
+    def hf_call(dev=dev, grid_t=grid_t):
+        if hf_tower is None:
+            raise RuntimeError("no HF tower")
+        return hf_embeds(hf_tower(dev, grid_thw=grid_t))
 
-        e2e_s, _ = timed(e2e, device, min(warmup, 1), iters)
-        ref = hf_out.float()
-        rel = float((ours_out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-        rows.append(
-            {
-                "image": label,
-                "batch": n,
-                "patches_per_image": int(np.prod(grid)),
-                "ours_img_s": n / ours_s,
-                "hf_img_s": n / hf_s,
-                "ratio": hf_s / ours_s,
-                "ours_e2e_img_s": n / e2e_s,
-                "ours_ms": ours_s * 1e3,
-                "hf_ms": hf_s * 1e3,
-                "rel_diff_vs_hf": rel,
-            }
-        )
-        del dev, grid_t, ours_out, hf_out, ref
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+    def ours_call(dev=dev):
+        return encoder.tower(dev, grids)[0]
+
+    hf_s, hf_out, row["hf_error"] = _try_timed(hf_call, device, warmup, iters)
+    ref = None if hf_out is None else hf_out.float()
+    del hf_out
+    ours_s, out, row["ours_error"] = _try_timed(ours_call, device, warmup, iters)
+    rel = None
+    if out is not None and ref is not None and out.shape == ref.shape:
+        rel = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+    del out, ref, dev, grid_t, hf_call, ours_call
+    row.update(
+        ours_ms=None if ours_s is None else ours_s * 1e3,
+        ours_img_s=None if ours_s is None else n / ours_s,
+        hf_ms=None if hf_s is None else hf_s * 1e3,
+        hf_img_s=None if hf_s is None else n / hf_s,
+        ratio=None if not (ours_s and hf_s) else hf_s / ours_s,
+        rel_diff=rel,
+    )
+    release(device)
+    return row
 
 
 def _fmt(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def print_tables(prep: list, vit: list, unavailable: dict) -> None:
+def _img_s(row: dict, prefix: str, unit: str = "") -> str:
+    if row.get(f"{prefix}_img_s") is not None:
+        return f"{row[f'{prefix}_img_s']:.2f}{unit}"
+    return "FAIL " + (row.get(f"{prefix}_error") or "n/a")
+
+
+def vit_line(row: dict) -> str:
+    return (
+        f"RESULT vit {row['image']} batch {row['batch']} ({row['patches_per_image']} patches/img): "
+        f"ours {_img_s(row, 'ours', ' img/s')}, hf {_img_s(row, 'hf', ' img/s')}, ratio "
+        f"{_fmt(row.get('ratio'), '.2f')}, rel diff {_fmt(row.get('rel_diff'), '.1e')}"
+    )
+
+
+def print_tables(prep: list, vit: list, unavailable: dict, backend: str) -> None:
     print("\n### Preprocessing, ms per image (median; JPEG decode included)\n")
     print(
-        "| image | JPEG KB | resized | ours ms | HF PIL ms | ratio | exact | HF fast CPU ms | ratio "
-        "| HF fast CUDA ms | ratio |"
+        "| image | resized | ours | HF PIL | ratio | exact | HF fast CPU | ratio "
+        "| HF fast CUDA | ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in prep:
         print(
-            f"| {r['image']} | {r['jpeg_kb']} | {r['resized']} | {r['ours_ms']:.1f} "
+            f"| {r['image']} | {r['resized']} | {_fmt(r.get('ours_ms'), '.1f')} "
             f"| {_fmt(r.get('hf_pil_ms'), '.1f')} | {_fmt(r.get('hf_pil_ratio'), '.2f')} "
             f"| {r.get('hf_pil_exact', 'n/a')} "
             f"| {_fmt(r.get('hf_fast_cpu_ms'), '.1f')} | {_fmt(r.get('hf_fast_cpu_ratio'), '.2f')} "
             f"| {_fmt(r.get('hf_fast_cuda_ms'), '.1f')} "
             f"| {_fmt(r.get('hf_fast_cuda_ratio'), '.2f')} |"
         )
-    print("\n### Vision tower, images/s (median; same device input, same weights)\n")
     print(
-        "| image | batch | patches/img | ours img/s | HF img/s | ratio | ours server path img/s "
-        "| rel diff vs HF |"
+        f"\n### Vision tower, images/s (median; same input, same weights; ours on SDPA {backend})\n"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("| image | batch | patches/img | ours img/s | HF img/s | ratio | rel diff |")
+    print("|---|---|---|---|---|---|---|")
     for r in vit:
         print(
-            f"| {r['image']} | {r['batch']} | {r['patches_per_image']} | {r['ours_img_s']:.2f} "
-            f"| {r['hf_img_s']:.2f} | {r['ratio']:.2f} | {r['ours_e2e_img_s']:.2f} "
-            f"| {r['rel_diff_vs_hf']:.1e} |"
+            f"| {r['image']} | {r['batch']} | {r['patches_per_image']} | {_img_s(r, 'ours')} "
+            f"| {_img_s(r, 'hf')} | {_fmt(r.get('ratio'), '.2f')} "
+            f"| {_fmt(r.get('rel_diff'), '.1e')} |"
         )
     print("\nratio = HF time / ours (> 1: ours faster)")
     for kind, reason in unavailable.items():
         print(f"unavailable: {kind}: {reason}")
-    print()
-    for r in prep:
-        parts = [f"ours {r['ours_ms']:.1f} ms/img"]
-        for name, label in (
-            ("hf_pil", "hf-pil"),
-            ("hf_fast_cpu", "hf-fast-cpu"),
-            ("hf_fast_cuda", "hf-fast-cuda"),
-        ):
-            ms = r.get(f"{name}_ms")
-            if ms is not None:
-                parts.append(f"{label} {ms:.1f} ms/img (ratio {r[f'{name}_ratio']:.2f})")
-        print(f"RESULT preprocess {r['image']}: " + ", ".join(parts))
-    for r in vit:
-        print(
-            f"RESULT vit {r['image']} batch {r['batch']}: ours {r['ours_img_s']:.2f} img/s, "
-            f"hf {r['hf_img_s']:.2f} img/s (ratio {r['ratio']:.2f}), "
-            f"rel diff {r['rel_diff_vs_hf']:.1e}"
-        )
 
 
 def main() -> int:
+    if hasattr(sys.stdout, "reconfigure"):  # every stage's line shows as it finishes
+        sys.stdout.reconfigure(line_buffering=True)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny tower and images")
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
@@ -487,6 +598,7 @@ def main() -> int:
         args.device = "cpu"
         args.prep_images, args.batch, args.max_batch = 2, 2, 1
         args.warmup, args.iters = 1, 2
+        torch.set_num_threads(1)  # tiny ops: thread wake-ups would dominate on small CPUs
     name = args.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -500,6 +612,7 @@ def main() -> int:
 
     from visual.encoder import VisionEncoder
 
+    t0 = time.perf_counter()
     torch.manual_seed(0)
     env = environment(device)
     print("env: " + ", ".join(f"{k} {v}" for k, v in env.items()))
@@ -508,48 +621,67 @@ def main() -> int:
         encoder = VisionEncoder.from_pretrained(ckpt, device, dtype, load_weights=False)
     vision = TINY_VISION if args.smoke else QWEN3_5_27B_VISION
     params = sum(p.numel() for p in encoder.tower.parameters())
+    backend = attention_backend(encoder)
     print(
         f"tower: {'tiny (smoke)' if args.smoke else 'Qwen3.5-27B'} depth {vision['depth']} "
         f"hidden {vision['hidden_size']}, {params / 1e6:.1f} M params, {dtype} on {device}; "
-        f"pixels {encoder.preprocess.min_pixels}..{encoder.preprocess.max_pixels}"
+        f"pixels {encoder.preprocess.min_pixels}..{encoder.preprocess.max_pixels}; "
+        f"our attention runs on SDPA backend: {backend}"
     )
     start = time.perf_counter()
-    hf_tower = hf_vision_tower(vision, dict(encoder.tower.named_parameters()), device, dtype)
-    print(
-        f"HF tower: {type(hf_tower).__name__}, attn {hf_tower.config._attn_implementation}, "
-        f"built in {time.perf_counter() - start:.1f} s"
-    )
+    try:
+        hf_tower = hf_vision_tower(vision, dict(encoder.tower.named_parameters()), device, dtype)
+        print(
+            f"HF tower: {type(hf_tower).__name__}, attn {hf_tower.config._attn_implementation}, "
+            f"built in {time.perf_counter() - start:.1f} s"
+        )
+    except Exception as exc:  # keep our numbers even if this transformers lacks the class
+        hf_tower = None
+        print(f"HF tower unavailable: {type(exc).__name__}: {str(exc)[:200]}")
+    release(device)
     sizes = TINY_SIZES if args.smoke else REAL_SIZES
     limits = ImageLimits()
-    prep_sizes = sizes[:-1] if args.skip_prep_max else sizes
+    config = encoder.preprocess
+    processors, unavailable = hf_image_processors(config)
+    impls = preprocess_impls(processors, limits, config, device)
+
+    prep, inputs = [], {}
     start = time.perf_counter()
-    prep, extra = bench_preprocess(prep_sizes, encoder.preprocess, limits, device, args.prep_images)
+    for i, size in enumerate(sizes[:-1] if args.skip_prep_max else sizes):
+        row, pixels = preprocess_one(size, impls, config, limits, device, args.prep_images, 10 * i)
+        prep.append(row)
+        if pixels is not None:
+            inputs[size[2]] = pixels
+        print(preprocess_line(row))
     print(f"preprocessing benchmark: {time.perf_counter() - start:.1f} s")
+
+    vit = []
     start = time.perf_counter()
-    vit = bench_vit(
-        [s for s in sizes if s[2] in extra["pixel_values"]],
-        extra["pixel_values"],
-        encoder,
-        hf_tower,
-        args.batch,
-        args.max_batch,
-        args.warmup,
-        args.iters,
-    )
+    for _width, _height, label in sizes:
+        if label not in inputs:
+            continue
+        n = args.max_batch if label.endswith("(max)") else args.batch
+        pixel_values, grid = inputs.pop(label)
+        vit.append(
+            vit_one(label, pixel_values, grid, encoder, hf_tower, n, args.warmup, args.iters)
+        )
+        print(vit_line(vit[-1]))
     print(f"ViT benchmark: {time.perf_counter() - start:.1f} s")
-    print_tables(prep, vit, extra["unavailable"])
+    print_tables(prep, vit, unavailable, backend)
     if args.json:
         report = {
             "env": env,
             "vision_config": vision,
             "dtype": str(dtype),
+            "attention_backend": backend,
             "args": vars(args),
             "preprocess": prep,
             "vit": vit,
-            "unavailable": extra["unavailable"],
+            "unavailable": unavailable,
         }
         Path(args.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
+    print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 
 

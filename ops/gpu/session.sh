@@ -2,12 +2,13 @@
 # One consolidated GPU call: install the carried optional packages, then run the steps named in
 # STEPS (space-separated, in order), each under its own time limit, logs in $OUT.
 #
-#   STEPS="probe tests bench model vision sampling" bash ops/gpu/session.sh
+#   STEPS="probe tests bench model vision static" bash ops/gpu/session.sh
 #
 # Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
-# Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_S SAMPLING_S; BENCH_ARGS and
-# PYTEST_ARGS pass through.
+# Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S;
+# PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
+# .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-./gpu-out}
@@ -41,8 +42,23 @@ for s in ${STEPS:-probe tests bench}; do
     bench) step bench "${BENCH_S:-200}" python3 ops/bench/bench_ops.py --out "$OUT/bench.md" \
       ${BENCH_ARGS:-} ;;
     model) step model "${MODEL_S:-150}" python3 ops/gpu/check_model.py ;;
-    vision) step vision "${VISION_S:-150}" bash -c \
-      "python3 ops/gpu/check_vision.py && python3 ops/bench/bench_vit.py --json $OUT/vit.json" ;;
+    vision)  # wheels carried in .cache/vision-wheels (pillow, httpx, ...): install those whose
+      # module does not import yet; then the check and the benchmark, each under its own limit
+      # (VISION_CHECK_S, VISION_BENCH_S), the benchmark whatever the check's exit status
+      vsite=$(mktemp -d) vnew=""
+      for vw in .cache/vision-wheels/*.whl; do
+        [ -s "$vw" ] || continue
+        vm=$(basename "$vw"); vm=${vm%%-*}; [ "$vm" = pillow ] && vm=PIL
+        python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('$vm') is None)" \
+          2>/dev/null && continue
+        PIP_ROOT_USER_ACTION=ignore python3 -m pip install -q --no-index --no-deps --no-compile \
+          --target "$vsite" "$vw" && vnew="$vnew $vm"
+      done
+      echo "vision wheels installed:${vnew:- none needed}"
+      step vision_check "${VISION_CHECK_S:-200}" env PYTHONPATH="$PYTHONPATH:$vsite" \
+        python3 ops/gpu/check_vision.py --json "$OUT/check_vision.json"
+      step vision_bench "${VISION_BENCH_S:-200}" env PYTHONPATH="$PYTHONPATH:$vsite" \
+        python3 ops/bench/bench_vit.py --json "$OUT/vit.json" ;;
     static) step static "${STATIC_S:-170}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --mtp 0 1 --prompt-len 256 \
       --steps 6 --json "$OUT/static.json" ;;
