@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, num_sms, tl
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 CHUNK = 64
 # Launch parameters of the three kernels; ops/gpu/gdn_probe.py times the alternatives on the GPU.
 TUNING = {
     "prep_warps": 4,
     "scan_warps": 0,  # 0: 8 warps for a [128, 64] state block, 4 below
-    "scan_bv": 0,  # 0: by occupancy (_scan_block_v)
+    "scan_bv": 64,
     "out_warps": 4,
-    "out_bv": 64,
+    "out_bv": 128,
     "u_low": True,  # keep u (feeds only v_new = u - w h) in the 16-bit type
     "reload_k": False,  # prep: re-read k after the inverse instead of holding it in registers
     "ktail_in_scan": True,  # scan derives exp(G_last - G) k from k instead of reading a buffer
@@ -401,15 +401,6 @@ def _chunk_tables(
     return table, offsets
 
 
-def _scan_block_v(sequences: int, bdv: int, device: torch.device) -> int:
-    """State columns per scan program: 64, or 32 when (sequence, head) pairs leave SMs idle (the
-    scan is sequential over chunks; narrower blocks give more programs). H200, 27B heads: one
-    8k request 297 us at 32 vs 389 at 64; 8 x 1k 422 at 32 vs 329 at 64."""
-    if device.type == "cuda" and sequences * -(-bdv // 64) < 2 * num_sms(device):
-        return 32
-    return 64
-
-
 def gdn_chunked_triton(
     q,
     k,
@@ -488,7 +479,7 @@ def gdn_chunked_triton(
         **common,
     )
     batch = state_slots.shape[0]
-    bv = min(bdv, TUNING["scan_bv"] or _scan_block_v(batch * num_v_heads, bdv, dev))
+    bv = min(bdv, TUNING["scan_bv"])
     scan_warps = TUNING["scan_warps"] or (8 if bk * bv >= 128 * 64 else 4)
     _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
         w,

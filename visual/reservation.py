@@ -3,9 +3,10 @@ its batch needs above the weights, and the rounded reservation the workers leave
 
 Called by the visual server at startup (its result travels to the launcher in VisualInfo and on to
 the worker that shares the ViT's device as `ModelRunner(reserved_bytes=...)`). On CUDA the peak is
-measured for real (`torch.cuda.max_memory_allocated`); on CPU the same worst case runs on the meta
-device under `MemoryTracker`, which adds up tensor storages as ops create them and subtracts them
-as they are freed, so the arithmetic is exercised without the memory.
+measured for real (`torch.cuda.max_memory_reserved`: the allocator's footprint, fragmentation
+included); on CPU the same worst case runs on the meta device under `MemoryTracker`, which adds up
+tensor storages as ops create them and subtracts them as they are freed, so the arithmetic is
+exercised without the memory (SDPA's internal workspace is invisible to it).
 """
 
 from __future__ import annotations
@@ -140,20 +141,24 @@ def tracked_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> i
 
 @torch.inference_mode()
 def cuda_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> int:
-    """Peak device bytes above the allocations that existed before (the weights) while the worst
-    case runs exactly as a batch does (host fp32 rows in, host embeddings out). The allocator cache
-    is emptied afterwards: the workers, which start after this, see that memory as free and hold
-    the reservation back themselves."""
+    """Peak device footprint above what existed before (the weights) while the worst case runs
+    exactly as a batch does (host fp32 rows in, host embeddings out). The footprint is the caching
+    allocator's peak of *reserved* segments, not of live tensors: fragmentation between the
+    blocks of a 17 GiB forward is real memory the process needs (an H200 burst of eight
+    max-size images, measured against the allocated peak of 17.5 GiB + 10 %, ran out of memory).
+    The cache is emptied afterwards: the workers, which start after this, see that memory as free
+    and hold the reservation back themselves."""
     device = encoder.device
     patches = sum(t * h * w for t, h, w in grids)
     pixel_values = torch.randn(patches, encoder.config.patch_dim)  # host, as from numpy
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_reserved(device)
     embeds, deepstack = encoder.encode(pixel_values, grids)
     host = [embeds.cpu(), *(d.cpu() for d in deepstack)]
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    peak = torch.cuda.max_memory_reserved(device) - base
     del embeds, deepstack, host
     torch.cuda.empty_cache()
     return peak

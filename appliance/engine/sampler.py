@@ -23,7 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from appliance.messages import SamplingOptions
-from kernels.sampling import sample_ref
+from kernels.sampling import sample
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Sampler:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
         params = SamplingTensors.from_rows(rows, device)
         offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
-        token_ids = sample_ref(
+        token_ids = sample(  # Triton on CUDA, the torch reference elsewhere
             logits,
             params.temperature,
             params.top_k,

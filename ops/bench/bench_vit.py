@@ -354,7 +354,9 @@ def hf_embeds(out) -> torch.Tensor:
 
 
 def error_text(exc: BaseException, limit: int = 160) -> str:
-    return "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"[:limit]
+    if is_oom(exc):  # keep the allocator's numbers: "Tried to allocate X; Y free; Z reserved"
+        return "OOM: " + " ".join(str(exc).split())[: max(limit, 400)]
+    return f"{type(exc).__name__}: {exc}"[:limit]
 
 
 def release(device: torch.device) -> None:

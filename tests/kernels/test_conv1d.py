@@ -112,3 +112,49 @@ def test_full_size_verify_rows():
     got = causal_conv1d_verify(x, weight, states, windows, slots, cu, max_q_len=4)
     assert_close(got, expected, torch.bfloat16, name="out")
     assert torch.equal(windows[slots], ref_windows[slots])
+
+
+def test_layer_mixed_prefill_and_verify_batch_through_the_triton_kernels(monkeypatch):
+    """A GDN layer step holding a long prefill chunk and MTP verify rows: the conv kernels (Triton,
+    interpreted) give the reference path's output. The verify call's row bound is the window
+    capacity, not the batch's longest chunk (a 6-row prefill beside 4-row verify requests once
+    raised 'rows do not fit windows' on the GPU)."""
+    import kernels.conv1d as conv1d_module
+    from appliance.engine.context import ForwardContext, forward_context
+    from appliance.models.layers.gdn import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(
+        hidden=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4, eps=1e-6
+    )
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    q_lens, rows = [6, 4, 4], 4  # one plain prefill chunk, then two verify requests (k = 3)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist())
+
+    def run(force_triton: bool) -> torch.Tensor:
+        monkeypatch.setattr(conv1d_module, "use_triton", lambda t: force_triton)
+        gen = torch.Generator().manual_seed(1)
+        layer.conv_states = torch.randn(3, layer.conv_dim, 3, generator=gen)
+        layer.ssm_states = torch.randn(3, 4, 8, 8, generator=gen) * 0.1
+        layer.ssm_candidates = torch.zeros(3, rows, 4, 8, 8)
+        layer.conv_windows = torch.zeros(3, layer.conv_dim, 3 + rows)
+        ctx = ForwardContext(
+            req_slots=torch.arange(3),
+            cu_seqlens_q=cu,
+            seq_lens=torch.tensor(q_lens) + 5,
+            has_initial_state=torch.ones(3, dtype=torch.bool),
+            out_kv_slots=torch.zeros(sum(q_lens), dtype=torch.long),
+            req_to_token=torch.zeros(3, 16, dtype=torch.int32),
+            q_lens=q_lens,
+            all_decode=False,
+            num_plain_reqs=1,
+            num_plain_tokens=6,
+        )
+        x = torch.randn(sum(q_lens), 32, generator=gen)
+        with torch.no_grad(), forward_context(ctx):
+            return layer(x)
+
+    expected = run(False)
+    got = run(True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -1,5 +1,7 @@
 """sample_ref: the documented hash, reproducibility, batch invariance, greedy, and statistical
-checks that top-k / top-p / min-p / temperature sample from the right distribution."""
+checks that top-k / top-p / min-p / temperature sample from the right distribution. sample_triton:
+the same uniform bits and the same tokens as sample_ref (interpreted on CPU at small shapes, with a
+small candidate capacity so that every search path runs; full size on the GPU)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,18 @@ import math
 
 import pytest
 import torch
+from kernel_cases import DEVICE, generator, gpu
+from tolerances import poison
 
-from kernels.sampling import _mul32, sample_ref, uniform_noise
+from kernels.sampling import (
+    _mul32,
+    mask_logits_ref,
+    sample,
+    sample_ref,
+    sample_triton,
+    uniform_noise,
+    uniform_noise_triton,
+)
 
 M32 = 0xFFFFFFFF
 # chi-square critical values at p = 0.001 by degrees of freedom (fixed seeds: the tests are
@@ -187,3 +199,140 @@ def test_top_p_nucleus_is_smallest_prefix_reaching_p() -> None:
     assert set(draw(logits, 2000, top_p=0.5).unique().tolist()) == {0}  # mass 0.5 reaches 0.5
     assert set(draw(logits, 2000, top_p=0.75).unique().tolist()) == {0, 1}
     assert set(draw(logits, 2000, top_p=0.76).unique().tolist()) == {0, 1, 2}
+
+
+# --- sample_triton ------------------------------------------------------------------------------
+
+
+def mixed_batch(b: int, v: int, seed: int, quant: float = 0.0, scale: float = 3.0):
+    """Fresh logits and per-row knobs mixing greedy, temperature-only and every filter combination.
+    quant > 0 rounds the logits to a 1/quant grid: ties at every top-k / top-p boundary."""
+    gen = generator(seed)
+    logits = torch.randn(b, v, generator=gen) * scale
+    if quant:
+        logits = (logits * quant).round() / quant
+
+    def on(prob: float) -> torch.Tensor:
+        return torch.rand(b, generator=gen) < prob
+
+    knobs = dict(
+        temperature=torch.where(on(0.15), 0.0, torch.rand(b, generator=gen) * 1.5 + 0.2),
+        top_k=torch.where(on(0.5), torch.randint(1, v + 5, (b,), generator=gen), -1),
+        top_p=torch.where(on(0.5), torch.rand(b, generator=gen), 1.0),
+        min_p=torch.where(on(0.3), torch.rand(b, generator=gen) * 0.3, 0.0),
+        seeds=torch.randint(-(2**62), 2**62, (b,), generator=gen),
+        offsets=torch.randint(0, 2**40, (b,), generator=gen),
+    )
+    return logits.to(DEVICE), {k: t.to(DEVICE) for k, t in knobs.items()}
+
+
+def run_triton(logits: torch.Tensor, cap: int = 16, **knobs) -> torch.Tensor:
+    out = poison(torch.empty(logits.shape[0], dtype=torch.long, device=logits.device))
+    got = sample_triton(logits, **knobs, out=out, cap=cap)
+    assert got.data_ptr() == out.data_ptr()
+    return got
+
+
+def uniform_knobs(b: int, **kw) -> dict[str, torch.Tensor]:
+    return {k: t.to(DEVICE) for k, t in params(b, **kw).items()}
+
+
+@pytest.mark.parametrize("vocab", [37, 1000])
+def test_triton_uniforms_are_the_reference_bits(vocab: int) -> None:
+    seeds = torch.tensor([0, 1234, -5, 2**63 - 1], device=DEVICE)
+    offsets = torch.tensor([0, 7, 2**40 + 3, 123456], device=DEVICE)
+    got = uniform_noise_triton(seeds, offsets, vocab)
+    assert torch.equal(got, uniform_noise(seeds, offsets, vocab))
+
+
+@pytest.mark.parametrize("vocab", [37, 1000])
+def test_triton_greedy_and_top_k_1_are_argmax_with_lowest_id_on_ties(vocab: int) -> None:
+    logits = torch.randn(5, vocab, generator=generator(vocab)).to(DEVICE)
+    logits[0, 3] = logits[0, 20] = logits[0].max() + 1  # tie: lowest id wins
+    argmax = logits.argmax(-1).tolist()
+    assert run_triton(logits, **uniform_knobs(5, temperature=0.0)).tolist() == argmax
+    assert run_triton(logits, **uniform_knobs(5, temperature=1.3, top_k=1)).tolist() == argmax
+    assert argmax[0] == 3
+
+
+# (vocab, capacity, quantisation): V <= capacity (all in registers); the value search ending with
+# every candidate >= lo in registers or with the boundary interval sorted; quantised logits: ties
+# sorted by id in registers, and more tied tokens at a boundary than the capacity (r-th tie by id).
+SEARCH_CASES = [(37, 64, 0.0), (37, 8, 0.0), (1000, 16, 0.0), (1000, 16, 2.0), (1000, 32, 8.0)]
+
+
+@pytest.mark.parametrize("vocab,cap,quant", SEARCH_CASES)
+def test_triton_tokens_equal_reference_on_mixed_rows(vocab: int, cap: int, quant: float) -> None:
+    # Exact equality: the hash is bit for bit the reference's and the filters keep the same prefix
+    # of (value desc, id asc). The interpreter's log (numpy) may differ from torch's in the last
+    # ulp, which flips a token only if two kept candidates are within an ulp: not at these seeds.
+    logits, knobs = mixed_batch(16, vocab, seed=vocab + cap, quant=quant)
+    assert run_triton(logits, cap=cap, **knobs).tolist() == sample_ref(logits, **knobs).tolist()
+
+
+@pytest.mark.parametrize("knobs", [dict(top_k=40), dict(top_p=0.3), dict(top_k=100, top_p=0.5)])
+def test_triton_all_tied_row_keeps_the_lowest_ids(knobs: dict) -> None:
+    logits = torch.zeros(3, 500, device=DEVICE)  # 500 ties: the boundary is the r-th tie by id
+    p = uniform_knobs(3, **knobs)
+    assert run_triton(logits, **p).tolist() == sample_ref(logits, **p).tolist()
+
+
+def test_triton_masked_vocab_bf16_and_strided_rows() -> None:
+    gen = generator(7)
+    logits = torch.randn(4, 300, generator=gen) * 2
+    logits[:, 200:] = float("-inf")  # padded / masked vocab; top-k 250 keeps all finite ones
+    logits[3] = float("-inf")  # nothing finite: token 0, as torch's argmax
+    wide = torch.zeros(4, 320, dtype=torch.bfloat16)
+    wide[:, :300] = logits.bfloat16()
+    view = wide.to(DEVICE)[:, :300]  # bf16 rows with a row stride
+    for kw in (dict(top_k=250, top_p=0.95), dict(top_k=30, min_p=0.05), dict(top_p=0.8)):
+        p = uniform_knobs(4, **kw)
+        expected = sample_ref(view.float(), **p).tolist()
+        assert run_triton(view, **p).tolist() == expected
+        assert expected[3] == 0
+
+
+def test_triton_row_alone_equals_row_in_batch() -> None:
+    logits, knobs = mixed_batch(6, 500, seed=11)
+    together = run_triton(logits, **knobs).tolist()
+    alone = [
+        run_triton(logits[i : i + 1], **{k: t[i : i + 1] for k, t in knobs.items()}).item()
+        for i in range(6)
+    ]
+    assert together == alone == sample_ref(logits, **knobs).tolist()
+
+
+def test_dispatcher_matches_reference() -> None:
+    logits, knobs = mixed_batch(5, 200, seed=12)
+    assert sample(logits, **knobs).tolist() == sample_ref(logits, **knobs).tolist()
+
+
+@gpu
+@pytest.mark.parametrize("quant", [0.0, 16.0])
+def test_full_size_qwen35_vocab(quant: float) -> None:
+    logits, knobs = mixed_batch(64, 248_320, seed=13, quant=quant, scale=4.0)
+    knobs["top_k"][:8] = torch.tensor(
+        [1, 20, 50, 1000, 5000, 100_000, 248_319, 2048], device=DEVICE
+    )
+    knobs["temperature"][:8] = 0.7
+    got = sample(logits, **knobs)
+    expected = sample_ref(logits, **knobs)
+    # top-p masses are summed in another order (and with the fast exp): a row whose cut lies within
+    # float error of p may keep one token more or less. Allow one such row of 64.
+    assert (got != expected).sum().item() <= 1
+    scaled = logits / torch.where(knobs["temperature"] < 1e-5, 1.0, knobs["temperature"])[:, None]
+    kept = mask_logits_ref(scaled, knobs["top_k"], knobs["top_p"], knobs["min_p"]).isfinite()
+    assert (~kept.gather(1, got[:, None])).sum().item() <= 1
+
+
+@gpu
+def test_cuda_graph_replay_matches_eager() -> None:
+    logits, knobs = mixed_batch(16, 248_320, seed=14)
+    sample_triton(logits, **knobs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sample_triton(logits, **knobs)
+    for step in range(3):
+        knobs["offsets"] += 1  # in place: the buffers the graph reads
+        graph.replay()
+        assert torch.equal(captured, sample_triton(logits, **knobs)), step

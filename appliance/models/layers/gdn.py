@@ -114,7 +114,9 @@ class GatedDeltaNet(nn.Module):
             self.conv_windows,
             ctx.req_slots[reqs:],
             ctx.cu_seqlens_q[reqs:] - split,
-            max_q_len=ctx.max_q_len,
+            # the bound is the window's row capacity (k + 1), not the batch's longest chunk: a
+            # prefill chunk in the same batch may be far longer than any verify request
+            max_q_len=self.conv_windows.shape[2] - (self.conv_kernel - 1),
         )
         return torch.cat([plain, verify])
 
