@@ -430,6 +430,43 @@ def moe_cases(compile_peers: bool) -> Iterator[tuple]:
         )
 
 
+# -------------------------------------------- sampling --------------------------------------------
+
+
+def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
+    """Qwen3.5 vocabulary; greedy, temperature only, and top-k 20 + top-p 0.95 (Qwen's defaults).
+    Peer: the torch reference (sort-based filtering, the same counter-based noise)."""
+    from kernels.sampling import sample_ref, sample_triton
+
+    vocab = 248320
+    for batch in (1, 64, 256):
+        logits = torch.randn(batch, vocab, device=DEV) * 3
+        seeds = torch.arange(batch, device=DEV, dtype=torch.int64)
+        offsets = torch.zeros(batch, device=DEV, dtype=torch.int64)
+        for name, temp, top_k, top_p in (
+            ("greedy", 0.0, 0, 1.0),
+            ("T=0.7", 0.7, 0, 1.0),
+            ("T=0.7 k=20 p=0.95", 0.7, 20, 0.95),
+        ):
+            args = (
+                logits,
+                torch.full((batch,), temp, device=DEV),
+                torch.full((batch,), top_k, device=DEV, dtype=torch.int64),
+                torch.full((batch,), top_p, device=DEV),
+                torch.zeros(batch, device=DEV),
+                seeds,
+                offsets,
+            )
+            yield (
+                "sampling",
+                f"B={batch} V={vocab} {name}",
+                lambda a=args: sample_triton(*a),
+                logits.numel() * 4,
+                "GB/s",
+                {"torch_ref": lambda a=args: sample_ref(*a)},
+            )
+
+
 OPS = {
     "attention": attention_cases,
     "gdn": gdn_cases,
@@ -437,4 +474,5 @@ OPS = {
     "elementwise": elementwise_cases,
     "fp8": fp8_cases,
     "moe": moe_cases,
+    "sampling": sampling_cases,
 }
