@@ -10,12 +10,12 @@ Rules (a requested backend that cannot run falls back with exactly one warning n
   prefill wrappers over our cache viewed as one-token pages) on SM80+ when `flashinfer` imports;
 - gdn_prefill: auto -> triton; fla when `fla` imports; flashqla only on SM90+ with `flash_qla`
   importable (~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);
-- fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+); else on SM90+ with sglang-kernel
-  `MIXED_SGL` = its `fp8_scaled_mm` (the fastest measured on the H200 at 13 of 15 27B shapes, up to
-  1.7x cuBLASLt at decode sizes), torch for 128 < M <= 512 (cuBLASLt wins at M = 256, K = 17408);
-  without it `MIXED_FP8` = our Triton kernel for M <= FP8_TRITON_MAX_M rows (1.0-1.5x cuBLASLt up
-  to M = 64) and torch (`torch._scaled_mm`, cuBLASLt row-wise scales) above; triton on SM89; torch
-  below SM89 (dequantise + matmul). docs/benchmarks.md has the figures behind the rule.
+- fp8_gemm: auto -> cutlass when vLLM's op imports (SM90+); else on SM90+ sgl = sglang-kernel's
+  `fp8_scaled_mm` when it imports (the fastest on the H200 at 14 of 15 27B shapes in two runs, up
+  to 1.8x cuBLASLt at decode sizes; the 15th, M = 256 x K = 17408, within 1-5% of cuBLASLt); else
+  `MIXED_FP8` = our Triton kernel for M <= FP8_TRITON_MAX_M rows (1.0-1.5x cuBLASLt up to M = 64)
+  and torch (`torch._scaled_mm`, cuBLASLt row-wise scales) above; triton on SM89; torch below SM89
+  (dequantise + matmul). docs/benchmarks.md has the figures behind the rule.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
 OPTIONAL_MODULES = ("triton", "flashinfer", "fla", "flash_qla", "sgl_kernel", "vllm")
 FP8_TRITON_MAX_M = 64
 MIXED_FP8 = f"triton(M<={FP8_TRITON_MAX_M})+torch"  # auto on SM90+ without vLLM or sglang-kernel
-SGL_TORCH_M = (128, 512)  # with sglang-kernel, cuBLASLt takes 128 < M <= 512 (it wins at K=17408)
-MIXED_SGL = f"sgl+torch({SGL_TORCH_M[0]}<M<={SGL_TORCH_M[1]})"  # auto on SM90+ with sglang-kernel
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ def _fp8_auto(p: Platform) -> str:
         if "vllm" in p.importable:
             return "cutlass"
         if "sgl_kernel" in p.importable:
-            return MIXED_SGL
+            return "sgl"
         return MIXED_FP8 if "triton" in p.importable else "torch"
     if p.capability >= (8, 9) and "triton" in p.importable:
         return "triton"

@@ -308,9 +308,6 @@ def fp8_scaled_mm(
     name = backends.selected("fp8_gemm")
     if name == backends.MIXED_FP8:
         name = "triton" if a_q.shape[0] <= backends.FP8_TRITON_MAX_M else "torch"
-    elif name == backends.MIXED_SGL:
-        lo, hi = backends.SGL_TORCH_M
-        name = "torch" if lo < a_q.shape[0] <= hi else "sgl"
     if name == "triton":
         return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
     from kernels import adapters

@@ -39,7 +39,7 @@ def warnings_of(caplog) -> list[str]:
             "fp8_gemm",
             "auto",
             Platform(True, (9, 0), frozenset({"triton", "sgl_kernel"})),
-            backends.MIXED_SGL,
+            "sgl",
             None,
         ),
         ("fp8_gemm", "auto", L40, "triton", None),
