@@ -15,11 +15,15 @@ from kernels.fp8 import fp8_scaled_mm_ref
 
 def _per_channel(scale_b: torch.Tensor, n: int) -> torch.Tensor:
     """cuBLASLt row-wise / sgl / cutlass take a scale per output channel: expand per-tensor."""
+    if scale_b.dtype == torch.float32 and scale_b.numel() == n and scale_b.is_contiguous():
+        return scale_b.view(n)  # the usual case, checked without launching anything
     scale_b = scale_b.float().reshape(-1)
     return scale_b.expand(n).contiguous() if scale_b.numel() == 1 else scale_b
 
 
 def _per_row(scale_a: torch.Tensor, m: int) -> torch.Tensor:
+    if scale_a.dtype == torch.float32 and scale_a.numel() == m and scale_a.is_contiguous():
+        return scale_a.view(m, 1)
     scale_a = scale_a.float().reshape(-1)
     return (scale_a.expand(m) if scale_a.numel() == 1 else scale_a).reshape(m, 1).contiguous()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import backends
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -303,16 +304,14 @@ def fp8_scaled_mm(
     """The scaled GEMM through the backend chosen in kernels.backends (APPLIANCE_FP8_GEMM)."""
     if not a_q.is_cuda:
         return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
-    from kernels import backends
-
     name = backends.selected("fp8_gemm")
     if name == backends.MIXED_FP8:
         name = "triton" if a_q.shape[0] <= backends.FP8_TRITON_MAX_M else "torch"
     if name == "triton":
         return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
-    from kernels import adapters
+    from kernels.adapters import fp8_scaled_mm_external  # lazy: adapters imports this module
 
-    return adapters.fp8_scaled_mm_external(name, a_q, b_q, scale_a, scale_b, out_dtype, bias)
+    return fp8_scaled_mm_external(name, a_q, b_q, scale_a, scale_b, out_dtype, bias)
 
 
 def fp8_linear(

@@ -23,7 +23,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from appliance.messages import SamplingOptions
-from kernels.sampling import sample
+from kernels.sampling import SAMPLING_EPS, sample
 
 
 @dataclass
@@ -148,16 +148,21 @@ class Sampler:
             raise ValueError("token_history: needed for penalties")
         if token_history is not None:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
-        params = SamplingTensors.from_rows(rows, device)
-        offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
-        token_ids = sample(  # Triton on CUDA, the torch reference elsewhere
-            logits,
-            params.temperature,
-            params.top_k,
-            params.top_p,
-            params.min_p,
-            params.seeds,
-            offsets,
-        )
+        if all(r.temperature < SAMPLING_EPS for r in rows):
+            # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
+            # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)
+            token_ids = logits.argmax(dim=-1)
+        else:
+            params = SamplingTensors.from_rows(rows, device)
+            offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
+            token_ids = sample(  # Triton on CUDA, the torch reference elsewhere
+                logits,
+                params.temperature,
+                params.top_k,
+                params.top_p,
+                params.min_p,
+                params.seeds,
+                offsets,
+            )
         logprobs, tops = gather_logprobs(logits, token_ids, rows)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)
