@@ -436,7 +436,8 @@ def moe_cases(compile_peers: bool) -> Iterator[tuple]:
 def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
     """Qwen3.5 vocabulary; greedy, temperature only, and top-k 20 + top-p 0.95 (Qwen's defaults).
     Peer: the torch reference (sort-based filtering, the same counter-based noise)."""
-    from kernels.sampling import sample_ref, sample_triton
+    from kernels.sampling import sample_ref
+    from kernels.sampling_triton import sample_triton
 
     vocab = 248320
     for batch in (1, 64, 256):

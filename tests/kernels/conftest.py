@@ -32,6 +32,7 @@ KERNEL_MODULES = (
     "kernels.moe",
     "kernels.moe_triton",
     "kernels.sampling",
+    "kernels.sampling_triton",
 )
 INTERPRET = not torch.cuda.is_available()
 

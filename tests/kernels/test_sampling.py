@@ -12,15 +12,8 @@ import torch
 from kernel_cases import DEVICE, generator, gpu
 from tolerances import poison
 
-from kernels.sampling import (
-    _mul32,
-    mask_logits_ref,
-    sample,
-    sample_ref,
-    sample_triton,
-    uniform_noise,
-    uniform_noise_triton,
-)
+from kernels.sampling import _mul32, mask_logits_ref, sample, sample_ref, uniform_noise
+from kernels.sampling_triton import sample_triton, uniform_noise_triton
 
 M32 = 0xFFFFFFFF
 # chi-square critical values at p = 0.001 by degrees of freedom (fixed seeds: the tests are

@@ -1,0 +1,496 @@
+"""Triton sampling kernel: `sample_triton()`, the same signature and semantics as
+`kernels.sampling.sample_ref` (the hash, the filter order and the tie rules are documented there),
+with seeds, offsets and parameters read from device tensors and no host sync, so a CUDA graph can
+hold it. Dispatch: `kernels.sampling.sample`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.sampling import SAMPLING_EPS
+from kernels.triton_utils import HAS_TRITON, check_last_dim_contiguous, jit, next_pow2, tl
+
+if HAS_TRITON:  # precise fp32 log on CUDA (tl.log is lg2.approx-based); absent in the interpreter
+    from triton.language.extra import libdevice
+else:  # pragma: no cover
+    libdevice = None
+
+_BLOCK = 1024  # vocab entries per loop step
+_CAP = 1024  # candidates sorted in registers (power of 2)
+_PIVOTS = 4  # thresholds per search pass (power of 2)
+
+
+@jit
+def _mix(x):  # murmur3 fmix32 on uint32
+    x ^= x >> 16
+    x *= 0x85EBCA6B
+    x ^= x >> 13
+    x *= 0xC2B2AE35
+    x ^= x >> 16
+    return x
+
+
+@jit
+def _row_key(seed_ptr, offset_ptr, row):
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    offset = tl.load(offset_ptr + row).to(tl.int64)
+    key = _mix((seed >> 32).to(tl.uint32) ^ 0x9E3779B9)
+    key = _mix(key ^ seed.to(tl.uint32))
+    key = _mix(key ^ (offset >> 32).to(tl.uint32))
+    return _mix(key ^ offset.to(tl.uint32))
+
+
+@jit
+def _uniform(key, ids):
+    bits = _mix(key ^ _mix(ids.to(tl.uint32) + 0x632BE5AB))
+    return (bits >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.9604644775390625e-08
+
+
+@jit
+def _log(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
+
+
+@jit
+def _gumbel(key, ids, PRECISE: tl.constexpr):
+    return -_log(-_log(_uniform(key, ids), PRECISE), PRECISE)
+
+
+@jit
+def _order_key(x):  # fp32 -> int32 of the same order; -0.0 and +0.0 share key 0, no gaps
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
+@jit
+def _from_order_key(k):
+    k = k.to(tl.int64)
+    return tl.where(k < 0, -k - 2147483648, k).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@jit
+def _pick(vec, idx, j):  # vec[j] of a small vector as a scalar
+    return tl.sum(tl.where(idx == j, vec, 0), 0)
+
+
+@jit
+def _load_scaled(row_ptr, start, V, t, BLOCK: tl.constexpr):
+    ids = start + tl.arange(0, BLOCK)
+    ok = ids < V
+    x = tl.load(row_ptr + ids, mask=ok, other=float("-inf")).to(tl.float32)
+    return ids, ok, tl.div_rn(x, t)  # IEEE division, as torch's `logits / temperature`
+
+
+@jit
+def _in_set(x, ids, ok, tv, tid):  # membership of the kept set with boundary token (tv, tid)
+    return ok & ((x > tv) | ((x == tv) & (ids <= tid)))
+
+
+@jit
+def _best(vals, start, best, best_id):  # running argmax, lowest id on ties
+    val, idx = tl.max(vals, 0, return_indices=True)
+    better = val > best
+    return tl.where(better, val, best), tl.where(better, start + idx, best_id)
+
+
+@jit
+def _argmax_pass(row_ptr, V, BLOCK: tl.constexpr):
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        ids = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
+        best, best_id = _best(x, start, best, best_id)
+    return best_id
+
+
+@jit
+def _gumbel_pass(row_ptr, V, t, tv, tid, key, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
+        keep = _in_set(x, ids, ok, tv, tid)
+        noisy = tl.where(keep, x + _gumbel(key, ids, PRECISE), float("-inf"))
+        best, best_id = _best(noisy, start, best, best_id)
+    return best_id
+
+
+@jit
+def _max_min_pass(row_ptr, V, t, BLOCK: tl.constexpr):
+    hi = tl.full((), float("-inf"), tl.float32)
+    lo = tl.full((), float("inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
+        hi = tl.maximum(hi, tl.max(x, 0))
+        lo = tl.minimum(lo, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
+    return tl.where(hi == 0, 0.0, hi), tl.where(lo == 0, 0.0, lo)  # -0.0 -> +0.0
+
+
+@jit
+def _pivots(lo, hi, first, jj, NP: tl.constexpr):
+    """NP increasing thresholds in [lo, hi]: lo first on the first pass, then interior ones."""
+    num = jj + tl.where(first, 0, 1)
+    den = tl.where(first, NP, NP + 1)
+    k_lo = _order_key(lo).to(tl.int64)
+    k_hi = _order_key(hi).to(tl.int64)
+    q_key = _from_order_key((k_lo + (k_hi - k_lo) * num // den).to(tl.int32))
+    width = hi - lo
+    scale = tl.maximum(tl.abs(lo), tl.abs(hi))
+    by_value = (width > 0.0625 * scale) & (scale > 1e-6) & (width < float("inf"))
+    q = tl.where(by_value, lo + width * (num.to(tl.float32) / den.to(tl.float32)), q_key)
+    q = tl.minimum(tl.maximum(q, lo), hi)
+    return tl.where(q == 0, 0.0, q)
+
+
+@jit
+def _pivot_stats(
+    row_ptr, V, t, m, tv, tid, q, MASS: tl.constexpr, BLOCK: tl.constexpr, NP: tl.constexpr
+):
+    """Per pivot: count (and softmax mass exp(x - m)) of kept tokens with x >= pivot."""
+    cnt = tl.zeros([BLOCK, NP], tl.int32)
+    mass = tl.zeros([BLOCK, NP], tl.float32)
+    for start in range(0, V, BLOCK):
+        ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
+        ge = (x[:, None] >= q[None, :]) & _in_set(x, ids, ok, tv, tid)[:, None]
+        cnt += ge.to(tl.int32)
+        if MASS:
+            mass += tl.where(ge, tl.exp(x - m)[:, None], 0.0)
+    return tl.sum(cnt, 0), tl.sum(mass, 0)
+
+
+@jit
+def _search(
+    row_ptr,
+    V,
+    t,
+    m,
+    tv,
+    tid,
+    lo,
+    target,
+    p,
+    MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Narrows [lo, hi) around the boundary value: stat(>= lo) >= target > stat(>= hi)."""
+    jj = tl.arange(0, NP)
+    hi = _from_order_key(_order_key(m) + 1)
+    zero = tl.program_id(0) * 0
+    c_lo = zero + V  # kept tokens >= lo (an upper bound until the first pass)
+    c_hi = zero  # kept tokens >= hi
+    g_hi = zero.to(tl.float32)  # stat of the kept tokens >= hi
+    z = g_hi - 1.0  # top-p: mass of the whole kept set (first pass), -1 = not computed
+    it = zero
+    nocut = zero > 0
+    go = c_lo > CAP
+    while go:
+        first = it == 0
+        q = _pivots(lo, hi, first, jj, NP)
+        g_cnt, g_mass = _pivot_stats(row_ptr, V, t, m, tv, tid, q, MASS, BLOCK, NP)
+        if MASS:
+            z = tl.where(first, tl.sum(tl.where(jj == 0, g_mass, 0.0), 0), z)
+            target = tl.where(first, tl.maximum(p * z, 1e-30), target)
+            stat = g_mass
+        else:
+            stat = g_cnt.to(tl.float32)
+        sel = tl.max(tl.where(stat >= target, jj, -1), 0)
+        nocut = first & (sel < 0)  # the whole kept set is below target: the filter keeps it all
+        at, above = jj == sel, jj == sel + 1  # one-hot picks of the chosen sub-interval's ends
+        lo = tl.where(sel >= 0, tl.sum(tl.where(at, q, 0.0), 0), lo)
+        c_lo = tl.where(sel >= 0, tl.sum(tl.where(at, g_cnt, 0), 0), c_lo)
+        inner = sel + 1 < NP
+        hi = tl.where(inner, tl.sum(tl.where(above, q, 0.0), 0), hi)
+        c_hi = tl.where(inner, tl.sum(tl.where(above, g_cnt, 0), 0), c_hi)
+        g_hi = tl.where(inner, tl.sum(tl.where(above, stat, 0.0), 0), g_hi)
+        it += 1
+        gap = _order_key(hi).to(tl.int64) - _order_key(lo).to(tl.int64)
+        go = (nocut == 0) & (c_lo > CAP) & (c_lo - c_hi > CAP) & (gap > 1) & (it < 64)
+    return lo, hi, c_lo, c_hi, g_hi, target, z, nocut
+
+
+@jit
+def _gather_sorted(row_ptr, scratch, V, t, tv, tid, lo, hi, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """Kept tokens with lo <= x < hi (at most CAP), sorted by (value desc, id asc)."""
+    tl.debug_barrier()  # the row's scratch may still be read by an earlier gather
+    n = tl.program_id(0) * 0
+    for start in range(0, V, BLOCK):
+        ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
+        take = _in_set(x, ids, ok, tv, tid) & (x >= lo) & (x < hi)
+        packed = _order_key(x).to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
+        pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(scratch + pos, packed, mask=take & (pos < CAP))
+        n += tl.sum(take.to(tl.int32), 0)
+    tl.debug_barrier()
+    slots = tl.arange(0, CAP)
+    packed = tl.load(
+        scratch + slots, mask=slots < n, other=-9223372036854775807, cache_modifier=".cg"
+    )
+    packed = tl.sort(packed, descending=True)
+    upper = packed >> 32
+    ids = (4294967295 - (packed - (upper << 32))).to(tl.int32)
+    return _from_order_key(upper.to(tl.int32)), ids, tl.minimum(n, CAP)
+
+
+@jit
+def _finish_complete(
+    x, ids, n, m, key, k_lim, p, p_on, z, V, CAP: tl.constexpr, PRECISE: tl.constexpr
+):
+    """Sorted x, ids hold every kept token >= lo: top-k (first k_lim), top-p, Gumbel argmax."""
+    slots = tl.arange(0, CAP)
+    keep = (slots < n) & (slots < k_lim)
+    e = tl.where(keep, tl.exp(x - m), 0.0)
+    total = tl.where(z > 0, z, tl.sum(e, 0))
+    reach = keep & (tl.cumsum(e, 0) >= tl.maximum(p * total, 1e-30))
+    last = tl.min(tl.where(reach, slots, CAP), 0)
+    keep = keep & ((slots <= last) | (p_on == 0))
+    noisy = tl.where(keep, x + _gumbel(key, ids, PRECISE), float("-inf"))
+    best = tl.max(noisy, 0)
+    return tl.min(tl.where(keep & (noisy == best), ids, V), 0)
+
+
+@jit
+def _finish_interval(x, ids, n, m, g_hi, target, MASS: tl.constexpr, CAP: tl.constexpr):
+    """Sorted x, ids hold the kept tokens in [lo, hi): the boundary is the first reaching target."""
+    slots = tl.arange(0, CAP)
+    valid = slots < n
+    if MASS:
+        stat = tl.where(valid, tl.exp(x - m), 0.0)
+    else:
+        stat = valid.to(tl.float32)
+    reach = valid & (g_hi + tl.cumsum(stat, 0) >= target)
+    last = tl.min(tl.where(reach, slots, n - 1), 0)
+    return _pick(x, slots, last), _pick(ids, slots, last)
+
+
+@jit
+def _finish_ties(
+    row_ptr, V, t, m, tv, tid, lo, c_in, g_hi, target, MASS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """[lo, hi) holds only the value lo (c_in ties): the boundary is its r-th kept tie by id."""
+    if MASS:
+        each = tl.exp(lo - m)
+    else:
+        each = lo * 0.0 + 1.0
+    r = tl.minimum(tl.maximum(tl.ceil((target - g_hi) / each), 1.0), c_in.to(tl.float32))
+    r = r.to(tl.int32)
+    seen = tl.program_id(0) * 0
+    found = seen - 1
+    for start in range(0, V, BLOCK):
+        ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
+        tie = _in_set(x, ids, ok, tv, tid) & (x == lo)
+        rank = seen + tl.cumsum(tie.to(tl.int32), 0)
+        found = tl.maximum(found, tl.max(tl.where(tie & (rank == r), ids, -1), 0))
+        seen += tl.sum(tie.to(tl.int32), 0)
+    return lo, found
+
+
+@jit
+def _filter(
+    row_ptr,
+    scratch,
+    V,
+    t,
+    m,
+    mn,
+    tv,
+    tid,
+    key,
+    k,
+    p,
+    p_on,
+    MASS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NP: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """Top-k (MASS=False, target k) or top-p (MASS=True) on the kept set (tv, tid). Returns the
+    new boundary, and (done, token) when the whole rest was finished in registers."""
+    lo = tl.maximum(tv, mn)
+    lo, hi, c_lo, c_hi, g_hi, target, z, nocut = _search(
+        row_ptr, V, t, m, tv, tid, lo, k.to(tl.float32), p, MASS, BLOCK, CAP, NP
+    )
+    done = c_lo * 0
+    tok = c_lo * 0
+    if nocut:
+        done = done * 0
+    elif (c_lo <= CAP) | (c_lo - c_hi <= CAP):  # one gather + sort (one sort site per filter)
+        complete = c_lo <= CAP
+        x, ids, n = _gather_sorted(
+            row_ptr, scratch, V, t, tv, tid, lo, tl.where(complete, float("inf"), hi), BLOCK, CAP
+        )
+        if complete:
+            tok = _finish_complete(x, ids, n, m, key, k, p, p_on, z, V, CAP, PRECISE)
+            done = done + 1
+        else:
+            tv, tid = _finish_interval(x, ids, n, m, g_hi, target, MASS, CAP)
+    else:
+        tv, tid = _finish_ties(
+            row_ptr, V, t, m, tv, tid, lo, c_lo - c_hi, g_hi, target, MASS, BLOCK
+        )
+    return tv, tid, done, tok
+
+
+@jit
+def _sample_kernel(
+    logits_ptr,
+    stride_row,
+    temp_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    seed_ptr,
+    offset_ptr,
+    out_ptr,
+    scratch_ptr,
+    V,
+    eps,
+    BLOCK: tl.constexpr,
+    CAP: tl.constexpr,
+    NP: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    scratch = scratch_ptr + row.to(tl.int64) * CAP
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    if t < eps:
+        tok = _argmax_pass(row_ptr, V, BLOCK)
+    else:
+        key = _row_key(seed_ptr, offset_ptr, row)
+        k = tl.load(top_k_ptr + row).to(tl.int64)
+        p = tl.load(top_p_ptr + row).to(tl.float32)
+        min_p = tl.load(min_p_ptr + row).to(tl.float32)
+        k_on = (k > 0) & (k < V)
+        p_on = p < 1.0
+        k = tl.where(k_on, k, V).to(tl.int32)
+        tv = tl.full((), float("-inf"), tl.float32)  # kept set: x > tv, or x == tv and id <= tid
+        tid = row * 0 + V
+        done = row * 0
+        tok = row * 0
+        if k_on | p_on | (min_p > 0):
+            m, mn = _max_min_pass(row_ptr, V, t, BLOCK)
+            if m > float("-inf"):
+                if min_p > 0:
+                    tv = m + _log(tl.maximum(min_p, 1e-30), PRECISE)
+                if k_on:
+                    tv, tid, done, tok = _filter(
+                        row_ptr,
+                        scratch,
+                        V,
+                        t,
+                        m,
+                        mn,
+                        tv,
+                        tid,
+                        key,
+                        k,
+                        p,
+                        p_on,
+                        False,
+                        BLOCK,
+                        CAP,
+                        NP,
+                        PRECISE,
+                    )
+                if p_on & (done == 0):
+                    tv, tid, done, tok = _filter(
+                        row_ptr,
+                        scratch,
+                        V,
+                        t,
+                        m,
+                        mn,
+                        tv,
+                        tid,
+                        key,
+                        row * 0 + V,
+                        p,
+                        p_on,
+                        True,
+                        BLOCK,
+                        CAP,
+                        NP,
+                        PRECISE,
+                    )
+        if done == 0:
+            tok = _gumbel_pass(row_ptr, V, t, tv, tid, key, BLOCK, PRECISE)
+    tl.store(out_ptr + row, tok.to(tl.int64))
+
+
+@jit
+def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    key = _row_key(seed_ptr, offset_ptr, row)
+    tl.store(out_ptr + row.to(tl.int64) * V + ids, _uniform(key, ids), mask=ids < V)
+
+
+def uniform_noise_triton(
+    seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """The kernels' uniforms [B, V] fp32 (bit for bit those of uniform_noise; for tests)."""
+    rows = seeds.shape[0]
+    out = torch.empty(rows, vocab_size, dtype=torch.float32, device=seeds.device)
+    block = min(1024, next_pow2(vocab_size))
+    if rows and vocab_size:
+        _uniform_kernel[(rows, -(-vocab_size // block))](
+            seeds.long().contiguous(), offsets.long().contiguous(), out, vocab_size, BLOCK=block
+        )
+    return out
+
+
+def sample_triton(
+    logits: torch.Tensor,  # [B, V] fp32 / bf16 / fp16, rows contiguous
+    temperature: torch.Tensor,  # [B] fp32; < SAMPLING_EPS = greedy
+    top_k: torch.Tensor,  # [B] int; -1 or 0 = off
+    top_p: torch.Tensor,  # [B] fp32 in (0, 1]
+    min_p: torch.Tensor,  # [B] fp32 in [0, 1]
+    seeds: torch.Tensor,  # [B] int64
+    offsets: torch.Tensor,  # [B] int64
+    *,
+    out: torch.Tensor | None = None,  # [B] int64
+    block: int = _BLOCK,
+    cap: int = _CAP,
+    pivots: int = _PIVOTS,
+) -> torch.Tensor:
+    """Same contract and tokens as sample_ref, without host syncs (graph-capturable). Differences,
+    all rounding-level: top-p masses are summed in another order (and with tl.exp), so a row whose
+    top-p cut lies within float error of p may keep one token more or less; the interpreter's log
+    (numpy) may differ from torch's in the last ulp (on CUDA the kernel calls libdevice's logf);
+    -0.0 and +0.0 are one value (as torch's CPU sort). NaN logits are unsupported."""
+    check_last_dim_contiguous("logits", logits)
+    rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    scratch = torch.empty(rows, cap, dtype=torch.long, device=logits.device)
+    _sample_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        temperature.float().contiguous(),
+        top_k.contiguous(),
+        top_p.float().contiguous(),
+        min_p.float().contiguous(),
+        seeds.long().contiguous(),
+        offsets.long().contiguous(),
+        out,
+        scratch,
+        vocab,
+        SAMPLING_EPS,
+        BLOCK=min(block, next_pow2(vocab)),
+        CAP=cap,
+        NP=pivots,
+        PRECISE=logits.is_cuda,
+        num_warps=8,
+    )
+    return out
