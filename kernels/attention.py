@@ -589,40 +589,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
     by default, flashinfer's paged wrappers, or the torch reference); the reference on CPU."""
+    args = (q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale)
     if not q.is_cuda:
-        return paged_attention_ref(
-            q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale
-        )
+        return paged_attention_ref(*args)
     from kernels import backends
 
     backend = backends.selected("attention")
     if backend == "flashinfer":
         from kernels.adapters import paged_attention_flashinfer
 
-        return paged_attention_flashinfer(
-            q,
-            k_cache,
-            v_cache,
-            req_to_token,
-            req_slots,
-            cu_seqlens_q,
-            seq_lens,
-            scale,
-            max_q_len=max_q_len,
-        )
+        return paged_attention_flashinfer(*args, max_q_len=max_q_len)
     if backend == "triton" and use_triton(q):
-        return paged_attention_triton(
-            q,
-            k_cache,
-            v_cache,
-            req_to_token,
-            req_slots,
-            cu_seqlens_q,
-            seq_lens,
-            scale,
-            max_q_len=max_q_len,
-            num_splits=num_splits,
-        )
-    return paged_attention_ref(
-        q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale
-    )
+        return paged_attention_triton(*args, max_q_len=max_q_len, num_splits=num_splits)
+    return paged_attention_ref(*args)

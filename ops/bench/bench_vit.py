@@ -54,6 +54,8 @@ if _MISSING:
 
 from PIL import Image  # noqa: E402
 
+from appliance.testing.tiny_vl import TINY_MAX_PIXELS, TINY_MIN_PIXELS  # noqa: E402
+from appliance.testing.tiny_vl import TINY_VISION as TINY_VL_VISION  # noqa: E402
 from visual.image_io import ImageLimits, decode_image  # noqa: E402
 from visual.preprocess import PreprocessConfig, preprocess_image, smart_resize  # noqa: E402
 
@@ -77,10 +79,9 @@ QWEN3_5_27B_VISION = dict(
 )
 REAL_PIXELS = (65536, 16777216)  # preprocessor shortest_edge / longest_edge (models.md §4.1)
 
-# models.md §7.3 tiny tower, for --smoke
-TINY_VISION = dict(QWEN3_5_27B_VISION, depth=2, hidden_size=32, intermediate_size=64, num_heads=2)
-TINY_VISION.update(out_hidden_size=64, num_position_embeddings=64)
-TINY_PIXELS = (32 * 32, 128 * 128)
+# models.md §7.3 tiny tower (the test checkpoints' own), for --smoke
+TINY_VISION = dict(TINY_VL_VISION, deepstack_visual_indexes=[])
+TINY_PIXELS = (TINY_MIN_PIXELS, TINY_MAX_PIXELS)
 TINY_TEXT = dict(
     model_type="qwen3_5_text",
     hidden_size=64,
