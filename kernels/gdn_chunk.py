@@ -10,17 +10,15 @@ import torch
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 CHUNK = 64
-# Launch parameters of the three kernels; ops/gpu/gdn_probe.py times the alternatives on the GPU.
+# Launch parameters of the chunk kernels; ops/gpu/gdn_probe.py times alternatives on the GPU
+# (H200, 27B heads, docs/benchmarks.md: 8 warps for prep or out spill less but run 2x slower;
+# 128 columns per out program beat 64 by 45 us at 8k tokens).
 TUNING = {
     "prep_warps": 4,
     "scan_warps": 0,  # 0: 8 warps for a [128, 64] state block, 4 below
     "scan_bv": 64,
     "out_warps": 4,
     "out_bv": 128,
-    "u_low": True,  # keep u (feeds only v_new = u - w h) in the 16-bit type
-    "reload_k": False,  # prep: re-read k after the inverse instead of holding it in registers
-    "ktail_in_scan": True,  # scan derives exp(G_last - G) k from k instead of reading a buffer
-    "prenorm": True,  # l2-normalise q, k once (one small kernel) instead of in every program
 }
 # Smallest register tile of a 16-bit path: Triton 3.6 faulted (illegal address) on Hopper with
 # [16, 64] x [64, 16] bf16 dots (head dims 16); padding the tiles to 32 (masked) avoids them.
@@ -70,7 +68,6 @@ def _gdn_chunk_prep_kernel(
     beta_ptr,
     w_ptr,
     u_ptr,
-    ktail_ptr,
     gcum_ptr,
     chunks_ptr,
     stride_kt,
@@ -90,9 +87,6 @@ def _gdn_chunk_prep_kernel(
     CHUNK: tl.constexpr,
     DOT: tl.constexpr,
     INV_DOT: tl.constexpr,
-    RELOAD_K: tl.constexpr,
-    KTAIL_IN_SCAN: tl.constexpr,
-    NORM_IN_KERNEL: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -108,23 +102,17 @@ def _gdn_chunk_prep_kernel(
     vv = tl.arange(0, BDV)
     k_mask = row_ok[:, None] & (kk < DK)[None, :]
     v_mask = row_ok[:, None] & (vv < DV)[None, :]
-    k_offs = k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :]
-    k = tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32)
-    if NORM_IN_KERNEL:
-        k = _l2norm(k, 1e-6)
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=k_mask, other=0.0
+    ).to(tl.float32)  # normalised already
     g = tl.load(g_ptr + t * stride_gt + hv * stride_gh, mask=row_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh, mask=row_ok, other=0.0).to(tl.float32)
     big_g = tl.cumsum(g, 0)  # [C] log decay since the chunk start (masked rows add 0)
-    g_last = tl.max(tl.where(r == end - start - 1, big_g, float("-inf")), 0)
 
     below = r[:, None] > r[None, :]
     a = _mm(k * beta[:, None], tl.trans(k), DOT)
     a = tl.where(below, a * tl.exp(tl.where(below, big_g[:, None] - big_g[None, :], 0.0)), 0.0)
     inv = _unit_lower_inverse(a, r, INV_DOT)
-    if RELOAD_K:  # read k again (from L2) instead of keeping it in registers across the inverse
-        k = tl.load(k_offs, mask=k_mask, other=0.0).to(tl.float32)
-        if NORM_IN_KERNEL:
-            k = _l2norm(k, 1e-6)
     w = _mm(inv, k * (beta * tl.exp(big_g))[:, None], DOT)  # [C, BK]
     v = tl.load(
         v_ptr + t[:, None] * stride_vt + hv * stride_vh + vv[None, :], mask=v_mask, other=0.0
@@ -133,9 +121,6 @@ def _gdn_chunk_prep_kernel(
     row = t * num_v_heads + hv
     out_k = row[:, None] * DK + kk[None, :]
     tl.store(w_ptr + out_k, w.to(w_ptr.dtype.element_ty), mask=k_mask)
-    if not KTAIL_IN_SCAN:
-        k_tail = k * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[:, None]
-        tl.store(ktail_ptr + out_k, k_tail.to(ktail_ptr.dtype.element_ty), mask=k_mask)
     tl.store(u_ptr + row[:, None] * DV + vv[None, :], u.to(u_ptr.dtype.element_ty), mask=v_mask)
     tl.store(gcum_ptr + row, big_g, mask=row_ok)
 
@@ -144,7 +129,6 @@ def _gdn_chunk_prep_kernel(
 def _gdn_chunk_scan_kernel(
     w_ptr,
     u_ptr,
-    ktail_ptr,
     k_ptr,
     gcum_ptr,
     vnew_ptr,
@@ -167,8 +151,6 @@ def _gdn_chunk_scan_kernel(
     CHUNK: tl.constexpr,
     MIN_LEN: tl.constexpr,
     DOT: tl.constexpr,
-    KTAIL_IN_SCAN: tl.constexpr,
-    NORM_IN_KERNEL: tl.constexpr,
 ):
     b = tl.program_id(0)
     hv = tl.program_id(1)
@@ -213,23 +195,14 @@ def _gdn_chunk_scan_kernel(
         )
         last = (tl.minimum(c0 + CHUNK, end) - 1).to(tl.int64)
         g_last = tl.load(gcum_ptr + last * num_v_heads + hv)
-        if KTAIL_IN_SCAN:  # k_tail = normalised k * exp(G_last - G), from k (shared by GROUP heads)
-            k_t = tl.load(
-                k_ptr + t[None, :] * stride_kt + hk * stride_kh + kk[:, None],
-                mask=row_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            ).to(tl.float32)  # [BK, C]
-            big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
-            k_scale = tl.where(row_ok, tl.exp(g_last - big_g), 0.0)
-            if NORM_IN_KERNEL:
-                k_scale = k_scale / tl.sqrt(tl.sum(k_t * k_t, 0) + 1e-6)
-            k_tail_t = k_t * k_scale[None, :]
-        else:
-            k_tail_t = tl.load(
-                ktail_ptr + row[None, :] * DK + kk[:, None],
-                mask=row_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            )  # [BK, C]
+        # exp(G_last - G) k: what each row adds to the state at the chunk end (k normalised)
+        k_t = tl.load(
+            k_ptr + t[None, :] * stride_kt + hk * stride_kh + kk[:, None],
+            mask=row_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)  # [BK, C]
+        big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
+        k_tail_t = k_t * tl.where(row_ok, tl.exp(g_last - big_g), 0.0)[None, :]
         h = h * tl.exp(g_last) + _mm(k_tail_t, v_new, DOT)
         chunk += 1
     tl.store(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, h, mask=s_mask)
@@ -250,7 +223,6 @@ def _gdn_chunk_out_kernel(
     stride_kh,
     stride_ot,
     stride_oh,
-    scale,
     num_v_heads,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
@@ -259,7 +231,6 @@ def _gdn_chunk_out_kernel(
     BV: tl.constexpr,
     CHUNK: tl.constexpr,
     DOT: tl.constexpr,
-    NORM_IN_KERNEL: tl.constexpr,
 ):
     c = tl.program_id(0)
     hv = tl.program_id(1)
@@ -282,9 +253,6 @@ def _gdn_chunk_out_kernel(
     k = tl.load(
         k_ptr + t[:, None] * stride_kt + hk * stride_kh + kk[None, :], mask=qk_mask, other=0.0
     )
-    if NORM_IN_KERNEL:
-        q = _l2norm(q.to(tl.float32), 1e-6) * scale
-        k = _l2norm(k.to(tl.float32), 1e-6)
     row = t * num_v_heads + hv
     big_g = tl.load(gcum_ptr + row, mask=row_ok, other=0.0)
     causal = r[:, None] >= r[None, :]
@@ -430,39 +398,33 @@ def gdn_chunked_triton(
     low = torch.float32 if dot == "ieee" else v.dtype
     dev = v.device
     w = torch.empty(num_tokens, num_v_heads, dk, dtype=low, device=dev)
-    ktail_in_scan = TUNING["ktail_in_scan"]
-    k_tail = w if ktail_in_scan else torch.empty_like(w)  # unused when the scan derives it
-    u_dtype = low if TUNING["u_low"] else torch.float32
-    u = torch.empty(num_tokens, num_v_heads, dv, dtype=u_dtype, device=dev)
+    u = torch.empty(num_tokens, num_v_heads, dv, dtype=low, device=dev)  # feeds only v_new
     v_new = torch.empty(num_tokens, num_v_heads, dv, dtype=low, device=dev)
     gcum = torch.empty(num_tokens, num_v_heads, dtype=torch.float32, device=dev)
     h_chunks = torch.empty(num_chunks, num_v_heads, dk, dv, dtype=low, device=dev)
     min_tile = 1 if dot == "ieee" else MIN_TILE_16BIT
     bk, bdv = max(next_pow2(dk), min_tile), max(next_pow2(dv), min_tile)
-    scale = dk**-0.5
-    prenorm = TUNING["prenorm"]
-    if prenorm:  # normalise q (with the scale folded in) and k once, in the dots' 16-bit type
-        qn = torch.empty(num_tokens, num_k_heads, dk, dtype=low, device=dev)
-        kn = torch.empty_like(qn)
-        rows, block_r = num_tokens * num_k_heads, 16
-        _qk_l2norm_kernel[(-(-rows // block_r), 2)](
-            q, k, qn, kn, rows, num_k_heads, *q.stride()[:2], *k.stride()[:2], scale,
-            DK=dk, BK=bk, BLOCK_R=block_r, num_warps=4,
-        )  # fmt: skip
-        q, k, scale = qn, kn, 1.0
-    common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot, NORM_IN_KERNEL=not prenorm)
+    # q (with Dk^-0.5 folded in) and k normalised once, in the dots' 16-bit type: 75-90 us less
+    # than normalising in every (chunk, value head) program at 8k tokens on the H200
+    qn = torch.empty(num_tokens, num_k_heads, dk, dtype=low, device=dev)
+    kn = torch.empty_like(qn)
+    rows, block_r = num_tokens * num_k_heads, 16
+    _qk_l2norm_kernel[(-(-rows // block_r), 2)](
+        q, k, qn, kn, rows, num_k_heads, *q.stride()[:2], *k.stride()[:2], dk**-0.5,
+        DK=dk, BK=bk, BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip
+    common = dict(DK=dk, DV=dv, BK=bk, CHUNK=CHUNK, DOT=dot)
     _gdn_chunk_prep_kernel[(num_chunks, num_v_heads)](
-        k,
+        kn,
         v,
         g,
         beta,
         w,
         u,
-        k_tail,
         gcum,
         chunks,
-        k.stride(0),
-        k.stride(1),
+        kn.stride(0),
+        kn.stride(1),
         v.stride(0),
         v.stride(1),
         g.stride(0),
@@ -473,8 +435,6 @@ def gdn_chunked_triton(
         GROUP=group,
         BDV=bdv,
         INV_DOT="ieee" if dot == "ieee" else "tf32",
-        RELOAD_K=TUNING["reload_k"],
-        KTAIL_IN_SCAN=ktail_in_scan,
         num_warps=TUNING["prep_warps"],
         **common,
     )
@@ -484,8 +444,7 @@ def gdn_chunked_triton(
     _gdn_chunk_scan_kernel[(batch, num_v_heads, -(-dv // bv))](
         w,
         u,
-        k_tail,
-        k,
+        kn,
         gcum,
         v_new,
         h_chunks,
@@ -494,35 +453,33 @@ def gdn_chunked_triton(
         cu_seqlens,
         has_initial_state,
         offsets,
-        k.stride(0),
-        k.stride(1),
+        kn.stride(0),
+        kn.stride(1),
         ssm_states.stride(0),
         ssm_states.stride(1),
         num_v_heads,
         GROUP=group,
         BV=bv,
         MIN_LEN=min_len,
-        KTAIL_IN_SCAN=ktail_in_scan,
         num_warps=scan_warps,
         num_stages=2,
         **common,
     )
     bvo = min(bdv, TUNING["out_bv"])
     _gdn_chunk_out_kernel[(num_chunks, num_v_heads, -(-dv // bvo))](
-        q,
-        k,
+        qn,
+        kn,
         gcum,
         v_new,
         h_chunks,
         out,
         chunks,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
+        qn.stride(0),
+        qn.stride(1),
+        kn.stride(0),
+        kn.stride(1),
         out.stride(0),
         out.stride(1),
-        scale,
         num_v_heads,
         GROUP=group,
         BV=bvo,

@@ -20,14 +20,9 @@ from ops.bench.bench_cases import _gdn_inputs
 
 VARIANTS = {
     "base": {},
-    "legacy": {"prenorm": False, "ktail_in_scan": False, "u_low": False, "scan_bv": 64},
-    "no_prenorm": {"prenorm": False},
-    "ktail_buffer": {"ktail_in_scan": False},
-    "u_fp32": {"u_low": False},
-    "scan_bv64": {"scan_bv": 64},
     "scan_bv32": {"scan_bv": 32},
-    "out_bv128": {"out_bv": 128},
-    "out8_bv128": {"out_warps": 8, "out_bv": 128},
+    "out_bv64": {"out_bv": 64},
+    "out8": {"out_warps": 8},
     "prep8": {"prep_warps": 8},
 }
 
