@@ -138,8 +138,8 @@ class _FlashInferPlans:
     """One flashinfer wrapper per (device, kind) and the plan of the last batch metadata seen.
 
     The model calls attention once per layer with the same metadata tensors, so the plan (host
-    work plus a sync) is made once per step: the cache key is the identity and version of those
-    tensors, and it holds them, so a later step's tensors cannot reuse their ids."""
+    work plus a sync) is made once per forward: the cache key is the identity of those tensors,
+    and it holds them, so a later forward's tensors cannot reuse their ids."""
 
     def __init__(self) -> None:
         self.workspaces: dict[torch.device, torch.Tensor] = {}
@@ -207,7 +207,9 @@ def paged_attention_flashinfer(
     wrapper = _FI.wrapper(q.device, decode, tensor_cores)
     meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens)
     key = (q.device, decode, tensor_cores)
-    stamp = tuple((id(t), t._version) for t in meta) + (num_q_heads, num_kv_heads, head_dim)
+    # identity only (inference tensors have no version counter): the runner builds req_slots,
+    # cu_seqlens_q and seq_lens anew for every forward, after writing that forward's req_to_token
+    stamp = tuple(id(t) for t in meta) + (num_q_heads, num_kv_heads, head_dim)
     cached = _FI.last.get(key)
     if cached is None or cached[0] != stamp:
         indptr, indices, last_len = _page1_table(req_to_token, req_slots, seq_lens)

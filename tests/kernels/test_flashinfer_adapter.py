@@ -1,0 +1,80 @@
+"""The flashinfer attention backend's host side on CPU, against a stand-in `flashinfer` module:
+the page table it plans (one token per page, from req_to_token), one plan per forward however
+many layers call it, a new plan for a new forward, and inference-mode metadata (as the engine
+makes it). The real kernels are checked against the reference on the GPU (test_attention.py)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+from test_attention import make_batch
+
+from kernels.attention import paged_attention_ref
+
+
+class _Wrapper:
+    """Records plans; run() attends with the planned CSR table (flashinfer's documented meaning:
+    request b's keys are pages indices[indptr[b]:indptr[b+1]]; causal q rows are the last ones)."""
+
+    plans: list = []
+
+    def __init__(self, workspace, layout, **kwargs) -> None:
+        assert layout == "NHD"
+
+    def plan(self, *args, **kwargs) -> None:
+        self.decode = len(args) == 7
+        if self.decode:
+            indptr, indices, last, hq, hkv, d, page = args
+            self.qo = torch.arange(indptr.numel())
+        else:
+            self.qo, indptr, indices, last, hq, hkv, d, page = args
+        assert page == 1 and bool((last == 1).all())
+        self.indptr, self.indices, self.scale = indptr.long(), indices.long(), kwargs["sm_scale"]
+        _Wrapper.plans.append(self)
+
+    def run(self, q, kv):
+        k_cache, v_cache = (c[:, 0] for c in kv)  # [slots, 1, Hkv, D] -> [slots, Hkv, D]
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[1]
+        for b in range(self.indptr.numel() - 1):
+            keys = self.indices[self.indptr[b] : self.indptr[b + 1]]
+            rows = q[self.qo[b] : self.qo[b + 1]].float()  # [n, Hq, D]
+            k = k_cache[keys].float().repeat_interleave(group, 1)
+            v = v_cache[keys].float().repeat_interleave(group, 1)
+            s = torch.einsum("nhd,lhd->hnl", rows, k) * self.scale
+            n, length = rows.shape[0], keys.numel()
+            visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
+            s = s.masked_fill(~visible, float("-inf"))
+            out[self.qo[b] : self.qo[b + 1]] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).to(
+                q.dtype
+            )
+        return out
+
+
+def _install(monkeypatch) -> None:
+    fake = types.SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_Wrapper, BatchPrefillWithPagedKVCacheWrapper=_Wrapper
+    )
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from kernels import adapters
+
+    monkeypatch.setattr(adapters, "_FI", adapters._FlashInferPlans())
+    _Wrapper.plans = []
+
+
+def test_one_plan_per_forward_and_reference_results(monkeypatch):
+    _install(monkeypatch)
+    from kernels.adapters import paged_attention_flashinfer
+
+    for q_lens, seq_lens in (([1, 1, 1], [5, 40, 9]), ([3, 3], [3, 20]), ([6, 0, 4], [30, 2, 4])):
+        with torch.inference_mode():  # the engine's metadata are inference tensors
+            args = make_batch(q_lens, seq_lens, 6, 2, 16, torch.float32, seed=len(_Wrapper.plans))
+            expected = paged_attention_ref(*args, 0.25)
+            before = len(_Wrapper.plans)
+            for _layer in range(3):  # every layer of a forward passes the same metadata
+                got = paged_attention_flashinfer(*args, 0.25, max_q_len=max(q_lens))
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            assert len(_Wrapper.plans) == before + 1
+            assert _Wrapper.plans[-1].decode == (max(q_lens) == 1)
