@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -201,13 +202,22 @@ async def _collect(group, parsers: list[ChoiceParser], head: dict, num_prompt: i
     }
 
 
-def _chunk(
-    head: dict, choices: list[dict], usage_: dict | None = None, include_usage: bool = False
+def sse_chunk(
+    head: dict,
+    choices: list[dict],
+    usage_: dict | None = None,
+    include_usage: bool = False,
+    *,
+    object_name: str,
 ) -> str:
-    body = {**head, "object": "chat.completion.chunk", "choices": choices}
+    """One server-sent event of a streamed completion (chat or legacy)."""
+    body = {**head, "object": object_name, "choices": choices}
     if include_usage:
         body["usage"] = usage_
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+_chunk = partial(sse_chunk, object_name="chat.completion.chunk")
 
 
 def _delta_choice(parser: ChoiceParser, index: int, delta: TextDelta) -> dict | None:

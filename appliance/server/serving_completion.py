@@ -6,9 +6,9 @@ Called by app.py. Choice index = prompt index x n + choice number, as OpenAI num
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -23,7 +23,7 @@ from appliance.server.protocol import (
     detok_params,
     sampling_params,
 )
-from appliance.server.serving_chat import usage
+from appliance.server.serving_chat import sse_chunk, usage
 from appliance.server.state import (
     ClientGone,
     ServerState,
@@ -158,13 +158,7 @@ async def _collect(group, echoes: list[str], head: dict, num_prompt: int) -> dic
     }
 
 
-def _chunk(
-    head: dict, choices: list[dict], usage_: dict | None = None, include_usage: bool = False
-) -> str:
-    body = {**head, "object": "text_completion", "choices": choices}
-    if include_usage:
-        body["usage"] = usage_
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+_chunk = partial(sse_chunk, object_name="text_completion")
 
 
 async def _stream(

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch
 from appliance.engine.runner import ModelRunner
 from appliance.logging import get_logger
@@ -97,15 +96,8 @@ def pick_script(scripts: list[Script], prompt_text: str) -> Script | None:
 class ForcedRunner(ModelRunner):
     """ModelRunner that forces scripted outputs; requests matching no trigger sample normally."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        rank: int = 0,
-        world_size: int = 1,
-        tp_group=None,
-        reserved_bytes: int = 0,
-    ) -> None:
-        super().__init__(config, rank, world_size, tp_group, reserved_bytes)
+    def __init__(self, *args, **kwargs) -> None:  # ModelRunner's arguments
+        super().__init__(*args, **kwargs)
         from transformers import AutoTokenizer
 
         self.scripts, eos = load_scripts(self.model_dir)
