@@ -8,22 +8,19 @@ server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exit
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
 from appliance.config import EngineConfig, ServeConfig
-from appliance.logging import get_logger, setup_logging
+from appliance.ipc import Addresses, zmq_socket
+from appliance.logging import get_logger
 from appliance.messages import (
     Drain,
     Drained,
@@ -41,123 +38,6 @@ from appliance.messages import (
 )
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class Addresses:
-    """ZMQ endpoints of every role; each PULL socket is bound by its owner, peers connect PUSH."""
-
-    launcher: str  # launcher PULL: ProcessReady / StartupProgress / Drained from every role
-    server_control: str  # server PULL: EngineReady / Drain / Fatal from the launcher
-    server: str  # server PULL: DetokOutput from the detokenizer
-    router: str  # router PULL: TokenizedRequest / AbortRequest / StatusQuery / FinishRequest
-    router_results: str  # router PULL: StepResult from worker rank 0
-    detokenizer: str  # detokenizer PULL: RouterOutput from the router
-    workers: list[str] = field(default_factory=list)  # worker rank r PULL: StepPlan from the router
-    dist_init: str = ""  # torch.distributed init_method (file:// in the run dir)
-    # visual PULL: what the server sends the router (relayed) and ReleaseImages from the router
-    visual: str = ""
-
-    @classmethod
-    def allocate(cls, transport: str, tp: int, run_dir: Path) -> Addresses:
-        names = ["launcher", "server_control", "server", "router", "router_results", "detokenizer"]
-        names.append("visual")
-        names += [f"worker{r}" for r in range(tp)]
-        if transport == "ipc":
-            addr = {n: f"ipc://{run_dir}/{n}" for n in names}
-        else:
-            addr = {n: f"tcp://127.0.0.1:{_free_port()}" for n in names}
-        return cls(
-            addr["launcher"],
-            addr["server_control"],
-            addr["server"],
-            addr["router"],
-            addr["router_results"],
-            addr["detokenizer"],
-            [addr[f"worker{r}"] for r in range(tp)],
-            f"file://{run_dir}/dist_init",
-            addr["visual"],
-        )
-
-    def for_server(self, with_visual: bool) -> Addresses:
-        """The server's view: with a visual server, its engine socket ("router") is the visual
-        server's inbox, which relays text-only traffic and encodes images on the way."""
-        return dataclasses.replace(self, router=self.visual) if with_visual else self
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ------------------------------------------------------------------ helpers every role uses
-
-
-def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if kind == zmq.PULL:
-        sock.setsockopt(zmq.RCVHWM, 0)
-    else:
-        sock.setsockopt(zmq.SNDHWM, 0)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
-    return sock
-
-
-def child_init(role: str) -> None:
-    """First call in every spawned role: logging, signals, and exit if the launcher disappears.
-
-    Each role runs in its own session, so signals sent to the launcher's process group (Ctrl-C,
-    `timeout`, a supervisor) reach only the launcher, which drains and then stops the roles with
-    SIGTERM (default action: exit). A role whose launcher vanished exits within a second.
-    """
-    mp.current_process().name = role
-    _set_process_title(f"appliance-{role.replace(' ', '')}")
-    setup_logging()
-    os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
-
-
-def _set_process_title(title: str) -> None:
-    """The role's name in ps/top (/proc/PID/comm, 15 characters); best effort, Linux only."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        libc.prctl(15, title.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-class RoleLink:
-    """A role's PUSH socket to the launcher: progress lines and the ready message."""
-
-    def __init__(self, address: str, role: str, rank: int = 0) -> None:
-        self.role, self.rank = role, rank
-        self._ctx = zmq.Context.instance()
-        self._sock = zmq_socket(self._ctx, zmq.PUSH, address, bind=False)
-
-    def progress(self, stage: str) -> None:
-        self._sock.send(encode(StartupProgress(self.role, self.rank, stage)))
-
-    def ready(self, worker: WorkerInfo | None = None, visual: VisualInfo | None = None) -> None:
-        self._sock.send(encode(ProcessReady(self.role, self.rank, os.getpid(), worker, visual)))
-
-    def send(self, msg) -> None:
-        self._sock.send(encode(msg))
 
 
 # ------------------------------------------------------------------ the launcher

@@ -20,7 +20,7 @@ import threading
 import zmq
 
 from appliance.config import ServeConfig
-from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,

@@ -11,7 +11,7 @@ import zmq
 
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
-from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import RouterOutput, decoder, encode
 

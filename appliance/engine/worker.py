@@ -12,7 +12,7 @@ import importlib
 import zmq
 
 from appliance.config import EngineConfig
-from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import StepPlan, WorkerInfo, decoder, encode
 

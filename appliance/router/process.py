@@ -16,7 +16,7 @@ import time
 import zmq
 
 from appliance.config import EngineConfig
-from appliance.launch import Addresses, RoleLink, child_init, zmq_socket
+from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,

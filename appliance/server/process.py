@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from appliance import envs
 from appliance.config import ServeConfig
-from appliance.launch import Addresses, RoleLink, child_init
+from appliance.ipc import Addresses, RoleLink, child_init
 from appliance.logging import get_logger
 from appliance.messages import Drain, Drained, EngineReady, Fatal, ToServerControl, decoder
 from appliance.metrics import MetricsRecorder
