@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from appliance.llm import LLM
+        from appliance.offline.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -182,7 +182,12 @@ def _print_backends() -> int:
     setup_logging()
     platform = detect_platform()
     print(f"platform: {platform}")
-    for kind, name in resolve_backends(platform=platform).items():
+    table = resolve_backends(
+        gdn_prefill=envs.APPLIANCE_GDN_PREFILL_BACKEND,
+        fp8_gemm=envs.APPLIANCE_FP8_GEMM,
+        platform=platform,
+    )
+    for kind, name in table.items():
         print(f"{kind:<12} {name}")
     return 0
 

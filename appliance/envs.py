@@ -56,9 +56,6 @@ _register(
     "fp8 scaled GEMM backend.",
     ("auto", "cutlass", "sgl", "triton", "torch"),
 )
-_register(
-    "APPLIANCE_DISABLE_MTP_FUSED_GRAPH", False, _bool, "Turn off the fused MTP verify/draft graphs."
-)
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 
 

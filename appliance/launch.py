@@ -18,7 +18,8 @@ from pathlib import Path
 
 import zmq
 
-from appliance.config import EngineConfig, ServeConfig
+from appliance import envs
+from appliance.config import ServeConfig
 from appliance.ipc import Addresses, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
@@ -28,14 +29,13 @@ from appliance.messages import (
     Fatal,
     ProcessReady,
     StartupProgress,
-    StepPlan,
-    StepResult,
     ToLauncher,
     VisualInfo,
     WorkerInfo,
     decoder,
     encode,
 )
+from appliance.stats import format_config_block
 
 logger = get_logger(__name__)
 
@@ -51,7 +51,7 @@ class Launcher:
     """Spawns and supervises the roles of one appliance; `run()` blocks, returns the exit code."""
 
     def __init__(self, config: ServeConfig) -> None:
-        from visual.checkpoint import wants_visual_server
+        from appliance.encoder.startup import wants_visual_server
 
         self.config = config
         self.model_dir = config.engine.model.model_dir  # resolved by the caller (cli.py)
@@ -83,7 +83,7 @@ class Launcher:
         from appliance.server.process import run_server
 
         if self.with_visual:
-            from visual.server import run_visual
+            from appliance.encoder.process import run_visual
 
             self._spawn("visual", run_visual, self.config, self.model_dir, self.addrs)
         self._spawn("detokenizer", run_detokenizer, self.model_dir, self.addrs)
@@ -185,6 +185,11 @@ class Launcher:
     def run(self) -> int:
         """Starts everything, serves until a signal (exit 0 after draining) or a death (exit 1)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        requested = {  # what the env flags ask for; the workers log what each resolved to
+            "gdn_prefill": envs.APPLIANCE_GDN_PREFILL_BACKEND,
+            "fp8_gemm": envs.APPLIANCE_FP8_GEMM,
+        }
+        logger.info("%s", format_config_block(self.config, requested))
         try:
             self._spawn_frontends()
             info = self._wait_startup()
@@ -272,75 +277,3 @@ def serve(config: ServeConfig) -> int:
     """Runs the appliance in the foreground; returns the process exit code. The config's model_dir
     must already be resolved (no "")."""
     return Launcher(config).run()
-
-
-# ------------------------------------------------------------------ offline TP
-
-
-class WorkerGroup:
-    """Worker processes for the offline `LLM` with tp > 1: the caller plays the router, sending each
-    StepPlan to every rank and reading rank 0's StepResult (the same seam the appliance uses)."""
-
-    def __init__(
-        self, engine: EngineConfig, runner_path: str = "appliance.engine.runner:ModelRunner"
-    ):
-        from appliance.engine.worker import run_worker
-
-        self.tp = engine.parallel.tp
-        self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-llm-"))
-        self.addrs = Addresses.allocate("ipc", self.tp, self._run_dir)
-        self._ctx = zmq.Context.instance()
-        self._inbox = zmq_socket(self._ctx, zmq.PULL, self.addrs.launcher, bind=True)
-        self._results = zmq_socket(self._ctx, zmq.PULL, self.addrs.router_results, bind=True)
-        ctx = mp.get_context("spawn")
-        self._procs = [
-            ctx.Process(
-                target=run_worker,
-                args=(engine, self.addrs, r, self.tp, runner_path),
-                name=f"worker {r}",
-                daemon=True,
-            )
-            for r in range(self.tp)
-        ]
-        for proc in self._procs:
-            proc.start()
-        self.info = self._wait_ready()
-        self._plans = [zmq_socket(self._ctx, zmq.PUSH, a, bind=False) for a in self.addrs.workers]
-        self._result_decoder = decoder(StepResult)
-
-    def _wait_ready(self) -> WorkerInfo:
-        dec, pending, info = decoder(ToLauncher), set(range(self.tp)), None
-        while pending:
-            for rank, proc in enumerate(self._procs):
-                if proc.exitcode is not None:
-                    self.close()
-                    raise LaunchError(
-                        f"worker {rank} exited with code {proc.exitcode} during startup"
-                    )
-            if self._inbox.poll(100):
-                msg = dec.decode(self._inbox.recv())
-                if isinstance(msg, ProcessReady):
-                    pending.discard(msg.rank)
-                    info = msg.worker or info
-        assert info is not None
-        return info
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        data = encode(plan)
-        for sock in self._plans:
-            sock.send(data)
-        while not self._results.poll(1000):
-            dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
-            if dead:
-                raise LaunchError(
-                    f"worker {dead[0]} died (exit code {self._procs[dead[0]].exitcode})"
-                )
-        return self._result_decoder.decode(self._results.recv())
-
-    def close(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(timeout=10)
-        shutil.rmtree(self._run_dir, ignore_errors=True)

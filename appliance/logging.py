@@ -26,6 +26,7 @@ PROBE_PATHS = ("/health", "/metrics", "/ping")
 _MAX_PATH = 200
 _MAX_REQUEST_ID = 80
 _configured = False
+LOGGER_TREES = ("appliance", "visual", "kernels")  # configured together by setup_logging
 
 
 def use_color(stream: TextIO | None = None) -> bool:
@@ -59,17 +60,19 @@ class ColorFormatter(logging.Formatter):
 def setup_logging(
     level: str | None = None, stream: TextIO | None = None, color: bool | None = None
 ) -> None:
-    """(Re)configure the `appliance` logger tree: one handler on `stream` (default stderr).
+    """(Re)configure the logger trees of the project's packages (`appliance`, and the libraries
+    `visual` and `kernels`, which log on stdlib loggers): one handler on `stream` (default stderr).
 
     level defaults to APPLIANCE_LOG_LEVEL, color to `use_color(stream)`."""
     global _configured
     stream = stream or sys.stderr
-    root = logging.getLogger("appliance")
     handler = logging.StreamHandler(stream)
     handler.setFormatter(ColorFormatter(use_color(stream) if color is None else color))
-    root.handlers[:] = [handler]
-    root.setLevel((level or envs.APPLIANCE_LOG_LEVEL).upper())
-    root.propagate = False
+    for name in LOGGER_TREES:
+        root = logging.getLogger(name)
+        root.handlers[:] = [handler]
+        root.setLevel((level or envs.APPLIANCE_LOG_LEVEL).upper())
+        root.propagate = False
     _configured = True
 
 

@@ -181,7 +181,7 @@ class RejectRequest(msgspec.Struct, tag="reject", frozen=True):
 
 class VisualStats(msgspec.Struct, tag="visual_stats", frozen=True):
     """The visual server's embedding cache and image timings. Written by visual (whenever its cache
-    changed), read by router, which reports it in RouterStats (mm_* / image_* fields)."""
+    changed), read by server (metrics, /debug/status)."""
 
     cache_entries: int  # images held in the shared-memory cache
     cache_pinned: int  # entries pinned by live requests (never evicted)
@@ -200,8 +200,8 @@ class ReleaseImages(msgspec.Struct, tag="release_images", frozen=True):
 
 
 class StatusQuery(msgspec.Struct, tag="status_query", frozen=True):
-    """Ask for a router snapshot (/debug/status). Written by server, read by router; answered with a
-    RouterStatus that travels router -> detokenizer -> server."""
+    """Ask for a router snapshot (/debug/status). Written by server, read by router (through the
+    visual server when there is one); answered with a RouterStatus sent straight to the server."""
 
     query_id: int
 
@@ -228,40 +228,52 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     error: str | None = None  # message when finish_reason == "error" (e.g. request rejected)
     error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first update)
 
 
-class RouterStats(msgspec.Struct, frozen=True):
-    """Router counters and gauges for /metrics and the stats line (keys as MetricsRecorder expects).
-    Written by router (at most every 0.5 s while busy, once when it goes idle, and inside every
-    RouterStatus), passed through by detokenizer, read by server."""
+class SchedulerStats(msgspec.Struct, frozen=True):
+    """The scheduler's snapshot (counters cumulative since start). Written by the router's
+    Scheduler (inside RouterStats), read by server (metrics, stats line) and the offline `LLM`."""
 
     num_running: int
     num_waiting: int
-    kv_usage: float  # used / total KV token slots (0-1)
-    state_usage: float  # used / total request (= linear-state) slots (0-1)
-    kv_used: int
+    kv_used: int  # KV token slots in use
     kv_total: int
-    state_used: int
+    state_used: int  # request slots in use (= linear-attention state slots)
     state_total: int
-    num_preemptions: int = 0  # cumulative
-    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
-    prefix_cache_hits: int = 0  # cumulative
-    mtp_drafts: int = 0  # cumulative
-    mtp_draft_tokens: int = 0  # cumulative
-    mtp_accepted_tokens: int = 0  # cumulative
-    mtp_accepted_per_position: list[int] = []  # cumulative, one per draft position
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt positions computed, each counted once (recompute excluded)
+    num_generation_tokens: int = 0  # sampled tokens accepted by update()
+    num_computed_tokens: int = 0  # every position scheduled, recompute included
+    num_finished: int = 0  # requests that ended for any reason (aborts included)
+    num_steps: int = 0  # steps planned
+    mtp_drafts: int = 0  # MTP verify steps
+    mtp_draft_tokens: int = 0  # draft tokens proposed
+    mtp_accepted_tokens: int = 0  # draft tokens accepted
+    mtp_accepted_per_position: list[int] = []  # accepted count per draft position
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.kv_total if self.kv_total else 0.0
+
+    @property
+    def state_usage(self) -> float:
+        return self.state_used / self.state_total if self.state_total else 0.0
+
+    @property
+    def mtp_mean_accept_len(self) -> float:
+        """Tokens per verify step, the bonus token included (1 + accepted / drafts)."""
+        return 1.0 + self.mtp_accepted_tokens / self.mtp_drafts if self.mtp_drafts else 0.0
+
+
+class RouterStats(msgspec.Struct, tag="router_stats", frozen=True):
+    """The router's report for /metrics and the stats line: the scheduler's snapshot plus what the
+    router loop itself measures. Written by router (at most every 0.5 s while busy, once when it
+    goes idle, and inside every RouterStatus), read by server."""
+
+    scheduler: SchedulerStats
     queue_time_s: list[float] = []  # queue times of requests first scheduled since the last one
-    num_steps: int = 0  # steps executed since start
     step_overhead_ms: float = 0.0  # mean router time per step minus the worker forward (recent)
     step_forward_ms: float = 0.0  # mean worker forward time per step (recent)
-    mm_cache_entries: int = 0  # visual embedding cache: images held (latest VisualStats)
-    mm_cache_pinned: int = 0  # entries pinned by live requests
-    mm_cache_bytes: int = 0  # embedding bytes held
-    mm_cache_queries: int = 0  # cumulative images looked up
-    mm_cache_hits: int = 0  # cumulative cache hits
-    image_preprocess_s: list[float] = []  # per-image preprocessing times since the last RouterStats
-    image_encode_s: list[float] = []  # per-image ViT times since the last RouterStats
 
 
 class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
@@ -277,9 +289,8 @@ class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
     preemptions: int
 
 
-class RouterStatus(msgspec.Struct, frozen=True):
-    """Answer to a StatusQuery (/debug/status). Written by router, passed through by detokenizer,
-    read by server."""
+class RouterStatus(msgspec.Struct, tag="router_status", frozen=True):
+    """Answer to a StatusQuery (/debug/status). Written by router, read by server."""
 
     query_id: int
     stats: RouterStats
@@ -291,8 +302,6 @@ class RouterOutput(msgspec.Struct, tag="router_output", frozen=True):
 
     registers: list[DetokRegister] = []
     updates: list[TokenUpdate] = []
-    stats: RouterStats | None = None
-    status: RouterStatus | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -315,15 +324,12 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None  # one entry per token of token_ids
     error: str | None = None
     error_status: int = 0
-    num_cached_tokens: int = 0
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):
     """A batch of text deltas. Written by detokenizer, read by server."""
 
     deltas: list[TextDelta] = []
-    stats: RouterStats | None = None
-    status: RouterStatus | None = None
 
 
 # ---------------------------------------------------------------- every role <-> launcher
@@ -395,9 +401,8 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
     message: str
 
 
-ToRouter = (
-    TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest | VisualStats
-)
+ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest
 ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ReleaseImages
+ToServer = DetokOutput | RouterStats | RouterStatus | VisualStats
 ToLauncher = StartupProgress | ProcessReady | Drained
 ToServerControl = EngineReady | Drain | Fatal

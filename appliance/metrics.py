@@ -81,10 +81,6 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
      "Used KV token slots / all (0-1).", (), None),
     ("state_usage", "gauge", "appliance_linear_state_usage_ratio",
      "Used linear-attention state slots / all (0-1).", (), None),
-    ("prefix_queries", "counter", "appliance_prefix_cache_queries",
-     "Prompt tokens looked up in the prefix cache.", (), None),
-    ("prefix_hits", "counter", "appliance_prefix_cache_hits",
-     "Prompt tokens served from the prefix cache.", (), None),
     ("mm_cache_queries", "counter", "appliance_mm_cache_queries",
      "Images looked up in the visual embedding cache.", (), None),
     ("mm_cache_hits", "counter", "appliance_mm_cache_hits",
@@ -102,10 +98,10 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
      "Requests preempted (freed and re-queued) by the router.", (), None),
 )
 
-# Keys of the router's stats snapshot (RouterStats). Counters are cumulative since router start.
+# Keys of the router's report (RouterStats with its SchedulerStats flattened, or a flat mapping).
+# Counters are cumulative since router start.
 ROUTER_GAUGES = ("num_running", "num_waiting", "kv_usage", "state_usage")
 ROUTER_COUNTERS = {  # snapshot key -> MetricsRecorder attribute
-    "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
     "mtp_drafts": "mtp_drafts", "mtp_draft_tokens": "mtp_draft_tokens",
     "mtp_accepted_tokens": "mtp_accepted_tokens", "num_preemptions": "preemptions",
 }
@@ -222,13 +218,14 @@ class MetricsRecorder:
 
     # ------------------------------------------------------------------ other processes
     def apply_router_stats(self, stats: Any, source: str = "router") -> None:
-        """Fold one router snapshot (RouterStats struct or dict) into gauges and counters.
+        """Fold one router report (RouterStats, or a flat mapping of the same keys) into gauges and
+        counters.
 
         Gauges: num_running, num_waiting, kv_usage, state_usage (summed / maxed over sources).
-        Cumulative counters: prefix_cache_queries/hits, mtp_drafts, mtp_draft_tokens,
-        mtp_accepted_tokens, num_preemptions, mtp_accepted_per_position (list, one per position).
+        Cumulative counters: mtp_drafts, mtp_draft_tokens, mtp_accepted_tokens, num_preemptions,
+        mtp_accepted_per_position (list, one per position).
         New observations since the last snapshot: queue_time_s (list of seconds)."""
-        stats = _as_mapping(stats)
+        stats = flat_report(stats)
         with self._lock:
             gauges = {k: float(stats[k]) for k in ROUTER_GAUGES if stats.get(k) is not None}
             self._router_gauges.setdefault(source, {}).update(gauges)
@@ -250,7 +247,7 @@ class MetricsRecorder:
     def apply_visual_stats(self, stats: Any, source: str = "visual") -> None:
         """Fold one visual-server report: new `preprocess_s` / `encode_s` observations (lists, one
         per image) and cumulative `cache_queries` / `cache_hits` (images)."""
-        stats = _as_mapping(stats)
+        stats = flat_report(stats)
         with self._lock:
             for stage, key in (("preprocess", "preprocess_s"), ("encode", "encode_s")):
                 child = self.image_stage.labels(model_name=self.model_name, stage=stage)
@@ -294,10 +291,19 @@ class MetricsRecorder:
         return names
 
 
-def _as_mapping(stats: Any) -> Mapping[str, Any]:
+def flat_report(stats: Any) -> Mapping[str, Any]:
+    """A flat mapping of a report: RouterStats' nested SchedulerStats (with its usage ratios) is
+    merged into the top level."""
     if isinstance(stats, Mapping):
         return stats
     fields = getattr(stats, "__struct_fields__", None)  # a msgspec.Struct
-    if fields is not None:
-        return {name: getattr(stats, name) for name in fields}
-    raise TypeError(f"stats: expected a mapping or a msgspec Struct, got {type(stats).__name__}")
+    if fields is None:
+        raise TypeError(
+            f"stats: expected a mapping or a msgspec Struct, got {type(stats).__name__}"
+        )
+    flat = {name: getattr(stats, name) for name in fields}
+    inner = flat.pop("scheduler", None)
+    if inner is not None:
+        flat.update(flat_report(inner))
+        flat["kv_usage"], flat["state_usage"] = inner.kv_usage, inner.state_usage
+    return flat

@@ -1,4 +1,5 @@
-"""User-facing, vLLM-style sampling parameters with validation; `to_options()` is the worker's view.
+"""User-facing, vLLM-style sampling parameters with validation; `to_options()` is the worker's view,
+`to_detok()` the detokenizer's.
 
 Built by the OpenAI server (from request fields) and by users of the offline `LLM`. Validation
 raises ValueError naming the field and the accepted values (mapped to HTTP 400 by the server).
@@ -9,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from appliance.messages import SamplingOptions
+from appliance.messages import DetokParams, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
@@ -118,4 +119,13 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             logprobs=self.logprobs,
+        )
+
+    def to_detok(self) -> DetokParams:
+        """The detokenizer's view: stop strings, special tokens, logprob entries."""
+        return DetokParams(
+            stop=list(self.stop),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs is not None,
         )

@@ -23,8 +23,6 @@ logger = get_logger(__name__)
 # Finish reasons whose tokens do not count toward the window's throughput.
 EXCLUDED_REASONS = ("abort", "error")
 _WINDOW_COUNTERS = (
-    "prefix_cache_queries",
-    "prefix_cache_hits",
     "mtp_drafts",
     "mtp_draft_tokens",
     "mtp_accepted_tokens",
@@ -58,8 +56,6 @@ class WindowStats:
     num_waiting: int | None = None
     kv_usage: float | None = None  # 0-1
     state_usage: float | None = None  # 0-1
-    prefix_cache_queries: int = 0  # tokens looked up in the window
-    prefix_cache_hits: int = 0
     mtp_drafts: int = 0
     mtp_draft_tokens: int = 0
     mtp_accepted_tokens: int = 0
@@ -72,12 +68,6 @@ class WindowStats:
     @property
     def generation_throughput(self) -> float:
         return self.generation_tokens / self.duration_s if self.duration_s > 0 else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float | None:
-        if self.prefix_cache_queries <= 0:
-            return None
-        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def mtp_accept_length(self) -> float | None:
@@ -195,7 +185,6 @@ def format_stats_line(stats: WindowStats) -> str:
         f"prompt {stats.prompt_throughput:.1f} tok/s, gen {stats.generation_throughput:.1f} tok/s",
         f"finished {stats.finished} (aborted {stats.aborted})",
         f"KV {_percent(stats.kv_usage)}, state {_percent(stats.state_usage)}",
-        f"prefix hit {_percent(stats.prefix_hit_rate)}",
     ]
     if stats.mtp_accept_length is not None:
         parts.append(f"MTP accept len {stats.mtp_accept_length:.2f}")

@@ -1,16 +1,17 @@
 """Adapters that run an op through an optional external library behind the op's own signature
 (selected in kernels.backends): fp8 GEMM via torch._scaled_mm / sglang-kernel / vLLM cutlass, GDN
 chunked prefill via fla-core / flash-qla, paged attention via flashinfer. Called by the dispatchers
-in kernels/fp8.py, gdn.py and attention.py.
+in kernels/fp8.py, gdn.py and attention.py; imports no other kernels module (the dispatchers keep
+the fallbacks to our own kernels and references).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import fp8_scaled_mm_ref
-
 # ---------------------------------------------- fp8 ----------------------------------------------
+
+FP8_ADAPTERS = ("torch", "sgl", "cutlass")
 
 
 def _per_channel(scale_b: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,8 +38,10 @@ def fp8_scaled_mm_external(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The scaled GEMM through an external library: "torch" (cuBLASLt row-wise scales, SM90+; the
+    fp8_scaled_mm dispatcher routes "torch" below SM90 to the reference), "sgl" or "cutlass"."""
     m, n = a_q.shape[0], b_q.shape[0]
-    if backend == "torch" and torch.cuda.get_device_capability(a_q.device) >= (9, 0):
+    if backend == "torch":
         # cuBLASLt: b column-major (the transposed view of the row-major weight), scales (M,1)/(1,N)
         return torch._scaled_mm(
             a_q,
@@ -70,7 +73,7 @@ def fp8_scaled_mm_external(
             out_dtype=out_dtype,
             bias=bias,
         )
-    return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
+    raise ValueError(f"fp8 GEMM adapter {backend!r}: expected one of {', '.join(FP8_ADAPTERS)}")
 
 
 # ---------------------------------------------- GDN ----------------------------------------------

@@ -1,6 +1,5 @@
 """Attention over the token-granular KV pool: one op for decode, MTP verify rows and varlen prefill
-with
-a cached prefix. Called by appliance/models/layers/attention.py.
+with a cached prefix. Called by appliance/models/layers/attention.py.
 
 Layout: request b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (q_len rows) and has seq_lens[b]
 tokens in the KV after this step; query row j sits at position seq_lens[b] - q_len + j and attends

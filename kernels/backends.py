@@ -1,8 +1,9 @@
 """Backend selection for the ops that have external alternatives: attention, GDN prefill, fp8 GEMM.
 
-Called once at worker start (`configure`) and by `appliance backends` (`resolve_backends`); the op
-dispatchers read the choice with `selected(kind)`. Flags come from appliance.envs
-(APPLIANCE_GDN_PREFILL_BACKEND, APPLIANCE_FP8_GEMM) and the `--attention-backend` option.
+Called once per worker process (`configure`, from appliance/engine/runner.py with the values it
+read from APPLIANCE_GDN_PREFILL_BACKEND, APPLIANCE_FP8_GEMM and `--attention-backend`) and by the
+`appliance backends` command (`resolve_backends`); the op dispatchers read the choice with
+`selected(kind)`. This module reads no flags itself: every request defaults to "auto".
 
 Rules (a requested backend that cannot run falls back with exactly one warning naming the reason):
 - every kind resolves to `torch` (the reference ops) on a machine without CUDA;
@@ -34,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fp8_gemm": ("auto", "cutlass", "sgl", "triton", "torch"),
 }
 OPTIONAL_MODULES = ("triton", "flashinfer", "fla", "flash_qla", "sgl_kernel", "vllm")
+AUTO = "auto"  # the default request of every kind (the env flags default to it as well)
 FP8_TRITON_MAX_M = 64
 MIXED_FP8 = f"triton(M<={FP8_TRITON_MAX_M})+torch"  # auto on SM90+ without vLLM or sglang-kernel
 
@@ -65,7 +67,7 @@ def _resolve_attention(requested: str, p: Platform) -> tuple[str, str | None]:
         return "flashinfer", None
     if requested == "triton" and own != "triton":
         return "torch", "triton is not importable"
-    return (own if requested == "auto" else requested), None
+    return (own if requested == AUTO else requested), None
 
 
 def _resolve_gdn(requested: str, p: Platform) -> tuple[str, str | None]:
@@ -80,7 +82,7 @@ def _resolve_gdn(requested: str, p: Platform) -> tuple[str, str | None]:
         return ("fla", None) if "fla" in p.importable else (own, "fla (fla-core) is not importable")
     if requested == "triton" and own != "triton":
         return "torch", "triton is not importable"
-    return (own if requested == "auto" else requested), None
+    return (own if requested == AUTO else requested), None
 
 
 def _fp8_auto(p: Platform) -> str:
@@ -113,7 +115,7 @@ def _resolve_fp8(requested: str, p: Platform) -> tuple[str, str | None]:
     if requested == "torch" and p.capability < (9, 0):
         # cuBLASLt row-wise scaling exists only on SM90+; below it torch means dequantise + matmul
         return "torch", None
-    return (auto if requested == "auto" else requested), None
+    return (auto if requested == AUTO else requested), None
 
 
 _RESOLVERS = {
@@ -121,28 +123,16 @@ _RESOLVERS = {
     "gdn_prefill": _resolve_gdn,
     "fp8_gemm": _resolve_fp8,
 }
-_ENV_FLAGS = {"gdn_prefill": "APPLIANCE_GDN_PREFILL_BACKEND", "fp8_gemm": "APPLIANCE_FP8_GEMM"}
-
-
-def _requested_from_env(kind: str) -> str:
-    """Flags are read only through appliance.envs (imported lazily: kernels/ does not need it)."""
-    if kind not in _ENV_FLAGS:
-        return "auto"
-    try:
-        from appliance import envs
-    except ImportError:
-        return "auto"
-    return getattr(envs, _ENV_FLAGS[kind])
 
 
 def resolve_backends(
-    attention: str | None = None,
-    gdn_prefill: str | None = None,
-    fp8_gemm: str | None = None,
+    attention: str = AUTO,
+    gdn_prefill: str = AUTO,
+    fp8_gemm: str = AUTO,
     platform: Platform | None = None,
 ) -> dict[str, str]:
-    """The backend each kind resolves to on this machine; one warning line per fallback.
-    A None request reads the env flag (attention: 'auto')."""
+    """The backend each kind resolves to on this machine; one warning line per fallback. A value
+    outside CHOICES[kind] raises ValueError naming the kind and the accepted values."""
     platform = platform or detect_platform()
     result: dict[str, str] = {}
     for kind, requested in (
@@ -150,12 +140,12 @@ def resolve_backends(
         ("gdn_prefill", gdn_prefill),
         ("fp8_gemm", fp8_gemm),
     ):
-        requested = (requested or _requested_from_env(kind)).lower()
+        requested = requested.lower()
         if requested not in CHOICES[kind]:
             accepted = ", ".join(CHOICES[kind])
             raise ValueError(f"{kind} backend {requested!r}: expected one of {accepted}")
         if not platform.cuda:
-            name, reason = "torch", (None if requested in ("auto", "torch") else "no CUDA device")
+            name, reason = "torch", (None if requested in (AUTO, "torch") else "no CUDA device")
         else:
             name, reason = _RESOLVERS[kind](requested, platform)
         if reason is not None:
@@ -168,12 +158,13 @@ _selected: dict[str, str] | None = None
 
 
 def configure(
-    attention: str | None = None,
-    gdn_prefill: str | None = None,
-    fp8_gemm: str | None = None,
+    attention: str = AUTO,
+    gdn_prefill: str = AUTO,
+    fp8_gemm: str = AUTO,
     platform: Platform | None = None,
 ) -> dict[str, str]:
-    """Resolve once per process (worker start) and log the table; dispatchers use `selected`."""
+    """Resolve once per process (worker start) and log the table; dispatchers use `selected`.
+    The caller passes the values it read from its own flags (appliance: envs and --options)."""
     global _selected
     _selected = resolve_backends(attention, gdn_prefill, fp8_gemm, platform)
     log.info("kernel backends: %s", " ".join(f"{k}={v}" for k, v in _selected.items()))
@@ -181,6 +172,7 @@ def configure(
 
 
 def selected(kind: str) -> str:
+    """The configured backend of `kind`; a process that never called `configure` gets "auto"."""
     if _selected is None:
         configure()
     assert _selected is not None

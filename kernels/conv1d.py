@@ -1,6 +1,5 @@
-"""Depthwise causal conv1d with per-request state (the GDN short conv): varlen prefill and decode
-in one
-reference op. Called by appliance/models/layers/gdn.py.
+"""Depthwise causal conv1d with per-request state (the GDN short conv): varlen prefill and decode in
+one reference op. Called by appliance/models/layers/gdn.py.
 
 conv_states[state_slot] holds the last K-1 inputs of the request (its left context); the op reads it
 when has_initial_state, and overwrites it with the last K-1 inputs after this step.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels import backends
+from kernels.adapters import fp8_scaled_mm_external
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -301,17 +302,25 @@ def fp8_scaled_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The scaled GEMM through the backend chosen in kernels.backends (APPLIANCE_FP8_GEMM)."""
+    """The scaled GEMM through the backend chosen in kernels.backends (the reference on CPU)."""
     if not a_q.is_cuda:
         return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
-    name = backends.selected("fp8_gemm")
-    if name == backends.MIXED_FP8:
-        name = "triton" if a_q.shape[0] <= backends.FP8_TRITON_MAX_M else "torch"
-    if name == "triton":
+    route = fp8_gemm_route(backends.selected("fp8_gemm"), a_q.shape[0], a_q.device)
+    if route == "triton":
         return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
-    from kernels.adapters import fp8_scaled_mm_external  # lazy: adapters imports this module
+    if route == "reference":
+        return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
+    return fp8_scaled_mm_external(route, a_q, b_q, scale_a, scale_b, out_dtype, bias)
 
-    return fp8_scaled_mm_external(name, a_q, b_q, scale_a, scale_b, out_dtype, bias)
+
+def fp8_gemm_route(backend: str, m: int, device: torch.device) -> str:
+    """Where one GEMM of M rows on a CUDA device runs, given the configured backend: "triton",
+    "reference", or an adapter of kernels.adapters ("torch" = cuBLASLt, "sgl", "cutlass")."""
+    if backend == backends.MIXED_FP8:
+        backend = "triton" if m <= backends.FP8_TRITON_MAX_M else "torch"
+    if backend == "torch" and torch.cuda.get_device_capability(device) < (9, 0):
+        return "reference"  # cuBLASLt row-wise scales need SM90+; below it dequantise + matmul
+    return backend
 
 
 def fp8_linear(

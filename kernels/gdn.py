@@ -1,12 +1,10 @@
 """Gated DeltaNet (gated delta rule) with per-request fp32 state: chunked prefill and token
-recurrence,
-varlen over requests. Called by appliance/models/layers/gdn.py.
+recurrence, varlen over requests. Called by appliance/models/layers/gdn.py.
 
 Per value head: S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t,
 with q, k L2-normalised (eps 1e-6) and q scaled by Dk^-0.5. q/k heads are shared by Hv/Hk value
-heads
-(value head h uses key head h // (Hv/Hk)). ssm_states[state_slot] is [Hv, Dk, Dv] fp32, read when
-has_initial_state and overwritten with the final state.
+heads (value head h uses key head h // (Hv/Hk)). ssm_states[state_slot] is [Hv, Dk, Dv] fp32, read
+when has_initial_state and overwritten with the final state.
 """
 
 from __future__ import annotations

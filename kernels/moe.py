@@ -1,6 +1,5 @@
-"""Mixture-of-experts: softmax top-k routing with renormalisation, and the expert SwiGLU
-computation over
-fused weights. Called by appliance/models/layers/moe.py."""
+"""Mixture-of-experts: softmax top-k routing with renormalisation, and the expert SwiGLU computation
+over fused weights. Called by appliance/models/layers/moe.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """RMSNorm variants used by Qwen3.5 / Qwen3-VL: zero-centred `(1 + w)`, ordinary `w`, and the gated
-norm
-of the GDN output. Called by appliance/models/layers/norm.py."""
+norm of the GDN output. Called by appliance/models/layers/norm.py."""
 
 from __future__ import annotations
 

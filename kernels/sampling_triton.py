@@ -1,14 +1,14 @@
 """Triton sampling kernel: `sample_triton()`, the same signature and semantics as
-`kernels.sampling.sample_ref` (the hash, the filter order and the tie rules are documented there),
-with seeds, offsets and parameters read from device tensors and no host sync, so a CUDA graph can
-hold it. Dispatch: `kernels.sampling.sample`.
+`kernels.sampling_ref.sample_ref` (the hash, the filter order and the tie rules are documented
+there), with seeds, offsets and parameters read from device tensors and no host sync, so a CUDA
+graph can hold it. Called by the dispatcher `kernels.sampling.sample`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sampling import SAMPLING_EPS
+from kernels.sampling_ref import SAMPLING_EPS
 from kernels.triton_utils import HAS_TRITON, check_last_dim_contiguous, jit, next_pow2, tl
 
 if HAS_TRITON:  # precise fp32 log on CUDA (tl.log is lg2.approx-based); absent in the interpreter
@@ -19,6 +19,21 @@ else:  # pragma: no cover
 _BLOCK = 1024  # vocab entries per loop step
 _CAP = 1024  # candidates sorted in registers (power of 2)
 _PIVOTS = 4  # thresholds per search pass (power of 2)
+
+# -------------------------------------------------------------------------------------------------
+# Triton: one program per row, no sort of the vocabulary, no host sync (CUDA-graph capturable).
+# Every filter keeps a prefix of the reference's order (value desc, id asc), so the kept set is
+# always {x > tv} + {x == tv, id <= tid} for a boundary token (tv, tid). Pass 1 finds the max m (and
+# the finite min). A filter (top-k: count of kept tokens >= t reaches k; top-p: their softmax mass
+# exp(x - m) reaches p * Z) then searches the boundary value: each pass evaluates NP pivots in
+# [lo, hi) (value-spaced while the interval is wide, else spaced in the gap-free integer order of
+# fp32 keys) and keeps the sub-interval holding the boundary. It stops when the tokens >= lo fit in
+# CAP (gathered to scratch, sorted by (value, id) in registers: the filters and the Gumbel argmax
+# finish there), or those in [lo, hi) fit (sorted: exact boundary token), or [lo, hi) holds a single
+# value (boundary = its r-th tie by id, one counting pass). A last pass takes argmax(x + G) over the
+# kept set. Typical rows: greedy or temperature-only 1 pass; top-k <= CAP and/or a peaked top-p 3-4.
+# Matches sample_ref token for token; differences are rounding-level, documented in sample_triton.
+# -------------------------------------------------------------------------------------------------
 
 
 @jit

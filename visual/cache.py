@@ -1,25 +1,24 @@
 """The visual server's embedding cache index: content key -> shared-memory handle, LRU eviction,
-pins held by live requests.
+pins held by live requests; also the segments' names and their cleanup after a crash. Torch-free.
 
-Used by `visual.pipeline.VisualPipeline` (one thread). The segments themselves are written by the
-encoder thread through `SharedMemoryImageStore.put` and unlinked here through `store.release` when
-an entry is evicted. A pinned entry (some live request may still be admitted, or re-admitted after
-preemption, by a worker that reads its segment) is never evicted; the router's ReleaseImages unpins.
+Used by the visual server's pipeline (appliance/encoder/pipeline.py, one thread); the launcher calls
+`remove_leftover_segments`. The segments themselves are written by the encoder thread through
+`visual.shm.UntrackedSegmentStore.put` and unlinked here through `store.release` when an entry is
+evicted. A pinned entry (some live request may still be admitted, or re-admitted after preemption,
+by a worker that reads its segment) is never evicted; the router's ReleaseImages unpins.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Protocol
 
-from appliance.logging import get_logger
-
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "apimg"
 _SHM_DIR = Path("/dev/shm")  # where POSIX shm_open keeps segments on Linux
@@ -43,31 +42,6 @@ def remove_leftover_segments(pid: int) -> int:
             path.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
-class UntrackedSegmentStore:
-    """The writer side of SharedMemoryImageStore (appliance/engine/mm_inputs.py), kept out of
-    multiprocessing's resource tracker. Every spawned role shares the launcher's tracker, which
-    holds one entry per name: a worker's attach + unregister would drop the visual server's entry,
-    and the visual server's own unlink would then fail inside the tracker. Segments are unlinked
-    by the cache (eviction, shutdown) and, after a crash, by the launcher."""
-
-    def __init__(self) -> None:
-        from appliance.engine.mm_inputs import SharedMemoryImageStore
-
-        self._store = SharedMemoryImageStore()
-
-    def put(self, handle: str, embeds, deepstack=()) -> str:
-        self._store.put(handle, embeds, deepstack)
-        resource_tracker.unregister("/" + handle, "shared_memory")  # SharedMemory's POSIX name
-        return handle
-
-    def load(self, handle: str):
-        return self._store.load(handle)
-
-    def release(self, handle: str) -> None:
-        resource_tracker.register("/" + handle, "shared_memory")  # unlink() unregisters it
-        self._store.release(handle)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """What a checkpoint folder says about image input, without torch: does it carry a vision tower,
 which preprocessing settings does it use, which token stands for an image.
 
-Called by the launcher (spawn the visual server or not), the API server (accept image parts, count
-`<|image_pad|>` tokens) and the visual server; all three must agree, so they read it here.
+Called by the launcher (spawn the visual server or not, through appliance/encoder/startup.py), the
+API server (accept image parts, count `<|image_pad|>` tokens) and the visual server; all three must
+agree, so they read it here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from appliance.config import VisualConfig
 from visual.preprocess import PreprocessConfig
 
 VISION_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -34,12 +34,6 @@ def has_vision_tower(model_dir: str | Path) -> bool:
         and not raw.get("language_model_only", False)
         and raw.get("image_token_id") is not None
     )
-
-
-def wants_visual_server(model_dir: str | Path, config: VisualConfig) -> bool:
-    """The launcher's and the API server's one rule: image input is on and the checkpoint has a
-    vision tower (then a visual server runs and image parts are accepted)."""
-    return config.vision and has_vision_tower(model_dir)
 
 
 def image_token_id(model_dir: str | Path) -> int:

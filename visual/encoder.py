@@ -16,18 +16,18 @@ layer i.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from appliance.logging import get_logger
 from visual.preprocess import PreprocessConfig, preprocess_images
 from visual.qwen_vit import QwenVisionTransformer, VisionConfig
 from visual.weights import VisionCheckpointError, load_into, read_visual_tensors
 
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)
 
 # model_type of config.json -> does this family carry deepstack mergers
 SUPPORTED_MODEL_TYPES = {

@@ -21,10 +21,6 @@ from dataclasses import dataclass
 import httpx
 from PIL import Image
 
-from appliance.logging import get_logger
-
-logger = get_logger(__name__)
-
 DECODABLE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # PIL format names we hand to Image.open
 DATA_URI_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 _REDIRECT_CODES = (301, 302, 303, 307, 308)

@@ -1,25 +1,25 @@
 """Worst-case activation memory of the ViT: the largest input an admitted image can become, the peak
 its batch needs above the weights, and the rounded reservation the workers leave free for it.
 
-Called by the visual server at startup (its result travels to the launcher in VisualInfo and on to
-the worker that shares the ViT's device as `ModelRunner(reserved_bytes=...)`). On CUDA the peak is
-measured for real (`torch.cuda.max_memory_reserved`: the allocator's footprint, fragmentation
-included); on CPU the same worst case runs on the meta device under `MemoryTracker`, which adds up
-tensor storages as ops create them and subtracts them as they are freed, so the arithmetic is
-exercised without the memory (SDPA's internal workspace is invisible to it).
+Called by the visual server at startup (appliance/encoder/startup.py turns the `Reservation` into
+the VisualInfo that travels to the launcher and on to the worker that shares the ViT's device as
+`ModelRunner(reserved_bytes=...)`). On CUDA the peak is measured for real: the allocator's
+footprint (`torch.cuda.max_memory_reserved`), fragmentation included. On CPU the same worst case
+runs on the meta device under `MemoryTracker`, which adds up tensor storages as ops create them and
+subtracts them as they are freed, so the arithmetic is exercised without the memory (SDPA's
+internal workspace is invisible to it).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from appliance.config import VisualConfig
-from appliance.messages import VisualInfo
 from visual.encoder import VisionEncoder
 from visual.preprocess import MAX_ASPECT_RATIO, PreprocessConfig
 from visual.qwen_vit import QwenVisionTransformer
@@ -27,6 +27,17 @@ from visual.qwen_vit import QwenVisionTransformer
 GIB = 2**30
 RESERVE_GRANULARITY = 64 * 2**20  # reservations are whole multiples of this
 RESERVE_MARGIN = 0.10  # headroom over the measured peak for allocator fragmentation
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The worst case the ViT was planned for and the device bytes held back for it."""
+
+    device: str  # the ViT's device ("cuda:0", "cpu")
+    reserved_bytes: int  # device bytes the workers on that device leave free for ViT activations
+    peak_bytes: int  # activation peak of the worst case (-1 when a fixed reservation was given)
+    worst_case_grid: tuple[int, int, int]  # per-image patch grid of the worst case
+    batch_size: int  # images in the worst-case batch
 
 
 # ------------------------------------------------------------------------------ the worst input
@@ -171,14 +182,16 @@ def measure_peak(encoder: VisionEncoder, grids: list[tuple[int, int, int]]) -> i
     return tracked_peak(encoder, grids)
 
 
-def plan_reservation(encoder: VisionEncoder, config: VisualConfig) -> VisualInfo:
-    """The worst case (visual_max_batch_size images of the worst grid), its peak and the bytes
-    the workers on the ViT's device hold back; --visual-reserved-mem-gb >= 0 overrides."""
-    grid = worst_case_grid(encoder.preprocess, config.max_image_pixels)
-    batch = config.visual_max_batch_size
-    if config.visual_reserved_mem_gb >= 0:
-        peak, reserved = -1, override_bytes(config.visual_reserved_mem_gb)
+def plan_reservation(
+    encoder: VisionEncoder, max_image_pixels: int, batch_size: int, reserved_mem_gb: float = -1.0
+) -> Reservation:
+    """The worst case (`batch_size` images of the worst grid for images of at most
+    `max_image_pixels` decoded pixels), its peak and the bytes the workers on the ViT's device hold
+    back; `reserved_mem_gb` >= 0 (--visual-reserved-mem-gb) overrides the measurement."""
+    grid = worst_case_grid(encoder.preprocess, max_image_pixels)
+    if reserved_mem_gb >= 0:
+        peak, reserved = -1, override_bytes(reserved_mem_gb)
     else:
-        peak = measure_peak(encoder, [grid] * batch)
+        peak = measure_peak(encoder, [grid] * batch_size)
         reserved = reservation_bytes(peak)
-    return VisualInfo(str(encoder.device), reserved, peak, grid, batch)
+    return Reservation(str(encoder.device), reserved, peak, grid, batch_size)

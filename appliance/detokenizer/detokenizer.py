@@ -24,7 +24,6 @@ class Detokenizer:
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, RequestDetokenizer] = {}
-        self._cached_tokens: dict[str, int] = {}
 
     @property
     def num_live(self) -> int:
@@ -40,7 +39,7 @@ class Detokenizer:
             delta = self._apply(update, finishes)
             if delta is not None:
                 deltas.append(delta)
-        return DetokOutput(deltas=deltas, stats=out.stats, status=out.status), finishes
+        return DetokOutput(deltas=deltas), finishes
 
     def _apply(self, update: TokenUpdate, finishes: list[FinishRequest]) -> TextDelta | None:
         req_id = update.req_id
@@ -52,15 +51,13 @@ class Detokenizer:
                     req_id, "", [], 0, "error", error=update.error, error_status=update.error_status
                 )
             return None
-        if update.num_cached_tokens:
-            self._cached_tokens[req_id] = update.num_cached_tokens
+        finish = update.finish_reason
         consumed = 0
         for token_id in update.token_ids:
             state.add_token(token_id)
             consumed += 1
             if state.stopped:
                 break
-        finish = update.finish_reason
         if state.stopped:
             if finish is None:
                 finishes.append(FinishRequest(req_id, "stop"))
@@ -70,10 +67,8 @@ class Detokenizer:
         text = state.take_delta(final=finish is not None)
         token_ids = list(update.token_ids[:consumed])
         logprobs = self._logprobs(update, consumed) if state.params.logprobs else None
-        cached = self._cached_tokens.get(req_id, 0)
         if finish is not None:
             del self._requests[req_id]
-            self._cached_tokens.pop(req_id, None)
         if not text and not token_ids and finish is None:
             return None
         return TextDelta(
@@ -85,7 +80,6 @@ class Detokenizer:
             logprobs,
             error=update.error,
             error_status=update.error_status,
-            num_cached_tokens=cached,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:

@@ -33,5 +33,5 @@ def run_detokenizer(model_dir: str, addrs: Addresses) -> None:
         out, finishes = detok.process(dec.decode(inbox.recv(copy=False)))
         for finish in finishes:
             to_router.send(encode(finish))
-        if out.deltas or out.stats is not None or out.status is not None:
+        if out.deltas:
             to_server.send(encode(out))

@@ -1,7 +1,6 @@
 """Turns a StepPlan's chunks into the flat device batch of one forward: input ids, positions, KV
-slots
-and the ForwardContext. Plain chunks (prefill, decode) come first, MTP verify chunks last, so layers
-can treat the two kinds as two contiguous row ranges. Called by the runner."""
+slots and the ForwardContext. Plain chunks (prefill, decode) come first, MTP verify chunks last, so
+layers can treat the two kinds as two contiguous row ranges. Called by the runner."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.context import ForwardContext
-from appliance.engine.pools import Pools
+from appliance.engine.requests import RequestTable
 from appliance.messages import ScheduledChunk
+from appliance.models.context import ForwardContext
 
 
 @dataclass
@@ -23,8 +22,17 @@ class StepBatch:
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
     sample_rows: list[tuple[int, int]]  # per sampling chunk: (first index into logits, row count)
 
+    @property
+    def sample_chunks(self) -> list[ScheduledChunk]:
+        """The chunks that sample this step, in the order of `sample_rows`."""
+        return [c for c in self.chunks if c.sample]
 
-def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device) -> StepBatch:
+
+def build_batch(
+    chunks: list[ScheduledChunk], requests: RequestTable, device: torch.device
+) -> StepBatch:
+    """Reads each chunk's tokens (and a verify chunk's drafts) from the request table and records
+    its KV slots in `req_to_token`."""
     chunks = [c for c in chunks if not c.num_draft] + [c for c in chunks if c.num_draft]
     ids, positions, kv_slots, logits_indices, sample_rows = [], [], [], [], []
     cu, seq_lens, q_lens, req_slots = [0], [], [], []
@@ -41,13 +49,13 @@ def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device
                     f"verify chunk for slot {chunk.req_slot}: {chunk.num_tokens} rows "
                     f"for {chunk.num_draft} drafts"
                 )
-            ids.append(pools.token_ids[chunk.req_slot, chunk.start : chunk.start + 1])
-            ids.append(pools.draft_tokens[chunk.req_slot, : chunk.num_draft])
+            ids.append(requests.token_ids[chunk.req_slot, chunk.start : chunk.start + 1])
+            ids.append(requests.draft_tokens[chunk.req_slot, : chunk.num_draft])
         else:
-            ids.append(pools.token_ids[chunk.req_slot, chunk.start : end])
+            ids.append(requests.token_ids[chunk.req_slot, chunk.start : end])
         positions.append(torch.arange(chunk.start, end, device=device))
         kv = torch.tensor(chunk.kv_slots, dtype=torch.int64, device=device)
-        pools.req_to_token[chunk.req_slot, chunk.start : end] = kv.to(torch.int32)
+        requests.req_to_token[chunk.req_slot, chunk.start : end] = kv.to(torch.int32)
         kv_slots.append(kv)
         cu.append(cu[-1] + chunk.num_tokens)
         seq_lens.append(end)
@@ -68,7 +76,7 @@ def build_batch(chunks: list[ScheduledChunk], pools: Pools, device: torch.device
         seq_lens=t(seq_lens),
         has_initial_state=t([c.start for c in chunks]) > 0,
         out_kv_slots=torch.cat(kv_slots),
-        req_to_token=pools.req_to_token,
+        req_to_token=requests.req_to_token,
         q_lens=q_lens,
         all_decode=all(n == 1 for n in q_lens),
         num_plain_reqs=num_plain,

@@ -1,7 +1,7 @@
 """Image inputs on the worker: where a request's image embeddings come from (a store keyed by the
 handle in `ImageInput`) and how they enter a step (M-RoPE positions, splice into the input
 embeddings, Qwen3-VL deepstack rows). Called by the model runner; the visual server writes the
-shared-memory segments that `SharedMemoryImageStore` reads.
+shared-memory segments that `SharedMemoryImageStore` (visual/shm.py) reads.
 
 Embeddings of one image are one tensor [1 + num_deepstack, num_tokens, hidden]: row 0 is spliced
 over the image's <|image_pad|> tokens, row 1 + i is added after decoder layer i (Qwen3-VL).
@@ -9,23 +9,18 @@ over the image's <|image_pad|> tokens, row 1 + i is added after decoder layer i 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import Protocol
 
 import torch
 
 from appliance.engine.batch import StepBatch
-from appliance.engine.context import DeepstackInput
 from appliance.messages import ImageInput, NewRequest
 from appliance.models.config import TextConfig
+from appliance.models.context import DeepstackInput
 from appliance.models.mrope import ImageSpan, MRopeLayout
-
-
-class ImageInputError(ValueError):
-    """A request's images do not fit its prompt or the model (bad offsets, counts, shapes)."""
+from visual.shm import ImageInputError, stack_embeddings
+from visual.shm import SharedMemoryImageStore as SharedMemoryImageStore  # runner.py's store
 
 
 class ImageEmbeddingStore(Protocol):
@@ -40,13 +35,6 @@ class ImageEmbeddingStore(Protocol):
         ...
 
     def release(self, handle: str) -> None: ...
-
-
-def stack_embeddings(
-    embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
-) -> torch.Tensor:
-    """ViT outputs of one image ([n, H] and per deepstack layer [n, H]) -> [1 + D, n, H]."""
-    return torch.stack([embeds, *deepstack])
 
 
 class InProcessImageStore:
@@ -69,65 +57,6 @@ class InProcessImageStore:
 
     def release(self, handle: str) -> None:
         self._items.pop(handle, None)
-
-
-# Segment layout: 64-byte header (magic, dtype code, 3 dims) then the tensor bytes, C order.
-_MAGIC = b"APPLIMG1"
-_HEADER = struct.Struct("<8sI3q")
-_HEADER_BYTES = 64
-_DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
-_CODES = {v: k for k, v in _DTYPES.items()}
-
-
-class SharedMemoryImageStore:
-    """Embeddings in POSIX shared memory, one segment per image, named by the handle. The visual
-    server writes (and owns, evicts, unlinks) segments; workers only read them."""
-
-    def __init__(self) -> None:
-        self._owned: dict[str, SharedMemory] = {}  # segments this process created
-
-    def put(
-        self, handle: str, embeds: torch.Tensor, deepstack: list[torch.Tensor] | tuple = ()
-    ) -> str:
-        tensor = stack_embeddings(embeds, deepstack).detach().to("cpu").contiguous()
-        if tensor.dtype not in _CODES:
-            raise ImageInputError(f"image embeddings dtype {tensor.dtype} is not supported")
-        raw = tensor.view(torch.uint8).reshape(-1)
-        shm = SharedMemory(name=handle, create=True, size=_HEADER_BYTES + raw.numel())
-        shm.buf[: _HEADER.size] = _HEADER.pack(_MAGIC, _CODES[tensor.dtype], *tensor.shape)
-        dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=raw.numel(), offset=_HEADER_BYTES)
-        dst.copy_(raw)
-        del dst  # no exported pointers may outlive the segment
-        self._owned[handle] = shm
-        return handle
-
-    def release(self, handle: str) -> None:
-        """Unlink a segment this process wrote (the visual server's cache eviction)."""
-        shm = self._owned.pop(handle, None)
-        if shm is not None:
-            shm.close()
-            shm.unlink()
-
-    def load(self, handle: str) -> torch.Tensor:
-        try:
-            shm = SharedMemory(name=handle)
-        except FileNotFoundError:
-            raise ImageInputError(f"image embeddings {handle!r}: no such shared memory") from None
-        if handle not in self._owned:
-            # Python < 3.13 registers attached segments too; the reader must not unlink at exit.
-            resource_tracker.unregister(shm._name, "shared_memory")
-        try:
-            magic, code, *shape = _HEADER.unpack(bytes(shm.buf[: _HEADER.size]))
-            if magic != _MAGIC or code not in _DTYPES:
-                raise ImageInputError(f"image embeddings {handle!r}: bad segment header")
-            dtype = _DTYPES[code]
-            count = shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
-            src = torch.frombuffer(shm.buf, dtype=torch.uint8, count=count, offset=_HEADER_BYTES)
-            out = src.clone().view(dtype).reshape(shape)
-            del src
-        finally:
-            shm.close()
-        return out
 
 
 @dataclass

@@ -1,13 +1,10 @@
-"""MTP speculative decoding on the worker: acceptance of verify rows, commit of GDN state, and the
-draft
-pass (extend the draft KV over newly committed rows, then chain k draft tokens). Called by the
-runner.
+"""MTP speculative decoding on the worker, called by the runner once per step: acceptance of verify
+rows and their commit (`accept_and_commit`), then the draft pass (`Drafter`: extend the draft KV
+over newly committed rows, then chain k draft tokens).
 
 Acceptance (lossless for greedy and for sampling): the main model samples at every verify row with
-the
-request's own seed and the row's sequence offset; draft j+1 is accepted while it equals the main
-sample
-at row j; the main sample after the last accepted draft is added (so 1..k+1 tokens per step).
+the request's own seed and the row's sequence offset; draft j+1 is accepted while it equals the main
+sample at row j; the main sample after the last accepted draft is added (so 1..k+1 tokens per step).
 """
 
 from __future__ import annotations
@@ -16,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.context import ForwardContext, forward_context
-from appliance.engine.pools import Pools
+from appliance.engine.pools import PoolSizes
+from appliance.engine.requests import RequestTable
+from appliance.messages import ScheduledChunk
+from appliance.models.context import ForwardContext, forward_context
 from appliance.models.layers.gdn import GatedDeltaNet
 
 
@@ -27,6 +26,41 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
     while n < len(drafts) and drafts[n] == samples[n]:
         n += 1
     return samples[: n + 1]
+
+
+def commit_gdn(
+    gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int], device: torch.device
+) -> None:
+    """The state after verify row rows[i] becomes request slots[i]'s committed GDN state."""
+    if not slots:
+        return
+    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
+    row_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    for layer in gdn_layers:
+        layer.commit_verify(slot_t, row_t)
+
+
+def accept_and_commit(
+    chunks: list[ScheduledChunk],
+    samples: list[list[int]],
+    requests: RequestTable,
+    gdn_layers: list[GatedDeltaNet],
+) -> list[list[int]]:
+    """Verify chunks of one step and the main model's samples at each one's rows 0..num_draft -> the
+    accepted tokens per chunk (1..num_draft + 1). They are written into the request table after the
+    chunk's first row, and each request's GDN state is committed at its last accepted row; KV rows
+    past it are left for the router to free."""
+    if not chunks:
+        return []
+    slots = [c.req_slot for c in chunks]
+    index = torch.tensor(slots, dtype=torch.int64, device=requests.device)
+    drafts = requests.draft_tokens[index].tolist()  # [B, k]: one device read for the step
+    accepted = [
+        accept(drafted[: c.num_draft], main) for c, drafted, main in zip(chunks, drafts, samples)
+    ]
+    requests.append(slots, [c.start + 1 for c in chunks], accepted)
+    commit_gdn(gdn_layers, slots, [len(tokens) - 1 for tokens in accepted], requests.device)
+    return accepted
 
 
 @dataclass
@@ -41,15 +75,27 @@ class ExtendRows:
     chain: bool  # the request sampled this step: draft its next k tokens
 
 
-def commit_gdn(
-    gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int], device: torch.device
-) -> None:
-    if not slots:
-        return
-    slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
-    row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    for layer in gdn_layers:
-        layer.commit_verify(slot_t, row_t)
+def extend_rows(
+    chunks: list[ScheduledChunk], accepted: dict[int, int], requests: RequestTable
+) -> list[ExtendRows]:
+    """The draft pass's input rows: every computed row of an MTP request's chunk (in batch order),
+    cut to the accepted rows for a verify chunk (`accepted`: req slot -> accepted tokens)."""
+    rows, first = [], 0
+    for chunk in chunks:
+        count = accepted.get(chunk.req_slot, chunk.num_tokens)
+        if requests.uses_mtp(chunk.req_slot):
+            rows.append(
+                ExtendRows(
+                    chunk.req_slot,
+                    first,
+                    chunk.start,
+                    count,
+                    list(chunk.kv_slots[:count]),
+                    chunk.sample,
+                )
+            )
+        first += chunk.num_tokens
+    return rows
 
 
 class Drafter:
@@ -60,11 +106,12 @@ class Drafter:
         main: torch.nn.Module,
         modules: list[torch.nn.Module],
         mtp_step: int,
-        pools: Pools,
+        requests: RequestTable,
+        sizes: PoolSizes,
         device: torch.device,
     ) -> None:
         self.main, self.modules, self.k = main, modules, mtp_step
-        self.pools, self.device = pools, device
+        self.requests, self.sizes, self.device = requests, sizes, device
 
     def _ctx(
         self, slots: list[int], q_lens: list[int], seq_lens: list[int], kv_slots: list[int]
@@ -79,7 +126,7 @@ class Drafter:
             seq_lens=t(seq_lens),
             has_initial_state=t(seq_lens) > 0,
             out_kv_slots=t(kv_slots),
-            req_to_token=self.pools.req_to_token,
+            req_to_token=self.requests.req_to_token,
             q_lens=q_lens,
             all_decode=all(n == 1 for n in q_lens),
         )
@@ -88,7 +135,7 @@ class Drafter:
     def run(self, hidden: torch.Tensor, rows: list[ExtendRows]) -> None:
         if not rows:
             return
-        tokens = self.pools.token_ids
+        tokens = self.requests.token_ids
         index = torch.cat([torch.arange(r.first_row, r.first_row + r.count) for r in rows])
         next_ids = torch.cat(
             [tokens[r.req_slot, r.start + 1 : r.start + 1 + r.count] for r in rows]
@@ -129,14 +176,12 @@ class Drafter:
             chain_rows = list(range(first, step))
             for j in chain_rows:
                 for slot, p in zip(slots, last):
-                    self.pools.req_to_token[slot, p + j] = self.pools.sizes.scratch_slot(
-                        slot, j - 1
-                    )
+                    self.requests.req_to_token[slot, p + j] = self.sizes.scratch_slot(slot, j - 1)
             n = len(chain_rows)
             ids = torch.stack([drafts[j - 1] for j in chain_rows], dim=1).reshape(-1)  # [B*n]
             h = torch.stack([ys[j - 1] for j in chain_rows], dim=1).reshape(len(rows) * n, -1)
             pos = torch.tensor([p + j for p in last for j in chain_rows], device=self.device)
-            kv = [self.pools.sizes.scratch_slot(s, j - 1) for s in slots for j in chain_rows]
+            kv = [self.sizes.scratch_slot(s, j - 1) for s in slots for j in chain_rows]
             ctx = self._ctx(slots, [n] * len(rows), [p + step for p in last], kv)
             with forward_context(ctx):
                 y = module(ids, h, pos)
@@ -144,5 +189,6 @@ class Drafter:
             y_step = y.view(len(rows), n, -1)[:, -1]
             ys.append(y_step)
             drafts.append(self.main.compute_logits(y_step).argmax(-1))
-        table = torch.stack(drafts, dim=1)  # [B, k]
-        self.pools.draft_tokens[torch.tensor(slots, device=self.device), : table.shape[1]] = table
+        proposed = torch.stack(drafts, dim=1)  # [B, k]
+        index = torch.tensor(slots, device=self.device)
+        self.requests.draft_tokens[index, : proposed.shape[1]] = proposed

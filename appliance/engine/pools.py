@@ -1,7 +1,7 @@
-"""Device memory pools on a worker: the token-granular KV pool of the full-attention layers, the
-linear-attention state pool (conv + fp32 SSM per request slot) of the GDN layers, and the
-per-request
-tables (`req_to_token`, token ids). Sizes come from the runner; the router owns the allocators."""
+"""Device memory pools on a worker: the token-granular KV pool of the full-attention layers and the
+linear-attention state pool (conv + fp32 SSM per request slot) of the GDN layers, bound into the
+layers. Sizes come from the runner; the router owns the allocators. Per-request tables (tokens,
+`req_to_token`) are in appliance/engine/requests.py."""
 
 from __future__ import annotations
 
@@ -103,17 +103,6 @@ class Pools:
                         dtype=dtype,
                         device=device,
                     )
-        # Written before read (positions < seq_len only), so left uninitialised: with a long context
-        # the untouched tail never costs memory on the host.
-        self.req_to_token = torch.empty(
-            sizes.num_req_slots, sizes.max_model_len, dtype=torch.int32, device=device
-        )
-        self.token_ids = torch.empty(
-            sizes.num_req_slots, sizes.max_model_len + 1, dtype=torch.int64, device=device
-        )
-        self.draft_tokens = torch.zeros(
-            sizes.num_req_slots, max(1, sizes.mtp_step), dtype=torch.int64, device=device
-        )
         self.gdn_layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
         st_mib = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in self.states) / 2**20

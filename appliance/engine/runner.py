@@ -1,5 +1,5 @@
-"""The model runner: owns the model, the pools and the sampler on one TP rank, and executes
-StepPlans.
+"""The model runner: owns the model, the pools, the request table and the sampler on one TP rank,
+and executes StepPlans (admit/release -> batch -> forward -> sample -> commit -> MTP draft).
 
 Called by the worker process loop (appliance/engine/worker.py) and by the offline `LLM`. Every rank
 executes every plan; sampling is deterministic (seeded per request), so rank 0's result is the
@@ -13,22 +13,18 @@ from pathlib import Path
 
 import torch
 
+from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
-from appliance.engine.context import forward_context
 from appliance.engine.mm_inputs import MultimodalInputs, SharedMemoryImageStore
-from appliance.engine.mtp import Drafter, ExtendRows, accept, commit_gdn
+from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
-from appliance.engine.sampler import Sampler
+from appliance.engine.requests import RequestTable
+from appliance.engine.sampler import Sampler, SamplerOutput
 from appliance.logging import get_logger
-from appliance.messages import (
-    SampledTokens,
-    SamplingOptions,
-    ScheduledChunk,
-    StepPlan,
-    StepResult,
-)
+from appliance.messages import SampledTokens, ScheduledChunk, StepPlan, StepResult
 from appliance.models.config import TextConfig, load_text_config
+from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
@@ -77,7 +73,11 @@ class ModelRunner:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
-        self.backends = backends.configure(attention=config.kernels.attention_backend)
+        self.backends = backends.configure(
+            attention=config.kernels.attention_backend,
+            gdn_prefill=envs.APPLIANCE_GDN_PREFILL_BACKEND,
+            fp8_gemm=envs.APPLIANCE_FP8_GEMM,
+        )
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
@@ -86,17 +86,17 @@ class ModelRunner:
         self.pools = Pools(
             [self.model, *self.draft_modules], self._pool_sizes(), self.dtype, self.device
         )
-        self.num_kv_slots = self.pools.sizes.num_kv_slots
-        self.drafter = (
-            Drafter(self.model, self.draft_modules, self.mtp_step, self.pools, self.device)
-            if self.mtp_step
-            else None
+        sizes = self.pools.sizes
+        self.num_kv_slots = sizes.num_kv_slots
+        self.requests = RequestTable(
+            sizes.num_req_slots, sizes.max_model_len, self.mtp_step, self.device
         )
-        self.mtp_slots: set[int] = set()
+        self.drafter = None
+        if self.mtp_step:
+            self.drafter = Drafter(
+                self.model, self.draft_modules, self.mtp_step, self.requests, sizes, self.device
+            )
         self.sampler = Sampler()
-        self.options: dict[int, SamplingOptions] = {}
-        self.prompt_lens: dict[int, int] = {}
-        self.num_tokens: dict[int, int] = {}  # req_slot -> tokens known to this worker
         # image inputs (M-RoPE layout, embeddings to splice); tests may swap `self.mm.store`
         self.mm = MultimodalInputs(
             self.text_config,
@@ -188,18 +188,19 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        probe_requests = RequestTable(1, tokens, self.mtp_step, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        probe.token_ids[0, :tokens] = 0
+        probe_requests.token_ids[0, :tokens] = 0
         chunk = ScheduledChunk(0, 0, tokens, list(range(tokens)), True)
-        batch = build_batch([chunk], probe, self.device)
+        batch = build_batch([chunk], probe_requests, self.device)
         with forward_context(batch.ctx):
             hidden = self.model(batch.input_ids, batch.positions)
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        del probe, batch, hidden
+        del probe, probe_requests, batch, hidden
         torch.cuda.empty_cache()
         return peak
 
@@ -232,26 +233,18 @@ class ModelRunner:
         return slots
 
     # ------------------------------------------------------------------ steps
+    @property
+    def num_tokens(self) -> list[int]:
+        """Tokens known per request slot (host mirror of the request table; ops/bench reads it)."""
+        return self.requests.num_tokens_host
+
     def _admit(self, plan: StepPlan) -> None:
+        self.requests.release(plan.released_slots)
         for slot in plan.released_slots:
-            self.options.pop(slot, None)
-            self.num_tokens.pop(slot, None)
-            self.prompt_lens.pop(slot, None)
-            self.mtp_slots.discard(slot)
             self.mm.release(slot)
         for req in plan.new_requests:
             self.mm.admit(req)
-            n = len(req.token_ids)
-            self.pools.token_ids[req.req_slot, :n] = torch.tensor(req.token_ids)
-            self.num_tokens[req.req_slot] = n
-            self.options[req.req_slot] = req.sampling
-            self.prompt_lens[req.req_slot] = (
-                req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
-            )
-            if req.num_draft:
-                if self.drafter is None:
-                    raise ValueError(f"slot {req.req_slot}: MTP requested but the worker has none")
-                self.mtp_slots.add(req.req_slot)
+        self.requests.admit(plan.new_requests)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -259,15 +252,19 @@ class ModelRunner:
         self._admit(plan)
         if not plan.chunks:
             return StepResult(plan.step_id, [], 0.0)
-        batch: StepBatch = build_batch(plan.chunks, self.pools, self.device)
+        batch: StepBatch = build_batch(plan.chunks, self.requests, self.device)
         hidden = self.forward_batch(batch)
         sampled: list[SampledTokens] = []
-        accepted: dict[int, int] = {}  # req slot -> rows committed this step (verify chunks)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            sampled = self._sample(logits, batch, accepted)
+            sampled = self._commit(batch, self._sample(logits, batch))
         if self.drafter is not None:
-            self.drafter.run(hidden, self._extend_rows(batch, accepted))
+            accepted = {  # req slot -> rows committed this step (verify chunks)
+                tokens.req_slot: len(tokens.token_ids)
+                for chunk, tokens in zip(batch.sample_chunks, sampled)
+                if chunk.num_draft
+            }
+            self.drafter.run(hidden, extend_rows(batch.chunks, accepted, self.requests))
         return StepResult(plan.step_id, sampled, time.perf_counter() - start)
 
     def forward_batch(self, batch: StepBatch) -> torch.Tensor:
@@ -281,61 +278,52 @@ class ModelRunner:
         with forward_context(batch.ctx):
             return self.model(batch.input_ids, step.positions, step.input_embeds)
 
-    def _sample(
-        self, logits: torch.Tensor, batch: StepBatch, accepted: dict[int, int]
-    ) -> list[SampledTokens]:
-        chunks = [c for c in batch.chunks if c.sample]
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> SamplerOutput:
+        """One token per row of logits [S, V]: a plain chunk's last row, or all k + 1 rows of a
+        verify chunk, each at its own sequence offset so seeds line up with plain decoding."""
         rows, histories, offsets, prompt_lens = [], [], [], []
-        for chunk in chunks:
-            known = chunk.start + 1 if chunk.num_draft else self.num_tokens[chunk.req_slot]
-            for j in range(chunk.num_draft + 1):
-                rows.append(self.options[chunk.req_slot])
-                histories.append(self.pools.token_ids[chunk.req_slot, :known])
-                offsets.append(known + j)  # index of the token being sampled: seeds line up
-                prompt_lens.append(self.prompt_lens[chunk.req_slot])
-        out = self.sampler.sample(logits, rows, histories, offsets, prompt_lens)
-        ids = out.token_ids.tolist()
-        result, verify_slots, verify_rows = [], [], []
-        for chunk, (first, count) in zip(chunks, batch.sample_rows):
+        table = self.requests
+        for chunk in batch.sample_chunks:
             slot = chunk.req_slot
-            samples = ids[first : first + count]
-            if chunk.num_draft:
-                drafts = self.pools.draft_tokens[slot, : chunk.num_draft].tolist()
-                tokens = accept(drafts, samples)
-                accepted[slot] = len(tokens)
-                verify_slots.append(slot)
-                verify_rows.append(len(tokens) - 1)
-                n = chunk.start + 1
-            else:
-                tokens, n = samples, self.num_tokens[slot]
-            self.pools.token_ids[slot, n : n + len(tokens)] = torch.tensor(tokens)
-            self.num_tokens[slot] = n + len(tokens)
+            known = table.known_before_sampling(chunk)
+            for j in range(chunk.num_draft + 1):
+                rows.append(table.options[slot])
+                histories.append(table.token_ids[slot, :known])
+                offsets.append(known + j)  # index of the token being sampled
+                prompt_lens.append(table.prompt_len_host[slot])
+        return self.sampler.sample(logits, rows, histories, offsets, prompt_lens)
+
+    def _commit(self, batch: StepBatch, out: SamplerOutput) -> list[SampledTokens]:
+        """The tokens each sampling chunk gained, written into the request table: a plain chunk's
+        sample, or a verify chunk's accepted run (MTP accept + GDN commit in engine/mtp.py)."""
+        chunks = batch.sample_chunks
+        ids = out.token_ids.tolist()
+        tokens = [ids[first : first + count] for first, count in batch.sample_rows]
+        plain = [i for i, c in enumerate(chunks) if not c.num_draft]
+        verify = [i for i, c in enumerate(chunks) if c.num_draft]
+        plain_slots = [chunks[i].req_slot for i in plain]
+        self.requests.append(
+            plain_slots,
+            [self.requests.num_tokens_host[slot] for slot in plain_slots],
+            [tokens[i] for i in plain],
+        )
+        accepted = accept_and_commit(
+            [chunks[i] for i in verify],
+            [tokens[i] for i in verify],
+            self.requests,
+            self.pools.gdn_layers,
+        )
+        for i, run in zip(verify, accepted):
+            tokens[i] = run
+        result = []
+        for chunk, (first, _), new in zip(chunks, batch.sample_rows, tokens):
             logprob, top = out.logprobs[first], out.top_logprobs[first]
             result.append(
                 SampledTokens(
-                    slot,
-                    tokens,
+                    chunk.req_slot,
+                    new,
                     None if logprob is None else [logprob],
                     None if top is None else [top],
                 )
             )
-        commit_gdn(self.pools.gdn_layers, verify_slots, verify_rows, self.device)
         return result
-
-    def _extend_rows(self, batch: StepBatch, accepted: dict[int, int]) -> list[ExtendRows]:
-        rows, first = [], 0
-        for chunk in batch.chunks:
-            count = accepted.get(chunk.req_slot, chunk.num_tokens)
-            if chunk.req_slot in self.mtp_slots:
-                rows.append(
-                    ExtendRows(
-                        chunk.req_slot,
-                        first,
-                        chunk.start,
-                        count,
-                        list(chunk.kv_slots[:count]),
-                        chunk.sample,
-                    )
-                )
-            first += chunk.num_tokens
-        return rows

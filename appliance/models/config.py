@@ -1,6 +1,5 @@
 """Text-model configuration parsed from a checkpoint's config.json (VLM `text_config` or flat
-causal-LM
-form), shared by every model family. Called by the registry and the runner."""
+causal-LM form), shared by every model family. Called by the registry and the runner."""
 
 from __future__ import annotations
 

@@ -89,8 +89,7 @@ def load_weights(
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights with sane magnitudes for performance work (`--load-format dummy`), drawn on
-    the
-    parameters' own device (a 27B model would take minutes through the host)."""
+    the parameters' own device (a 27B model would take minutes through the host)."""
     for i, (name, param) in enumerate(sorted(model.named_parameters())):
         gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + i)
         with torch.no_grad():

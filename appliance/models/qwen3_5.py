@@ -1,8 +1,7 @@
 """Qwen3.5 dense and MoE text stacks (hybrid Gated DeltaNet + gated full attention, zero-centred
-norms)
-and their checkpoint-name mapping. Used by the runner for `Qwen3_5(Moe)ForConditionalGeneration` and
-`Qwen3_5(Moe)ForCausalLM`; the MTP draft (appliance/models/qwen3_5_mtp.py) reuses the decoder
-layer."""
+norms) and their checkpoint-name mapping. Used by the runner for
+`Qwen3_5(Moe)ForConditionalGeneration` and `Qwen3_5(Moe)ForCausalLM`; the MTP draft
+(appliance/models/qwen3_5_mtp.py) reuses the decoder layer."""
 
 from __future__ import annotations
 

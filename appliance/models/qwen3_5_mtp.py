@@ -1,7 +1,7 @@
 """The Qwen3.5 MTP draft head (dense and MoE): fc over [norm(embed(t+1)) | norm(h_t)], one gated
 full-attention decoder layer with its own KV layer, `mtp.norm`. Shares embeddings, lm_head and
-rotary
-with the main model (held by reference, not as parameters). Built by `build_draft_modules`."""
+rotary with the main model (held by reference, not as parameters). Built by `build_draft_modules`.
+"""
 
 from __future__ import annotations
 

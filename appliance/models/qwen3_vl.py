@@ -10,8 +10,8 @@ import re
 import torch
 from torch import nn
 
-from appliance.engine.context import get_forward_context
 from appliance.models.config import TextConfig
+from appliance.models.context import get_forward_context
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.mlp import MLP

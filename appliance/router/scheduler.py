@@ -11,7 +11,6 @@ back to the front of the queue and is recomputed from prompt + generated tokens 
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -22,6 +21,7 @@ from appliance.messages import (
     NewRequest,
     SampledTokens,
     ScheduledChunk,
+    SchedulerStats,
     StepPlan,
     StepResult,
     mtp_compatible,
@@ -52,37 +52,6 @@ class RequestTooLong(SchedulerError, ValueError):
 
 class QueueFull(SchedulerError):
     """More than `max_waiting` requests queued. Maps to HTTP 429."""
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """Snapshot for the stats log line and Prometheus gauges; counters are cumulative."""
-
-    num_running: int
-    num_waiting: int
-    kv_used: int
-    kv_total: int
-    state_used: int  # request slots in use (= linear-attention state slots)
-    state_total: int
-    num_preemptions: int
-    num_prompt_tokens: int  # prompt positions computed, each counted once (recompute excluded)
-    num_generation_tokens: int  # sampled tokens accepted by update()
-    num_computed_tokens: int  # every position scheduled, recompute included
-    num_finished: int  # requests that ended for any reason (aborts included)
-    num_steps: int
-    mtp_drafts: int = 0  # MTP verify steps (cumulative)
-    mtp_draft_tokens: int = 0  # draft tokens proposed
-    mtp_accepted_tokens: int = 0  # draft tokens accepted
-    mtp_accepted_per_position: tuple[int, ...] = ()  # accepted count per draft position
-
-    @property
-    def mtp_mean_accept_len(self) -> float:
-        """Tokens per verify step, the bonus token included (1 + accepted / drafts)."""
-        return 1.0 + self.mtp_accepted_tokens / self.mtp_drafts if self.mtp_drafts else 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_used / self.kv_total if self.kv_total else 0.0
 
 
 class Scheduler:
@@ -178,7 +147,7 @@ class Scheduler:
             mtp_drafts=self._mtp_drafts,
             mtp_draft_tokens=self._mtp_draft_tokens,
             mtp_accepted_tokens=self._mtp_accepted_tokens,
-            mtp_accepted_per_position=tuple(self._mtp_accepted_per_position),
+            mtp_accepted_per_position=list(self._mtp_accepted_per_position),
         )
 
     # ------------------------------------------------------------------ scheduling

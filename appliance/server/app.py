@@ -11,15 +11,20 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from appliance.logging import log_access
+from appliance.messages import RouterStats, VisualStats
+from appliance.metrics import flat_report
 from appliance.server.errors import error_response, install_error_handlers
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
-from appliance.server.serving_chat import create_chat_completion
-from appliance.server.serving_completion import create_completion
+from appliance.server.serving import serve
+from appliance.server.serving_chat import CHAT
+from appliance.server.serving_completion import COMPLETION
 from appliance.server.state import ServerState
 
 _ROUTES = (
@@ -68,6 +73,15 @@ class AccessLog:
                 )
 
 
+def _router_view(stats: RouterStats, visual: VisualStats | None) -> dict[str, Any]:
+    """/debug/status "router": one flat object, as before the scheduler snapshot was nested in
+    RouterStats and the visual server's cache numbers moved out of it."""
+    view = dict(flat_report(stats))
+    for field in ("entries", "pinned", "bytes", "queries", "hits"):
+        view[f"mm_cache_{field}"] = getattr(visual, f"cache_{field}") if visual is not None else 0
+    return view
+
+
 def build_app(
     state: ServerState, background: Sequence[Callable[[], Awaitable[None]]] = ()
 ) -> FastAPI:
@@ -88,11 +102,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(state, body, request)
+        return await serve(CHAT, state, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(state, body, request)
+        return await serve(COMPLETION, state, body, request)
 
     @app.get("/v1/models")
     async def models():
@@ -119,8 +133,8 @@ def build_app(
     async def debug_status():
         state.check_accepting()
         status = await state.client.status()
-        router = {f: getattr(status.stats, f) for f in status.stats.__struct_fields__}
-        requests = [{f: getattr(r, f) for f in r.__struct_fields__} for r in status.requests]
+        router = _router_view(status.stats, state.client.visual_stats)
+        requests = [msgspec.structs.asdict(r) for r in status.requests]
         return JSONResponse(
             {
                 "router": router,

@@ -1,8 +1,9 @@
 """The server's link to the engine: submits tokenized requests to the router, routes text deltas
-from the detokenizer back to the waiting HTTP handler, and fails everything when the engine dies.
+from the detokenizer back to the waiting HTTP handler, folds the router's and the visual server's
+reports into the metrics, and fails everything when the engine dies.
 
-Used by the handlers in serving_chat.py / serving_completion.py; created by process.py (real
-sockets) or by tests (sockets to an in-test scripted engine).
+Used by the handler skeleton in serving.py; created by process.py (real sockets) or by tests
+(sockets to an in-test scripted engine).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
     DetokOutput,
+    RouterStats,
     RouterStatus,
     StatusQuery,
     TextDelta,
     TokenizedRequest,
+    ToServer,
+    VisualStats,
     decoder,
     encode,
 )
@@ -78,6 +82,7 @@ class EngineClient:
         self._query_ids = itertools.count(1)
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # set when the engine died; every request fails with it
+        self.visual_stats: VisualStats | None = None  # the visual server's latest report
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -192,34 +197,27 @@ class EngineClient:
         return self._task
 
     async def _dispatch_loop(self) -> None:
-        dec = decoder(DetokOutput)
+        dec = decoder(ToServer)
         while True:
-            out: DetokOutput = dec.decode(await self._inbox.recv(copy=False))
-            now = time.monotonic()
-            for delta in out.deltas:
-                self._deliver(delta, now)
-            if out.stats is not None:
-                self._record_stats(out.stats)
-            if out.status is not None:
+            msg = dec.decode(await self._inbox.recv(copy=False))
+            if isinstance(msg, DetokOutput):
+                now = time.monotonic()
+                for delta in msg.deltas:
+                    self._deliver(delta, now)
+            elif isinstance(msg, RouterStats):
+                if self.metrics is not None:
+                    self.metrics.apply_router_stats(msg)
+            elif isinstance(msg, RouterStatus):
                 # A status snapshot drained the router's new queue-time samples too: keep them.
-                self._record_stats(out.status.stats)
-                waiter = self._status_waiters.get(out.status.query_id)
+                if self.metrics is not None:
+                    self.metrics.apply_router_stats(msg.stats)
+                waiter = self._status_waiters.get(msg.query_id)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(out.status)
-
-    def _record_stats(self, stats) -> None:
-        """Router snapshot -> gauges/counters; the visual server's numbers ride along in it."""
-        if self.metrics is None:
-            return
-        self.metrics.apply_router_stats(stats)
-        self.metrics.apply_visual_stats(
-            {
-                "preprocess_s": stats.image_preprocess_s,
-                "encode_s": stats.image_encode_s,
-                "cache_queries": stats.mm_cache_queries,
-                "cache_hits": stats.mm_cache_hits,
-            }
-        )
+                    waiter.set_result(msg)
+            elif isinstance(msg, VisualStats):
+                self.visual_stats = msg
+                if self.metrics is not None:
+                    self.metrics.apply_visual_stats(msg)
 
     def _deliver(self, delta: TextDelta, now: float) -> None:
         group = self._groups.get(delta.req_id)

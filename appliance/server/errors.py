@@ -1,7 +1,8 @@
 """Typed API errors and their one mapping to OpenAI-format HTTP responses.
 
-Raised by the request handlers (serving_chat.py, serving_completion.py, prompts.py); installed on
-the app by `install_error_handlers` (app.py). Body: {"error": {"message", "type", "param", "code"}}.
+Raised by the request handlers (serving.py, serving_chat.py, serving_completion.py, prompts.py);
+installed on the app by `install_error_handlers` (app.py). The body of every error is
+{"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations

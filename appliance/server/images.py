@@ -17,11 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from appliance.config import VisualConfig
+from appliance.encoder.startup import wants_visual_server
 from appliance.messages import ImageData
 from appliance.metrics import MetricsRecorder
 from appliance.server.errors import BadRequest
 from appliance.server.protocol import ChatMessage, ImagePart
-from visual.checkpoint import image_token_id, preprocess_config, wants_visual_server
+from visual.checkpoint import image_token_id, preprocess_config
 from visual.image_io import (
     FetchOptions,
     ImageError,

@@ -1,8 +1,8 @@
 """Prompt building for the server: chat template rendering, tokenization and the length guards.
 
-Called by serving_chat.py / serving_completion.py (in a worker thread, so the event loop stays
-free).
-The checkpoint's own tokenizer and chat template are used (transformers AutoTokenizer).
+Called by the endpoints (serving_chat.py, serving_completion.py; in a worker thread, so the event
+loop stays free) and by the skeleton (serving.py, for max_tokens). The checkpoint's own tokenizer
+and chat template are used (transformers AutoTokenizer).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """OpenAI request schemas (pydantic, validated by FastAPI) and the shared sampling-field checks.
 
-Used by app.py (route signatures) and serving_*.py. Type errors become 400s naming the field through
-errors.py; value rules that pydantic cannot express live in `sampling_options()`.
+Used by app.py (route signatures) and serving*.py. Type errors become 400s naming the field
+through errors.py; value rules that pydantic cannot express are SamplingParams', applied by
+`sampling_params()`.
 """
 
 from __future__ import annotations

@@ -1,37 +1,20 @@
-"""POST /v1/completions: string or token-id prompts (one or a batch), n choices each, JSON or SSE.
+"""/v1/completions as an `Endpoint` of the handler skeleton (serving.py): string or token-id
+prompts (one or a batch), n choices each, worded as text choices with optional echo.
 
-Called by app.py. Choice index = prompt index x n + choice number, as OpenAI numbers them.
+Used by app.py. Choice index = prompt index x n + choice number, as OpenAI numbers them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from appliance.messages import TokenizedRequest, TokenLogprob
-from appliance.server.errors import APIError, BadRequest, sse_error
+from appliance.messages import TextDelta, TokenLogprob
+from appliance.server.errors import BadRequest
 from appliance.server.prompts import Prompt
-from appliance.server.protocol import (
-    CompletionRequest,
-    choice_options,
-    detok_params,
-    sampling_params,
-)
-from appliance.server.serving_chat import sse_chunk, usage
-from appliance.server.state import (
-    ClientGone,
-    ServerState,
-    abort_on_disconnect,
-    first_item,
-    iterate_deltas,
-    new_request_id,
-)
+from appliance.server.protocol import CompletionRequest
+from appliance.server.serving import Choice, check_n
+from appliance.server.state import ServerState
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -66,134 +49,75 @@ class LegacyLogprobs:
         }
 
 
-async def create_completion(state: ServerState, body: CompletionRequest, request: Request):
-    arrival = time.monotonic()
-    state.check_accepting()
-    model = state.check_model(body.model)
-    if body.suffix:
-        raise BadRequest("suffix: not supported.", "suffix")
-    if body.n > state.config.max_n:
-        raise BadRequest(f"n: expected at most {state.config.max_n}, got {body.n}.", "n")
-    if body.echo and body.logprobs is not None:
-        raise BadRequest("echo: prompt logprobs (echo with logprobs) are not supported.", "echo")
-    params = sampling_params(body, body.num_logprobs())
-    raw_prompts = _prompt_list(body.prompt)
-    prompts: list[Prompt] = await asyncio.to_thread(
-        lambda: [state.prompts.completion(p) for p in raw_prompts]
-    )
-    group_id = new_request_id("cmpl")
-    detok = detok_params(params)
-    requests: list[TokenizedRequest] = []
-    echoes: list[str] = []
-    for prompt in prompts:
-        max_tokens = state.prompts.max_tokens_for(
-            body.requested_max_tokens(), len(prompt.token_ids)
-        )
-        echo = ""
-        if body.echo:
-            echo = (
-                prompt.text if prompt.text is not None else state.prompts.decode(prompt.token_ids)
-            )
-        for i in range(body.n):
-            k = len(requests)
-            requests.append(
-                TokenizedRequest(
-                    f"{group_id}-{k}",
-                    prompt.token_ids,
-                    choice_options(params, i),
-                    max_tokens,
-                    params.ignore_eos,
-                    params.stop_token_ids,
-                    detok,
-                    time.time(),
-                )
-            )
-            echoes.append(echo)
-    group = state.client.submit(group_id, requests, arrival)
-    head = {"id": group_id, "created": int(time.time()), "model": model}
-    num_prompt = sum(len(p.token_ids) for p in prompts)
-    if body.stream:
-        try:
-            first = await first_item(request, state.client, group)
-        except ClientGone:
-            return Response(status_code=499)
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(state, request, group, first, echoes, head, num_prompt, include_usage)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    async with abort_on_disconnect(request, state.client, group):
-        return JSONResponse(await _collect(group, echoes, head, num_prompt))
+class CompletionFormatter:
+    """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk)."""
 
+    def __init__(self, echoes: list[str]) -> None:
+        self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
+        self.pending_echo = list(echoes)  # per choice: echo not streamed yet
+        self.offsets = [LegacyLogprobs(len(e)) for e in echoes]  # per choice, for streaming
 
-async def _collect(group, echoes: list[str], head: dict, num_prompt: int) -> dict:
-    n = len(echoes)
-    texts = [[e] for e in echoes]
-    logprobs: list[list[TokenLogprob] | None] = [None] * n
-    finish = ["stop"] * n
-    tokens = [0] * n
-    cached = 0
-    async for index, delta in iterate_deltas(group):
-        texts[index].append(delta.text)
-        if delta.logprobs is not None:
-            logprobs[index] = (logprobs[index] or []) + delta.logprobs
-        tokens[index] = delta.num_output_tokens
-        cached = max(cached, delta.num_cached_tokens)
-        if delta.finish_reason is not None:
-            finish[index] = delta.finish_reason
-    choices = [
-        {
-            "index": i,
-            "text": "".join(texts[i]),
-            "logprobs": None
-            if logprobs[i] is None
-            else LegacyLogprobs(len(echoes[i])).entries(logprobs[i]),
-            "finish_reason": finish[i],
+    def opening(self, index: int) -> None:
+        return None
+
+    def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
+        text = self.pending_echo[index] + delta.text
+        self.pending_echo[index] = ""
+        if not text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        logprobs = self.offsets[index].entries(delta.logprobs) if delta.logprobs else None
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
         }
-        for i in range(n)
-    ]
-    return {
-        **head,
-        "object": "text_completion",
-        "choices": choices,
-        "usage": usage(num_prompt, sum(tokens), cached),
-    }
+
+    def final_choice(
+        self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
+    ) -> Choice:
+        echo = self.echoes[index]
+        return {
+            "index": index,
+            "text": echo + text,
+            "logprobs": None if logprobs is None else LegacyLogprobs(len(echo)).entries(logprobs),
+            "finish_reason": finish_reason,
+        }
 
 
-_chunk = partial(sse_chunk, object_name="text_completion")
+class CompletionEndpoint:
+    """The legacy route's checks, prompts and formatter for the skeleton (serving.Endpoint)."""
+
+    id_prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def check(self, state: ServerState, body: CompletionRequest) -> None:
+        if body.suffix:
+            raise BadRequest("suffix: not supported.", "suffix")
+        check_n(state, body)
+        if body.echo and body.logprobs is not None:
+            raise BadRequest(
+                "echo: prompt logprobs (echo with logprobs) are not supported.", "echo"
+            )
+
+    async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
+        raw_prompts = _prompt_list(body.prompt)
+        return await asyncio.to_thread(lambda: [state.prompts.completion(p) for p in raw_prompts])
+
+    def formatter(
+        self, state: ServerState, body: CompletionRequest, prompts: list[Prompt]
+    ) -> CompletionFormatter:
+        echoes: list[str] = []
+        for prompt in prompts:
+            echoes += [_echo(state, body, prompt)] * body.n
+        return CompletionFormatter(echoes)
 
 
-async def _stream(
-    state: ServerState,
-    request: Request,
-    group,
-    first,
-    echoes: list[str],
-    head: dict,
-    num_prompt: int,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    n = len(echoes)
-    tokens = [0] * n
-    cached = 0
-    pending_echo = list(echoes)
-    offsets = [LegacyLogprobs(len(e)) for e in echoes]
-    async with abort_on_disconnect(request, state.client, group):
-        try:
-            async for index, delta in iterate_deltas(group, first):
-                tokens[index] = delta.num_output_tokens
-                cached = max(cached, delta.num_cached_tokens)
-                text = pending_echo[index] + delta.text
-                pending_echo[index] = ""
-                if not text and not delta.logprobs and delta.finish_reason is None:
-                    continue
-                choice = {
-                    "index": index,
-                    "text": text,
-                    "logprobs": offsets[index].entries(delta.logprobs) if delta.logprobs else None,
-                    "finish_reason": delta.finish_reason,
-                }
-                yield _chunk(head, [choice], include_usage=include_usage)
-            if include_usage:
-                yield _chunk(head, [], usage(num_prompt, sum(tokens), cached), True)
-        except APIError as err:
-            yield sse_error(err)
-        yield "data: [DONE]\n\n"
+def _echo(state: ServerState, body: CompletionRequest, prompt: Prompt) -> str:
+    if not body.echo:
+        return ""
+    return prompt.text if prompt.text is not None else state.prompts.decode(prompt.token_ids)
+
+
+COMPLETION = CompletionEndpoint()

@@ -1,5 +1,5 @@
-"""Server-wide state shared by the route handlers, and the helpers every endpoint uses (readiness,
-model name check, request ids, client-disconnect watch, delta iteration).
+"""Server-wide state shared by the route handlers, and the helpers the handler skeleton
+(serving.py) uses: readiness, model name check, request ids, client-disconnect watch, deltas.
 
 Created by process.py (or tests) and handed to `build_app` (app.py).
 """

@@ -18,8 +18,9 @@ import torch
 
 from appliance.engine.batch import StepBatch
 from appliance.engine.runner import ModelRunner
+from appliance.engine.sampler import SamplerOutput
 from appliance.logging import get_logger
-from appliance.messages import SampledTokens, StepPlan
+from appliance.messages import StepPlan
 
 log = get_logger(__name__)
 
@@ -112,24 +113,21 @@ class ForcedRunner(ModelRunner):
         super()._admit(plan)
         for req in plan.new_requests:
             self.forced.pop(req.req_slot, None)
-            n_prompt = self.prompt_lens[req.req_slot]
+            n_prompt = self.requests.prompt_len_host[req.req_slot]
             prompt = self._tokenizer.decode(req.token_ids[:n_prompt], skip_special_tokens=False)
             script = pick_script(self.scripts, prompt)
             if script is not None:
                 self.forced[req.req_slot] = script
 
-    def _sample(
-        self, logits: torch.Tensor, batch: StepBatch, accepted: dict[int, int]
-    ) -> list[SampledTokens]:
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> SamplerOutput:
         # logits: [S, V], one row per sampled position, in the order the base class builds them
-        chunks = [c for c in batch.chunks if c.sample]
-        for chunk, (first, count) in zip(chunks, batch.sample_rows, strict=True):
+        for chunk, (first, count) in zip(batch.sample_chunks, batch.sample_rows, strict=True):
             script = self.forced.get(chunk.req_slot)
             if script is None:
                 continue
-            known = chunk.start + 1 if chunk.num_draft else self.num_tokens[chunk.req_slot]
+            known = self.requests.known_before_sampling(chunk)
             for j in range(count):
-                out_index = known + j - self.prompt_lens[chunk.req_slot]
+                out_index = known + j - self.requests.prompt_len_host[chunk.req_slot]
                 target = (
                     script.token_ids[out_index]
                     if out_index < len(script.token_ids)
@@ -139,4 +137,4 @@ class ForcedRunner(ModelRunner):
                 keep = row[target].clone()
                 row.fill_(float("-inf"))
                 row[target] = keep
-        return super()._sample(logits, batch, accepted)
+        return super()._sample(logits, batch)

@@ -3,8 +3,7 @@
 
 Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
 k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode
-step
-(weight bytes / peak bandwidth) so the plain step is read against physics. Usage:
+step (weight bytes / peak bandwidth) so the plain step is read against physics. Usage:
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
 """
 

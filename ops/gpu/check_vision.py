@@ -373,9 +373,10 @@ def main() -> int:
     args = ap.parse_args()
 
     from appliance.config import VisualConfig
+    from appliance.encoder.startup import plan_reservation
     from visual.encoder import VisionEncoder
     from visual.image_io import ImageLimits
-    from visual.reservation import plan_reservation, worst_case_pixels
+    from visual.reservation import worst_case_pixels
 
     t0 = time.perf_counter()
     if args.smoke:

@@ -134,14 +134,9 @@ ROWS = [
                 "Requests freed and re-queued under memory pressure.",
             ),
             (
-                "Prefix-cache hit rate",
+                "Image embedding cache hit rate",
                 "percentunit",
                 [
-                    (
-                        f"{rate('appliance_prefix_cache_hits_total')}"
-                        f" / {rate('appliance_prefix_cache_queries_total')}",
-                        "prefix cache (tokens)",
-                    ),
                     (
                         f"{rate('appliance_mm_cache_hits_total')}"
                         f" / {rate('appliance_mm_cache_queries_total')}",

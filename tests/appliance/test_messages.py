@@ -22,36 +22,36 @@ OPTS = m.SamplingOptions(
 DETOK = m.DetokParams(
     stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True
 )
-STATS = m.RouterStats(
+SCHED = m.SchedulerStats(
     num_running=2,
     num_waiting=1,
-    kv_usage=0.25,
-    state_usage=0.5,
     kv_used=64,
     kv_total=256,
     state_used=2,
     state_total=4,
     num_preemptions=1,
-    prefix_cache_queries=10,
-    prefix_cache_hits=4,
+    num_prompt_tokens=40,
+    num_generation_tokens=12,
+    num_computed_tokens=52,
+    num_finished=3,
+    num_steps=9,
     mtp_drafts=3,
     mtp_draft_tokens=6,
     mtp_accepted_tokens=5,
     mtp_accepted_per_position=[3, 2],
-    queue_time_s=[0.01, 0.2],
-    num_steps=9,
-    step_overhead_ms=0.3,
-    step_forward_ms=4.5,
+)
+STATS = m.RouterStats(
+    scheduler=SCHED, queue_time_s=[0.01, 0.2], step_overhead_ms=0.3, step_forward_ms=4.5
 )
 PROGRESS = m.RequestProgress("r1", "running", 12, 3, 14, 15, 0)
 STATUS = m.RouterStatus(query_id=5, stats=STATS, requests=[PROGRESS])
 UPDATE = m.TokenUpdate(
-    "r1", [4, 5], "length", [-0.1, -0.2], [[(4, -0.1), (9, -2.0)], [(5, -0.2)]], None, 0, 3
+    "r1", [4, 5], "length", [-0.1, -0.2], [[(4, -0.1), (9, -2.0)], [(5, -0.2)]], None, 0
 )
 LOGPROB = m.TokenLogprob(
     "hé", -0.25, [104, 195, 169], [("hé", -0.25, [104, 195, 169]), ("x", -3.0, [120])]
 )
-DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, 3)
+DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0)
 WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7])
 
 IMAGE = m.ImageInput(offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="sha256:ab12")
@@ -83,13 +83,14 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.StatusQuery: m.StatusQuery(5),
     m.DetokRegister: m.DetokRegister("r1", 12, DETOK),
     m.TokenUpdate: UPDATE,
+    m.SchedulerStats: SCHED,
     m.RouterStats: STATS,
     m.RequestProgress: PROGRESS,
     m.RouterStatus: STATUS,
-    m.RouterOutput: m.RouterOutput([m.DetokRegister("r1", 12, DETOK)], [UPDATE], STATS, STATUS),
+    m.RouterOutput: m.RouterOutput([m.DetokRegister("r1", 12, DETOK)], [UPDATE]),
     m.TokenLogprob: LOGPROB,
     m.TextDelta: DELTA,
-    m.DetokOutput: m.DetokOutput([DELTA], STATS, STATUS),
+    m.DetokOutput: m.DetokOutput([DELTA]),
     m.WorkerInfo: WORKER,
     m.StartupProgress: m.StartupProgress("worker", 1, "loading model"),
     m.ProcessReady: m.ProcessReady("worker", 0, 1234, WORKER, VISUAL_INFO),
@@ -106,9 +107,9 @@ UNIONS = {
         m.FinishRequest,
         m.StatusQuery,
         m.RejectRequest,
-        m.VisualStats,
     ),
     m.ToVisual: (m.TokenizedRequest, m.AbortRequest, m.StatusQuery, m.ReleaseImages),
+    m.ToServer: (m.DetokOutput, m.RouterStats, m.RouterStatus, m.VisualStats),
     m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained),
     m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal),
 }

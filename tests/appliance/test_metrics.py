@@ -6,6 +6,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance.messages import RouterStats, SchedulerStats, VisualStats, encode
 from appliance.metrics import MetricsRecorder
 from appliance.stats import StatsWindow
 
@@ -106,8 +107,6 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             "num_waiting": 2,
             "kv_usage": 0.25,
             "state_usage": 0.5,
-            "prefix_cache_queries": 100,
-            "prefix_cache_hits": 40,
             "mtp_drafts": 10,
             "mtp_draft_tokens": 30,
             "mtp_accepted_tokens": 18,
@@ -123,8 +122,6 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             "num_waiting": 0,
             "kv_usage": 0.1,
             "state_usage": 0.2,
-            "prefix_cache_queries": 150,
-            "prefix_cache_hits": 70,
             "mtp_drafts": 12,
             "mtp_draft_tokens": 36,
             "mtp_accepted_tokens": 22,
@@ -138,8 +135,6 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
     assert value(s, "appliance_num_requests_waiting") == 0
     assert value(s, "appliance_kv_cache_usage_ratio") == pytest.approx(0.1)
     assert value(s, "appliance_linear_state_usage_ratio") == pytest.approx(0.2)
-    assert value(s, "appliance_prefix_cache_queries_total") == 150
-    assert value(s, "appliance_prefix_cache_hits_total") == 70
     assert value(s, "appliance_mtp_drafts_total") == 12
     assert value(s, "appliance_mtp_draft_tokens_total") == 36
     assert value(s, "appliance_mtp_accepted_tokens_total") == 22
@@ -153,42 +148,45 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
     assert value(s, "appliance_request_queue_time_seconds_sum") == pytest.approx(0.6)
 
     # The router restarted: its cumulative counters start again from a small value.
-    rec.apply_router_stats({"prefix_cache_queries": 20, "prefix_cache_hits": 5})
+    rec.apply_router_stats({"mtp_drafts": 2, "mtp_accepted_tokens": 1})
     s = scrape(rec)
-    assert value(s, "appliance_prefix_cache_queries_total") == 170
-    assert value(s, "appliance_prefix_cache_hits_total") == 75
+    assert value(s, "appliance_mtp_drafts_total") == 14
+    assert value(s, "appliance_mtp_accepted_tokens_total") == 23
     assert value(s, "appliance_num_requests_running") == 1  # gauges absent: unchanged
 
 
 def test_two_router_sources_sum_counts_and_max_usage() -> None:
     rec = MetricsRecorder("m")
-    rec.apply_router_stats(
-        {"num_running": 2, "kv_usage": 0.3, "prefix_cache_queries": 10}, source="dp0"
-    )
-    rec.apply_router_stats(
-        {"num_running": 5, "kv_usage": 0.7, "prefix_cache_queries": 10}, source="dp1"
-    )
+    rec.apply_router_stats({"num_running": 2, "kv_usage": 0.3, "mtp_drafts": 10}, source="dp0")
+    rec.apply_router_stats({"num_running": 5, "kv_usage": 0.7, "mtp_drafts": 10}, source="dp1")
     s = scrape(rec)
     assert value(s, "appliance_num_requests_running") == 7
     assert value(s, "appliance_kv_cache_usage_ratio") == pytest.approx(0.7)
-    assert value(s, "appliance_prefix_cache_queries_total") == 20
+    assert value(s, "appliance_mtp_drafts_total") == 20
     rec.forget_source("dp1")
     assert value(scrape(rec), "appliance_num_requests_running") == 2
 
 
-def test_router_stats_accepts_a_msgspec_struct() -> None:
-    class RouterStats(msgspec.Struct, frozen=True):
-        num_running: int
-        num_waiting: int
-        num_preemptions: int
-
-    rec = MetricsRecorder("m")
-    rec.apply_router_stats(
-        msgspec.msgpack.decode(msgspec.msgpack.encode(RouterStats(4, 9, 2)), type=RouterStats)
+def test_router_stats_accepts_the_router_report() -> None:
+    # RouterStats embeds the scheduler's snapshot; its usage ratios come from the slot counts.
+    sched = SchedulerStats(
+        num_running=4,
+        num_waiting=9,
+        kv_used=30,
+        kv_total=120,
+        state_used=4,
+        state_total=8,
+        num_preemptions=2,
     )
+    report = RouterStats(scheduler=sched, queue_time_s=[0.5])
+    rec = MetricsRecorder("m")
+    rec.apply_router_stats(msgspec.msgpack.decode(encode(report), type=RouterStats))
     s = scrape(rec)
     assert value(s, "appliance_num_requests_waiting") == 9
+    assert value(s, "appliance_kv_cache_usage_ratio") == pytest.approx(0.25)
+    assert value(s, "appliance_linear_state_usage_ratio") == pytest.approx(0.5)
     assert value(s, "appliance_preemptions_total") == 2
+    assert value(s, "appliance_request_queue_time_seconds_count") == 1
     with pytest.raises(TypeError):
         rec.apply_router_stats([1, 2])
 
@@ -196,12 +194,8 @@ def test_router_stats_accepts_a_msgspec_struct() -> None:
 def test_image_stages_and_visual_reports() -> None:
     rec = MetricsRecorder("m")
     rec.on_image_stage("fetch_decode", 0.02)
-    rec.apply_visual_stats(
-        {"preprocess_s": [0.004, 0.006], "encode_s": [0.05], "cache_queries": 3, "cache_hits": 1}
-    )
-    rec.apply_visual_stats(
-        {"preprocess_s": [], "encode_s": [0.07], "cache_queries": 4, "cache_hits": 1}
-    )
+    rec.apply_visual_stats(VisualStats(1, 0, 64, 3, 1, [0.004, 0.006], [0.05]))
+    rec.apply_visual_stats(VisualStats(1, 0, 64, 4, 1, [], [0.07]))
     s = scrape(rec)
     name = "appliance_image_stage_seconds"
     assert value(s, name + "_count", stage="fetch_decode") == 1
@@ -235,7 +229,7 @@ def test_recorder_feeds_the_stats_window() -> None:
     run_request(rec, "ok", "stop", 10, [1, 2], ttft=0.1, interval=0.1)
     run_request(rec, "gone", "abort", 50, [1, 1, 1], ttft=0.1, interval=0.1)
     rec.apply_router_stats(
-        {"num_running": 0, "num_waiting": 0, "prefix_cache_queries": 60, "prefix_cache_hits": 15}
+        {"num_running": 0, "num_waiting": 0, "mtp_drafts": 60, "mtp_accepted_tokens": 15}
     )
     stats = window.roll(now=2.0)
     # The aborted request is on /metrics but not in the window's throughput.
@@ -243,7 +237,7 @@ def test_recorder_feeds_the_stats_window() -> None:
     assert value(s, "appliance_generation_tokens_total") == 6
     assert (stats.prompt_tokens, stats.generation_tokens) == (10, 3)
     assert (stats.finished, stats.aborted) == (2, 1)
-    assert stats.prefix_hit_rate == pytest.approx(0.25)
+    assert stats.mtp_accept_length == pytest.approx(1.25)
 
 
 def test_every_series_is_prefixed_and_labelled_with_the_model() -> None:

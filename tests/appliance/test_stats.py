@@ -77,8 +77,6 @@ def test_router_counters_are_window_deltas_and_gauges_latest() -> None:
             "num_waiting": 1,
             "kv_usage": 0.5,
             "state_usage": 0.25,
-            "prefix_cache_queries": 1000,
-            "prefix_cache_hits": 400,
             "mtp_drafts": 100,
             "mtp_draft_tokens": 300,
             "mtp_accepted_tokens": 170,
@@ -86,7 +84,6 @@ def test_router_counters_are_window_deltas_and_gauges_latest() -> None:
         }
     )
     first = w.roll(now=1.0)
-    assert first.prefix_hit_rate == pytest.approx(0.4)
     assert first.mtp_accept_length == pytest.approx(2.7)
     assert first.num_preemptions == 2
     w.on_router_stats(
@@ -94,8 +91,6 @@ def test_router_counters_are_window_deltas_and_gauges_latest() -> None:
             "num_running": 2,
             "num_waiting": 0,
             "kv_usage": 0.3,
-            "prefix_cache_queries": 1100,
-            "prefix_cache_hits": 490,
             "mtp_drafts": 110,
             "mtp_draft_tokens": 330,
             "mtp_accepted_tokens": 180,
@@ -103,7 +98,6 @@ def test_router_counters_are_window_deltas_and_gauges_latest() -> None:
         }
     )
     second = w.roll(now=2.0)
-    assert second.prefix_hit_rate == pytest.approx(0.9)  # 90 of the window's 100 queries
     assert second.mtp_accept_length == pytest.approx(2.0)  # 1 + 10/10
     assert second.num_preemptions == 0
     assert (second.num_running, second.num_waiting) == (2, 0)
@@ -122,21 +116,18 @@ def test_format_stats_line() -> None:
         num_waiting=2,
         kv_usage=0.123,
         state_usage=0.04,
-        prefix_cache_queries=200,
-        prefix_cache_hits=50,
         mtp_drafts=100,
         mtp_accepted_tokens=171,
         num_preemptions=1,
     )
     assert format_stats_line(stats) == (
         "window 10.0s | running 3, waiting 2 | prompt 1234.5 tok/s, gen 456.7 tok/s | "
-        "finished 5 (aborted 1) | KV 12.3%, state 4.0% | prefix hit 25.0% | MTP accept len 2.71 | "
-        "preempted 1"
+        "finished 5 (aborted 1) | KV 12.3%, state 4.0% | MTP accept len 2.71 | preempted 1"
     )
     empty = WindowStats(duration_s=5.0, prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
     assert format_stats_line(empty) == (
         "window 5.0s | running -, waiting - | prompt 0.0 tok/s, gen 0.0 tok/s | "
-        "finished 0 (aborted 0) | KV -, state - | prefix hit - | preempted 0"
+        "finished 0 (aborted 0) | KV -, state - | preempted 0"
     )
 
 

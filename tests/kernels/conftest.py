@@ -31,8 +31,8 @@ KERNEL_MODULES = (
     "kernels.fp8",
     "kernels.moe",
     "kernels.moe_triton",
-    "kernels.sampling",
     "kernels.sampling_triton",
+    "kernels.sampling",  # after sampling_triton: it binds sample_triton at import
 )
 INTERPRET = not torch.cuda.is_available()
 

@@ -1,5 +1,4 @@
-"""paged_attention_triton / store_kv_triton against the torch references (decode, verify,
-prefill)."""
+"""paged_attention_triton / store_kv_triton vs the torch references (decode, verify, prefill)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Backend selection: every flag value either selects its backend or falls back with exactly one
-warning naming the reason; availability is faked with Platform values."""
+"""Backend selection: every requested value either selects its backend or falls back with exactly
+one warning naming the reason; unset requests mean "auto"; availability is faked with Platform
+values."""
 
 from __future__ import annotations
 
@@ -80,19 +81,25 @@ def test_each_flag_value_selects_or_warns_once(kind, value, platform, expected, 
         assert len(mine) == 1 and reason in mine[0] and repr(expected) in mine[0]
 
 
-def test_env_flags_are_read_through_appliance_envs(monkeypatch):
+def test_requests_default_to_auto_and_no_flag_is_read(monkeypatch):
+    """kernels/ reads no environment: the caller passes the flag values (appliance: envs)."""
     monkeypatch.setenv("APPLIANCE_GDN_PREFILL_BACKEND", "fla")
     monkeypatch.setenv("APPLIANCE_FP8_GEMM", "sgl")
-    assert resolve_backends(platform=H200_ALL) == {
-        "attention": "triton",
-        "gdn_prefill": "fla",
-        "fp8_gemm": "sgl",
-    }
+    expected = {"attention": "triton", "gdn_prefill": "triton", "fp8_gemm": "cutlass"}
+    assert resolve_backends(platform=H200_ALL) == expected
+    assert resolve_backends("auto", "auto", "auto", platform=H200_ALL) == expected
 
 
-def test_unknown_value_is_rejected():
-    with pytest.raises(ValueError, match="attention"):
-        resolve_backends(attention="xformers", platform=H200_ALL)
+def test_requested_values_are_case_insensitive():
+    table = resolve_backends(attention="FlashInfer", fp8_gemm="SGL", platform=H200_ALL)
+    assert table["attention"] == "flashinfer" and table["fp8_gemm"] == "sgl"
+
+
+@pytest.mark.parametrize("kind", ["attention", "gdn_prefill", "fp8_gemm"])
+def test_unknown_value_is_rejected(kind):
+    accepted = ", ".join(backends.CHOICES[kind])
+    with pytest.raises(ValueError, match=f"{kind} backend 'xformers': expected one of {accepted}"):
+        resolve_backends(platform=H200_ALL, **{kind: "xformers"})
 
 
 def test_configure_logs_table_and_dispatchers_read_it(caplog):
@@ -101,10 +108,47 @@ def test_configure_logs_table_and_dispatchers_read_it(caplog):
         table = backends.configure(
             attention="torch", gdn_prefill="triton", fp8_gemm="torch", platform=H200_BARE
         )
-        assert backends.selected("attention") == "torch" and table["gdn_prefill"] == "triton"
+        assert table == {"attention": "torch", "gdn_prefill": "triton", "fp8_gemm": "torch"}
+        assert [backends.selected(kind) for kind in table] == ["torch", "triton", "torch"]
         assert any(
             "attention=torch gdn_prefill=triton fp8_gemm=torch" in r.getMessage()
             for r in caplog.records
         )
+        table["attention"] = "flashinfer"  # the returned table is a copy
+        assert backends.selected("attention") == "torch"
+        backends.configure(fp8_gemm="sgl", platform=H200_ALL)  # a later call replaces the table
+        assert backends.selected("fp8_gemm") == "sgl" and backends.selected("attention") == "triton"
     finally:
         backends.reset()
+
+
+def test_selected_without_configure_resolves_auto_once(monkeypatch, caplog):
+    """A process that never configured (a benchmark, a test) gets the "auto" table, resolved on the
+    first `selected` call and kept."""
+    caplog.set_level(logging.INFO, logger="kernels.backends")
+    detected = []
+    monkeypatch.setattr(backends, "detect_platform", lambda: detected.append(1) or H200_BARE)
+    backends.reset()
+    try:
+        assert backends.selected("fp8_gemm") == backends.MIXED_FP8
+        assert backends.selected("attention") == "triton"
+        assert backends.selected("gdn_prefill") == "triton"
+        assert len(detected) == 1
+        assert sum("kernel backends:" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        backends.reset()
+
+
+def test_appliance_backends_command_passes_the_env_flags(monkeypatch, capsys):
+    """The caller's side of the contract: `appliance backends` reads APPLIANCE_GDN_PREFILL_BACKEND
+    and APPLIANCE_FP8_GEMM through appliance.envs and hands the values to `resolve_backends`."""
+    from appliance import cli
+
+    monkeypatch.setattr("appliance.logging.setup_logging", lambda *args, **kwargs: None)
+    monkeypatch.setattr(backends, "detect_platform", lambda: H200_ALL)
+    monkeypatch.setenv("APPLIANCE_GDN_PREFILL_BACKEND", "fla")
+    monkeypatch.setenv("APPLIANCE_FP8_GEMM", "sgl")
+    assert cli.main(["backends"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"platform: {H200_ALL}"
+    assert lines[1:] == ["attention    triton", "gdn_prefill  fla", "fp8_gemm     sgl"]

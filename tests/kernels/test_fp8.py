@@ -8,8 +8,11 @@ import torch
 from kernel_cases import DEVICE, ON_GPU, gpu, randn
 from tolerances import FP8_GEMM_TOLERANCE, FP8_REL_ERROR, assert_close, rel_error
 
+from kernels import backends
+from kernels.adapters import FP8_ADAPTERS, fp8_scaled_mm_external
 from kernels.fp8 import (
     FP8_DTYPE,
+    fp8_gemm_route,
     fp8_linear,
     fp8_quant,
     fp8_scaled_mm_ref,
@@ -93,22 +96,49 @@ def test_quant_dispatcher_matches_reference():
     torch.testing.assert_close(s, per_token_quant_ref(x)[1], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize(
+    "configured,m,capability,expected",
+    [
+        (backends.MIXED_FP8, 1, (9, 0), "triton"),
+        (backends.MIXED_FP8, backends.FP8_TRITON_MAX_M, (9, 0), "triton"),
+        (backends.MIXED_FP8, backends.FP8_TRITON_MAX_M + 1, (9, 0), "torch"),
+        ("torch", 4096, (9, 0), "torch"),
+        ("torch", 4096, (8, 9), "reference"),  # cuBLASLt row-wise scales need SM90+
+        ("torch", 1, (8, 0), "reference"),
+        ("triton", 4096, (8, 9), "triton"),
+        ("sgl", 1, (9, 0), "sgl"),
+        ("cutlass", 4096, (10, 0), "cutlass"),
+    ],
+)
+def test_gemm_route_of_each_configured_backend(configured, m, capability, expected, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert fp8_gemm_route(configured, m, torch.device("cuda", 0)) == expected
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", backends.MIXED_FP8, "auto"])
+def test_external_adapter_rejects_what_it_does_not_run(backend):
+    """Our own kernels and the reference are the dispatcher's; the adapter names its choices."""
+    a_q, b_q, sa, sb = quantised_operands(2, 8, 16, True, seed=1)
+    with pytest.raises(ValueError, match=", ".join(FP8_ADAPTERS)):
+        fp8_scaled_mm_external(backend, a_q, b_q, sa, sb, torch.float32)
+
+
 @gpu
 @pytest.mark.parametrize("backend", ["triton", "torch", "sgl", "cutlass"])
 @pytest.mark.parametrize("m", [1, 16, 256, 4096])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_full_size_backends(backend, m, per_channel):
-    from kernels import adapters
-    from kernels.backends import detect_platform
-
+    platform = backends.detect_platform()
     module = {"sgl": "sgl_kernel", "cutlass": "vllm"}.get(backend)
-    if module and module not in detect_platform().importable:
+    if module and module not in platform.importable:
         pytest.skip(f"{module} not installed here")
+    if backend == "torch" and platform.capability < (9, 0):
+        pytest.skip("cuBLASLt row-wise scales need SM90+ (fp8_scaled_mm uses the reference here)")
     a_q, b_q, sa, sb = quantised_operands(m, 5120, 5120, per_channel, seed=m)
     expected = fp8_scaled_mm_ref(a_q, b_q, sa, sb, torch.bfloat16)
     if backend == "triton":
         got = fp8_scaled_mm_triton(a_q, b_q, sa, sb, torch.bfloat16)
     else:
-        got = adapters.fp8_scaled_mm_external(backend, a_q, b_q, sa, sb, torch.bfloat16)
+        got = fp8_scaled_mm_external(backend, a_q, b_q, sa, sb, torch.bfloat16)
     assert rel_error(got, expected) < 1e-2
     assert ON_GPU

@@ -12,7 +12,8 @@ import torch
 from kernel_cases import DEVICE, generator, gpu
 from tolerances import poison
 
-from kernels.sampling import _mul32, mask_logits_ref, sample, sample_ref, uniform_noise
+from kernels.sampling import sample
+from kernels.sampling_ref import _mul32, mask_logits_ref, sample_ref, uniform_noise
 from kernels.sampling_triton import sample_triton, uniform_noise_triton
 
 M32 = 0xFFFFFFFF
@@ -30,7 +31,7 @@ def fmix_py(x: int) -> int:
 
 
 def uniform_py(seed: int, offset: int, v: int) -> float:
-    """The module docstring's spec, in plain Python integers."""
+    """The spec in kernels/sampling_ref.py's docstring, in plain Python integers."""
     seed &= (1 << 64) - 1
     offset &= (1 << 64) - 1
     key = fmix_py((seed >> 32) ^ 0x9E3779B9)

@@ -20,9 +20,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from appliance.engine.batch import build_batch
 from appliance.engine.mm_inputs import InProcessImageStore
 from appliance.engine.runner import ModelRunner
-from appliance.llm import build_engine_config
 from appliance.messages import ImageInput, NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.mrope import ImageSpan
+from appliance.offline.llm import build_engine_config
 from visual.encoder import VisionEncoder
 
 GREEDY = SamplingOptions(temperature=0.0, seed=0)
@@ -214,7 +214,7 @@ class Driver:
                 for slot, seq in enumerate(seqs)
                 if done[slot] < len(seq)
             ]
-            batch = build_batch(chunks, self.runner.pools, self.runner.device)
+            batch = build_batch(chunks, self.runner.requests, self.runner.device)
             logits = self.runner.model.compute_logits(self.runner.forward_batch(batch))
             first = 0
             for c in batch.chunks:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from test_qwen3_5_parity import engine_logits
 
 from appliance.engine.runner import ModelRunner
-from appliance.llm import build_engine_config
+from appliance.offline.llm import build_engine_config
 from appliance.models.loader import CheckpointMismatch
 from appliance.testing.tiny import build_qwen3_5
 

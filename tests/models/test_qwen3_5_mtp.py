@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from appliance.engine.batch import build_batch
-from appliance.engine.context import forward_context
 from appliance.engine.mtp import Drafter
-from appliance.llm import LLM
 from appliance.messages import ScheduledChunk
+from appliance.models.context import forward_context
+from appliance.offline.llm import LLM
 from appliance.sampling_params import SamplingParams
 from appliance.testing.oracle import hf_mtp_logits
 
@@ -57,9 +57,11 @@ def test_draft_logits_match_hf(ckpt):
     llm = LLM(str(ckpt), mtp_step=1, **OPTS)
     runner = llm.runner
     seq = prompts(runner.text_config.vocab_size, lens=[90], seed=3)[0]
-    runner.pools.token_ids[0, : len(seq)] = torch.tensor(seq)
+    runner.requests.token_ids[0, : len(seq)] = torch.tensor(seq)
     batch = build_batch(
-        [ScheduledChunk(0, 0, len(seq), list(range(len(seq))), False)], runner.pools, runner.device
+        [ScheduledChunk(0, 0, len(seq), list(range(len(seq))), False)],
+        runner.requests,
+        runner.device,
     )
     n = len(seq) - 1
     with torch.inference_mode():
@@ -90,12 +92,12 @@ class OracleDrafter(Drafter):
     `wrong_every`-th draft corrupted, so full, partial and zero acceptance all happen."""
 
     def __init__(self, base: Drafter, futures: dict[tuple[int, ...], list[int]], wrong_every: int):
-        super().__init__(base.main, base.modules, base.k, base.pools, base.device)
+        super().__init__(base.main, base.modules, base.k, base.requests, base.sizes, base.device)
         self.futures, self.wrong_every, self.calls = futures, wrong_every, 0
 
     def _chain(self, rows, y1):
         for r in rows:
-            known = self.pools.token_ids[r.req_slot, : r.start + r.count + 1].tolist()
+            known = self.requests.token_ids[r.req_slot, : r.start + r.count + 1].tolist()
             prompt = next(p for p in self.futures if tuple(known[: len(p)]) == p)
             done = len(known) - len(prompt)
             future = (self.futures[prompt][done:] + [0] * self.k)[: self.k]
@@ -103,7 +105,7 @@ class OracleDrafter(Drafter):
                 self.calls += 1
                 if self.calls % self.wrong_every == 0:
                     future[j] = (future[j] + 1) % self.main.config.vocab_size
-            self.pools.draft_tokens[r.req_slot, : self.k] = torch.tensor(future)
+            self.requests.draft_tokens[r.req_slot, : self.k] = torch.tensor(future)
 
 
 @pytest.mark.parametrize("wrong_every", [1000, 5, 2])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.engine.context import ForwardContext, forward_context
-from appliance.llm import LLM
+from appliance.models.context import ForwardContext, forward_context
 from appliance.models.layers.gdn import GatedDeltaNet
+from appliance.offline.llm import LLM
 from appliance.sampling_params import SamplingParams
 from appliance.testing.synthetic import permutation, sample_sequences
 

@@ -1,6 +1,5 @@
 """Qwen3.5 dense and MoE against HF transformers (fp32, CPU): teacher-forced logits at every
-position
-for a mixed batch with chunked prefill, greedy continuations, chunk-size invariance."""
+position for a mixed batch with chunked prefill, greedy continuations, chunk-size invariance."""
 
 from __future__ import annotations
 
@@ -8,9 +7,9 @@ import pytest
 import torch
 
 from appliance.engine.batch import build_batch
-from appliance.engine.context import forward_context
-from appliance.llm import LLM
 from appliance.messages import ScheduledChunk
+from appliance.models.context import forward_context
+from appliance.offline.llm import LLM
 from appliance.sampling_params import SamplingParams
 from appliance.testing.oracle import hf_greedy, hf_logits
 
@@ -25,9 +24,9 @@ def prompts(vocab: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
 def engine_logits(runner, seqs: list[list[int]], chunk: int) -> list[torch.Tensor]:
     """Teacher-forced logits of every position of every sequence, all sequences in one batch per
     step, each advancing by at most `chunk` tokens per step (chunked prefill across steps)."""
-    pools = runner.pools
+    requests = runner.requests
     for slot, seq in enumerate(seqs):
-        pools.token_ids[slot, : len(seq)] = torch.tensor(seq)
+        requests.token_ids[slot, : len(seq)] = torch.tensor(seq)
     done = [0] * len(seqs)
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     next_kv = 0
@@ -42,7 +41,7 @@ def engine_logits(runner, seqs: list[list[int]], chunk: int) -> list[torch.Tenso
                     ScheduledChunk(slot, done[slot], n, list(range(next_kv, next_kv + n)), True)
                 )
                 next_kv += n
-            batch = build_batch(chunks, pools, runner.device)
+            batch = build_batch(chunks, requests, runner.device)
             with forward_context(batch.ctx):
                 hidden = runner.model(batch.input_ids, batch.positions)
             logits = runner.model.compute_logits(hidden)

@@ -63,7 +63,7 @@ def test_required_panels_are_present() -> None:
         "Inter-token latency / time per output token": "appliance_inter_token_latency_seconds",
         "Requests running / waiting / in frontend": "appliance_num_requests_waiting",
         "KV cache and linear-state usage": "appliance_linear_state_usage_ratio",
-        "Prefix-cache hit rate": "appliance_prefix_cache_queries_total",
+        "Image embedding cache hit rate": "appliance_mm_cache_queries_total",
         "MTP acceptance per draft position": "by (position)",
         "Image stage latency": "by (le, stage)",
     }

@@ -165,9 +165,8 @@ def test_prometheus_scrapes_values_and_dashboard_queries_evaluate(prometheus) ->
             "num_running": 2,
             "num_waiting": 1,
             "kv_usage": 0.5,
-            "prefix_cache_queries": 100,
-            "prefix_cache_hits": 25,
             "mtp_drafts": 10,
+            "mtp_accepted_tokens": 12,
             "mtp_accepted_per_position": [8, 4],
         }
     )
@@ -183,9 +182,8 @@ def test_prometheus_scrapes_values_and_dashboard_queries_evaluate(prometheus) ->
     record_requests(recorder, 5, 3)
     recorder.apply_router_stats(
         {
-            "prefix_cache_queries": 200,
-            "prefix_cache_hits": 125,
             "mtp_drafts": 20,
+            "mtp_accepted_tokens": 24,
             "mtp_accepted_per_position": [16, 8],
         }
     )
@@ -197,16 +195,16 @@ def test_prometheus_scrapes_values_and_dashboard_queries_evaluate(prometheus) ->
         "(rate(appliance_time_to_first_token_seconds_bucket[1m])))",
     )
     assert p50 is not None and 0.04 < p50 <= 0.06
-    assert scalar(base, f"appliance_prefix_cache_hits_total{sel}") == 125
-    assert scalar(base, f"appliance_prefix_cache_queries_total{sel}") == 200
+    assert scalar(base, f"appliance_mtp_drafts_total{sel}") == 20
+    assert scalar(base, f"appliance_mtp_accepted_tokens_total{sel}") == 24
     assert scalar(base, 'appliance_mtp_accepted_tokens_per_position_total{position="1"}') == 8
-    # rate() extrapolates to the window edges, so the ratio is only near the true 100/100.
-    hit_rate = scalar(
+    # rate() extrapolates to the window edges, so the ratio is only near the true 12/10.
+    accepted_per_draft = scalar(
         base,
-        "sum(rate(appliance_prefix_cache_hits_total[1m])) / "
-        "sum(rate(appliance_prefix_cache_queries_total[1m]))",
+        "sum(rate(appliance_mtp_accepted_tokens_total[1m])) / "
+        "sum(rate(appliance_mtp_drafts_total[1m]))",
     )
-    assert hit_rate is not None and 0.6 < hit_rate < 1.5
+    assert accepted_per_draft is not None and 0.7 < accepted_per_draft < 1.8
 
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]

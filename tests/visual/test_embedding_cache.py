@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.mm_inputs import ImageInputError, SharedMemoryImageStore
-from visual.cache import (
-    EmbeddingCache,
-    UntrackedSegmentStore,
-    remove_leftover_segments,
-    segment_name,
-)
+from visual.cache import EmbeddingCache, remove_leftover_segments, segment_name
+from visual.shm import ImageInputError, SharedMemoryImageStore, UntrackedSegmentStore
 
 SHM = Path("/dev/shm")
 

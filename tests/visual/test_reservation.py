@@ -1,16 +1,13 @@
 """Worst-case ViT memory: the bound on an admissible image's resized pixels (checked against a
 brute-force search over smart_resize, thin strips included), the CPU memory tracker (exact bytes on
 known op sequences; meta run == real run), and the reservation arithmetic (margin, rounding,
-override) that ends up in VisualInfo."""
+override) of the `Reservation` the visual server reports in VisualInfo."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from appliance.config import VisualConfig
 from visual.encoder import VisionEncoder
 from visual.image_io import ImageError
 from visual.preprocess import PreprocessConfig, smart_resize
@@ -119,14 +116,14 @@ def test_meta_estimate_equals_a_real_cpu_run(qwen3_vl_dir):
 
 def test_plan_reservation_measured_and_overridden(qwen3_vl_dir):
     encoder = VisionEncoder.from_pretrained(qwen3_vl_dir)
-    config = VisualConfig(visual_max_batch_size=3)
-    info = plan_reservation(encoder, config)
-    grid = worst_case_grid(encoder.preprocess, config.max_image_pixels)
-    assert info.worst_case_grid == grid == (1, 16, 16) and info.batch_size == 3
-    assert info.peak_bytes == tracked_peak(encoder, [grid] * 3)
-    assert info.reserved_bytes == reservation_bytes(info.peak_bytes) >= info.peak_bytes * 1.1
-    assert info.device == "cpu"
-    fixed = plan_reservation(encoder, dataclasses.replace(config, visual_reserved_mem_gb=1.5))
+    plan = plan_reservation(encoder, max_image_pixels=40_000_000, batch_size=3)
+    grid = worst_case_grid(encoder.preprocess, 40_000_000)
+    assert plan.worst_case_grid == grid == (1, 16, 16) and plan.batch_size == 3
+    assert plan.peak_bytes == tracked_peak(encoder, [grid] * 3)
+    assert plan.reserved_bytes == reservation_bytes(plan.peak_bytes) >= plan.peak_bytes * 1.1
+    assert plan.device == "cpu"
+    fixed = plan_reservation(encoder, 40_000_000, 3, reserved_mem_gb=1.5)
     assert fixed.peak_bytes == -1 and fixed.reserved_bytes == int(1.5 * GIB)
-    none = plan_reservation(encoder, dataclasses.replace(config, visual_reserved_mem_gb=0))
+    assert fixed.worst_case_grid == grid and fixed.batch_size == 3
+    none = plan_reservation(encoder, 40_000_000, 3, reserved_mem_gb=0)
     assert none.reserved_bytes == 0

@@ -1,14 +1,13 @@
 """Full-attention layer for Qwen3.5 (gated output, zero-centred q/k norms, partial rotary) and
-Qwen3-VL
-(no gate, ordinary norms, M-RoPE). Reads the step's ForwardContext; K/V live in the shared KV
-pool."""
+Qwen3-VL (no gate, ordinary norms, M-RoPE). Reads the step's ForwardContext; K/V live in the shared
+KV pool."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from appliance.engine.context import get_forward_context
+from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import tp_rank, tp_size

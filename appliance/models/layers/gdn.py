@@ -1,7 +1,6 @@
 """Gated DeltaNet (linear attention) layer of Qwen3.5: projections, causal conv over [q|k|v], gates,
 the gated delta rule with per-request fp32 state, gated RMSNorm, output projection. TP splits key
-and
-value heads; conv and SSM state pools are bound by the runner."""
+and value heads; conv and SSM state pools are bound by the runner."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from appliance.engine.context import get_forward_context
+from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, even_shard
 from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size

@@ -1,6 +1,5 @@
 """TP-aware linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id)` that
-cuts
-this rank's shard out of a full checkpoint tensor, so the model loader never knows about TP.
+cuts this rank's shard out of a full checkpoint tensor, so the model loader never knows about TP.
 
 Column layers split the output dim (per logical segment), row layers split the input dim and
 all-reduce.
@@ -40,8 +39,7 @@ class ColumnLinear(nn.Module):
     own.
 
     `shard_sizes` gives each segment's local size (defaults to segment / tp); `shard_fn` cuts the
-    local
-    part from a full segment (defaults to an even split)."""
+    local part from a full segment (defaults to an even split)."""
 
     def __init__(
         self,

@@ -1,6 +1,5 @@
 """RMSNorm layers: zero-centred (Qwen3.5), ordinary (Qwen3-VL) with fused residual add, and the
-gated
-norm of the GDN output. Thin wrappers over kernels/norm.py."""
+gated norm of the GDN output. Thin wrappers over kernels/norm.py."""
 
 from __future__ import annotations
 

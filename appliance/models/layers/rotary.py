@@ -1,6 +1,5 @@
 """Rotary embedding module: holds inv_freq and the M-RoPE channel map; shared by the model's layers
-and
-the MTP draft (one instance per model)."""
+and the MTP draft (one instance per model)."""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from appliance.messages import (
     RouterOutput,
     RouterStats,
     RouterStatus,
+    SchedulerStats,
     StatusQuery,
     TokenizedRequest,
     TokenUpdate,
@@ -128,12 +129,14 @@ class ScriptedEngine(threading.Thread):
                     status = RouterStatus(msg.query_id, self.stats())
             for req_id, entry in list(self.active.items()):
                 updates.append(self._step(req_id, entry))
-            if registers or updates or status:
-                out, finishes = self.detok.process(RouterOutput(registers, updates, None, status))
+            if registers or updates:
+                out, finishes = self.detok.process(RouterOutput(registers, updates))
                 self.finished_by_detok += [f.req_id for f in finishes]
                 for f in finishes:
                     self.active.pop(f.req_id, None)
                 self.outbox.send(encode(out))
+            if status is not None:  # the router answers the server directly
+                self.outbox.send(encode(status))
             if self.active:
                 time.sleep(self.step_s)
 
@@ -159,14 +162,9 @@ class ScriptedEngine(threading.Thread):
     def stats(self) -> RouterStats:
         n = len(self.active)
         return RouterStats(
-            num_running=n,
-            num_waiting=0,
-            kv_usage=n / 8,
-            state_usage=n / 8,
-            kv_used=n,
-            kv_total=8,
-            state_used=n,
-            state_total=8,
+            scheduler=SchedulerStats(
+                num_running=n, num_waiting=0, kv_used=n, kv_total=8, state_used=n, state_total=8
+            )
         )
 
     def stop(self) -> None:

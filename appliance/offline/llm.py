@@ -1,8 +1,10 @@
 """Offline, in-process generation API (vLLM style): `LLM(model_dir).generate(prompts,
 SamplingParams())`.
 
-Runs the real scheduler and model runner in this process (TP=1), or with TP > 1 drives worker
-processes through the same StepPlan broadcast the appliance uses. Used by scripts and by tests.
+The served path without sockets: the router's engine loop (router/engine.py) drives the model
+runner in this process (TP=1) or worker processes (TP>1, offline/workers.py), and the served
+detokenizer turns tokens into text, so stop ids, stop strings and lengths end a request exactly as
+they do behind the HTTP server.
 """
 
 from __future__ import annotations
@@ -11,18 +13,18 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from appliance.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from appliance.detokenizer.incremental import RequestDetokenizer
+from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
-from appliance.messages import DetokParams
-from appliance.router.request import Request
-from appliance.router.scheduler import Scheduler
+from appliance.messages import TextDelta, TokenizedRequest
+from appliance.router.engine import EngineCore
+from appliance.router.scheduler import Scheduler, SchedulerError
 from appliance.sampling_params import SamplingParams
 
 
 @dataclass
 class CompletionOutput:
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # generated ids
+    token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop id included)
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
@@ -62,8 +64,8 @@ class LLM:
                 self.runner.max_model_len,
                 self.runner.eos_token_ids,
             )
-        else:  # worker processes over torch.distributed, driven through the StepPlan seam
-            from appliance.launch import WorkerGroup
+        else:
+            from appliance.offline.workers import WorkerGroup
 
             self.runner = WorkerGroup(self.config)
             info = self.runner.info
@@ -71,6 +73,8 @@ class LLM:
         self.eos_token_ids = tuple(eos)
         self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
         self.scheduler = Scheduler(self.config.scheduler, num_kv, max_len)
+        self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -85,67 +89,71 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+    def _request(self, prompt: str | list[int], params: SamplingParams) -> TokenizedRequest:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return TokenizedRequest(
+            req_id=f"offline-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling=params.to_options(),
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            stop_token_ids=list(params.stop_token_ids),
+            detok=params.to_detok(),
+        )
 
     def generate(
         self,
         prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
+        """Runs every prompt to its end. A prompt the scheduler refuses raises ValueError (the
+        prompts before it are dropped)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, CompletionOutput] = {}
-        detoks: dict[str, RequestDetokenizer] = {}
-        order: list[str] = []
         for prompt, sp in zip(prompts, params_list):
-            req_id = f"offline-{next(self._ids)}"
-            ids = self._encode(prompt)
-            self.scheduler.add_request(
-                Request(
-                    req_id=req_id,
-                    prompt_token_ids=ids,
-                    sampling=sp.to_options(),
-                    max_tokens=sp.max_tokens,
-                    eos_token_ids=frozenset(self.eos_token_ids),
-                    stop_token_ids=frozenset(sp.stop_token_ids or ()),
-                    ignore_eos=sp.ignore_eos,
-                )
+            req = self._request(prompt, sp)
+            try:
+                self.engine.submit(req)
+            except (SchedulerError, ValueError):
+                self._abort(list(outputs))
+                raise
+            outputs[req.req_id] = CompletionOutput(
+                prompt_token_ids=req.prompt_token_ids,
+                logprobs=[] if sp.logprobs is not None else None,
             )
-            outputs[req_id] = CompletionOutput(
-                prompt_token_ids=ids, logprobs=[] if sp.logprobs is not None else None
-            )
-            stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-            detoks[req_id] = RequestDetokenizer(self.tokenizer, DetokParams(stop=stops))
-            order.append(req_id)
-        while self.scheduler.has_work():
-            plan = self.scheduler.schedule()
-            if plan is None:
-                break
-            result = self.runner.execute(plan)
-            for delta in self.scheduler.update(result):
-                self._apply(delta, outputs[delta.req_id], detoks[delta.req_id])
-        return [outputs[r] for r in order]
+        open_ids = set(outputs)
+        while open_ids:
+            ran = self.engine.step()
+            routed = self.engine.take_output()
+            if routed is None:
+                if not ran:
+                    break
+                continue
+            deltas, finishes = self.detokenizer.process(routed)
+            for finish in finishes:
+                self.engine.finish(finish.req_id, finish.reason)
+            for delta in deltas.deltas:
+                self._apply(delta, outputs[delta.req_id])
+                if delta.finish_reason is not None:
+                    open_ids.discard(delta.req_id)
+        return list(outputs.values())
 
-    def _apply(self, delta, out: CompletionOutput, detok: RequestDetokenizer) -> None:
-        for i, token in enumerate(delta.new_token_ids):
-            if detok.stopped:
-                break  # an MTP run may carry tokens past the stop string: they are not output
-            out.token_ids.append(token)
-            if out.logprobs is not None and delta.logprobs is not None:
-                out.logprobs.append(delta.logprobs[i])
-            if delta.finished and delta.stop_token_id == token:
-                continue  # the eos / stop token is not part of the text
-            detok.add_token(token)
-            if detok.stopped:
-                self.scheduler.finish(delta.req_id)
-                out.finish_reason = "stop"
-        if delta.finished and out.finish_reason is None:
-            out.finish_reason = delta.finish_reason.value
-        if detok.stopped or delta.finished:
-            detok.flush()
-            out.text = detok.text
+    def _abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.engine.abort(req_id)
+        routed = self.engine.take_output()
+        if routed is not None:
+            self.detokenizer.process(routed)
+
+    @staticmethod
+    def _apply(delta: TextDelta, out: CompletionOutput) -> None:
+        if delta.finish_reason == "error":
+            raise ValueError(delta.error or "the request was refused")
+        out.token_ids += delta.token_ids
+        out.text += delta.text
+        if out.logprobs is not None and delta.logprobs is not None:
+            out.logprobs += [entry.logprob for entry in delta.logprobs]
+        out.finish_reason = delta.finish_reason

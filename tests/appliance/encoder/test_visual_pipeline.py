@@ -1,7 +1,7 @@
-"""The visual server's core (no sockets): requests with images are held until their images are
-encoded, an identical image is encoded once across requests, cached images are pinned while their
-requests live, aborts and bad images are handled, and the embeddings in shared memory are the
-tiny ViT's output for the image."""
+"""The visual server's request bookkeeping (no sockets): requests with images are held until their
+images are encoded, an identical image is encoded once across requests, cached images are pinned
+while their requests live, aborts and bad images are handled, and the embeddings in shared memory
+are the tiny ViT's output for the image."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import io
 import pytest
 import torch
 
-from appliance.engine.mm_inputs import SharedMemoryImageStore
+from appliance.encoder.pipeline import VisualPipeline
 from appliance.messages import (
     ImageData,
     RejectRequest,
@@ -20,11 +20,12 @@ from appliance.messages import (
     VisualStats,
 )
 from tests.visual.conftest import random_image
-from visual.cache import EmbeddingCache, UntrackedSegmentStore
+from visual.cache import EmbeddingCache
 from visual.encoder import VisionEncoder
 from visual.image_io import ImageLimits, decode_image
-from visual.pipeline import FailedImage, VisualPipeline, encode_jobs
+from visual.pipeline import FailedImage, encode_jobs
 from visual.preprocess import image_grid, preprocess_images
+from visual.shm import SharedMemoryImageStore, UntrackedSegmentStore
 
 LIMITS = ImageLimits()
 

@@ -2,11 +2,11 @@
 vision tower, between the API server and the router.
 
 Startup: load the ViT on the first worker's device, measure the worst-case activation peak
-(visual/reservation.py) and report it in ProcessReady (VisualInfo). Serving, two threads:
+(appliance/encoder/startup.py) and report it in ProcessReady (VisualInfo). Serving, two threads:
 - main: every server -> router message arrives here. Text-only requests, aborts and status queries
   are relayed at once, unchanged; requests with images go through `VisualPipeline` (cache pins,
   encode jobs) and are forwarded with `ImageInput` handles when their images are cached. The
-  router's ReleaseImages unpin; VisualStats go to the router whenever the cache changed.
+  router's ReleaseImages unpin; VisualStats go to the server whenever the cache changed.
 - encoder: decodes, preprocesses and encodes one batch of jobs at a time (`encode_jobs`), so a long
   ViT forward never holds back a relayed message.
 """
@@ -20,6 +20,8 @@ import threading
 import zmq
 
 from appliance.config import ServeConfig
+from appliance.encoder.pipeline import VisualPipeline
+from appliance.encoder.startup import plan_reservation
 from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
@@ -31,10 +33,10 @@ from appliance.messages import (
     decoder,
     encode,
 )
-from visual.cache import EmbeddingCache, UntrackedSegmentStore
+from visual.cache import EmbeddingCache
 from visual.checkpoint import preprocess_config
 from visual.image_io import ImageLimits
-from visual.pipeline import ImageJob, VisualPipeline, encode_jobs
+from visual.pipeline import ImageJob, encode_jobs
 
 logger = get_logger(__name__)
 
@@ -75,11 +77,13 @@ class VisualServer:
         inbox: zmq.Socket,
         wake: zmq.Socket,
         to_router: zmq.Socket,
+        to_server: zmq.Socket,
     ) -> None:
         self.pipeline = pipeline
         self.encoder = encoder_thread
         self.max_batch = max_batch
-        self.inbox, self.wake, self.to_router = inbox, wake, to_router
+        self.inbox, self.wake = inbox, wake
+        self.to_router, self.to_server = to_router, to_server
         self._decoder = decoder(ToVisual)
         self._poller = zmq.Poller()
         self._poller.register(inbox, zmq.POLLIN)
@@ -102,7 +106,7 @@ class VisualServer:
                 self.encoder.jobs.put(batch)
                 self._busy = True
         if self.pipeline.dirty:
-            self.to_router.send(encode(self.pipeline.stats()))
+            self.to_server.send(encode(self.pipeline.stats()))
 
     def _read_inbox(self) -> None:
         while True:
@@ -159,8 +163,8 @@ def _raise_exit(signum, frame) -> None:
 
 def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
     """Entry point of the visual server process (spawned by the launcher)."""
-    from visual.encoder import VisionEncoder
-    from visual.reservation import plan_reservation
+    from visual.encoder import VisionEncoder  # torch: not in the launcher, which imports this
+    from visual.shm import UntrackedSegmentStore
 
     child_init("visual")
     signal.signal(signal.SIGTERM, _raise_exit)  # unlink the cache's segments on the way out
@@ -188,13 +192,16 @@ def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
     ctx = zmq.Context.instance()
     wake = zmq_socket(ctx, zmq.PULL, _WAKE, bind=True)
     to_router = zmq_socket(ctx, zmq.PUSH, addrs.router, bind=False)
+    to_server = zmq_socket(ctx, zmq.PUSH, addrs.server, bind=False)  # VisualStats
     inbox = zmq_socket(ctx, zmq.PULL, addrs.visual, bind=True)
     limits = ImageLimits(visual.max_image_bytes, visual.max_image_pixels)
     thread = EncoderThread(encoder, store, limits, ctx)
     pipeline = VisualPipeline(
         cache, encoder.config.spatial_merge_size, lambda msg: to_router.send(encode(msg))
     )
-    server = VisualServer(pipeline, thread, visual.visual_max_batch_size, inbox, wake, to_router)
+    server = VisualServer(
+        pipeline, thread, visual.visual_max_batch_size, inbox, wake, to_router, to_server
+    )
     thread.start()
     link.ready(visual=info)
     try:

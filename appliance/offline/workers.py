@@ -1,0 +1,99 @@
+"""Worker processes for the offline `LLM` with tp > 1: the LLM's engine loop plays the router,
+sending each StepPlan to every rank and reading rank 0's StepResult (the appliance's own seam).
+
+Created by appliance/offline/llm.py; the workers are the appliance's (appliance/engine/worker.py).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import tempfile
+from pathlib import Path
+
+import zmq
+
+from appliance.config import EngineConfig
+from appliance.ipc import Addresses, zmq_socket
+from appliance.messages import (
+    ProcessReady,
+    StepPlan,
+    StepResult,
+    ToLauncher,
+    WorkerInfo,
+    decoder,
+    encode,
+)
+
+
+class WorkerError(RuntimeError):
+    """A worker process died; the message names its rank and exit code."""
+
+
+class WorkerGroup:
+    """Worker processes for the offline `LLM` with tp > 1: the caller plays the router, sending each
+    StepPlan to every rank and reading rank 0's StepResult (the same seam the appliance uses)."""
+
+    def __init__(
+        self, engine: EngineConfig, runner_path: str = "appliance.engine.runner:ModelRunner"
+    ):
+        from appliance.engine.worker import run_worker
+
+        self.tp = engine.parallel.tp
+        self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-llm-"))
+        self.addrs = Addresses.allocate("ipc", self.tp, self._run_dir)
+        self._ctx = zmq.Context.instance()
+        self._inbox = zmq_socket(self._ctx, zmq.PULL, self.addrs.launcher, bind=True)
+        self._results = zmq_socket(self._ctx, zmq.PULL, self.addrs.router_results, bind=True)
+        ctx = mp.get_context("spawn")
+        self._procs = [
+            ctx.Process(
+                target=run_worker,
+                args=(engine, self.addrs, r, self.tp, runner_path),
+                name=f"worker {r}",
+                daemon=True,
+            )
+            for r in range(self.tp)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.info = self._wait_ready()
+        self._plans = [zmq_socket(self._ctx, zmq.PUSH, a, bind=False) for a in self.addrs.workers]
+        self._result_decoder = decoder(StepResult)
+
+    def _wait_ready(self) -> WorkerInfo:
+        dec, pending, info = decoder(ToLauncher), set(range(self.tp)), None
+        while pending:
+            for rank, proc in enumerate(self._procs):
+                if proc.exitcode is not None:
+                    self.close()
+                    raise WorkerError(
+                        f"worker {rank} exited with code {proc.exitcode} during startup"
+                    )
+            if self._inbox.poll(100):
+                msg = dec.decode(self._inbox.recv())
+                if isinstance(msg, ProcessReady):
+                    pending.discard(msg.rank)
+                    info = msg.worker or info
+        assert info is not None
+        return info
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        data = encode(plan)
+        for sock in self._plans:
+            sock.send(data)
+        while not self._results.poll(1000):
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
+            if dead:
+                raise WorkerError(
+                    f"worker {dead[0]} died (exit code {self._procs[dead[0]].exitcode})"
+                )
+        return self._result_decoder.decode(self._results.recv())
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=10)
+        shutil.rmtree(self._run_dir, ignore_errors=True)

@@ -1,0 +1,183 @@
+"""The engine loop: a Scheduler driving an executor (the workers) one step at a time, turning
+requests into token updates. Shared by the router process (router/process.py) and the offline `LLM`.
+
+Finish detection by kind, each in one place: eos / stop token ids / max_tokens in the Scheduler,
+stop strings in the detokenizer (which answers with `finish()`), rejections here.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Protocol
+
+from appliance.logging import get_logger
+from appliance.messages import (
+    DetokRegister,
+    RequestProgress,
+    RouterOutput,
+    RouterStats,
+    StepPlan,
+    StepResult,
+    TokenizedRequest,
+    TokenUpdate,
+)
+from appliance.router.request import FinishReason, Request, RequestStatus
+from appliance.router.scheduler import QueueFull, Scheduler, SchedulerError
+
+logger = get_logger(__name__)
+
+TIMING_WINDOW = 256  # steps averaged in step_overhead_ms / step_forward_ms
+
+
+class Executor(Protocol):
+    """Runs one StepPlan on every worker and returns rank 0's result."""
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class EngineCore:
+    """Requests in (`add` / `abort` / `finish`), `step()` runs one plan, `take_output()` hands the
+    detokenizer its registrations and token updates."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: list[int], executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.executor = executor
+        self._registers: list[DetokRegister] = []
+        self._updates: list[TokenUpdate] = []
+        self._queued: dict[str, float] = {}  # req_id -> arrival (monotonic), until first scheduled
+        self._queue_times: list[float] = []
+        self._overhead_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
+        self._forward_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
+        self._mm_live: set[str] = set()  # live requests whose images the visual server pins
+        self._mm_ended: list[str] = []  # ended since the last take: unpin after the step
+
+    # ------------------------------------------------------------------ requests in
+    def add(self, msg: TokenizedRequest) -> None:
+        """Queues a request; one the scheduler refuses ends at once with an error update."""
+        try:
+            self.submit(msg)
+        except QueueFull as exc:
+            self.reject(msg.req_id, f"The router queue is full ({exc}). Please retry later.", 429)
+        except (SchedulerError, ValueError) as exc:
+            self.reject(msg.req_id, str(exc), 400)
+
+    def submit(self, msg: TokenizedRequest) -> None:
+        """Queues a request; raises QueueFull, or SchedulerError / ValueError for a bad one."""
+        req = Request(
+            req_id=msg.req_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling=msg.sampling,
+            max_tokens=msg.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            stop_token_ids=frozenset(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            mm=list(msg.mm),
+        )
+        if msg.mm:
+            self._mm_live.add(msg.req_id)
+        self.scheduler.add_request(req)
+        self._queued[msg.req_id] = req.arrival_time
+        self._registers.append(DetokRegister(msg.req_id, len(msg.prompt_token_ids), msg.detok))
+
+    def reject(self, req_id: str, message: str, status: int) -> None:
+        """Ends a request that never ran (refused here, or by the visual server)."""
+        self._updates.append(TokenUpdate(req_id, [], "error", error=message, error_status=status))
+        self._ended(req_id)
+
+    def abort(self, req_id: str) -> None:
+        if self.scheduler.get_request(req_id) is not None:
+            self.scheduler.abort(req_id)
+            self._queued.pop(req_id, None)
+            self._updates.append(TokenUpdate(req_id, [], "abort"))
+            self._ended(req_id)
+
+    def finish(self, req_id: str, reason: str = "stop") -> None:
+        """The detokenizer matched a stop string: free the request (its text is already final)."""
+        self.scheduler.finish(req_id, FinishReason(reason))
+        self._queued.pop(req_id, None)
+        self._ended(req_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> bool:
+        """Plans and executes one step; False when nothing was runnable."""
+        plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if plan is None:
+            return False
+        start = time.perf_counter()
+        if plan.new_requests:
+            self._note_admissions()
+        result = self.executor.execute(plan)
+        for out in self.scheduler.update(result):
+            reason = out.finish_reason.value if out.finish_reason is not None else None
+            if reason is not None:
+                self._ended(out.req_id)
+            self._updates.append(
+                TokenUpdate(out.req_id, out.new_token_ids, reason, out.logprobs, out.top_logprobs)
+            )
+        self._forward_s.append(result.forward_s)
+        self._overhead_s.append(time.perf_counter() - start - result.forward_s)
+        return True
+
+    def _ended(self, req_id: str) -> None:
+        """A request is gone; if the visual server pinned images for it, they are unpinned after
+        the step in flight (whose plan may load their embeddings). Preempted requests are not
+        ended: their re-admission reloads the same handles."""
+        if req_id in self._mm_live:
+            self._mm_live.discard(req_id)
+            self._mm_ended.append(req_id)
+
+    def _note_admissions(self) -> None:
+        """Queue time of requests scheduled for the first time (FIFO: stop at the first waiter)."""
+        now = time.monotonic()
+        for req_id in list(self._queued):
+            req = self.scheduler.get_request(req_id)
+            if req is not None and req.status is RequestStatus.WAITING:
+                break
+            arrival = self._queued.pop(req_id)
+            if req is not None:
+                self._queue_times.append(now - arrival)
+
+    # ------------------------------------------------------------------ out
+    def take_output(self) -> RouterOutput | None:
+        """Registrations and updates since the last call (None if there are none)."""
+        if not (self._registers or self._updates):
+            return None
+        out = RouterOutput(registers=self._registers, updates=self._updates)
+        self._registers, self._updates = [], []
+        return out
+
+    def take_ended_images(self) -> list[str]:
+        """Requests with pinned images that ended since the last call."""
+        ended, self._mm_ended = self._mm_ended, []
+        return ended
+
+    def stats(self) -> RouterStats:
+        """The scheduler's snapshot plus this loop's queue times (drained) and step timings."""
+        queue_times, self._queue_times = self._queue_times, []
+        n = len(self._overhead_s)
+        return RouterStats(
+            scheduler=self.scheduler.stats(),
+            queue_time_s=queue_times,
+            step_overhead_ms=1000.0 * sum(self._overhead_s) / n if n else 0.0,
+            step_forward_ms=1000.0 * sum(self._forward_s) / n if n else 0.0,
+        )
+
+    def progress(self) -> list[RequestProgress]:
+        reqs = [*self.scheduler.running, *self.scheduler.waiting]
+        return [
+            RequestProgress(
+                req_id=r.req_id,
+                status=r.status.value,
+                prompt_tokens=r.num_prompt_tokens,
+                output_tokens=r.num_output_tokens,
+                computed_tokens=r.num_computed,
+                kv_slots=r.num_kv,
+                preemptions=r.num_preemptions,
+            )
+            for r in reqs
+        ]

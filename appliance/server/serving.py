@@ -1,0 +1,232 @@
+"""The one OpenAI handler skeleton: checks, tokenize, submit n choices per prompt, then answer as
+one JSON body (collect) or as server-sent events (stream).
+
+Called by app.py with an `Endpoint` strategy (serving_chat.CHAT, serving_completion.COMPLETION) that
+supplies what differs per route: its checks, its prompts and the wording of its choices.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from appliance.messages import TextDelta, TokenizedRequest, TokenLogprob
+from appliance.sampling_params import SamplingParams
+from appliance.server.engine_client import RequestGroup
+from appliance.server.errors import APIError, BadRequest, sse_error
+from appliance.server.prompts import Prompt
+from appliance.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    choice_options,
+    detok_params,
+    sampling_params,
+)
+from appliance.server.state import (
+    ClientGone,
+    ServerState,
+    abort_on_disconnect,
+    first_item,
+    iterate_deltas,
+    new_request_id,
+)
+
+Body = TypeVar("Body", bound="ChatCompletionRequest | CompletionRequest", contravariant=True)
+Choice = dict[str, Any]  # one entry of a response's `choices`
+
+
+class ChoiceFormatter(Protocol):
+    """Words the choices of one request in its endpoint's format; holds the per-choice state."""
+
+    def opening(self, index: int) -> Choice | None:
+        """The streamed choice sent before any text (None: the endpoint sends none)."""
+
+    def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
+        """The streamed choice for one delta (None: nothing worth a chunk)."""
+
+    def final_choice(
+        self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
+    ) -> Choice:
+        """The choice of a JSON answer, from the choice's whole text and logprobs."""
+
+
+class Endpoint(Protocol[Body]):
+    """What one OpenAI route adds to the skeleton; a stateless strategy, one per route."""
+
+    id_prefix: str  # of the response id: "chatcmpl" | "cmpl"
+    object_name: str  # `object` of a JSON answer
+    chunk_object_name: str  # `object` of a streamed chunk
+
+    def check(self, state: ServerState, body: Body) -> None:
+        """The route's own 400s, raised before sampling fields are validated."""
+
+    async def prompts(self, state: ServerState, body: Body) -> list[Prompt]:
+        """The request's prompts, tokenized and length-checked; each gets n choices."""
+
+    def formatter(self, state: ServerState, body: Body, prompts: list[Prompt]) -> ChoiceFormatter:
+        """A fresh formatter for the request's len(prompts) x n choices."""
+
+
+@dataclass
+class _Answer:
+    """A submitted request on its way back: what collect and stream share."""
+
+    endpoint: Endpoint
+    group: RequestGroup
+    formatter: ChoiceFormatter
+    head: dict[str, Any]  # id, created, model: the first keys of every body and chunk
+    num_choices: int
+    num_prompt_tokens: int  # over all prompts (usage.prompt_tokens)
+
+
+def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
+    if body.n > state.config.max_n:
+        raise BadRequest(f"n: expected at most {state.config.max_n}, got {body.n}.", "n")
+
+
+async def serve(
+    endpoint: Endpoint[Body], state: ServerState, body: Body, request: Request
+) -> Response:
+    """Handles one POST of an OpenAI route end to end."""
+    arrival = time.monotonic()
+    state.check_accepting()
+    model = state.check_model(body.model)
+    endpoint.check(state, body)
+    params = sampling_params(body, body.num_logprobs())
+    prompts = await endpoint.prompts(state, body)
+    group_id = new_request_id(endpoint.id_prefix)
+    requests = choice_requests(state, group_id, prompts, params, body)
+    formatter = endpoint.formatter(state, body, prompts)
+    group = state.client.submit(group_id, requests, arrival)
+    answer = _Answer(
+        endpoint=endpoint,
+        group=group,
+        formatter=formatter,
+        head={"id": group_id, "created": int(time.time()), "model": model},
+        num_choices=len(requests),
+        num_prompt_tokens=sum(len(p.token_ids) for p in prompts),
+    )
+    if not body.stream:
+        async with abort_on_disconnect(request, state.client, group):
+            return JSONResponse(await _collect(answer))
+    try:
+        first = await first_item(request, state.client, group)
+    except ClientGone:
+        return Response(status_code=499)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stream = _stream(state, request, answer, first, include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def choice_requests(
+    state: ServerState,
+    group_id: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    body: ChatCompletionRequest | CompletionRequest,
+) -> list[TokenizedRequest]:
+    """n choices per prompt; choice index = prompt index x n + choice number, as OpenAI numbers
+    them. Raises the max_tokens 400 of the first prompt that leaves too little room."""
+    detok = detok_params(params)
+    arrival_time = time.time()
+    requests: list[TokenizedRequest] = []
+    for prompt in prompts:
+        max_tokens = state.prompts.max_tokens_for(
+            body.requested_max_tokens(), len(prompt.token_ids)
+        )
+        for choice in range(body.n):
+            request = TokenizedRequest(
+                req_id=f"{group_id}-{len(requests)}",
+                prompt_token_ids=prompt.token_ids,
+                sampling=choice_options(params, choice),
+                max_tokens=max_tokens,
+                ignore_eos=params.ignore_eos,
+                stop_token_ids=params.stop_token_ids,
+                detok=detok,
+                arrival_time=arrival_time,
+                images=prompt.images,  # the visual server encodes them (deduped across choices)
+            )
+            requests.append(request)
+    return requests
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _collect(answer: _Answer) -> dict[str, Any]:
+    n = answer.num_choices
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
+    finish = ["stop"] * n
+    tokens = [0] * n
+    async for index, delta in iterate_deltas(answer.group):
+        texts[index].append(delta.text)
+        if delta.logprobs is not None:
+            logprobs[index] = (logprobs[index] or []) + delta.logprobs
+        tokens[index] = delta.num_output_tokens
+        if delta.finish_reason is not None:
+            finish[index] = delta.finish_reason
+    final = answer.formatter.final_choice
+    return {
+        **answer.head,
+        "object": answer.endpoint.object_name,
+        "choices": [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)],
+        "usage": usage(answer.num_prompt_tokens, sum(tokens)),
+    }
+
+
+def sse_chunk(
+    head: dict[str, Any],
+    object_name: str,
+    choices: list[Choice],
+    usage_: dict[str, int] | None = None,
+    *,
+    include_usage: bool,
+) -> str:
+    """One server-sent event of a stream. With include_usage every chunk carries `usage` (null but
+    in the last one), as OpenAI does."""
+    body = {**head, "object": object_name, "choices": choices}
+    if include_usage:
+        body["usage"] = usage_
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    state: ServerState,
+    request: Request,
+    answer: _Answer,
+    first: tuple[int, TextDelta],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
+        name = answer.endpoint.chunk_object_name
+        return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
+
+    tokens = [0] * answer.num_choices
+    async with abort_on_disconnect(request, state.client, answer.group):
+        try:
+            for index in range(answer.num_choices):
+                opening = answer.formatter.opening(index)
+                if opening is not None:
+                    yield chunk([opening])
+            async for index, delta in iterate_deltas(answer.group, first):
+                tokens[index] = delta.num_output_tokens
+                choice = answer.formatter.delta_choice(index, delta)
+                if choice is not None:
+                    yield chunk([choice])
+            if include_usage:
+                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens)))
+        except APIError as err:
+            yield sse_error(err)
+        yield "data: [DONE]\n\n"
