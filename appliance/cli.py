@@ -167,14 +167,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     return parser, dests
 
 
-def _resolve_model_dir(model_dir: str) -> str:
-    if model_dir:
-        return model_dir
-    from appliance.assets.default_model import ensure_default_model
-
-    return str(ensure_default_model())
-
-
 def _print_backends() -> int:
     from appliance.logging import setup_logging
     from kernels.backends import detect_platform, resolve_backends
@@ -182,11 +174,7 @@ def _print_backends() -> int:
     setup_logging()
     platform = detect_platform()
     print(f"platform: {platform}")
-    table = resolve_backends(
-        gdn_prefill=envs.APPLIANCE_GDN_PREFILL_BACKEND,
-        fp8_gemm=envs.APPLIANCE_FP8_GEMM,
-        platform=platform,
-    )
+    table = resolve_backends(**envs.kernel_backends(), platform=platform)
     for kind, name in table.items():
         print(f"{kind:<12} {name}")
     return 0
@@ -208,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     from appliance.logging import setup_logging
 
     setup_logging()
-    model_dir = _resolve_model_dir(config.engine.model.model_dir)
+    from appliance.assets.default_model import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(config.engine.model.model_dir))
     if not (Path(model_dir) / "config.json").is_file():
         parser.error(f"MODEL_DIR: {model_dir} is not a checkpoint folder (no config.json)")
     model = dataclasses.replace(config.engine.model, model_dir=model_dir)

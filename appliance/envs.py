@@ -70,6 +70,14 @@ def get(name: str) -> Any:
     return value
 
 
+def kernel_backends() -> dict[str, str]:
+    """The kernel backends the env flags ask for, as `kernels.backends.configure` keywords."""
+    return {
+        "gdn_prefill": get("APPLIANCE_GDN_PREFILL_BACKEND"),
+        "fp8_gemm": get("APPLIANCE_FP8_GEMM"),
+    }
+
+
 def registry() -> dict[str, EnvVar]:
     return dict(_REGISTRY)
 

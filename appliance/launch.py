@@ -185,11 +185,8 @@ class Launcher:
     def run(self) -> int:
         """Starts everything, serves until a signal (exit 0 after draining) or a death (exit 1)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        requested = {  # what the env flags ask for; the workers log what each resolved to
-            "gdn_prefill": envs.APPLIANCE_GDN_PREFILL_BACKEND,
-            "fp8_gemm": envs.APPLIANCE_FP8_GEMM,
-        }
-        logger.info("%s", format_config_block(self.config, requested))
+        # the backends the env flags ask for; each worker logs what they resolved to
+        logger.info("%s", format_config_block(self.config, envs.kernel_backends()))
         try:
             self._spawn_frontends()
             info = self._wait_startup()

@@ -1,7 +1,8 @@
 """The embedded default model: a tiny random Qwen3.5 dense checkpoint with the test BPE tokenizer.
 
-Called by the engine runner when no model is configured, so the appliance starts (and CI runs end to
-end) without any download. Built once, deterministically, under APPLIANCE_HOME/default-model-v<N>.
+Resolved by `resolve_model_dir` (the CLI and the offline `LLM`) when no model is given, so the
+appliance starts (and CI runs end to end) without any download. Built once, deterministically,
+under APPLIANCE_HOME/default-model-v<N>.
 """
 
 from __future__ import annotations
@@ -59,3 +60,8 @@ def ensure_default_model() -> pathlib.Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_model_dir(model_dir: str | None) -> pathlib.Path:
+    """The checkpoint folder to serve: `model_dir`, or the embedded default model when empty."""
+    return pathlib.Path(model_dir) if model_dir else ensure_default_model()

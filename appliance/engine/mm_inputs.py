@@ -20,7 +20,6 @@ from appliance.models.config import TextConfig
 from appliance.models.context import DeepstackInput
 from appliance.models.mrope import ImageSpan, MRopeLayout
 from visual.shm import ImageInputError, stack_embeddings
-from visual.shm import SharedMemoryImageStore as SharedMemoryImageStore  # runner.py's store
 
 
 class ImageEmbeddingStore(Protocol):

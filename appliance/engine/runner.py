@@ -16,7 +16,7 @@ import torch
 from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
-from appliance.engine.mm_inputs import MultimodalInputs, SharedMemoryImageStore
+from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.requests import RequestTable
@@ -29,19 +29,12 @@ from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
 from kernels import backends
+from visual.shm import SharedMemoryImageStore
 
 log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_SLOTS = 32768
-
-
-def resolve_model_dir(model_dir: str) -> Path:
-    if model_dir:
-        return Path(model_dir)
-    from appliance.assets.default_model import ensure_default_model
-
-    return ensure_default_model()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,7 +56,9 @@ class ModelRunner:
         self.reserved_bytes = reserved_bytes  # device memory held for the ViT (visual server)
         self.rank = rank
         set_tp(rank, world_size, tp_group)
-        self.model_dir = resolve_model_dir(config.model.model_dir)
+        if not config.model.model_dir:
+            raise ValueError("model_dir: the runner needs a checkpoint folder (resolve it first)")
+        self.model_dir = Path(config.model.model_dir)
         self.text_config: TextConfig = load_text_config(self.model_dir)
         self.device = resolve_device(config.parallel.device)
         if self.device.type == "cuda":
@@ -74,10 +69,9 @@ class ModelRunner:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
         self.backends = backends.configure(
-            attention=config.kernels.attention_backend,
-            gdn_prefill=envs.APPLIANCE_GDN_PREFILL_BACKEND,
-            fp8_gemm=envs.APPLIANCE_FP8_GEMM,
+            attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
+        log.info("kernel backends: %s", ", ".join(f"{k} {v}" for k, v in self.backends.items()))
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()

@@ -51,7 +51,8 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
 class LLM:
     def __init__(self, model_dir: str | None = None, tp: int = 1, **options) -> None:
         self.config = build_engine_config(model_dir, tp, options)
-        from appliance.engine.runner import ModelRunner, resolve_model_dir
+        from appliance.assets.default_model import resolve_model_dir
+        from appliance.engine.runner import ModelRunner
 
         self.model_dir = resolve_model_dir(self.config.model.model_dir)
         self.config = replace(

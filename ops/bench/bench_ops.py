@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from appliance import envs
+from kernels import backends
 from ops.bench import bench_cases
 
 Fn = Callable[[], object]
@@ -97,6 +99,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile peers")
     args = parser.parse_args()
+    backends.configure(**envs.kernel_backends())  # the env flags, as the workers pass them
     if not torch.cuda.is_available():
         print("bench_ops needs a CUDA device", file=sys.stderr)
         return 2

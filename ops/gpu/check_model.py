@@ -1,6 +1,7 @@
 """GPU end-to-end check of the engine with the Triton kernels: tiny dense and MoE Qwen3.5
 checkpoints run on CUDA (fp32 and bf16) against the CPU reference path; greedy tokens with MTP
-(k = 1..3, both modes) equal to greedy without MTP on the GPU. Prints one line per check; exit 1 on a failure.
+(k = 1..3, both modes) equal to greedy without MTP on the GPU. Prints one line per check; exit 1
+on a failure.
 
   python ops/gpu/check_model.py
 """

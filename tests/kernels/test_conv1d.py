@@ -120,7 +120,7 @@ def test_layer_mixed_prefill_and_verify_batch_through_the_triton_kernels(monkeyp
     capacity, not the batch's longest chunk (a 6-row prefill beside 4-row verify requests once
     raised 'rows do not fit windows' on the GPU)."""
     import kernels.conv1d as conv1d_module
-    from appliance.engine.context import ForwardContext, forward_context
+    from appliance.models.context import ForwardContext, forward_context
     from appliance.models.layers.gdn import GatedDeltaNet
 
     torch.manual_seed(0)

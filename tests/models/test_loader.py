@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from test_qwen3_5_parity import engine_logits
 
 from appliance.engine.runner import ModelRunner
-from appliance.offline.llm import build_engine_config
 from appliance.models.loader import CheckpointMismatch
+from appliance.offline.llm import build_engine_config
 from appliance.testing.tiny import build_qwen3_5
 
 IDS = list(range(3, 90, 2))

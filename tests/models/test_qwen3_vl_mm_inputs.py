@@ -17,11 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.engine.mm_inputs import (
-    ImageInputError,
-    InProcessImageStore,
-    SharedMemoryImageStore,
-)
+from appliance.engine.mm_inputs import ImageInputError, InProcessImageStore
 from appliance.messages import ImageInput, NewRequest, SamplingOptions, decoder, encode
 from appliance.models.config import load_text_config
 from appliance.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -29,6 +25,7 @@ from appliance.models.qwen3_vl import Qwen3VLForCausalLM
 from appliance.models.registry import model_class
 from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from tests.models.qwen3_vl_oracle import Driver, engine, make_prompt, random_image
+from visual.shm import SharedMemoryImageStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +97,7 @@ def test_shared_memory_store_across_processes(dtype):
         # another process reads the segment and must leave it in place when it exits
         code = (
             "import torch\n"
-            "from appliance.engine.mm_inputs import SharedMemoryImageStore\n"
+            "from visual.shm import SharedMemoryImageStore\n"
             f"t = SharedMemoryImageStore().load({handle!r})\n"
             "print(t.dtype, list(t.shape), float(t.float().sum()))\n"
         )

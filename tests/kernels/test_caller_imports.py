@@ -1,0 +1,38 @@
+"""Every `from kernels... import name` in appliance/, visual/ and ops/ (those inside functions
+included, as in the benchmarks) names something kernels/ still has. The import direction and the
+absence of cycles are checked for the whole tree in tests/test_import_rules.py."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CALLER_DIRS = ("appliance", "visual", "ops")
+
+
+def caller_imports() -> list[tuple[str, str, str]]:
+    """(file, module, name) of every `from kernels... import name` under CALLER_DIRS."""
+    found = []
+    for folder in CALLER_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels"):
+                    where = str(path.relative_to(ROOT))
+                    found += [(where, node.module, alias.name) for alias in node.names]
+    return found
+
+
+def test_the_callers_import_from_kernels():
+    modules = {module for _, module, _ in caller_imports()}
+    assert {"kernels.backends", "kernels.sampling", "kernels.attention"} <= modules
+
+
+@pytest.mark.parametrize("where,module,name", caller_imports())
+def test_names_the_callers_import_exist(where, module, name):
+    imported = importlib.import_module(module)
+    submodule = ROOT.joinpath(*module.split("."), f"{name}.py").is_file()
+    assert hasattr(imported, name) or submodule, f"{where}: from {module} import {name}"
