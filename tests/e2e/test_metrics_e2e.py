@@ -152,7 +152,9 @@ def _abandoned_stream(live) -> tuple[int, dict]:
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", url, json=body, headers=headers) as response:
             lines = response.iter_lines()
-            seen = [line for line in (next(lines) for _ in range(8)) if '"content"' in line]
+            first = [next(lines) for _ in range(8)]
+            # token chunks only: the opening role chunk carries an empty "content" too
+            seen = [line for line in first if '"content"' in line and '"role"' not in line]
             status = live.status()
         # leaving the block closes the connection mid-stream: the server aborts the request
     return len(seen), status
