@@ -80,12 +80,22 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    disable_cuda_graph: bool = False  # run every step eagerly (no CUDA graphs; CPU never uses them)
+    cuda_graph_max_bs: int = 0  # largest decode batch run as a CUDA graph; 0 = max_num_seqs, <= 256
+
+    def __post_init__(self) -> None:
+        _check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    graphs: GraphConfig = field(default_factory=GraphConfig)
 
 
 def field_names(cls) -> list[str]:

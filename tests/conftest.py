@@ -60,3 +60,7 @@ def tiny_trained(tmp_path_factory) -> pathlib.Path:
         seed=5,
         train=train_permutation_language,
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA; run on the GPU machine with -m gpu")

@@ -23,6 +23,26 @@ class PoolSizes:
     num_req_slots: int
     max_model_len: int
     mtp_step: int = 0  # draft tokens per step; adds candidates, conv windows and scratch KV slots
+    padding: bool = False  # one more request row and KV slot for the padding rows of CUDA graphs
+
+    @property
+    def num_req_rows(self) -> int:
+        """Request rows allocated: the router's slots, then the padding slot."""
+        return self.num_req_slots + int(self.padding)
+
+    @property
+    def pad_req_slot(self) -> int:
+        """Request slot of a CUDA graph's padding rows (never handed out by the router)."""
+        return self.num_req_slots
+
+    @property
+    def num_kv_rows(self) -> int:
+        """KV rows allocated: the router's slots, the MTP scratch slots, then the padding slot."""
+        return self.num_kv_slots + self.num_scratch_slots + int(self.padding)
+
+    @property
+    def pad_kv_slot(self) -> int:
+        return self.num_kv_slots + self.num_scratch_slots
 
     @property
     def num_scratch_slots(self) -> int:
@@ -67,7 +87,7 @@ class Pools:
         modules = [m for model in models for m in model.modules()]
         for m in modules:
             if isinstance(m, Attention):
-                shape = (sizes.num_kv_slots + sizes.num_scratch_slots, m.num_kv_heads, m.head_dim)
+                shape = (sizes.num_kv_rows, m.num_kv_heads, m.head_dim)
                 m.kv_cache = (
                     torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, device=device),
@@ -75,10 +95,10 @@ class Pools:
                 self.kv.append(m.kv_cache)
             elif isinstance(m, GatedDeltaNet):
                 m.conv_states = torch.zeros(
-                    sizes.num_req_slots, m.conv_dim, m.conv_kernel - 1, dtype=dtype, device=device
+                    sizes.num_req_rows, m.conv_dim, m.conv_kernel - 1, dtype=dtype, device=device
                 )
                 m.ssm_states = torch.zeros(
-                    sizes.num_req_slots,
+                    sizes.num_req_rows,
                     m.num_v_heads,
                     m.head_k_dim,
                     m.head_v_dim,
@@ -88,7 +108,7 @@ class Pools:
                 self.states.append((m.conv_states, m.ssm_states))
                 if sizes.mtp_step:
                     m.ssm_candidates = torch.zeros(
-                        sizes.num_req_slots,
+                        sizes.num_req_rows,
                         rows,
                         m.num_v_heads,
                         m.head_k_dim,
@@ -97,7 +117,7 @@ class Pools:
                         device=device,
                     )
                     m.conv_windows = torch.zeros(
-                        sizes.num_req_slots,
+                        sizes.num_req_rows,
                         m.conv_dim,
                         m.conv_kernel - 1 + rows,
                         dtype=dtype,

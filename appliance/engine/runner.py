@@ -16,6 +16,7 @@ import torch
 from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
+from appliance.engine.graphs import MAX_GRAPH_BS, DecodeGraphs
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
@@ -83,7 +84,7 @@ class ModelRunner:
         sizes = self.pools.sizes
         self.num_kv_slots = sizes.num_kv_slots
         self.requests = RequestTable(
-            sizes.num_req_slots, sizes.max_model_len, self.mtp_step, self.device
+            sizes.num_req_rows, sizes.max_model_len, self.mtp_step, self.device
         )
         self.drafter = None
         if self.mtp_step:
@@ -99,6 +100,7 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
+        self.graphs = self._capture_graphs()  # last: the pools and the table must exist
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -169,7 +171,60 @@ class ModelRunner:
             slots = self._slots_from_memory()
         elif not slots:
             slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
-        return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step)
+        padding = self._graph_max_bs() > 0
+        return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step, padding)
+
+    def _graph_max_bs(self) -> int:
+        """Largest decode batch captured as a CUDA graph; 0 when graphs are off (CPU, the flag,
+        or an attention backend that plans on the host every step)."""
+        cfg = self.config.graphs
+        if self.device.type != "cuda" or cfg.disable_cuda_graph:
+            return 0
+        if self.backends.get("attention") == "flashinfer":
+            log.warning("CUDA graphs off: the flashinfer attention backend plans on the host")
+            return 0
+        max_bs = cfg.cuda_graph_max_bs or MAX_GRAPH_BS
+        return min(max_bs, MAX_GRAPH_BS, self.config.scheduler.max_num_seqs)
+
+    def _graph_reserve_bytes(self) -> int:
+        """Device memory held back for the decode graphs (their pool holds the activations of the
+        largest bucket, plus the shared hidden/logits outputs); logged against the measured pool."""
+        max_bs = self._graph_max_bs()
+        if not max_bs:
+            return 0
+        cfg = self.text_config
+        return max_bs * cfg.vocab_size * 4 * 3 + 512 * 2**20
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        max_bs = self._graph_max_bs()
+        if not max_bs:
+            return None
+        cfg = self.text_config
+        graphs = DecodeGraphs(
+            self.model,
+            self.requests,
+            self.pools.sizes,
+            max_bs,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            self.dtype,
+            self.device,
+        )
+        log.info("capturing CUDA graphs for %d decode batch sizes", len(graphs.batch_sizes))
+        graphs.capture(
+            lambda done, total, bs: log.info(
+                "CUDA graph %d/%d (batch %d) captured", done, total, bs
+            )
+        )
+        log.info(
+            "CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
+            len(graphs.batch_sizes),
+            max_bs,
+            graphs.capture_s,
+            graphs.pool_bytes / 2**30,
+            self._graph_reserve_bytes() / 2**30,
+        )
+        return graphs
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -204,18 +259,21 @@ class ModelRunner:
         sched = self.config.scheduler
         activation = self._profile_activation_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
-        state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * sched.max_num_seqs
+        rows = sched.max_num_seqs + (1 if self._graph_max_bs() else 0)  # + the padding slot
+        state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * rows
         per_slot = max(
             1, sum(kv_bytes_per_slot(m, self.dtype) for m in [self.model, *self.draft_modules])
         )
-        budget = (free - activation - self.reserved_bytes) * self.config.cache.mem_fraction - state
+        held = activation + self.reserved_bytes + self._graph_reserve_bytes()
+        budget = (free - held) * self.config.cache.mem_fraction - state
         slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
         log.info(
             "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
-            "for the ViT, %.2f GiB state pools -> %d KV slots",
+            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools -> %d KV slots",
             free / 2**30,
             activation / 2**30,
             self.reserved_bytes / 2**30,
+            self._graph_reserve_bytes() / 2**30,
             state / 2**30,
             slots,
         )
@@ -246,11 +304,16 @@ class ModelRunner:
         self._admit(plan)
         if not plan.chunks:
             return StepResult(plan.step_id, [], 0.0)
-        batch: StepBatch = build_batch(plan.chunks, self.requests, self.device)
-        hidden = self.forward_batch(batch)
+        if self._graph_step(plan.chunks):
+            batch, hidden, logits = self._replay(plan.chunks)
+        else:
+            batch = build_batch(plan.chunks, self.requests, self.device)
+            hidden = self.forward_batch(batch)
+            logits = None
+            if batch.sample_rows:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled: list[SampledTokens] = []
-        if batch.sample_rows:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
         if self.drafter is not None:
             accepted = {  # req slot -> rows committed this step (verify chunks)
@@ -260,6 +323,26 @@ class ModelRunner:
             }
             self.drafter.run(hidden, extend_rows(batch.chunks, accepted, self.requests))
         return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+
+    def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step the decode graphs can replay: plain one-token decodes, none with images."""
+        if self.graphs is None or not self.graphs.can_run(chunks):
+            return False
+        return not any(c.req_slot in self.mm.requests for c in chunks)
+
+    def _replay(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
+        """Replays the decode graph; the batch describes its rows for sampling and drafting."""
+        bs, hidden, logits = self.graphs.run(chunks)
+        n = len(chunks)
+        batch = StepBatch(
+            chunks=list(chunks),
+            input_ids=self.requests.token_ids[0, :0],  # not read after the forward
+            positions=self.graphs.meta[1, :n],
+            ctx=self.graphs.contexts[bs],
+            logits_indices=self.graphs.cu_seqlens[:n],
+            sample_rows=[(i, 1) for i in range(n)],
+        )
+        return batch, hidden, logits
 
     def forward_batch(self, batch: StepBatch) -> torch.Tensor:
         """Post-final-norm hidden states [T, H] of a batch; requests with images get M-RoPE

@@ -10,9 +10,9 @@ they do behind the HTTP server.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
-from appliance.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from appliance.config import EngineConfig
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.messages import TextDelta, TokenizedRequest
@@ -31,21 +31,18 @@ class CompletionOutput:
 
 
 def build_engine_config(model_dir: str | None, tp: int, options: dict) -> EngineConfig:
-    """Splits flat keyword options over the per-role dataclasses; unknown names raise ValueError."""
-    groups = {"model": ModelConfig(), "scheduler": SchedulerConfig(), "parallel": ParallelConfig()}
-    values: dict[str, dict] = {k: {} for k in groups}
+    """Splits flat keyword options over the engine's config sections (model, scheduler, parallel,
+    cache, kernels, graphs); unknown names raise ValueError naming the option."""
+    sections = {f.name: f.default_factory() for f in fields(EngineConfig)}
+    values: dict[str, dict] = {name: {} for name in sections}
     for key, value in options.items():
-        owner = next((g for g, cfg in groups.items() if hasattr(cfg, key)), None)
+        owner = next((name for name, cfg in sections.items() if hasattr(cfg, key)), None)
         if owner is None:
             raise ValueError(f"{key}: unknown option")
         values[owner][key] = value
     values["model"]["model_dir"] = str(model_dir or "")
     values["parallel"]["tp"] = tp
-    return EngineConfig(
-        model=replace(groups["model"], **values["model"]),
-        scheduler=replace(groups["scheduler"], **values["scheduler"]),
-        parallel=replace(groups["parallel"], **values["parallel"]),
-    )
+    return EngineConfig(**{name: replace(cfg, **values[name]) for name, cfg in sections.items()})
 
 
 class LLM:

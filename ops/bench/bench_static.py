@@ -1,9 +1,11 @@
 """Static step benchmark: prefill and decode step times of the model runner with MTP off and on
-(k = 1, 2, 3) at several batch sizes, on `--load-format dummy` weights from a real config.
+(k = 1, 2, 3) at several batch sizes, CUDA graphs on and off, on `--load-format dummy` weights from
+a real config.
 
 Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
 k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode
-step (weight bytes / peak bandwidth) so the plain step is read against physics. Usage:
+step measured in the same run: (weight bytes + KV bytes read + GDN state bytes read and written) /
+the device-to-device copy bandwidth measured here, so the plain step is read against physics.
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
 """
 
@@ -17,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from appliance.config import EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from appliance.config import (
+    EngineConfig,
+    GraphConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 
@@ -90,11 +99,39 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes per second of a large device-to-device copy (read + write), median of 10."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / sorted(times[3:])[len(times[3:]) // 2]
+
+
+def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+    """Bytes a plain decode step must move: every weight once, each request's KV (its context)
+    once, each request's GDN state read and written once."""
+    kv = sum(kv_bytes_per_slot(m, runner.dtype) for m in [runner.model])
+    state = state_bytes_per_slot(runner.model, runner.dtype, 0)
+    return weight_bytes(runner.model) + batch * (context * kv + 2 * state)
+
+
 def measure(
     runner: ModelRunner, draft_times: list[float], batch: int, prompt_len: int, k: int, steps: int
 ) -> dict:
     bench = Bench(runner)
-    runner.drafter.k = max(k, 1) if runner.drafter is not None else 0
+    if runner.drafter is not None:
+        runner.drafter.k = max(k, 1)
     prefill_s, starts = bench.prefill(batch, prompt_len, num_draft=k)
     draft_times.clear()
     samples = [bench.decode(starts, k) for _ in range(steps)]
@@ -115,55 +152,85 @@ def measure(
     }
 
 
+def build_runner(
+    config: str,
+    max_batch: int,
+    prompt_len: int,
+    steps: int,
+    mtp: list[int],
+    graphs: bool,
+    device: str = "auto",
+) -> ModelRunner:
+    """A runner on dummy weights from a real config.json, with pools sized for the benchmark."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = json.loads(Path(config).read_text())
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        need = max_batch * (prompt_len + (steps + 2) * 4)
+        engine = EngineConfig(
+            model=ModelConfig(model_dir=tmp, load_format="dummy", max_model_len=4096),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch,
+                mtp_step=max(mtp),
+                max_num_batched_tokens=max_batch * prompt_len,
+                num_kv_slots=need * 2,
+            ),
+            parallel=ParallelConfig(device=device),
+            graphs=GraphConfig(disable_cuda_graph=not graphs),
+        )
+        return ModelRunner(engine)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--hbm-gbps", type=float, default=4800.0, help="peak HBM bandwidth (H200)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = json.loads(Path(args.config).read_text())
-        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-        max_batch = max(args.batch)
-        need = max_batch * (args.prompt_len + (args.steps + 2) * 4)
-        engine = EngineConfig(
-            model=ModelConfig(model_dir=tmp, load_format="dummy", max_model_len=4096),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_batch,
-                mtp_step=max(args.mtp),
-                max_num_batched_tokens=max_batch * args.prompt_len,
-                num_kv_slots=need * 2,
-            ),
-            parallel=ParallelConfig(device=args.device),
-        )
-        runner = ModelRunner(engine)
-    floor_ms = weight_bytes(runner.model) / (args.hbm_gbps * 1e9) * 1e3
+    runner = build_runner(
+        args.config,
+        max(args.batch),
+        args.prompt_len,
+        args.steps,
+        args.mtp,
+        "on" in args.graphs,
+        args.device,
+    )
+    bandwidth = copy_bandwidth()
+    captured = runner.graphs
     rows = []
     draft_times = timed_draft(runner) if runner.drafter is not None else []
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print(
-        f"{'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} {'draft ms':>9} "
-        f"{'verify/plain':>12} {'draft/plain':>11} {'plain/HBM floor':>15}"
+        f"{'graphs':>6} {'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} "
+        f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
+        f"{'plain/floor':>11}"
     )
-    for batch in args.batch:
-        plain = None
-        for k in args.mtp:
-            r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps)
-            plain = r["step_ms"] if k == 0 else plain
-            r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
-            r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
-            r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
-            rows.append(r)
-            print(
-                f"{batch:>5} {k:>2} {r['prefill_ms']:>10.1f} {r['verify_ms']:>9.2f} "
-                f"{r['draft_ms']:>9.2f} {r['verify_over_plain']:>12.2f} "
-                f"{r['draft_over_plain']:>11.2f} {r['plain_over_floor']:>15.2f}"
-            )
-    print(f"weights {weight_bytes(runner.model) / 2**30:.1f} GiB, HBM floor {floor_ms:.2f} ms/step")
+    for graphs in args.graphs:
+        runner.graphs = captured if graphs == "on" else None
+        for batch in args.batch:
+            plain = None
+            floor_ms = step_bytes(runner, batch, args.prompt_len + args.steps) / bandwidth * 1e3
+            for k in args.mtp:
+                r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps)
+                plain = r["step_ms"] if k == 0 else plain
+                r["graphs"] = graphs
+                r["floor_ms"] = floor_ms
+                r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
+                r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
+                r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
+                rows.append(r)
+                print(
+                    f"{graphs:>6} {batch:>5} {k:>2} {r['prefill_ms']:>10.1f} "
+                    f"{r['verify_ms']:>9.2f} {r['draft_ms']:>9.2f} "
+                    f"{r['verify_over_plain']:>12.2f} {r['draft_over_plain']:>11.2f} "
+                    f"{floor_ms:>8.2f} {r['plain_over_floor']:>11.2f}"
+                )
+    print(f"weights {weight_bytes(runner.model) / 2**30:.2f} GiB")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -2,11 +2,12 @@
 # One consolidated GPU call: install the carried optional packages, then run the steps named in
 # STEPS (space-separated, in order), each under its own time limit, logs in $OUT.
 #
-#   STEPS="probe tests bench model vision static" bash ops/gpu/session.sh
+#   STEPS="probe tests bench model vision graphs static static_moe profile" bash ops/gpu/session.sh
 #
 # Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
-# Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S;
+# Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
+# GRAPHS_S PROFILE_S;
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
@@ -14,7 +15,8 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 SITE=$(mktemp -d)
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu-payload/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+  $(ls .gpu-payload/*.whl .gpu-payload/serve/*.whl 2>/dev/null)
 for a in .gpu-payload/*.tar.xz; do [ -s "$a" ] && tar -xJf "$a" -C "$SITE"; done
 export PYTHONPATH=$PWD:$SITE PYTHONUNBUFFERED=1
 export FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=16 HOME=${HOME:-/root}
@@ -59,9 +61,16 @@ for s in ${STEPS:-probe tests bench}; do
         python3 ops/gpu/check_vision.py --json "$OUT/check_vision.json"
       step vision_bench "${VISION_BENCH_S:-200}" env PYTHONPATH="$PYTHONPATH:$vsite" \
         python3 ops/bench/bench_vit.py --json "$OUT/vit.json" ;;
-    static) step static "${STATIC_S:-170}" python3 ops/bench/bench_static.py \
-      --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --mtp 0 1 --prompt-len 256 \
-      --steps 6 --json "$OUT/static.json" ;;
+    static) step static "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
+      --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --mtp ${STATIC_MTP:-0} \
+      --graphs on off --prompt-len 256 --steps 8 --json "$OUT/static.json" ;;
+    static_moe) step static_moe "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
+      --config ops/bench/configs/qwen3_5_35b_a3b.json --batch 1 16 64 --mtp ${STATIC_MTP:-0} \
+      --graphs on off --prompt-len 256 --steps 8 --json "$OUT/static_moe.json" ;;
+    graphs) step graphs "${GRAPHS_S:-200}" python3 -m pytest tests/appliance/engine/test_graphs.py \
+      -q -p no:cacheprovider -m gpu -rfE ;;
+    profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
+      --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
     *) echo "unknown step $s" ;;
   esac
 done

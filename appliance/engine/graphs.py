@@ -1,0 +1,146 @@
+"""CUDA graphs of the plain decode step (forward + logits), captured by the runner at startup for
+bucketed batch sizes and replayed for steps whose chunks are all one-token decodes.
+
+A replayed step's only inputs are one `[3, bs]` int64 tensor (request slot, position, KV slot per
+row) copied from a pinned staging buffer in one transfer; everything else the forward reads (input
+ids from the request table, `req_to_token`, sequence lengths) is derived from it inside the graph.
+Rows past the real batch are padding: they run on a request slot and a KV slot that the router
+never hands out (`PoolSizes.padding`), so they never touch live KV or state. Steps with prefill
+chunks, MTP verify rows or images run eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from appliance.engine.pools import PoolSizes
+from appliance.engine.requests import RequestTable
+from appliance.logging import get_logger
+from appliance.messages import ScheduledChunk
+from appliance.models.context import ForwardContext, forward_context
+
+log = get_logger(__name__)
+
+MAX_GRAPH_BS = 256
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Buckets: 1, 2, 4, 8, then every multiple of 8 up to max_bs (max_bs itself included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(8, max_bs, 8))
+    return sorted(set(sizes) | {max_bs})
+
+
+def is_plain_decode(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk computes one token, samples it, and carries no MTP drafts."""
+    return bool(chunks) and all(c.num_tokens == 1 and c.sample and not c.num_draft for c in chunks)
+
+
+class DecodeGraphs:
+    """One graph per bucket; `run(chunks)` pads the step to the smallest bucket and replays it
+    (before `capture()`, or on CPU, it runs the same padded step eagerly)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        requests: RequestTable,
+        sizes: PoolSizes,
+        max_bs: int,
+        hidden_size: int,
+        vocab_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if not sizes.padding:
+            raise ValueError("DecodeGraphs needs pools with a padding slot (PoolSizes.padding)")
+        self.model, self.requests, self.device = model, requests, device
+        self.batch_sizes = graph_batch_sizes(max_bs)
+        self.max_bs = max_bs
+        self.pad = (sizes.pad_req_slot, 0, sizes.pad_kv_slot)  # slot, position, KV slot
+        requests.token_ids[sizes.pad_req_slot].zero_()  # padding rows read token 0
+        # inputs: [3, max_bs] (req slot, position, KV slot) on the device, staged from pinned host
+        self.meta = torch.tensor([[p] * max_bs for p in self.pad], dtype=torch.int64, device=device)
+        self.meta_host = self.meta.cpu()
+        if device.type == "cuda":
+            self.meta_host = self.meta_host.pin_memory()
+        self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
+        # outputs, shared by every bucket (a replay writes the first bs rows)
+        self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.contexts: dict[int, ForwardContext] = {}
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+
+    # ------------------------------------------------------------------ the captured step
+    def _forward(self, bs: int) -> None:
+        slots, positions, kv_slots = self.meta[0, :bs], self.meta[1, :bs], self.meta[2, :bs]
+        table = self.requests
+        input_ids = table.token_ids[slots, positions]
+        table.req_to_token[slots, positions] = kv_slots.to(torch.int32)
+        ctx = ForwardContext(
+            req_slots=slots,
+            cu_seqlens_q=self.cu_seqlens[: bs + 1],
+            seq_lens=positions + 1,
+            has_initial_state=positions > 0,
+            out_kv_slots=kv_slots,
+            req_to_token=table.req_to_token,
+            q_lens=[1] * bs,
+            all_decode=True,
+            max_q_len=1,
+        )
+        self.contexts[bs] = ctx
+        with forward_context(ctx):
+            hidden = self.model(input_ids, positions)
+        self.hidden[:bs].copy_(hidden)
+        self.logits[:bs].copy_(self.model.compute_logits(hidden))
+
+    @torch.inference_mode()
+    def capture(self, progress: Callable[[int, int, int], None] | None = None) -> None:
+        """Warm up and capture every bucket, largest first (smaller ones reuse its memory)."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for i, bs in enumerate(reversed(self.batch_sizes)):
+            self._forward(bs)  # warm-up: Triton compiles and autotunes outside the capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bs)
+            self.graphs[bs] = graph
+            if progress is not None:
+                progress(i + 1, len(self.batch_sizes), bs)
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        self.capture_s = time.perf_counter() - start
+        self.pool_bytes = max(0, free_before - free_after)
+
+    # ------------------------------------------------------------------ replay
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.batch_sizes if b >= n)
+
+    def can_run(self, chunks: list[ScheduledChunk]) -> bool:
+        return len(chunks) <= self.max_bs and is_plain_decode(chunks)
+
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Replays the step; returns (bucket, hidden [n, H], logits [n, V]) for the n chunks."""
+        n = len(chunks)
+        bs = self.bucket(n)
+        staged = self.meta_host.numpy()
+        staged[0, :n] = [c.req_slot for c in chunks]
+        staged[1, :n] = [c.start for c in chunks]
+        staged[2, :n] = [c.kv_slots[0] for c in chunks]
+        for row, value in enumerate(self.pad):
+            staged[row, n:] = value
+        # one transfer of the whole (tiny, contiguous) buffer; the host waits for this step's
+        # results before it writes the staging buffer again
+        self.meta.copy_(self.meta_host, non_blocking=True)
+        graph = self.graphs.get(bs)
+        if graph is not None:
+            graph.replay()
+        else:  # not captured (CPU tests): the same step, eagerly
+            self._forward(bs)
+        return bs, self.hidden[:n], self.logits[:n]

@@ -1,0 +1,72 @@
+"""Host vs GPU time of a decode step: torch.profiler over N plain decode steps of the model runner
+(dummy weights from a real config), CUDA graphs on and off. Prints per step: wall time, GPU kernel
+time (sum of kernel durations), kernel launches, and GPU idle share; writes a Chrome trace.
+
+  python ops/gpu/profile_step.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 --out .
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ops.bench.bench_static import Bench, build_runner, sync  # noqa: E402
+
+
+def profile_decode(runner, batch: int, prompt_len: int, steps: int, trace: Path | None) -> dict:
+    bench = Bench(runner)
+    _, starts = bench.prefill(batch, prompt_len, num_draft=0)
+    for _ in range(3):  # warm-up (allocator, autotune)
+        bench.decode(starts, 0)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            bench.decode(starts, 0)
+        sync()
+        wall = (time.perf_counter() - start) / steps
+    bench.run([], released=list(range(batch)))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = sum(e.device_time for e in kernels) / 1e6 / steps  # device_time is in us
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return {
+        "wall_ms": wall * 1e3,
+        "gpu_ms": gpu * 1e3,
+        "kernels": len(kernels) / steps,
+        "idle": max(0.0, 1 - gpu / wall),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, [0], True)
+    captured = runner.graphs
+    print(f"{'graphs':>6} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
+    for graphs in ("on", "off"):
+        runner.graphs = captured if graphs == "on" else None
+        for batch in args.batch:
+            first = batch == args.batch[0]  # one trace per mode: the files come back from the GPU
+            trace = Path(args.out) / f"trace_{graphs}_b{batch}.json" if args.out and first else None
+            r = profile_decode(runner, batch, args.prompt_len, args.steps, trace)
+            print(
+                f"{graphs:>6} {batch:>5} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
+                f"{r['kernels']:>8.0f} {100 * r['idle']:>7.1f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The CUDA-graph decode step (appliance/engine/graphs.py), run eagerly on CPU: its inputs derived
+from one [3, bs] tensor give the eager path's tokens, and its padding rows never touch the KV or
+state of a live request. (Capture and replay themselves are checked on the GPU.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from appliance.config import EngineConfig, GraphConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from appliance.engine.graphs import DecodeGraphs, graph_batch_sizes, is_plain_decode
+from appliance.engine.pools import Pools
+from appliance.engine.requests import RequestTable
+from appliance.engine.runner import ModelRunner
+from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
+
+GREEDY = SamplingOptions(temperature=0.0)
+SEEDED = SamplingOptions(temperature=1.0, top_k=20, seed=5)
+
+
+def test_buckets():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_plain_decode_rule():
+    decode = ScheduledChunk(0, 5, 1, [9], True)
+    assert is_plain_decode([decode, ScheduledChunk(1, 7, 1, [10], True)])
+    assert not is_plain_decode([])
+    assert not is_plain_decode([decode, ScheduledChunk(1, 0, 4, [1, 2, 3, 4], True)])  # prefill
+    assert not is_plain_decode([ScheduledChunk(1, 7, 3, [1, 2, 3], True, num_draft=2)])  # verify
+    assert not is_plain_decode([ScheduledChunk(1, 7, 1, [10], False)])  # no sample
+
+
+def _runner(model_dir, graphs: bool) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model_dir=str(model_dir), max_model_len=128),
+        scheduler=SchedulerConfig(max_num_seqs=8, num_kv_slots=1024),
+    )
+    runner = ModelRunner(config)
+    if graphs:  # what the runner does on CUDA: padded pools, then the graph step (uncaptured)
+        sizes = dataclasses.replace(runner.pools.sizes, padding=True)
+        runner.pools = Pools([runner.model], sizes, runner.dtype, runner.device)
+        runner.requests = RequestTable(sizes.num_req_rows, sizes.max_model_len, 0, runner.device)
+        cfg = runner.text_config
+        runner.graphs = DecodeGraphs(
+            runner.model,
+            runner.requests,
+            sizes,
+            4,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            runner.dtype,
+            runner.device,
+        )
+    return runner
+
+
+def _generate(runner: ModelRunner, prompts, options, steps: int) -> list[list[int]]:
+    """Prefill the prompts on slots 1.. (slot 0 stays idle), then decode all of them together."""
+    slots = list(range(1, len(prompts) + 1))
+    kv = iter(range(1024))
+    new = [NewRequest(s, p, o) for s, p, o in zip(slots, prompts, options)]
+    chunks = [
+        ScheduledChunk(s, 0, len(p), [next(kv) for _ in p], True) for s, p in zip(slots, prompts)
+    ]
+    out = {s: [] for s in slots}
+    result = runner.execute(StepPlan(0, new, chunks, []))
+    for step in range(1, steps + 1):
+        for sampled in result.sampled:
+            out[sampled.req_slot] += sampled.token_ids
+        lens = {s: len(p) + len(out[s]) for s, p in zip(slots, prompts)}
+        chunks = [ScheduledChunk(s, lens[s] - 1, 1, [next(kv)], True) for s in slots]
+        result = runner.execute(StepPlan(step, [], chunks, []))
+    return [out[s] for s in slots]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dense", "tiny_moe"])
+def test_graph_step_matches_eager_and_padding_stays_apart(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    prompts = [[11, 300, 42, 7, 99], list(range(100, 117)), [5, 6, 7]]  # 3 rows -> bucket 4
+    options = [GREEDY, SEEDED, GREEDY]
+    eager = _generate(_runner(model_dir, graphs=False), prompts, options, steps=6)
+
+    runner = _runner(model_dir, graphs=True)
+    replays = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
+    # the idle slot 0's state and the router's KV slots past the ones used must not change
+    gdn = runner.pools.gdn_layers[0]
+    idle_state = gdn.ssm_states[0].clone()
+    k_cache = runner.pools.kv[0][0]
+    unused_kv = k_cache[500:1024].clone()
+    graphed = _generate(runner, prompts, options, steps=6)
+
+    assert graphed == eager
+    assert replays == [3] * 6  # every decode step took the graph path, padded to 4
+    assert torch.equal(gdn.ssm_states[0], idle_state)
+    assert torch.equal(k_cache[500:1024], unused_kv)
+    pad_kv = runner.pools.sizes.pad_kv_slot
+    assert k_cache[pad_kv].abs().sum() > 0  # the padding row wrote its own slot
+
+
+def _gpu_runner(model_dir, graphs: bool) -> ModelRunner:
+    config = EngineConfig(
+        model=ModelConfig(model_dir=str(model_dir), max_model_len=256, dtype="bfloat16"),
+        scheduler=SchedulerConfig(max_num_seqs=16, num_kv_slots=4096),
+        parallel=ParallelConfig(device="cuda"),
+        graphs=GraphConfig(disable_cuda_graph=not graphs, cuda_graph_max_bs=8),
+    )
+    return ModelRunner(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["dense", "moe", "qwen3_vl"])
+@pytest.mark.parametrize("num_prompts", [5, 8, 11])  # padded to 8; exactly 8; above max: eager
+def test_captured_graphs_replay_the_eager_tokens(family, num_prompts, tmp_path):
+    from appliance.testing.tiny import build_qwen3_5
+    from appliance.testing.tiny_vl import build_tiny_qwen3_vl
+
+    if family == "qwen3_vl":
+        model_dir = build_tiny_qwen3_vl(tmp_path / family, tokenizer="none", seed=3)
+    else:
+        model_dir = build_qwen3_5(tmp_path / family, moe=family == "moe", seed=3)
+    gen = torch.Generator().manual_seed(num_prompts)
+    prompts = [
+        torch.randint(0, 200, (n,), generator=gen).tolist() for n in range(3, 3 + num_prompts)
+    ]
+    options = [GREEDY if i % 2 else SEEDED for i in range(num_prompts)]
+    eager = _generate(_gpu_runner(model_dir, graphs=False), prompts, options, steps=12)
+    runner = _gpu_runner(model_dir, graphs=True)
+    assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4, 8]
+    assert len(runner.graphs.graphs) == 4  # captured
+    replays = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
+    assert _generate(runner, prompts, options, steps=12) == eager
+    assert replays == ([] if num_prompts > 8 else [num_prompts] * 12)
