@@ -13,7 +13,7 @@ from torch import nn
 from appliance.models.config import TextConfig
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
-from appliance.models.layers.gdn import GatedDeltaNet
+from appliance.models.layers.gdn import IN_PROJ_SHARDS, GatedDeltaNet
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import SparseMoE
 from appliance.models.layers.norm import RMSNorm
@@ -147,6 +147,10 @@ def map_layer_name(name: str) -> tuple[str, object]:
         suffix = f".{proj}.weight"
         if name.endswith(suffix) and ".mlp." in name:
             return name[: -len(suffix)] + ".gate_up_proj.weight", shard
+    for proj, shard in IN_PROJ_SHARDS.items():
+        suffix = f".linear_attn.{proj}.weight"
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".linear_attn.in_proj.weight", shard
     if name.endswith(".linear_attn.conv1d.weight"):
         return name.replace(".conv1d.weight", ".conv1d_weight"), None
     return name, None

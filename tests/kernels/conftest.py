@@ -24,6 +24,7 @@ KERNEL_MODULES = (
     "kernels.attention",
     "kernels.gdn_chunk",
     "kernels.gdn",
+    "kernels.gdn_gate",
     "kernels.conv1d",
     "kernels.norm",
     "kernels.rotary",

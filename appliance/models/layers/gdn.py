@@ -5,7 +5,6 @@ and value heads; conv and SSM state pools are bound by the runner."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.context import get_forward_context
@@ -14,6 +13,10 @@ from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
 from kernels.conv1d import causal_conv1d, causal_conv1d_verify
 from kernels.gdn import gdn, gdn_verify
+from kernels.gdn_gate import gdn_gating
+
+# checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
+IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
 
 
 class GatedDeltaNet(nn.Module):
@@ -40,10 +43,10 @@ class GatedDeltaNet(nn.Module):
         self.local_segments = [s // size for s in self.segments]
         self.conv_dim = sum(self.local_segments)
         self.conv_kernel = conv_kernel
-        self.in_proj_qkv = ColumnLinear(hidden, self.segments)
-        self.in_proj_z = ColumnLinear(hidden, [value_dim])
-        self.in_proj_b = ColumnLinear(hidden, [num_v_heads])
-        self.in_proj_a = ColumnLinear(hidden, [num_v_heads])
+        # One GEMM for the four input projections (checkpoint in_proj_qkv, _z, _b, _a are its
+        # segments, see IN_PROJ_SHARDS): [q | k | v | z | b | a] per rank.
+        self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim, num_v_heads, num_v_heads])
+        self.in_proj_split = [self.conv_dim, value_dim // size, self.num_v_heads, self.num_v_heads]
         self.conv1d_weight = nn.Parameter(
             torch.empty(self.conv_dim, conv_kernel), requires_grad=False
         )
@@ -71,15 +74,15 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        mixed = self._conv(self.in_proj_qkv(x), ctx)
+        qkv, z, b, a = self.in_proj(x).split(self.in_proj_split, dim=-1)
+        mixed = self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] fp32, [T, Hv]
         out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
-        z = self.in_proj_z(x).reshape(num_tokens * self.num_v_heads, self.head_v_dim)
+        z = z.reshape(num_tokens * self.num_v_heads, self.head_v_dim)
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out)
 

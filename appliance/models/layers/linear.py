@@ -61,11 +61,20 @@ class ColumnLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(sum(self.local)), requires_grad=False)
             self.bias.weight_loader = self._load
 
-    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    def _load(
+        self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | tuple | None = None
+    ) -> None:
         if shard_id is None and len(self.segments) == 1:
             shard_id = 0
         if shard_id is None:  # one checkpoint tensor holding every segment
-            for i, piece in enumerate(loaded.split(self.segments, dim=0)):
+            shard_id = tuple(range(len(self.segments)))
+        if isinstance(shard_id, tuple):  # one checkpoint tensor holding these segments, in order
+            sizes = [self.segments[i] for i in shard_id]
+            if loaded.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"shape mismatch: segments {sizes} vs loaded {tuple(loaded.shape)}"
+                )
+            for i, piece in zip(shard_id, loaded.split(sizes, dim=0)):
                 self._load(param, piece, i)
             return
         part = self.shard_fn(loaded, 0)
