@@ -29,6 +29,7 @@ from appliance.config import (
 from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
+from appliance.models.layers.moe import SparseMoE
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -118,12 +119,25 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * gib * 2**30 / sorted(times[3:])[len(times[3:]) // 2]
 
 
-def step_bytes(runner: ModelRunner, batch: int, context: int) -> int:
-    """Bytes a plain decode step must move: every weight once, each request's KV (its context)
-    once, each request's GDN state read and written once."""
+def active_weight_bytes(model: torch.nn.Module, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads: everything but the routed experts, plus
+    the experts the batch is expected to touch (E * (1 - (1 - k/E)^batch) per MoE layer, uniform
+    routing as with dummy weights)."""
+    total = float(weight_bytes(model))
+    for m in model.modules():
+        if isinstance(m, SparseMoE):
+            experts = sum(p.numel() * p.element_size() for p in (m.w_gate_up, m.w_down))
+            touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
+            total -= experts * (1 - touched / m.num_experts)
+    return total
+
+
+def step_bytes(runner: ModelRunner, batch: int, context: int) -> float:
+    """Bytes a plain decode step must move: the weights it reads once (only the routed experts of a
+    MoE model), each request's KV (its context) once, each request's GDN state read and written."""
     kv = sum(kv_bytes_per_slot(m, runner.dtype) for m in [runner.model])
     state = state_bytes_per_slot(runner.model, runner.dtype, 0)
-    return weight_bytes(runner.model) + batch * (context * kv + 2 * state)
+    return active_weight_bytes(runner.model, batch) + batch * (context * kv + 2 * state)
 
 
 def measure(
