@@ -272,8 +272,8 @@ class RouterStats(msgspec.Struct, tag="router_stats", frozen=True):
 
     scheduler: SchedulerStats
     queue_time_s: list[float] = []  # queue times of requests first scheduled since the last one
-    step_overhead_ms: float = 0.0  # mean router time per step minus the worker forward (recent)
-    step_forward_ms: float = 0.0  # mean worker forward time per step (recent)
+    step_overhead_ms: float = 0.0  # mean router time per step: plan, send, update (recent)
+    step_forward_ms: float = 0.0  # mean worker time per step, launch to result (recent)
 
 
 class RequestProgress(msgspec.Struct, frozen=True, array_like=True):

@@ -62,9 +62,11 @@ class DecodeGraphs:
         requests.token_ids[sizes.pad_req_slot].zero_()  # padding rows read token 0
         # inputs: [3, max_bs] (req slot, position, KV slot) on the device, staged from pinned host
         self.meta = torch.tensor([[p] * max_bs for p in self.pad], dtype=torch.int64, device=device)
-        self.meta_host = self.meta.cpu()
-        if device.type == "cuda":
-            self.meta_host = self.meta_host.pin_memory()
+        # two staging buffers, alternating: with a step in flight, its copy may not have run yet
+        cuda = device.type == "cuda"
+        self.staging = [self.meta.cpu().pin_memory() if cuda else self.meta.cpu() for _ in range(2)]
+        self.staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
         # outputs, shared by every bucket (a replay writes the first bs rows)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
@@ -129,15 +131,19 @@ class DecodeGraphs:
         """Replays the step; returns (bucket, hidden [n, H], logits [n, V]) for the n chunks."""
         n = len(chunks)
         bs = self.bucket(n)
-        staged = self.meta_host.numpy()
+        self.turn ^= 1
+        host, copied = self.staging[self.turn], self.staged[self.turn]
+        if copied is not None:
+            copied.synchronize()  # its last copy (two steps ago) has run: safe to overwrite
+        staged = host.numpy()
         staged[0, :n] = [c.req_slot for c in chunks]
         staged[1, :n] = [c.start for c in chunks]
         staged[2, :n] = [c.kv_slots[0] for c in chunks]
         for row, value in enumerate(self.pad):
             staged[row, n:] = value
-        # one transfer of the whole (tiny, contiguous) buffer; the host waits for this step's
-        # results before it writes the staging buffer again
-        self.meta.copy_(self.meta_host, non_blocking=True)
+        self.meta.copy_(host, non_blocking=True)  # one transfer of the whole (tiny) buffer
+        if copied is not None:
+            copied.record()
         graph = self.graphs.get(bs)
         if graph is not None:
             graph.replay()

@@ -105,6 +105,20 @@ class RequestTable:
         verify chunk restarts from its first row, the last token known when it was planned."""
         return chunk.start + 1 if chunk.num_draft else self.num_tokens_host[chunk.req_slot]
 
+    def write_sampled(
+        self, slots: list[int], positions: list[int], token_ids: torch.Tensor
+    ) -> None:
+        """token_ids [S] (on the device, not read by the host) become the token at positions[i] of
+        request slots[i], which then knows positions[i] + 1 tokens: the next step reads them from
+        here without a round trip through the host."""
+        if not slots:
+            return
+        where = torch.tensor([slots, positions], dtype=torch.int64, device=self.device)  # [2, S]
+        self.token_ids[where[0], where[1]] = token_ids
+        self.num_tokens[where[0]] = where[1] + 1
+        for slot, position in zip(slots, positions):
+            self.num_tokens_host[slot] = position + 1
+
     def append(self, slots: list[int], starts: list[int], tokens: list[list[int]]) -> None:
         """Write tokens[i] at positions starts[i].. of request slots[i]; it then knows starts[i] +
         len(tokens[i]) tokens. One scatter for all requests of the step."""

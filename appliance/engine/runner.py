@@ -8,6 +8,7 @@ result.
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.graphs import MAX_GRAPH_BS, DecodeGraphs
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
+from appliance.engine.pending import PendingStep
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
@@ -101,6 +103,7 @@ class ModelRunner:
             self.dtype,
         )
         self.graphs = self._capture_graphs()  # last: the pools and the table must exist
+        self._pending: collections.deque[PendingStep] = collections.deque()
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -298,12 +301,31 @@ class ModelRunner:
             self.mm.admit(req)
         self.requests.admit(plan.new_requests)
 
-    @torch.inference_mode()
+    # The worker loop (and the offline engine) submit a plan and collect results in order; up to
+    # two steps are in flight, so step N+1 is launched while the GPU still runs step N.
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step, start to finish (nothing else may be in flight)."""
+        assert not self._pending, "execute() with steps in flight: use submit() / collect()"
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        self._pending.append(self._launch(plan))
+
+    def collect(self) -> StepResult:
+        """The oldest submitted step's result (waits for its device work)."""
+        return self._pending.popleft().result()
+
+    @torch.inference_mode()
+    def _launch(self, plan: StepPlan) -> PendingStep:
         start = time.perf_counter()
         self._admit(plan)
         if not plan.chunks:
-            return StepResult(plan.step_id, [], 0.0)
+            return PendingStep.ready(StepResult(plan.step_id, [], 0.0))
         if self._graph_step(plan.chunks):
             batch, hidden, logits = self._replay(plan.chunks)
         else:
@@ -312,6 +334,8 @@ class ModelRunner:
             logits = None
             if batch.sample_rows:
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if logits is not None and self._device_resident(batch):
+            return self._launch_sampling(plan.step_id, start, batch, logits)
         sampled: list[SampledTokens] = []
         if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
@@ -322,7 +346,23 @@ class ModelRunner:
                 if chunk.num_draft
             }
             self.drafter.run(hidden, extend_rows(batch.chunks, accepted, self.requests))
-        return StepResult(plan.step_id, sampled, time.perf_counter() - start)
+        return PendingStep.ready(StepResult(plan.step_id, sampled, time.perf_counter() - start))
+
+    def _device_resident(self, batch: StepBatch) -> bool:
+        """The step's tokens can stay on the device (written into the request table there) with
+        one non-blocking copy to the host: no MTP (acceptance runs on the host) and no logprobs."""
+        if self.drafter is not None:
+            return False
+        return all(self.requests.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
+
+    def _launch_sampling(
+        self, step_id: int, start: float, batch: StepBatch, logits: torch.Tensor
+    ) -> PendingStep:
+        out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
+        chunks = batch.sample_chunks
+        slots = [c.req_slot for c in chunks]
+        self.requests.write_sampled(slots, [c.start + c.num_tokens for c in chunks], out.token_ids)
+        return PendingStep.copying(step_id, start, slots, out.token_ids)
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
         """A step the decode graphs can replay: plain one-token decodes, none with images."""

@@ -1,5 +1,5 @@
-"""The worker process loop: one per TP rank; receives every StepPlan from the router, executes it on
-its ModelRunner, and (rank 0 only) sends the StepResult back.
+"""The worker process loop: one per TP rank; receives every StepPlan from the router, runs it on its
+ModelRunner (up to two steps in flight), and (rank 0 only) sends each StepResult back in order.
 
 Spawned by appliance/launch.py (`run_worker`). torch.distributed (gloo on CPU, NCCL on GPU) is
 initialised here, before the runner loads its TP shard.
@@ -62,9 +62,22 @@ def run_worker(
     if rank == 0:
         info = WorkerInfo(runner.num_kv_slots, runner.max_model_len, list(runner.eos_token_ids))
     link.ready(info)
+    serve_steps(runner, inbox, results)
+
+
+def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket | None) -> None:
+    """Plans in, results out, in order. A plan that is already waiting is launched before the
+    previous step's result is collected, so the GPU runs step N while the host prepares N+1; with
+    nothing waiting, the oldest step is collected (and reported) first."""
     dec = decoder(StepPlan)
     while True:
-        plan = dec.decode(inbox.recv(copy=False))
-        result = runner.execute(plan)
-        if results is not None:
-            results.send(encode(result))
+        if runner.num_pending and not inbox.poll(0):
+            result = runner.collect()
+            if results is not None:
+                results.send(encode(result))
+            continue
+        runner.submit(dec.decode(inbox.recv(copy=False)))
+        while runner.num_pending > 1:
+            result = runner.collect()
+            if results is not None:
+                results.send(encode(result))

@@ -78,10 +78,12 @@ class WorkerGroup:
         assert info is not None
         return info
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> None:
         data = encode(plan)
         for sock in self._plans:
             sock.send(data)
+
+    def collect(self) -> StepResult:
         while not self._results.poll(1000):
             dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
             if dead:

@@ -31,9 +31,15 @@ TIMING_WINDOW = 256  # steps averaged in step_overhead_ms / step_forward_ms
 
 
 class Executor(Protocol):
-    """Runs one StepPlan on every worker and returns rank 0's result."""
+    """The workers: `submit` sends a plan to every rank, `collect` returns rank 0's result of the
+    oldest submitted plan (results come back in order)."""
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def collect(self) -> StepResult: ...
+
+
+MAX_IN_FLIGHT = 2  # step N+1 is planned and sent while the workers still run step N
 
 
 class EngineCore:
@@ -48,8 +54,9 @@ class EngineCore:
         self._updates: list[TokenUpdate] = []
         self._queued: dict[str, float] = {}  # req_id -> arrival (monotonic), until first scheduled
         self._queue_times: list[float] = []
-        self._overhead_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
+        self._router_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
         self._forward_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
+        self._in_flight: collections.deque[tuple[int, float]] = collections.deque()  # (step, s)
         self._mm_live: set[str] = set()  # live requests whose images the visual server pins
         self._mm_ended: list[str] = []  # ended since the last take: unpin after the step
 
@@ -100,18 +107,35 @@ class EngineCore:
         self._ended(req_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._in_flight)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
-        """Plans and executes one step; False when nothing was runnable."""
-        plan = self.scheduler.schedule() if self.scheduler.has_work() else None
-        if plan is None:
-            return False
+        """Plans and submits one step (the previous one may still be running), then collects the
+        oldest step once MAX_IN_FLIGHT are out or nothing new could be planned. A request that
+        ended in the collected step may have one more step in flight: the scheduler drops its
+        result (no token reaches the client) and its slots were freed already. False when there
+        was nothing to do."""
         start = time.perf_counter()
-        if plan.new_requests:
-            self._note_admissions()
-        result = self.executor.execute(plan)
+        plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if plan is not None:
+            if plan.new_requests:
+                self._note_admissions()
+            self.executor.submit(plan)
+        planned = time.perf_counter() - start
+        if plan is not None:
+            self._in_flight.append((plan.step_id, planned))
+        if self._in_flight and (plan is None or len(self._in_flight) >= MAX_IN_FLIGHT):
+            self._collect()
+            return True
+        return plan is not None
+
+    def _collect(self) -> None:
+        step_id, planned = self._in_flight.popleft()
+        result = self.executor.collect()
+        if result.step_id != step_id:
+            raise SchedulerError(f"expected the result of step {step_id}, got {result.step_id}")
+        start = time.perf_counter()
         for out in self.scheduler.update(result):
             reason = out.finish_reason.value if out.finish_reason is not None else None
             if reason is not None:
@@ -120,8 +144,7 @@ class EngineCore:
                 TokenUpdate(out.req_id, out.new_token_ids, reason, out.logprobs, out.top_logprobs)
             )
         self._forward_s.append(result.forward_s)
-        self._overhead_s.append(time.perf_counter() - start - result.forward_s)
-        return True
+        self._router_s.append(planned + time.perf_counter() - start)
 
     def _ended(self, req_id: str) -> None:
         """A request is gone; if the visual server pinned images for it, they are unpinned after
@@ -159,11 +182,11 @@ class EngineCore:
     def stats(self) -> RouterStats:
         """The scheduler's snapshot plus this loop's queue times (drained) and step timings."""
         queue_times, self._queue_times = self._queue_times, []
-        n = len(self._overhead_s)
+        n = len(self._router_s)
         return RouterStats(
             scheduler=self.scheduler.stats(),
             queue_time_s=queue_times,
-            step_overhead_ms=1000.0 * sum(self._overhead_s) / n if n else 0.0,
+            step_overhead_ms=1000.0 * sum(self._router_s) / n if n else 0.0,
             step_forward_ms=1000.0 * sum(self._forward_s) / n if n else 0.0,
         )
 

@@ -1,8 +1,9 @@
 """The router process: an EngineCore (router/engine.py) between sockets. Takes tokenized requests,
-aborts and stop-string finishes in; each step broadcasts the StepPlan to every worker and waits for
-rank 0's StepResult; token updates go to the detokenizer, RouterStats and RouterStatus straight to
-the server. With a visual server, requests arrive through it (image requests carry `mm` handles);
-when such a request ends, the router tells the visual server (ReleaseImages) to unpin them.
+aborts and stop-string finishes in; broadcasts each StepPlan to every worker and reads rank 0's
+StepResults in order, planning and sending the next step while the workers run the current one;
+token updates go to the detokenizer, RouterStats and RouterStatus straight to the server. With a
+visual server, requests arrive through it (image requests carry `mm` handles); when such a request
+ends, the router tells the visual server (ReleaseImages) to unpin them.
 
 Spawned by appliance/launch.py (`run_router`); tests and the overhead benchmark drive `RouterLoop`
 in-process with their own sockets.
@@ -33,7 +34,7 @@ from appliance.messages import (
     encode,
 )
 from appliance.router.engine import EngineCore
-from appliance.router.scheduler import Scheduler, SchedulerError
+from appliance.router.scheduler import Scheduler
 
 logger = get_logger(__name__)
 
@@ -79,19 +80,18 @@ class RouterLoop:
             self._read_inbox(timeout_ms=1)  # nothing runnable yet: wait briefly for news
         self._flush()
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        """The engine's executor: broadcast the plan, then block for rank 0's result, handling
-        requests and aborts that arrive meanwhile."""
+    def submit(self, plan: StepPlan) -> None:
+        """The engine's executor: the plan to every worker rank."""
         wire = encode(plan)
         for sock in self.to_workers:
             sock.send(wire, copy=False)
+
+    def collect(self) -> StepResult:
+        """Rank 0's next result; requests and aborts that arrive meanwhile are handled."""
         while True:
             for sock, _ in self._poller.poll():
                 if sock is self.results:
-                    result = self._result_decoder.decode(self.results.recv(copy=False))
-                    if result.step_id != plan.step_id:
-                        raise SchedulerError(f"expected step {plan.step_id}, got {result.step_id}")
-                    return result
+                    return self._result_decoder.decode(self.results.recv(copy=False))
                 self._read_inbox(timeout_ms=0)
 
     # ------------------------------------------------------------------ inbound

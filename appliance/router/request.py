@@ -49,6 +49,7 @@ class Request:
     finish_reason: FinishReason | None = None
     req_slot: int = -1  # -1 while not running
     num_computed: int = 0  # positions whose KV/state the worker has (or is computing this step)
+    num_pending: int = 0  # tokens sampled by steps in flight whose result has not arrived yet
     num_preemptions: int = 0
     num_prompt_counted: int = (
         0  # prompt positions already counted in stats (recompute not re-counted)
@@ -79,6 +80,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_known(self) -> int:
+        """Known tokens plus those being sampled in flight (the worker feeds them to the next step
+        itself, so the router can plan it before the previous result arrives)."""
+        return self.num_tokens + self.num_pending
 
     @property
     def peak_kv_slots(self) -> int:

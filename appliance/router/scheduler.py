@@ -32,6 +32,9 @@ from appliance.router.request import FinishReason, Request, RequestOutput, Reque
 logger = get_logger(__name__)
 
 
+MAX_PENDING = 2  # sampled tokens of one request in flight at most (the engine keeps 2 steps out)
+
+
 class SchedulerError(Exception):
     """Base of the scheduler's typed errors."""
 
@@ -162,7 +165,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if req.num_tokens - req.num_computed != 1:
+            if req.num_known - req.num_computed != 1 or not self._may_decode(req):
                 continue
             num_draft = self._num_draft(req)
             rows = 1 + num_draft
@@ -177,7 +180,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            remaining = req.num_tokens - req.num_computed
+            remaining = req.num_known - req.num_computed
             if req.status is not RequestStatus.RUNNING or remaining <= 1:
                 continue
             take = min(remaining, budget)
@@ -209,6 +212,17 @@ class Scheduler:
         plan = StepPlan(step_id, new_requests, chunks, self._released)
         self._released = []
         return plan
+
+    def _may_decode(self, req: Request) -> bool:
+        """A decode may be planned while the previous step of the request is in flight (its token
+        is pending), unless that pending token is the request's last (max_tokens), the request
+        uses MTP (its accepted length is unknown until the result arrives), or MAX_PENDING tokens
+        are out already."""
+        if not req.num_pending:
+            return True
+        if req.num_pending >= MAX_PENDING or self._uses_mtp(req):
+            return False
+        return req.num_output_tokens + req.num_pending < req.max_tokens
 
     def _count_mtp(self, num_draft: int, num_tokens: int) -> None:
         accepted = num_tokens - 1
@@ -281,12 +295,14 @@ class Scheduler:
         if prompt_end > req.num_prompt_counted:
             self._num_prompt_tokens += prompt_end - req.num_prompt_counted
             req.num_prompt_counted = prompt_end
+        sample = end >= req.num_known
+        req.num_pending += sample
         return ScheduledChunk(
             req_slot=req.req_slot,
             start=start,
             num_tokens=num_tokens,
             kv_slots=kv_slots,
-            sample=end >= req.num_tokens,
+            sample=sample,
             num_draft=num_draft,
         )
 
@@ -309,6 +325,7 @@ class Scheduler:
             req, epoch, num_draft = entry
             if req.status is not RequestStatus.RUNNING or req.num_preemptions != epoch:
                 continue  # aborted / finished / preempted after the plan was made: drop the token
+            req.num_pending -= 1
             if num_draft:
                 self._count_mtp(num_draft, len(sampled.token_ids))
             outputs.append(self._append_tokens(req, sampled))
@@ -363,6 +380,7 @@ class Scheduler:
             req.req_slot = -1
         self.kv.free(req.take_kv())
         req.num_computed = 0
+        req.num_pending = 0  # results of steps in flight are dropped (stale epoch or finished)
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -66,6 +66,17 @@ class TrivialRunner:
         self.eos_token_ids: list[int] = []
         self._cycle = TextTokenizer.from_pretrained(self.model_dir).encode(SAMPLE_TEXT)
         self._count: dict[int, int] = defaultdict(int)
+        self._done: list[StepResult] = []  # the worker loop's submit / collect protocol
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._done)
+
+    def submit(self, plan: StepPlan) -> None:
+        self._done.append(self.execute(plan))
+
+    def collect(self) -> StepResult:
+        return self._done.pop(0)
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()

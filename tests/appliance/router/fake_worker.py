@@ -1,5 +1,6 @@
-"""A fake worker that executes StepPlans deterministically, and a driver loop; imported by the
-scheduler tests in this folder (pytest's default `prepend` import mode puts it on sys.path).
+"""A fake worker that executes StepPlans deterministically, and driver loops (in lockstep, and
+pipelined like the engine loop); imported by the scheduler tests in this folder (pytest's default
+`prepend` import mode puts it on sys.path).
 
 The fake worker checks the seam contract on every step: chunk starts follow the worker's own
 progress, `sample` is set exactly when a chunk reaches the last known token, no KV slot is written
@@ -126,6 +127,31 @@ def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunRes
                 result.reasons[out.req_id] = out.finish_reason
                 result.finish_order.append(out.req_id)
         result.steps += 1
+    assert_pools_empty(sched)
+    return result
+
+
+def run_pipelined(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunResult:
+    """Like `run`, but as the engine loop drives the workers: step N+1 is planned (and executed by
+    the fake worker) before step N's result is applied; the oldest result is applied once two
+    steps are out or nothing new could be planned."""
+    result, inflight = RunResult(), []
+    while sched.has_work() or inflight:
+        assert result.steps < max_steps, "no progress"
+        plan = sched.schedule() if sched.has_work() else None
+        if plan is not None:
+            inflight.append(worker.execute(plan))
+            result.max_step_tokens = max(
+                result.max_step_tokens, sum(c.num_tokens for c in plan.chunks)
+            )
+            result.steps += 1
+        assert plan is not None or inflight, "work left but nothing scheduled or in flight"
+        if inflight and (plan is None or len(inflight) >= 2):
+            for out in sched.update(inflight.pop(0)):
+                result.tokens[out.req_id].extend(out.new_token_ids)
+                if out.finished:
+                    result.reasons[out.req_id] = out.finish_reason
+                    result.finish_order.append(out.req_id)
     assert_pools_empty(sched)
     return result
 

@@ -1,0 +1,93 @@
+"""The scheduler driven as the engine loop drives it: step N+1 is planned before step N's result
+arrives. Decodes of in-flight tokens are planned at once; eos, stop and max_tokens that land while
+the next step is out never leak a token or a slot; MTP requests wait for their accept length."""
+
+from __future__ import annotations
+
+import pytest
+from fake_worker import (
+    FakeWorker,
+    make_scheduler,
+    next_token,
+    prompt_of,
+    reference_tokens,
+    req,
+    run_pipelined,
+)
+
+from appliance.config import SchedulerConfig
+from appliance.messages import SampledTokens, SamplingOptions, StepResult
+from appliance.router import FinishReason, Scheduler
+
+
+@pytest.mark.parametrize("budget", [4, 64])
+def test_pipelined_tokens_equal_lockstep(budget: int) -> None:
+    sched = make_scheduler(budget=budget, max_num_seqs=4)
+    worker = FakeWorker(1000)
+    prompts = {f"r{i}": prompt_of(3 + 7 * i, salt=i) for i in range(6)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        sched.add_request(req(rid, prompt, max_tokens=1 + 3 * i))
+    out = run_pipelined(sched, worker)  # pools empty at the end
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        assert out.tokens[rid] == reference_tokens(prompt, 1 + 3 * i)
+        assert out.reasons[rid] is FinishReason.LENGTH
+
+
+def test_decode_of_an_inflight_token_is_planned_before_its_result() -> None:
+    sched = make_scheduler()
+    worker = FakeWorker(100)
+    prompt = prompt_of(5, salt=3)
+    sched.add_request(req("a", prompt, max_tokens=4))
+    first = sched.schedule()
+    result0 = worker.execute(first)
+    second = sched.schedule()  # step 0's token is not known to the router yet
+    assert [(c.start, c.num_tokens, c.sample) for c in second.chunks] == [(5, 1, True)]
+    assert sched.schedule() is None  # two tokens in flight per request at most
+    result1 = worker.execute(second)
+    sched.update(result0)
+    third = sched.schedule()
+    assert [(c.start, c.sample) for c in third.chunks] == [(6, True)]
+    sched.update(result1)
+    assert sched.get_request("a").output_token_ids == worker.tokens[0][5:7]
+
+
+def test_no_decode_planned_past_max_tokens() -> None:
+    sched = make_scheduler()
+    worker = FakeWorker(100)
+    sched.add_request(req("a", prompt_of(4, salt=1), max_tokens=2))
+    results = [worker.execute(sched.schedule()), worker.execute(sched.schedule())]
+    assert sched.schedule() is None  # the pending token is the last one
+    outs = [o for r in results for o in sched.update(r)]
+    assert [len(o.new_token_ids) for o in outs] == [1, 1] and outs[-1].finished
+    assert sched.kv.num_used == 0 and sched.req_slots.num_used == 0
+
+
+def test_eos_while_the_next_step_is_out_leaks_nothing() -> None:
+    eos = next_token(prompt_of(6, salt=2))  # the first sampled token is eos
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), 100, 100)
+    worker = FakeWorker(100)
+    sched.add_request(req("a", prompt_of(6, salt=2), max_tokens=10, eos_token_ids={eos}))
+    result0 = worker.execute(sched.schedule())
+    result1 = worker.execute(sched.schedule())  # planned before eos is seen
+    (out,) = sched.update(result0)
+    assert out.finished and out.finish_reason is FinishReason.STOP and out.new_token_ids == [eos]
+    assert sched.kv.num_used == 0 and sched.req_slots.num_used == 0  # freed at once
+    assert sched.update(result1) == []  # the extra step's token is dropped
+    plan = sched.schedule()
+    assert plan is None and not sched.has_work()
+    # the next request reuses the freed slots only in a later step: the worker sees the release
+    sched.add_request(req("b", prompt_of(3, salt=9), max_tokens=1))
+    plan = sched.schedule()
+    assert plan.released_slots == [0] and plan.new_requests[0].req_slot == 0
+
+
+def test_mtp_request_waits_for_its_accept_length() -> None:
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2)
+    sched = Scheduler(config, 100, 100, rng_seed=0)
+    sched.add_request(req("a", prompt_of(4, salt=1), max_tokens=10, sampling=SamplingOptions()))
+    prefill = sched.schedule()
+    assert sched.schedule() is None  # its first token is in flight: nothing more to plan
+    sched.update(StepResult(prefill.step_id, [SampledTokens(0, [7])]))
+    verify = sched.schedule()
+    assert verify.chunks[0].num_draft == 2
+    assert sched.schedule() is None  # 1..3 tokens will come back: wait for them
