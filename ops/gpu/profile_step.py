@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ops.bench.bench_static import Bench, build_runner, sync  # noqa: E402
 
 
-def profile_decode(runner, batch: int, prompt_len: int, steps: int, trace: Path | None) -> dict:
+def profile_decode(
+    runner, batch: int, prompt_len: int, steps: int, overlap: bool, trace: Path | None
+) -> dict:
     bench = Bench(runner)
     _, starts = bench.prefill(batch, prompt_len, num_draft=0)
     for _ in range(3):  # warm-up (allocator, autotune)
@@ -28,8 +30,11 @@ def profile_decode(runner, batch: int, prompt_len: int, steps: int, trace: Path 
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
-            bench.decode(starts, 0)
+        if overlap:
+            bench.decode_pipelined(starts, steps)
+        else:
+            for _ in range(steps):
+                bench.decode(starts, 0)
         sync()
         wall = (time.perf_counter() - start) / steps
     bench.run([], released=list(range(batch)))
@@ -55,15 +60,17 @@ def main() -> None:
     args = ap.parse_args()
     runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, [0], True)
     captured = runner.graphs
-    print(f"{'graphs':>6} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
-    for graphs in ("on", "off"):
-        runner.graphs = captured if graphs == "on" else None
+    print(f"{'mode':>15} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
+    for mode in ("graphs+overlap", "graphs", "eager"):
+        runner.graphs = None if mode == "eager" else captured
         for batch in args.batch:
             first = batch == args.batch[0]  # one trace per mode: the files come back from the GPU
-            trace = Path(args.out) / f"trace_{graphs}_b{batch}.json" if args.out and first else None
-            r = profile_decode(runner, batch, args.prompt_len, args.steps, trace)
+            name = f"trace_{mode.replace('+', '_')}_b{batch}.json"
+            trace = Path(args.out) / name if args.out and first and mode != "eager" else None
+            overlap = mode == "graphs+overlap"
+            r = profile_decode(runner, batch, args.prompt_len, args.steps, overlap, trace)
             print(
-                f"{graphs:>6} {batch:>5} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
+                f"{mode:>15} {batch:>5} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
                 f"{r['kernels']:>8.0f} {100 * r['idle']:>7.1f}%"
             )
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What users see: `appliance serve MODEL_DIR --load-format dummy` on the GPU, then
 # ops/bench/bench_serving.py at each concurrency (random prompts, fixed lengths, ignore_eos).
-#   MODEL_DIR=.cache/serve27b CONCURRENCY="1 16 64" TAG=27b bash ops/gpu/serve_bench.sh
+#   MODEL_DIR=.cache/serve27b CONCURRENCY="1 16 64" TTFT_LENS="1024 8192" TAG=27b \
+#     bash ops/gpu/serve_bench.sh
 # MODEL_DIR holds config.json, the tokenizer and generation_config.json; SERVE_ARGS pass through.
 set -u
 OUT=${OUT:-./gpu-out}
@@ -25,6 +26,11 @@ for c in ${CONCURRENCY:-1 16}; do
   python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency "$c" \
     --num-prompts "$n" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" \
     --vocab-size 240000 --ignore-eos --warmup 1 --json "$OUT/serving_${TAG}_c$c.json" 2>&1 | tail -16
+done
+for len in ${TTFT_LENS:-}; do  # prefill-bound: TTFT of one long prompt at a time
+  python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency 1 \
+    --num-prompts 3 --input-len "$len" --output-len 8 --vocab-size 240000 --ignore-eos \
+    --warmup 1 --json "$OUT/serving_${TAG}_ttft$len.json" 2>&1 | grep -E "TTFT|completed"
 done
 kill -TERM $pid; wait $pid
 echo "server exit $?"
