@@ -38,6 +38,10 @@ class PendingStep:
         event.record()
         return cls(step_id, start, slots=slots, host_ids=host, copied=event)
 
+    def is_done(self) -> bool:
+        """The result can be read without waiting for the device."""
+        return self.done is not None or self.copied is None or self.copied.query()
+
     def result(self) -> StepResult:
         if self.done is not None:
             return self.done

@@ -316,6 +316,10 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> None:
         self._pending.append(self._launch(plan))
 
+    def oldest_done(self) -> bool:
+        """The oldest submitted step's result is ready (its device work has finished)."""
+        return bool(self._pending) and self._pending[0].is_done()
+
     def collect(self) -> StepResult:
         """The oldest submitted step's result (waits for its device work)."""
         return self._pending.popleft().result()

@@ -8,6 +8,7 @@ initialised here, before the runner loads its TP shard.
 from __future__ import annotations
 
 import importlib
+import time
 
 import zmq
 
@@ -17,6 +18,8 @@ from appliance.logging import get_logger
 from appliance.messages import StepPlan, WorkerInfo, decoder, encode
 
 logger = get_logger(__name__)
+
+SPIN_S = 20e-6  # wait between checks for a new plan or the running step's end
 
 
 def load_runner_class(path: str) -> type:
@@ -66,12 +69,17 @@ def run_worker(
 
 
 def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket | None) -> None:
-    """Plans in, results out, in order. A plan that is already waiting is launched before the
-    previous step's result is collected, so the GPU runs step N while the host prepares N+1; with
-    nothing waiting, the oldest step is collected (and reported) first."""
+    """Plans in, results out, in order. While a step runs on the device the loop waits for the
+    next plan *or* that step's end, whichever comes first: a plan that arrives in time is launched
+    behind the running step (so the device never idles between them), and a finished step is
+    reported at once. Runners without `oldest_done` (test stand-ins) report as soon as asked."""
     dec = decoder(StepPlan)
+    ready = getattr(runner, "oldest_done", lambda: True)
     while True:
         if runner.num_pending and not inbox.poll(0):
+            if not ready():
+                time.sleep(SPIN_S)
+                continue
             result = runner.collect()
             if results is not None:
                 results.send(encode(result))
