@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from appliance.engine.requests import RequestTable
+from appliance.engine.transfer import to_device
 from appliance.messages import ScheduledChunk
 from appliance.models.context import ForwardContext
 
@@ -54,7 +55,7 @@ def build_batch(
         else:
             ids.append(requests.token_ids[chunk.req_slot, chunk.start : end])
         positions.append(torch.arange(chunk.start, end, device=device))
-        kv = torch.tensor(chunk.kv_slots, dtype=torch.int64, device=device)
+        kv = to_device(chunk.kv_slots, torch.int64, device)
         requests.req_to_token[chunk.req_slot, chunk.start : end] = kv.to(torch.int32)
         kv_slots.append(kv)
         cu.append(cu[-1] + chunk.num_tokens)
@@ -67,7 +68,7 @@ def build_batch(
             logits_indices.extend(range(cu[-1] - rows, cu[-1]))
 
     def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, torch.int64, device)
 
     num_plain = sum(1 for c in chunks if not c.num_draft)
     ctx = ForwardContext(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from appliance.engine.transfer import to_device
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -71,15 +72,15 @@ class RequestTable:
         for req in requests:
             slot, n, opts = req.req_slot, len(req.token_ids), req.sampling
             prompt_len = req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
-            self.token_ids[slot, :n] = torch.tensor(req.token_ids)
+            self.token_ids[slot, :n] = to_device(req.token_ids, torch.int64, self.device)
             self.options[slot] = opts
             self.num_tokens_host[slot] = n
             self.prompt_len_host[slot] = prompt_len
             self.num_draft[slot] = req.num_draft
             ints.append([slot, n, prompt_len, _int64(opts.top_k), _int64(opts.seed or 0)])
             floats.append([opts.temperature, opts.top_p, opts.min_p])
-        packed = torch.tensor(ints, dtype=torch.int64, device=self.device)  # [N, 5]
-        knobs = torch.tensor(floats, dtype=torch.float32, device=self.device)  # [N, 3]
+        packed = to_device(ints, torch.int64, self.device)  # [N, 5]
+        knobs = to_device(floats, torch.float32, self.device)  # [N, 3]
         slots = packed[:, 0]
         self.num_tokens[slots] = packed[:, 1]
         self.prompt_len[slots] = packed[:, 2]
@@ -113,7 +114,7 @@ class RequestTable:
         here without a round trip through the host."""
         if not slots:
             return
-        where = torch.tensor([slots, positions], dtype=torch.int64, device=self.device)  # [2, S]
+        where = to_device([slots, positions], torch.int64, self.device)  # [2, S]
         self.token_ids[where[0], where[1]] = token_ids
         self.num_tokens[where[0]] = where[1] + 1
         for slot, position in zip(slots, positions):
@@ -128,9 +129,9 @@ class RequestTable:
         cols = [start + j for start, new in zip(starts, tokens) for j in range(len(new))]
         flat = [t for new in tokens for t in new]
         ends = [start + len(new) for start, new in zip(starts, tokens)]
-        writes = torch.tensor([rows, cols, flat], dtype=torch.int64, device=self.device)  # [3, N]
+        writes = to_device([rows, cols, flat], torch.int64, self.device)  # [3, N]
         self.token_ids[writes[0], writes[1]] = writes[2]
-        lengths = torch.tensor([slots, ends], dtype=torch.int64, device=self.device)  # [2, B]
+        lengths = to_device([slots, ends], torch.int64, self.device)  # [2, B]
         self.num_tokens[lengths[0]] = lengths[1]
         for slot, end in zip(slots, ends):
             self.num_tokens_host[slot] = end

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from appliance.engine.transfer import to_device
 from appliance.messages import SamplingOptions
 from kernels.sampling import SAMPLING_EPS, sample
 
@@ -50,14 +51,14 @@ class SamplingTensors:
                 raise ValueError("seed: every sampled row needs one (the router draws it)")
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         return cls(
             temperature=f32([r.temperature for r in rows]),
-            top_k=torch.tensor([r.top_k for r in rows], dtype=torch.long, device=device),
+            top_k=to_device([r.top_k for r in rows], torch.long, device),
             top_p=f32([r.top_p for r in rows]),
             min_p=f32([r.min_p for r in rows]),
-            seeds=torch.tensor([r.seed or 0 for r in rows], dtype=torch.long, device=device),
+            seeds=to_device([r.seed or 0 for r in rows], torch.long, device),
         )
 
 
@@ -154,7 +155,9 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             params = SamplingTensors.from_rows(rows, device)
-            offsets = torch.as_tensor(offsets, dtype=torch.long).to(device)
+            if not isinstance(offsets, torch.Tensor):
+                offsets = to_device(list(offsets), torch.long, device)
+            offsets = offsets.to(device=device, dtype=torch.long)
             token_ids = sample(  # Triton on CUDA, the torch reference elsewhere
                 logits,
                 params.temperature,
