@@ -93,7 +93,7 @@ class Launcher:
             self._spawn_workers()
 
     def _spawn_workers(self) -> None:
-        """One worker per rank. The ViT shares worker rank 0's device (visual/server.py), so rank 0
+        """One worker per rank. The ViT shares worker rank 0's device (appliance/encoder), so rank 0
         alone leaves the visual server's reservation out of its pools."""
         from appliance.engine.worker import run_worker
 

@@ -3,8 +3,8 @@ sized around the reservation, a burst of maximum-size images does not run out of
 
 Real-size Qwen3.5-27B vision tower (random bf16 weights) with the default image limits
 (appliance.config.VisualConfig). Steps, each printed with its numbers as it finishes:
-1. reservation: `visual.reservation.plan_reservation`, exactly as the visual server calls it at
-   startup (measured on CUDA: weights, activation peak, reserved bytes, the worst-case input);
+1. reservation: `appliance.encoder.startup.plan_reservation`, exactly as the visual server calls
+   it at startup (measured on CUDA: weights, activation peak, reserved bytes, the worst-case input);
    the SDPA backend our attention runs on is printed with it;
 2. pools, sized around the reservation (`--pool`):
    `runner-lite` (default) = the real `ModelRunner` (Qwen3.5-27B text model of ops/bench/configs,
