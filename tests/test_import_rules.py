@@ -110,13 +110,20 @@ def violations(root: Path) -> list[str]:
             other = dep.split(".")[0]
             if other != top and other not in ALLOWED[top]:
                 found.append(f"upward import: {module} imports {dep}")
-    cycle = find_cycle(graph)
-    if cycle:
-        found.append("file cycle: " + " -> ".join(cycle))
-    cycle = find_cycle(package_graph(graph))
-    if cycle:
-        found.append("subpackage cycle: " + " -> ".join(cycle))
+    found += ["file cycle: " + " -> ".join(c) for c in all_cycles(graph)]
+    found += ["subpackage cycle: " + " -> ".join(c) for c in all_cycles(package_graph(graph))]
     return found
+
+
+def all_cycles(graph: dict[str, set[str]], limit: int = 50) -> list[list[str]]:
+    """Cycles one after another: each found cycle's closing edge is cut before the next search, so
+    every independent cycle is reported (not only the first)."""
+    graph = {node: set(deps) for node, deps in graph.items()}
+    cycles = []
+    while len(cycles) < limit and (cycle := find_cycle(graph)):
+        cycles.append(cycle)
+        graph[cycle[-2]].discard(cycle[-1])
+    return cycles
 
 
 def test_the_tree_keeps_the_import_rules() -> None:
