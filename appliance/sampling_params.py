@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from appliance.messages import DetokParams, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_TOKEN_ID = 2**31  # token ids travel as int32 on the worker
 
 
 def _check(cond: bool, name: str, accepted: str, value: object) -> None:
@@ -56,18 +57,18 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63,
             "max_tokens",
-            "an integer >= 1",
+            "a 64-bit integer >= 1",
             self.max_tokens,
         )
         t = self.temperature
         _check(_is_number(t) and t >= 0, "temperature", "a number >= 0", t)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         _check(
-            _is_int(self.top_k) and self.top_k >= -1,
+            _is_int(self.top_k) and -1 <= self.top_k < 2**63,
             "top_k",
-            "-1 or 0 (off) or an integer >= 1",
+            "-1 or 0 (off) or a 64-bit integer >= 1",
             self.top_k,
         )
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -84,9 +85,9 @@ class SamplingParams:
             self.stop,
         )
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in self.stop_token_ids),
             "stop_token_ids",
-            "a list of token ids >= 0",
+            f"a list of token ids in [0, {MAX_TOKEN_ID})",
             self.stop_token_ids,
         )
         for name in ("presence_penalty", "frequency_penalty"):

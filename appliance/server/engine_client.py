@@ -31,7 +31,13 @@ from appliance.messages import (
     encode,
 )
 from appliance.metrics import MetricsRecorder
-from appliance.server.errors import APIError, EngineFailed, ServiceUnavailable, TooManyRequests
+from appliance.server.errors import (
+    APIError,
+    BadRequest,
+    EngineFailed,
+    ServiceUnavailable,
+    TooManyRequests,
+)
 
 logger = get_logger(__name__)
 
@@ -123,12 +129,18 @@ class EngineClient:
                 None,
                 "rate_limit_exceeded",
             )
+        # Encode every choice before any is counted open: a request that cannot be put on the wire
+        # is refused with nothing registered (nothing to leak).
+        try:
+            wires = [encode(req) for req in requests]
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise BadRequest(f"The request has a value the engine cannot carry: {exc}.") from None
         group = RequestGroup(group_id)
         for index, req in enumerate(requests):
             group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
             self._groups[req.req_id] = group
-        for req in requests:
-            self._send(req)
+        for wire in wires:
+            self._to_router.send(wire, copy=False)
         return group
 
     def abort(self, group: RequestGroup) -> None:

@@ -111,7 +111,7 @@ class PromptBuilder:
             raise BadRequest(
                 f"messages: the chat template rejected the conversation: {exc}", "messages"
             ) from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, "messages")
         data: list[ImageData] = []
         if images:
             ids, data = expand_image_tokens(ids, image_token_id, images)
@@ -122,7 +122,7 @@ class PromptBuilder:
     def completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self._encode(prompt, "prompt")
             self.check_tokens(len(ids), "prompt")
             return Prompt(ids, prompt)
         vocab = len(self.tokenizer)
@@ -133,6 +133,18 @@ class PromptBuilder:
             )
         self.check_tokens(len(prompt), "prompt")
         return Prompt(list(prompt), None)
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        """Token ids of `text`; text that is not valid Unicode (a lone UTF-16 surrogate from a
+        JSON escape such as "\\ud800") is a client error, not a tokenizer crash."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(
+                f"{param}: the text is not valid Unicode ({exc.reason} at character {exc.start}).",
+                param,
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
