@@ -14,6 +14,7 @@ from appliance import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "ops/Dockerfile"
 DEFAULT_RE = re.compile(r"^\$\{(?P<name>\w+):-(?P<default>.*)\}$")
 
 
@@ -98,3 +99,19 @@ def test_docker_compose_config_accepts_the_file(tmp_path) -> None:
     app = resolved["services"]["appliance"]
     assert app["healthcheck"]["start_period"] in ("10m", "600s", "10m0s")
     assert app["environment"]["APPLIANCE_LOG_STATS_INTERVAL"] == "10"
+
+
+def test_the_appliance_command_parses(compose) -> None:
+    """The service's command, after the image's entrypoint (`appliance serve`) and with compose's
+    defaults substituted, is accepted by the real CLI parser (a bad flag once made compose loop)."""
+    from appliance.cli import build_parser
+
+    def substitute(arg: str) -> str:
+        return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), str(arg))
+
+    entrypoint = re.search(r'^ENTRYPOINT \["appliance", "serve"\]', DOCKERFILE.read_text(), re.M)
+    assert entrypoint, "the image's entrypoint is no longer `appliance serve`"
+    argv = ["serve", *[substitute(a) for a in compose["services"]["appliance"]["command"]]]
+    parser, _ = build_parser()
+    args = parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
+    assert args.model_dir == "/models/Qwen3.5-27B-FP8" and args.tp == 1 and args.port == 8000
