@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from appliance.config import GraphConfig
 from appliance.engine.pools import PoolSizes
 from appliance.engine.requests import RequestTable
 from appliance.logging import get_logger
@@ -31,6 +32,51 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     """Buckets: 1, 2, 4, 8, then every multiple of 8 up to max_bs (max_bs itself included)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(8, max_bs, 8))
     return sorted(set(sizes) | {max_bs})
+
+
+def graph_max_bs(
+    config: GraphConfig, max_num_seqs: int, device: torch.device, attention_backend: str
+) -> int:
+    """Largest decode batch captured as a CUDA graph; 0 when graphs are off (CPU, the flag, or an
+    attention backend that plans on the host every step)."""
+    if device.type != "cuda" or config.disable_cuda_graph:
+        return 0
+    if attention_backend == "flashinfer":
+        log.warning("CUDA graphs off: the flashinfer attention backend plans on the host")
+        return 0
+    return min(config.cuda_graph_max_bs or MAX_GRAPH_BS, MAX_GRAPH_BS, max_num_seqs)
+
+
+def graph_reserve_bytes(max_bs: int, vocab_size: int) -> int:
+    """Device memory held back for the decode graphs in the pool sizing: their pool holds the
+    activations of the largest bucket (logits dominate), plus a margin; logged against the pool
+    measured after capture."""
+    return max_bs * vocab_size * 4 * 3 + 512 * 2**20 if max_bs else 0
+
+
+def capture_decode_graphs(
+    model: torch.nn.Module,
+    requests: RequestTable,
+    sizes: PoolSizes,
+    max_bs: int,
+    hidden_vocab: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> DecodeGraphs:
+    """Builds and captures the decode graphs, logging each bucket, the time and the memory."""
+    graphs = DecodeGraphs(model, requests, sizes, max_bs, *hidden_vocab, dtype, device)
+    total = len(graphs.batch_sizes)
+    log.info("capturing CUDA graphs for %d decode batch sizes", total)
+    graphs.capture(lambda done, _, bs: log.info("CUDA graph %d/%d (batch %d)", done, total, bs))
+    log.info(
+        "CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
+        total,
+        max_bs,
+        graphs.capture_s,
+        graphs.pool_bytes / 2**30,
+        graph_reserve_bytes(max_bs, hidden_vocab[1]) / 2**30,
+    )
+    return graphs
 
 
 def is_plain_decode(chunks: list[ScheduledChunk]) -> bool:

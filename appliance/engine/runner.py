@@ -17,7 +17,7 @@ import torch
 from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
-from appliance.engine.graphs import MAX_GRAPH_BS, DecodeGraphs
+from appliance.engine.graphs import capture_decode_graphs, graph_max_bs, graph_reserve_bytes
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
 from appliance.engine.pending import PendingStep
@@ -75,6 +75,12 @@ class ModelRunner:
             attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
         log.info("kernel backends: %s", ", ".join(f"{k} {v}" for k, v in self.backends.items()))
+        self.graph_max_bs = graph_max_bs(
+            config.graphs,
+            config.scheduler.max_num_seqs,
+            self.device,
+            self.backends.get("attention", ""),
+        )
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
@@ -102,7 +108,18 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
-        self.graphs = self._capture_graphs()  # last: the pools and the table must exist
+        self.graphs = None  # last: the pools and the table must exist
+        if self.graph_max_bs:
+            cfg = self.text_config
+            self.graphs = capture_decode_graphs(
+                self.model,
+                self.requests,
+                sizes,
+                self.graph_max_bs,
+                (cfg.hidden_size, cfg.vocab_size),
+                self.dtype,
+                self.device,
+            )
         self._pending: collections.deque[PendingStep] = collections.deque()
 
     # ------------------------------------------------------------------ startup
@@ -174,60 +191,8 @@ class ModelRunner:
             slots = self._slots_from_memory()
         elif not slots:
             slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
-        padding = self._graph_max_bs() > 0
+        padding = self.graph_max_bs > 0
         return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step, padding)
-
-    def _graph_max_bs(self) -> int:
-        """Largest decode batch captured as a CUDA graph; 0 when graphs are off (CPU, the flag,
-        or an attention backend that plans on the host every step)."""
-        cfg = self.config.graphs
-        if self.device.type != "cuda" or cfg.disable_cuda_graph:
-            return 0
-        if self.backends.get("attention") == "flashinfer":
-            log.warning("CUDA graphs off: the flashinfer attention backend plans on the host")
-            return 0
-        max_bs = cfg.cuda_graph_max_bs or MAX_GRAPH_BS
-        return min(max_bs, MAX_GRAPH_BS, self.config.scheduler.max_num_seqs)
-
-    def _graph_reserve_bytes(self) -> int:
-        """Device memory held back for the decode graphs (their pool holds the activations of the
-        largest bucket, plus the shared hidden/logits outputs); logged against the measured pool."""
-        max_bs = self._graph_max_bs()
-        if not max_bs:
-            return 0
-        cfg = self.text_config
-        return max_bs * cfg.vocab_size * 4 * 3 + 512 * 2**20
-
-    def _capture_graphs(self) -> DecodeGraphs | None:
-        max_bs = self._graph_max_bs()
-        if not max_bs:
-            return None
-        cfg = self.text_config
-        graphs = DecodeGraphs(
-            self.model,
-            self.requests,
-            self.pools.sizes,
-            max_bs,
-            cfg.hidden_size,
-            cfg.vocab_size,
-            self.dtype,
-            self.device,
-        )
-        log.info("capturing CUDA graphs for %d decode batch sizes", len(graphs.batch_sizes))
-        graphs.capture(
-            lambda done, total, bs: log.info(
-                "CUDA graph %d/%d (batch %d) captured", done, total, bs
-            )
-        )
-        log.info(
-            "CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
-            len(graphs.batch_sizes),
-            max_bs,
-            graphs.capture_s,
-            graphs.pool_bytes / 2**30,
-            self._graph_reserve_bytes() / 2**30,
-        )
-        return graphs
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -262,12 +227,13 @@ class ModelRunner:
         sched = self.config.scheduler
         activation = self._profile_activation_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
-        rows = sched.max_num_seqs + (1 if self._graph_max_bs() else 0)  # + the padding slot
+        rows = sched.max_num_seqs + (1 if self.graph_max_bs else 0)  # + the padding slot
         state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * rows
         per_slot = max(
             1, sum(kv_bytes_per_slot(m, self.dtype) for m in [self.model, *self.draft_modules])
         )
-        held = activation + self.reserved_bytes + self._graph_reserve_bytes()
+        graphs = graph_reserve_bytes(self.graph_max_bs, self.text_config.vocab_size)
+        held = activation + self.reserved_bytes + graphs
         budget = (free - held) * self.config.cache.mem_fraction - state
         slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
         log.info(
@@ -276,7 +242,7 @@ class ModelRunner:
             free / 2**30,
             activation / 2**30,
             self.reserved_bytes / 2**30,
-            self._graph_reserve_bytes() / 2**30,
+            graphs / 2**30,
             state / 2**30,
             slots,
         )

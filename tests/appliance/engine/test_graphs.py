@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from appliance.config import EngineConfig, GraphConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from appliance.engine.graphs import DecodeGraphs, graph_batch_sizes, is_plain_decode
+from appliance.engine.graphs import (
+    DecodeGraphs,
+    graph_batch_sizes,
+    graph_max_bs,
+    graph_reserve_bytes,
+    is_plain_decode,
+)
 from appliance.engine.pools import Pools
 from appliance.engine.requests import RequestTable
 from appliance.engine.runner import ModelRunner
@@ -25,6 +31,19 @@ def test_buckets():
     assert graph_batch_sizes(12) == [1, 2, 4, 8, 12]
     assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_when_graphs_are_captured():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on = GraphConfig()
+    assert graph_max_bs(on, 64, cuda, "triton") == 64
+    assert graph_max_bs(on, 1024, cuda, "triton") == 256  # the largest bucket
+    assert graph_max_bs(GraphConfig(cuda_graph_max_bs=16), 64, cuda, "triton") == 16
+    assert graph_max_bs(GraphConfig(cuda_graph_max_bs=128), 64, cuda, "triton") == 64
+    assert graph_max_bs(GraphConfig(disable_cuda_graph=True), 64, cuda, "triton") == 0
+    assert graph_max_bs(on, 64, cpu, "torch") == 0
+    assert graph_max_bs(on, 64, cuda, "flashinfer") == 0  # plans on the host every step
+    assert graph_reserve_bytes(0, 1000) == 0 < graph_reserve_bytes(1, 1000)
 
 
 def test_plain_decode_rule():
