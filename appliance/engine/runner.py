@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from pathlib import Path
 
@@ -91,6 +92,19 @@ class ModelRunner:
         )
         sizes = self.pools.sizes
         self.num_kv_slots = sizes.num_kv_slots
+        if self.max_model_len > self.num_kv_slots:
+            # A context the KV pool cannot hold would be advertised and then refused (a request
+            # without max_tokens asks for all of it): serve what one request can really use. Only
+            # a context the user asked for is worth a warning; the checkpoint's default is not.
+            level = logging.WARNING if config.model.max_model_len else logging.INFO
+            log.log(
+                level,
+                "max_model_len %d is more than the KV pool holds (%d slots): serving %d",
+                self.max_model_len,
+                self.num_kv_slots,
+                self.num_kv_slots,
+            )
+            self.max_model_len = self.num_kv_slots
         self.requests = RequestTable(
             sizes.num_req_rows, sizes.max_model_len, self.mtp_step, self.device
         )
