@@ -25,12 +25,13 @@ class APIError(Exception):
 
     status = 500
     type = "server_error"
+    headers: dict[str, str] = {}  # extra HTTP headers of the response
 
-    def __init__(self, message: str, param: str | None = None, code: str | int | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code if code is not None else self.status
+        self.code = code  # OpenAI's machine-readable code: a string, or None
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -62,6 +63,7 @@ class NotFound(APIError):
 class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
+    headers = {"Retry-After": "1"}  # seconds; the queue drains at the step rate
 
 
 class ServiceUnavailable(APIError):
@@ -84,12 +86,17 @@ def error_for_status(status: int, message: str) -> APIError:
     return cls(message)
 
 
-def error_body(message: str, type_: str, param: str | None, code: str | int | None) -> dict:
+class MethodNotAllowed(APIError):
+    status = 405
+    type = "invalid_request_error"
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
 def _validation_error(exc: RequestValidationError) -> BadRequest:
@@ -119,9 +126,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        cls = {404: NotFound, 405: BadRequest}.get(exc.status_code, APIError)
-        err = cls(str(exc.detail))
+        codes = {404: (NotFound, "not_found"), 405: (MethodNotAllowed, "method_not_allowed")}
+        cls, code = codes.get(exc.status_code, (APIError, None))
+        err = cls(str(exc.detail), code=code)
         err.status = exc.status_code
+        err.headers = dict(exc.headers or {})  # e.g. a 405's Allow
         return error_response(err)
 
     @app.exception_handler(Exception)

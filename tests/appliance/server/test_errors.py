@@ -278,3 +278,52 @@ def test_lone_surrogates_are_400(make_server, path, body, param):
     assert_error(r, 400, param, contains="not valid Unicode")
     assert state.client.num_open == 0
     assert_serving(client)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        ({"tool_choice": "required"}, "only allowed when tools"),
+        ({"tool_choice": "sometimes", "tools": TOOLS}, "not one of"),
+        ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "only allowed"),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS},
+            "not among the tools",
+        ),
+        ({"tool_choice": {"type": "function"}, "tools": TOOLS}, "expected"),
+    ],
+)
+def test_tool_choice_is_validated_like_openai(make_server, extra, fragment):
+    client, _, _ = make_server()
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, **extra})
+    assert_error(r, 400, "tool_choice", contains=fragment)
+    for ok in (
+        "none",
+        "auto",
+        "required",
+        {"type": "function", "function": {"name": "get_weather"}},
+    ):
+        body = {"messages": MSG, "max_tokens": 2, "tools": TOOLS, "tool_choice": ok}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_error_codes_are_strings_or_null_and_headers_follow_the_status(make_server):
+    client, engine, _ = make_server(max_open=1)
+    r = client.get("/v1/chat/completions")
+    err = assert_error(r, 405, None, code="method_not_allowed")
+    assert "POST" in r.headers["allow"]
+    assert_error(client.post("/v1/chat/completions", json={"messages": "x"}), 400, "messages")
+    assert (
+        client.post("/v1/chat/completions", json={"messages": "x"}).json()["error"]["code"] is None
+    )
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "n": 2})
+    assert_error(r, 429, None, "rate_limit_exceeded")
+    assert r.headers["retry-after"] == "1"
+    engine.reject_status = 429  # the router's own refusal carries it too
+    r = client.post("/v1/chat/completions", json={"messages": MSG})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    for code in (err["code"], r.json()["error"]["code"]):
+        assert code is None or isinstance(code, str)
