@@ -18,7 +18,7 @@ from appliance.logging import get_logger
 logger = get_logger(__name__)
 
 # Bump when the recipe below changes so old builds are not reused.
-DEFAULT_MODEL_VERSION = 1
+DEFAULT_MODEL_VERSION = 2  # 2: preprocessor_config.json with a pixel range fit for its tiny ViT
 _RECIPE = {
     "moe": False,
     "layer_types": ["linear", "full", "linear", "full"],
@@ -26,7 +26,13 @@ _RECIPE = {
     "tokenizer": "bpe",
     "mtp": True,
 }
-_REQUIRED = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+_REQUIRED = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "preprocessor_config.json",
+)
 
 
 def default_model_dir() -> pathlib.Path:
@@ -44,12 +50,16 @@ def ensure_default_model() -> pathlib.Path:
     if _complete(target):
         return target
     from appliance.testing.tiny import build_qwen3_5  # torch + transformers only when building
+    from appliance.testing.tiny_vl import write_preprocessor_config
 
     target.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building the embedded default model in %s", target)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))
     try:
         build_qwen3_5(tmp, **_RECIPE)
+        # Its own image preprocessing (small images: at most 64 image tokens), so the visual server
+        # neither falls back with a warning nor reserves gigabytes for a 0.1 M-parameter ViT.
+        write_preprocessor_config(tmp)
         if target.exists() and not _complete(target):
             shutil.rmtree(target)  # leftover of an interrupted older layout
         try:

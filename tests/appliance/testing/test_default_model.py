@@ -7,6 +7,7 @@ import json
 from appliance.assets.default_model import default_model_dir, ensure_default_model
 from appliance.testing import tokenizers
 from appliance.testing.oracle import hf_logits
+from visual.preprocess import PreprocessConfig
 
 
 def test_default_model_builds_once(tmp_path, monkeypatch):
@@ -18,6 +19,9 @@ def test_default_model_builds_once(tmp_path, monkeypatch):
     assert path == default_model_dir() and path.parent == tmp_path
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    # its own image preprocessing, sized for its tiny ViT (no fallback, no gigabyte reservation)
+    pre = PreprocessConfig.from_pretrained(path)
+    assert pre.max_pixels == 128 * 128 and pre.patch_size == config["vision_config"]["patch_size"]
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
