@@ -25,6 +25,7 @@ from appliance.engine.pending import PendingStep
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
+from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
 from appliance.messages import SampledTokens, ScheduledChunk, StepPlan, StepResult
 from appliance.models.config import TextConfig, load_text_config
@@ -344,9 +345,13 @@ class ModelRunner:
     ) -> PendingStep:
         out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
         chunks = batch.sample_chunks
-        slots = [c.req_slot for c in chunks]
-        self.requests.write_sampled(slots, [c.start + c.num_tokens for c in chunks], out.token_ids)
-        return PendingStep.copying(step_id, start, slots, out.token_ids)
+        self._write_plain(chunks, out.token_ids)
+        return PendingStep.copying(step_id, start, [c.req_slot for c in chunks], out.token_ids)
+
+    def _write_plain(self, chunks: list[ScheduledChunk], token_ids: torch.Tensor) -> None:
+        """The token each plain sampling chunk sampled [len(chunks)] goes after its last row."""
+        positions = [c.start + c.num_tokens for c in chunks]
+        self.requests.write_sampled([c.req_slot for c in chunks], positions, token_ids)
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
         """A step the decode graphs can replay: plain one-token decodes, none with images."""
@@ -402,12 +407,9 @@ class ModelRunner:
         tokens = [ids[first : first + count] for first, count in batch.sample_rows]
         plain = [i for i, c in enumerate(chunks) if not c.num_draft]
         verify = [i for i, c in enumerate(chunks) if c.num_draft]
-        plain_slots = [chunks[i].req_slot for i in plain]
-        self.requests.append(
-            plain_slots,
-            [self.requests.num_tokens_host[slot] for slot in plain_slots],
-            [tokens[i] for i in plain],
-        )
+        if plain:
+            rows = to_device([batch.sample_rows[i][0] for i in plain], torch.int64, self.device)
+            self._write_plain([chunks[i] for i in plain], out.token_ids[rows])
         accepted = accept_and_commit(
             [chunks[i] for i in verify],
             [tokens[i] for i in verify],

@@ -72,20 +72,21 @@ def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket | None) -> None:
     """Plans in, results out, in order. While a step runs on the device the loop waits for the
     next plan *or* that step's end, whichever comes first: a plan that arrives in time is launched
     behind the running step (so the device never idles between them), and a finished step is
-    reported at once. Runners without `oldest_done` (test stand-ins) report as soon as asked."""
+    reported at once."""
     dec = decoder(StepPlan)
-    ready = getattr(runner, "oldest_done", lambda: True)
+
+    def report() -> None:
+        result = runner.collect()
+        if results is not None:
+            results.send(encode(result))
+
     while True:
         if runner.num_pending and not inbox.poll(0):
-            if not ready():
+            if runner.oldest_done():
+                report()
+            else:
                 time.sleep(SPIN_S)
-                continue
-            result = runner.collect()
-            if results is not None:
-                results.send(encode(result))
             continue
         runner.submit(dec.decode(inbox.recv(copy=False)))
         while runner.num_pending > 1:
-            result = runner.collect()
-            if results is not None:
-                results.send(encode(result))
+            report()

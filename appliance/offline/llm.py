@@ -104,8 +104,8 @@ class LLM:
         prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Runs every prompt to its end. A prompt the scheduler refuses raises ValueError (the
-        prompts before it are dropped)."""
+        """Runs every prompt to its end. A prompt the scheduler refuses raises its error (a
+        ValueError, or QueueFull); the prompts before it are dropped."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -114,7 +114,7 @@ class LLM:
         for prompt, sp in zip(prompts, params_list):
             req = self._request(prompt, sp)
             try:
-                self.engine.submit(req)
+                self.engine.enqueue(req)
             except (SchedulerError, ValueError):
                 self._abort(list(outputs))
                 raise

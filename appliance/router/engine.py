@@ -23,7 +23,7 @@ from appliance.messages import (
     TokenUpdate,
 )
 from appliance.router.request import FinishReason, Request, RequestStatus
-from appliance.router.scheduler import QueueFull, Scheduler, SchedulerError
+from appliance.router.scheduler import MAX_PENDING, QueueFull, Scheduler, SchedulerError
 
 logger = get_logger(__name__)
 
@@ -39,7 +39,9 @@ class Executor(Protocol):
     def collect(self) -> StepResult: ...
 
 
-MAX_IN_FLIGHT = 2  # step N+1 is planned and sent while the workers still run step N
+# Step N+1 is planned and sent while the workers still run step N: as many steps out as the
+# scheduler lets a request have sampled tokens pending.
+MAX_IN_FLIGHT = MAX_PENDING
 
 
 class EngineCore:
@@ -64,13 +66,13 @@ class EngineCore:
     def add(self, msg: TokenizedRequest) -> None:
         """Queues a request; one the scheduler refuses ends at once with an error update."""
         try:
-            self.submit(msg)
+            self.enqueue(msg)
         except QueueFull as exc:
             self.reject(msg.req_id, f"The router queue is full ({exc}). Please retry later.", 429)
         except (SchedulerError, ValueError) as exc:
             self.reject(msg.req_id, str(exc), 400)
 
-    def submit(self, msg: TokenizedRequest) -> None:
+    def enqueue(self, msg: TokenizedRequest) -> None:
         """Queues a request; raises QueueFull, or SchedulerError / ValueError for a bad one."""
         req = Request(
             req_id=msg.req_id,

@@ -56,7 +56,6 @@ class RouterLoop:
         to_visual: zmq.Socket | None = None,
     ) -> None:
         self.engine = EngineCore(scheduler, eos_token_ids, self)
-        self.scheduler = scheduler
         self.inbox, self.results = inbox, results
         self.to_workers, self.to_detok = to_workers, to_detok
         self.to_server, self.to_visual = to_server, to_visual

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.messages import DetokParams, SamplingOptions
+from appliance.messages import SamplingOptions
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
 
@@ -150,12 +150,3 @@ def choice_options(params: SamplingParams, choice: int) -> SamplingOptions:
     if options.seed is not None and choice:
         options = msgspec.structs.replace(options, seed=options.seed + choice)
     return options
-
-
-def detok_params(params: SamplingParams) -> DetokParams:
-    return DetokParams(
-        stop=list(params.stop),
-        skip_special_tokens=params.skip_special_tokens,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        logprobs=params.logprobs is not None,
-    )

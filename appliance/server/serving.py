@@ -25,7 +25,6 @@ from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     choice_options,
-    detok_params,
     sampling_params,
 )
 from appliance.server.state import (
@@ -133,7 +132,7 @@ def choice_requests(
 ) -> list[TokenizedRequest]:
     """n choices per prompt; choice index = prompt index x n + choice number, as OpenAI numbers
     them. Raises the max_tokens 400 of the first prompt that leaves too little room."""
-    detok = detok_params(params)
+    detok = params.to_detok()
     arrival_time = time.time()
     requests: list[TokenizedRequest] = []
     for prompt in prompts:

@@ -78,6 +78,9 @@ class TrivialRunner:
     def collect(self) -> StepResult:
         return self._done.pop(0)
 
+    def oldest_done(self) -> bool:
+        return bool(self._done)
+
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         for slot in plan.released_slots:
