@@ -152,6 +152,11 @@ class ServerConfig:
     max_n: int = 16  # largest `n` (choices per request) accepted
     reasoning: str = "auto"  # <think> to reasoning_content: auto (prompt opens <think>) | on | off
     access_log: bool = True  # one INFO line per HTTP request (method, path, status, latency, id)
+    api_key: str = ""  # comma-separated API keys; "" = APPLIANCE_API_KEY; neither = no auth
+    metrics_require_key: bool = False  # /metrics needs the API key too (Prometheus must send it)
+    allowed_origins: str = ""  # comma-separated CORS origins ("*" = any); "" = CORS off
+    max_request_bytes: int = 32 * 1024 * 1024  # HTTP body limit (413 past it); images come inline
+    request_timeout: float = 0.0  # seconds a request may run before it is aborted (408); 0 = none
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
@@ -160,6 +165,8 @@ class ServerConfig:
         _check(self.max_prompt_chars >= 0, "max_prompt_chars", "an integer >= 0")
         _check(self.max_n >= 1, "max_n", "an integer >= 1")
         _check(self.reasoning in ("auto", "on", "off"), "reasoning", "auto, on or off")
+        _check(self.max_request_bytes >= 1024, "max_request_bytes", "an integer >= 1024")
+        _check(self.request_timeout >= 0, "request_timeout", "a number >= 0 (0 = no limit)")
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,12 @@ _register(
     ("auto", "cutlass", "sgl", "triton", "torch"),
 )
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
+_register(
+    "APPLIANCE_API_KEY",
+    "",
+    str,
+    "Comma-separated API keys clients must send (Bearer); --api-key wins; empty = no auth.",
+)
 
 
 def get(name: str) -> Any:

@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from appliance.logging import log_access
 from appliance.messages import RouterStats, VisualStats
 from appliance.metrics import flat_report
+from appliance.server.auth import install_auth
 from appliance.server.errors import error_response, install_error_handlers
-from appliance.server.protocol import ChatCompletionRequest, CompletionRequest
+from appliance.server.limits import BodyLimit, LimitedJSONRoute
+from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
 from appliance.server.serving import serve
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
@@ -97,39 +99,44 @@ def build_app(
             await state.client.close()
 
     app = FastAPI(title="appliance", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = LimitedJSONRoute  # JSON bodies: nesting depth, no NaN
     install_error_handlers(app)
+    # Added innermost first: AccessLog sees (and counts) every answer, 401s and 413s included.
+    app.add_middleware(BodyLimit, max_bytes=state.config.max_request_bytes)
+    install_auth(app, state.config)
     app.add_middleware(AccessLog, state=state)
+    generation_errors = error_responses(400, 401, 404, 408, 413, 429, 500, 503)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serve(CHAT, state, body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request):
         return await serve(COMPLETION, state, body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models():
         card = {
             "id": state.model_name,
             "object": "model",
             "created": state.created,
             "owned_by": "appliance",
-            "root": state.model_dir,
+            "root": state.model_name,  # never the folder's path on the host
             "parent": None,
             "max_model_len": state.max_model_len,
             "permission": [],
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/health", responses=error_responses(500, 503))
     async def health():
         err = state.health_error()
         if err is not None:
             return error_response(err)
         return Response(status_code=200)
 
-    @app.get("/debug/status")
+    @app.get("/debug/status", responses=error_responses(401, 500, 503))
     async def debug_status():
         state.check_accepting()
         status = await state.client.status()
@@ -147,7 +154,7 @@ def build_app(
             }
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=error_responses(401))
     async def metrics():
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)

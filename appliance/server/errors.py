@@ -60,6 +60,42 @@ class NotFound(APIError):
     type = "invalid_request_error"
 
 
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+    headers = {"WWW-Authenticate": "Bearer"}
+
+    def __init__(self, message: str):
+        super().__init__(message, None, "invalid_api_key")
+
+
+class RequestTimeout(APIError):
+    """The request ran past the server's per-request deadline (`--request-timeout`)."""
+
+    status = 408
+    type = "timeout_error"
+
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            f"The request did not finish within the server's {timeout_s:g} s limit and was "
+            "aborted. Ask for fewer tokens or retry later.",
+            None,
+            "request_timeout",
+        )
+
+
+class RequestTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, max_bytes: int):
+        super().__init__(
+            f"The request body is larger than the {max_bytes} bytes this server accepts.",
+            None,
+            "request_too_large",
+        )
+
+
 class TooManyRequests(APIError):
     status = 429
     type = "rate_limit_error"
@@ -89,6 +125,15 @@ def error_for_status(status: int, message: str) -> APIError:
 class MethodNotAllowed(APIError):
     status = 405
     type = "invalid_request_error"
+
+
+class RaisedAPIError(StarletteHTTPException):
+    """An APIError raised where FastAPI only lets HTTPExceptions through (while it reads and
+    parses the body); the handler below answers with the wrapped error."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.status, error.message)
+        self.error = error
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | None) -> dict:
@@ -126,6 +171,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, RaisedAPIError):
+            return error_response(exc.error)
+        if exc.status_code == 400:  # FastAPI's "There was an error parsing the body"
+            return error_response(BadRequest(f"{exc.detail}."))
         codes = {404: (NotFound, "not_found"), 405: (MethodNotAllowed, "method_not_allowed")}
         cls, code = codes.get(exc.status_code, (APIError, None))
         err = cls(str(exc.detail), code=code)

@@ -115,6 +115,39 @@ class CompletionRequest(_SamplingFields):
         return self.logprobs
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None  # machine-readable: "invalid_api_key", "context_length_exceeded", ...
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx / 5xx answer (OpenAI's error shape)."""
+
+    error: ErrorDetail
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses=` of a route: these statuses answer with an ErrorResponse."""
+    return {
+        status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]}
+        for status in statuses
+    }
+
+
+_ERROR_MEANINGS = {
+    400: "Invalid request: a field's type or value, the context length, the JSON nesting.",
+    401: "Missing or wrong API key (when the server has keys).",
+    404: "Unknown model or route.",
+    408: "The request ran past the server's --request-timeout and was aborted.",
+    413: "The request body is larger than --max-request-bytes.",
+    429: "The server's queue is full; retry after the Retry-After seconds.",
+    500: "The engine failed.",
+    503: "The server is starting or shutting down.",
+}
+
+
 def sampling_params(req: _SamplingFields, num_logprobs: int | None) -> SamplingParams:
     """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults."""
     fields = {
