@@ -1,8 +1,10 @@
-"""The `appliance` command: `appliance serve [MODEL_DIR] --tp N --port P ...`.
+"""The `appliance` command: `appliance serve [MODEL] [--revision REV] --tp N --port P ...`.
 
-Entry point of the console script (pyproject) and `python -m appliance.cli`. Every flag is generated
-from a field of the frozen config dataclasses (appliance/config.py): the default is the field's
-default and the help text is the field's comment, so the dataclass stays the one source of truth.
+Entry point of the console script (pyproject) and `python -m appliance.cli`. Every flag but
+--revision is generated from a field of the frozen config dataclasses (appliance/config.py): the
+default is the field's default and the help text is the field's comment, so the dataclass stays
+the one source of truth. MODEL and --revision are resolved here (assets/resolve.py) before the
+launcher starts; the config carries the resolved folder. Errors are one line, never a traceback.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import re
 import sys
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from appliance import envs
-from appliance.config import EngineConfig, ServeConfig
+from appliance.config import ServeConfig
 
-_POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL_DIR
+_POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -112,6 +114,21 @@ def _env_help() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors are one line (`appliance serve: error: ...`), not the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _flag_error(message: str, args: argparse.Namespace) -> str:
+    """A config validation error (`field: expected ...`) with the flag and the value given."""
+    name, sep, expected = message.partition(": ")
+    if sep and hasattr(args, name) and getattr(args, name) is not None:
+        return f"--{name.replace('_', '-')} {getattr(args, name)}: {expected}"
+    return message
+
+
 class _FullHelp(argparse.Action):
     """`appliance --help` prints every subcommand's flags, not just the subcommand names."""
 
@@ -129,7 +146,7 @@ class _FullHelp(argparse.Action):
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="appliance",
         add_help=False,
         description="OpenAI-compatible inference appliance for Qwen3.5 and Qwen3-VL.",
@@ -154,8 +171,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         "model_dir",
         nargs="?",
         default="",
-        metavar="MODEL_DIR",
-        help="checkpoint folder (HF layout); omitted = the embedded default model",
+        metavar="MODEL",
+        help="checkpoint folder (HF layout), or a Hugging Face Hub id ORG/NAME (resolved through "
+        "the Hub cache: HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE); a folder wins over a "
+        "Hub id of the same name; omitted = the embedded default model",
+    )
+    serve.add_argument(
+        "--revision",
+        default="",
+        metavar="REV",
+        help="Hub branch, tag or commit of a Hub id MODEL (default: main)",
     )
     dests = _add_flags(serve)
     subparsers.add_parser(
@@ -180,6 +205,33 @@ def _print_backends() -> int:
     return 0
 
 
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """One error line on stderr, no usage block, no traceback; exits with `code`."""
+    sys.stderr.write(f"appliance serve: error: {message}\n")
+    raise SystemExit(code)
+
+
+def _resolve_model(config: ServeConfig, revision: str) -> ServeConfig:
+    """The config with the checkpoint folder MODEL names (a folder, a Hub id's snapshot in the Hub
+    cache, or the embedded default model). A Hub model is served under its id unless
+    --served-model-name says otherwise."""
+    from appliance.assets.resolve import ModelNotFoundError, resolve_model_dir
+
+    model = config.engine.model
+    try:
+        model_dir = resolve_model_dir(model.model_dir, revision, model.load_format)
+    except ModelNotFoundError as exc:
+        _fail(str(exc))
+    server = config.server
+    from_hub = model.model_dir and not Path(model.model_dir).expanduser().exists()
+    if from_hub and not server.served_model_name:
+        server = dataclasses.replace(server, served_model_name=model.model_dir)
+    engine = dataclasses.replace(
+        config.engine, model=dataclasses.replace(model, model_dir=str(model_dir))
+    )
+    return dataclasses.replace(config, engine=engine, server=server)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
@@ -191,19 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _build_config(args, dests)
     except ValueError as exc:
-        parser.error(str(exc))
-    from appliance.launch import serve
+        _fail(_flag_error(str(exc), args))
+    from appliance.launch import LaunchError, preflight, serve
     from appliance.logging import setup_logging
 
+    try:  # env flags and the port, before anything loads or starts
+        preflight(config)
+    except LaunchError as exc:
+        _fail(str(exc), code=1)
     setup_logging()
-    from appliance.assets.default_model import resolve_model_dir
-
-    model_dir = str(resolve_model_dir(config.engine.model.model_dir))
-    if not (Path(model_dir) / "config.json").is_file():
-        parser.error(f"MODEL_DIR: {model_dir} is not a checkpoint folder (no config.json)")
-    model = dataclasses.replace(config.engine.model, model_dir=model_dir)
-    engine: EngineConfig = dataclasses.replace(config.engine, model=model)
-    return serve(dataclasses.replace(config, engine=engine))
+    config = _resolve_model(config, args.revision)
+    try:
+        return serve(config)
+    except LaunchError as exc:  # the port was taken while the model was being resolved
+        _fail(str(exc), code=1)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,21 @@ class EnvVar:
     choices: tuple[str, ...] | None = None
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _bool(text: str) -> bool:
-    return text.strip().lower() in ("1", "true", "yes", "on")
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"one of {', '.join(_TRUE + _FALSE)}")
+    return word in _TRUE
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError("a number") from None
 
 
 _REGISTRY: dict[str, EnvVar] = {}
@@ -32,7 +45,13 @@ def _register(name: str, default: Any, parse: Callable[[str], Any], doc: str, ch
     _REGISTRY[name] = EnvVar(name, default, parse, doc, tuple(choices) if choices else None)
 
 
-_register("APPLIANCE_LOG_LEVEL", "INFO", str.upper, "Root log level: DEBUG, INFO, WARNING, ERROR.")
+_register(
+    "APPLIANCE_LOG_LEVEL",
+    "INFO",
+    str.upper,
+    "Root log level.",
+    ("DEBUG", "INFO", "WARNING", "ERROR"),
+)
 _register(
     "APPLIANCE_LOG_COLOR", "auto", str.lower, "Colored level names.", ("auto", "always", "never")
 )
@@ -40,7 +59,7 @@ _register(
     "NO_COLOR", False, lambda s: s != "", "Standard no-color switch; any value disables color."
 )
 _register(
-    "APPLIANCE_LOG_STATS_INTERVAL", 10.0, float, "Seconds between windowed stats lines (0 = off)."
+    "APPLIANCE_LOG_STATS_INTERVAL", 10.0, _number, "Seconds between windowed stats lines (0 = off)."
 )
 _register(
     "APPLIANCE_GDN_PREFILL_BACKEND",
@@ -65,15 +84,46 @@ _register(
 )
 
 
+class EnvError(ValueError):
+    """An APPLIANCE_* flag holds a value it does not accept; the message names flag, value and
+    the accepted values."""
+
+
 def get(name: str) -> Any:
+    """The flag's typed value (its default when unset or empty); EnvError when it is invalid."""
     var = _REGISTRY[name]
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return var.default
-    value = var.parse(raw)
+    try:
+        value = var.parse(raw)
+    except ValueError as exc:  # a parser's message says what it accepts
+        raise EnvError(f"{name}={raw!r}: expected {exc}") from None
     if var.choices is not None and value not in var.choices:
-        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(var.choices)}")
+        raise EnvError(f"{name}={raw!r}: expected one of {', '.join(var.choices)}")
     return value
+
+
+def get_or_default(name: str) -> Any:
+    """`get`, but the default for an invalid value: for code that must run before `validate`
+    reports it (logging set-up)."""
+    try:
+        return get(name)
+    except EnvError:
+        return _REGISTRY[name].default
+
+
+def validate() -> None:
+    """Reads every flag once; one EnvError naming each invalid flag (the launcher calls this before
+    any process starts)."""
+    errors = []
+    for name in _REGISTRY:
+        try:
+            get(name)
+        except EnvError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise EnvError("; ".join(errors))
 
 
 def kernel_backends() -> dict[str, str]:

@@ -8,10 +8,12 @@ server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exit
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -270,7 +272,59 @@ class Launcher:
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
+def resolved_backends(config: ServeConfig) -> dict[str, str]:
+    """The kernel backend each op resolves to on this machine, as the workers will resolve it. The
+    look-up is silent (a fallback warning is the worker's to give, once) and leaves CUDA
+    uninitialised (device properties only, no context)."""
+    from kernels.backends import resolve_backends
+
+    requested = dict(envs.kernel_backends(), attention=config.engine.kernels.attention_backend)
+    quiet = logging.getLogger("kernels.backends")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return resolve_backends(**requested)
+    finally:
+        quiet.setLevel(level)
+
+
+def check_port(host: str, port: int) -> None:
+    """Binds host:port the way uvicorn will (SO_REUSEADDR, every address the host resolves to)
+    and lets go: a busy port fails here, in well under a second, instead of after the model
+    loaded. Raises LaunchError naming host:port."""
+    if port == 0:  # the OS picks a free one
+        return
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise LaunchError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                reason = exc.strerror or str(exc)
+                raise LaunchError(
+                    f"cannot listen on {where}: {reason} (another server? pick --port)"
+                ) from None
+
+
+def preflight(config: ServeConfig) -> None:
+    """What can fail before any process starts or any model loads: every APPLIANCE_* env flag
+    (envs.validate) and the HTTP host:port. Raises LaunchError with one line."""
+    try:
+        envs.validate()
+    except envs.EnvError as exc:
+        raise LaunchError(str(exc)) from None
+    check_port(config.server.host, config.server.port)
+
+
 def serve(config: ServeConfig) -> int:
     """Runs the appliance in the foreground; returns the process exit code. The config's model_dir
-    must already be resolved (no "")."""
+    must already be resolved (no ""). Raises LaunchError when `preflight` fails."""
+    preflight(config)
     return Launcher(config).run()

@@ -27,12 +27,15 @@ _MAX_PATH = 200
 _MAX_REQUEST_ID = 80
 _configured = False
 LOGGER_TREES = ("appliance", "visual", "kernels")  # configured together by setup_logging
+# Other libraries (uvicorn, asyncio, huggingface_hub, `warnings`) reach the root logger: the same
+# format there, WARNING and above only. One handler of ours, so a reconfigure never doubles lines.
+_root_handler: logging.Handler | None = None
 
 
 def use_color(stream: TextIO | None = None) -> bool:
     """APPLIANCE_LOG_COLOR=never or NO_COLOR set: no; always: yes; auto: when stream is a TTY."""
-    mode = envs.APPLIANCE_LOG_COLOR
-    if mode == "never" or envs.NO_COLOR:
+    mode = envs.get_or_default("APPLIANCE_LOG_COLOR")
+    if mode == "never" or envs.get_or_default("NO_COLOR"):
         return False
     if mode == "always":
         return True
@@ -62,17 +65,29 @@ def setup_logging(
 ) -> None:
     """(Re)configure the logger trees of the project's packages (`appliance`, and the libraries
     `visual` and `kernels`, which log on stdlib loggers): one handler on `stream` (default stderr).
+    Third-party loggers and `warnings.warn` reach the root logger, which gets the same format at
+    WARNING (uvicorn runs with log_config=None, so its error logger propagates there).
 
-    level defaults to APPLIANCE_LOG_LEVEL, color to `use_color(stream)`."""
-    global _configured
+    level defaults to APPLIANCE_LOG_LEVEL (INFO when invalid: the launcher reports that), color to
+    `use_color(stream)`."""
+    global _configured, _root_handler
     stream = stream or sys.stderr
     handler = logging.StreamHandler(stream)
     handler.setFormatter(ColorFormatter(use_color(stream) if color is None else color))
+    level = (level or envs.get_or_default("APPLIANCE_LOG_LEVEL")).upper()
     for name in LOGGER_TREES:
         root = logging.getLogger(name)
         root.handlers[:] = [handler]
-        root.setLevel((level or envs.APPLIANCE_LOG_LEVEL).upper())
+        root.setLevel(level)
         root.propagate = False
+    stdlib_root = logging.getLogger()
+    if _root_handler is not None:
+        stdlib_root.removeHandler(_root_handler)
+    _root_handler = logging.StreamHandler(stream)
+    _root_handler.setFormatter(handler.formatter)
+    _root_handler.setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    stdlib_root.addHandler(_root_handler)
+    logging.captureWarnings(True)
     _configured = True
 
 

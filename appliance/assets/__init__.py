@@ -1,4 +1,5 @@
-"""Embedded assets: the tiny default model that `appliance` serves when no model path is given.
+"""Model assets: which checkpoint folder a model argument names (a folder, a Hugging Face Hub id
+resolved through the Hub cache, or the embedded tiny default model, built on first use).
 
-Called by the engine runner (`appliance.engine.runner`) and the CLI.
+Called by the CLI, the offline `LLM` and benchmarks, through `resolve.resolve_model_dir`.
 """

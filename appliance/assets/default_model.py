@@ -1,8 +1,8 @@
 """The embedded default model: a tiny random Qwen3.5 dense checkpoint with the test BPE tokenizer.
 
-Resolved by `resolve_model_dir` (the CLI and the offline `LLM`) when no model is given, so the
-appliance starts (and CI runs end to end) without any download. Built once, deterministically,
-under APPLIANCE_HOME/default-model-v<N>.
+Resolved by `resolve_model_dir` (assets/resolve.py; the CLI and the offline `LLM`) when no model
+is given, so the appliance starts (and CI runs end to end) without any download. Built once,
+deterministically, under APPLIANCE_HOME/default-model-v<N>.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import tempfile
 
 from appliance import envs
 from appliance.logging import get_logger
+from appliance.progress import Progress
 
 logger = get_logger(__name__)
 
@@ -56,10 +57,11 @@ def ensure_default_model() -> pathlib.Path:
     logger.info("building the embedded default model in %s", target)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".default-model-", dir=target.parent))
     try:
-        build_qwen3_5(tmp, **_RECIPE)
-        # Its own image preprocessing (small images: at most 64 image tokens), so the visual server
-        # neither falls back with a warning nor reserves gigabytes for a 0.1 M-parameter ViT.
-        write_preprocessor_config(tmp)
+        with Progress("building the embedded default model"):
+            build_qwen3_5(tmp, **_RECIPE)
+            # Its own image preprocessing (small images: at most 64 image tokens), so the visual
+            # server neither falls back with a warning nor reserves gigabytes for a tiny ViT.
+            write_preprocessor_config(tmp)
         if target.exists() and not _complete(target):
             shutil.rmtree(target)  # leftover of an interrupted older layout
         try:
@@ -70,8 +72,3 @@ def ensure_default_model() -> pathlib.Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_model_dir(model_dir: str | None) -> pathlib.Path:
-    """The checkpoint folder to serve: `model_dir`, or the embedded default model when empty."""
-    return pathlib.Path(model_dir) if model_dir else ensure_default_model()

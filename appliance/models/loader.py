@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from appliance.logging import get_logger
+from appliance.progress import Progress
 
 log = get_logger(__name__)
 
@@ -37,11 +38,26 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def iter_tensors(model_dir: str | Path, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor whose name starts with `prefix`, with progress on rank 0 (a bar on
+    a TTY, a line every few seconds otherwise; nothing when loading takes under a second)."""
+    wanted = []  # (file, names in it): safetensors headers are cheap to read twice
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
+            wanted.append((path, [n for n in f.keys() if n.startswith(prefix)]))
+    total = sum(len(names) for _, names in wanted)
+    desc = f"loading {prefix}* weights" if prefix else "loading weights"
+    with Progress(desc, total, "tensors", enabled=_first_rank()) as bar:
+        for path, names in wanted:
+            with safe_open(str(path), framework="pt") as f:
+                for name in names:
                     yield name, f.get_tensor(name)
+                    bar.update()
+
+
+def _first_rank() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _short_list(names: list[str], limit: int = 12) -> str:

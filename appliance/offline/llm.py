@@ -1,5 +1,5 @@
-"""Offline, in-process generation API (vLLM style): `LLM(model_dir).generate(prompts,
-SamplingParams())`.
+"""Offline, in-process generation API (vLLM style): `LLM(model).generate(prompts,
+SamplingParams())`, `model` a folder or a Hub id.
 
 The served path without sockets: the router's engine loop (router/engine.py) drives the model
 runner in this process (TP=1) or worker processes (TP>1, offline/workers.py), and the served
@@ -46,12 +46,19 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
 
 
 class LLM:
-    def __init__(self, model_dir: str | None = None, tp: int = 1, **options) -> None:
-        self.config = build_engine_config(model_dir, tp, options)
-        from appliance.assets.default_model import resolve_model_dir
+    """`model`: a checkpoint folder, a Hugging Face Hub id `ORG/NAME` (at `revision`, through the
+    Hub cache, as `appliance serve` resolves it), or None for the embedded default model."""
+
+    def __init__(
+        self, model: str | None = None, tp: int = 1, revision: str = "", **options
+    ) -> None:
+        self.config = build_engine_config(model, tp, options)
+        from appliance.assets.resolve import resolve_model_dir
         from appliance.engine.runner import ModelRunner
 
-        self.model_dir = resolve_model_dir(self.config.model.model_dir)
+        self.model_dir = resolve_model_dir(
+            self.config.model.model_dir, revision, self.config.model.load_format
+        )
         self.config = replace(
             self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )

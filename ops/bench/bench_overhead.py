@@ -58,7 +58,7 @@ class TrivialRunner:
     """
 
     def __init__(self, config, rank: int = 0, world_size: int = 1) -> None:
-        from appliance.assets.default_model import resolve_model_dir
+        from appliance.assets.resolve import resolve_model_dir
 
         self.model_dir = resolve_model_dir(config.model.model_dir)
         self.num_kv_slots = config.scheduler.num_kv_slots or 1 << 20
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args()
-    from appliance.assets.default_model import resolve_model_dir
+    from appliance.assets.resolve import resolve_model_dir
 
     model_dir = str(resolve_model_dir(args.model_dir))
     batches = [int(b) for b in args.batches.split(",")]

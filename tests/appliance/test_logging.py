@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from appliance import logging as alog
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class TTY(io.StringIO):
@@ -52,10 +57,50 @@ def test_color_switches(monkeypatch, env, stream_cls, colored) -> None:
         assert " WARNING [" in out
 
 
-def test_bad_color_value_is_rejected(monkeypatch) -> None:
+def test_bad_values_fall_back_and_are_left_to_the_launcher(monkeypatch) -> None:
+    """Logging must come up even with invalid flags (modules log at import); the launcher's
+    envs.validate() is what rejects them, naming flag, value and choices."""
+    from appliance import envs
+
     monkeypatch.setenv("APPLIANCE_LOG_COLOR", "sometimes")
-    with pytest.raises(ValueError, match="APPLIANCE_LOG_COLOR"):
-        alog.use_color(TTY())
+    monkeypatch.setenv("APPLIANCE_LOG_LEVEL", "loud")
+    assert alog.use_color(TTY()) is True  # auto on a TTY
+    stream = io.StringIO()
+    alog.setup_logging(stream=stream)
+    alog.get_logger("appliance.test").info("still logs at INFO")
+    assert "still logs at INFO" in stream.getvalue()
+    with pytest.raises(envs.EnvError) as info:
+        envs.validate()
+    message = str(info.value)
+    assert "APPLIANCE_LOG_COLOR='sometimes': expected one of auto, always, never" in message
+    assert "APPLIANCE_LOG_LEVEL='loud': expected one of DEBUG, INFO, WARNING, ERROR" in message
+    assert "\n" not in message
+
+
+def test_third_party_loggers_and_warnings_use_the_format() -> None:
+    """uvicorn (log_config=None), asyncio and `warnings.warn` reach the root logger: the appliance
+    format, WARNING and above only, one line each even after a reconfigure. A fresh interpreter,
+    because pytest owns `warnings` inside a test."""
+    script = (
+        "import logging, warnings\n"
+        "from appliance.logging import setup_logging\n"
+        "setup_logging('INFO', color=False)\n"
+        "setup_logging('INFO', color=False)\n"
+        "logging.getLogger('uvicorn.error').error('[Errno 98] address already in use')\n"
+        "logging.getLogger('uvicorn.error').info('Started server process')\n"
+        "logging.getLogger('asyncio').error('Task exception was never retrieved')\n"
+        "warnings.warn('a library warning', UserWarning)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    err = out.stderr
+    assert err.count("address already in use") == 1, err
+    assert " ERROR [MainProcess] uvicorn.error: [Errno 98] address already in use" in err
+    assert " ERROR [MainProcess] asyncio: Task exception was never retrieved" in err
+    assert " WARNING [MainProcess] py.warnings: " in err and "a library warning" in err
+    assert "Started server process" not in err
 
 
 def test_log_level_from_env(monkeypatch) -> None:

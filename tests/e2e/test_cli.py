@@ -4,15 +4,20 @@ bad values are rejected naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 
 from appliance import envs
 from appliance.cli import _config_sections, build_parser, main
 from appliance.config import ServeConfig
-from tests.e2e.live import ROOT
+from tests.appliance.hub_cache import add_snapshot
+from tests.e2e.live import ROOT, free_port, start_appliance
 
 
 def _build(argv: list[str]) -> ServeConfig:
@@ -37,7 +42,7 @@ def test_help_lists_every_field_and_env_var():
                 assert "--" + f.name.replace("_", "-") in out.stdout, f.name
     for name in envs.registry():
         assert name in out.stdout
-    assert "MODEL_DIR" in out.stdout and "serve" in out.stdout
+    assert "MODEL" in out.stdout and "--revision REV" in out.stdout and "serve" in out.stdout
 
 
 def test_defaults_come_from_the_dataclasses():
@@ -72,14 +77,108 @@ def test_flags_override_fields():
     assert config.launch.transport == "tcp"
 
 
-def test_bad_values_name_the_field(capsys, tmp_path):
+def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["serve", str(tmp_path), "--transport", "carrier-pigeon"])
     assert info.value.code == 2
-    assert "transport: expected ipc or tcp" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "appliance serve: error: --transport carrier-pigeon: expected ipc or tcp\n"
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--tp", "two"])
-    assert "--tp" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --tp: invalid int value: 'two'" in err
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "missing")])
-    assert "not a checkpoint folder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such folder" in err
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path)])
+    assert "not a checkpoint folder (no config.json)" in capsys.readouterr().err
+
+
+def _run_cli(args: list[str], env: dict[str, str], cwd=ROOT) -> tuple[int, str, float]:
+    """`python -m appliance.cli ...` as a user runs it: (exit code, stderr, seconds)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("APPLIANCE_", "HF_"))}
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", *args],
+        cwd=cwd,
+        env={**clean, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return out.returncode, out.stderr + out.stdout, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("APPLIANCE_FP8_GEMM", "bogus", "expected one of auto, cutlass, sgl, triton, torch"),
+        ("APPLIANCE_GDN_PREFILL_BACKEND", "fast", "expected one of auto, torch, triton, fla,"),
+        ("APPLIANCE_LOG_LEVEL", "loud", "expected one of DEBUG, INFO, WARNING, ERROR"),
+        ("APPLIANCE_LOG_COLOR", "pink", "expected one of auto, always, never"),
+        ("APPLIANCE_LOG_STATS_INTERVAL", "often", "expected a number"),
+    ],
+)
+def test_bad_env_flag_is_one_line_before_anything_starts(tmp_path, flag, value, expected):
+    code, err, seconds = _run_cli(
+        ["serve", "--port", str(free_port())], {flag: value, "APPLIANCE_HOME": str(tmp_path)}
+    )
+    assert code != 0 and seconds < 2.0, (code, seconds, err)
+    assert err == f"appliance serve: error: {flag}={value!r}: {expected}" + err.split(expected)[1]
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not any(tmp_path.iterdir())  # nothing was built: the check came first
+
+
+def test_busy_port_is_one_line_before_loading(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err, seconds = _run_cli(
+            ["serve", "--port", str(port)], {"APPLIANCE_HOME": str(tmp_path)}
+        )
+    assert code != 0 and seconds < 2.0, (code, seconds, err)
+    assert err.startswith(f"appliance serve: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())  # the default model was not built first
+
+
+def test_unknown_hub_id_is_one_line_naming_what_was_tried(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    code, err, seconds = _run_cli(["serve", "no-org/no-model", "--revision", "v9"], env, tmp_path)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err == (
+        "appliance serve: error: model 'no-org/no-model' (revision v9): "
+        f"no folder {tmp_path / 'no-org/no-model'}; not in the Hub cache {tmp_path / 'hf/hub'}, "
+        "and HF_HUB_OFFLINE=1 forbids downloading it\n"
+    )
+
+
+def test_serve_a_hub_id_from_the_cache_offline(tiny_dense, tmp_path):
+    """`appliance serve ORG/NAME` through the real CLI, offline, from a Hub cache laid out here;
+    the API names the model by its Hub id and answers a request."""
+    snapshot = add_snapshot(tmp_path / "hub", "tiny-org/tiny-dense", tiny_dense)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    app = start_appliance("tiny-org/tiny-dense", tmp_path / "serve.log", env=env)
+    try:
+        card = httpx.get(f"{app.url}/v1/models", timeout=10).json()["data"][0]
+        assert card["id"] == "tiny-org/tiny-dense"
+        reply = httpx.post(
+            f"{app.url}/v1/completions",
+            json={"model": "tiny-org/tiny-dense", "prompt": "def f(x):", "max_tokens": 4},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        code = app.stop()
+    assert code == 0, app.log()[-3000:]
+    block = {
+        line.split("=")[0].strip(): line.split("=", 1)[1].strip()
+        for line in app.log().splitlines()
+        if line.startswith("  ") and "=" in line
+    }
+    assert block["engine.model.model_dir"] == repr(str(snapshot))
+    assert block["server.served_model_name"] == "'tiny-org/tiny-dense'"
