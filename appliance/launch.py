@@ -187,10 +187,11 @@ class Launcher:
     def run(self) -> int:
         """Starts everything, serves until a signal (exit 0 after draining) or a death (exit 1)."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        # the backends the env flags ask for; each worker logs what they resolved to
-        logger.info("%s", format_config_block(self.config, envs.kernel_backends()))
         try:
             self._spawn_frontends()
+            # after the spawn: importing torch for the look-up overlaps the roles' start-up, and
+            # their progress messages wait in the inbox until the block is out
+            logger.info("%s", format_config_block(self.config, resolved_backends(self.config)))
             info = self._wait_startup()
             self._control.send(encode(EngineReady(info.max_model_len, info.num_kv_slots)))
             server = self.config.server
