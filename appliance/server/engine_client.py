@@ -63,6 +63,8 @@ class RequestGroup:
     choices: dict[str, _Choice] = field(default_factory=dict)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     error: APIError | None = None
+    deadline: float | None = None  # time.monotonic() past which the request is aborted (408)
+    timeout_s: float = 0.0  # the limit that set `deadline` (for the error message)
 
     @property
     def open_ids(self) -> list[str]:
@@ -139,22 +141,43 @@ class EngineClient:
         for index, req in enumerate(requests):
             group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
             self._groups[req.req_id] = group
-        for wire in wires:
-            self._to_router.send(wire, copy=False)
+        sent: list[str] = []
+        try:
+            for req, wire in zip(requests, wires):
+                self._push(wire)
+                sent.append(req.req_id)
+        except BaseException as exc:  # the choices already sent are dropped in the router again
+            self._release(group, sent)
+            if isinstance(exc, zmq.ZMQError):
+                raise EngineFailed(f"The server could not reach the router: {exc}.") from None
+            raise
         return group
 
     def abort(self, group: RequestGroup) -> None:
         """Frees the group's unfinished choices in the router at once (client went away)."""
+        self._release(group, group.open_ids)
+
+    def _release(self, group: RequestGroup, in_router: list[str]) -> None:
+        """Forgets the group's unfinished choices and asks the router to drop `in_router` (best
+        effort: a broken link is the engine's failure, reported on its own)."""
         for req_id in group.open_ids:
             group.choices[req_id].finished = True
             self._groups.pop(req_id, None)
-            if self.failure is None:
-                self._send(AbortRequest(req_id))
             self._record_finish(req_id, group.choices[req_id], "abort")
+        if self.failure is not None:
+            return
+        for req_id in in_router:
+            try:
+                self._send(AbortRequest(req_id))
+            except zmq.ZMQError as exc:
+                logger.warning("could not send the abort of %s: %s", req_id, exc)
+
+    def _push(self, wire: bytes) -> None:
+        # Sends only queue the message (unbounded HWM), so the sync-style call never blocks.
+        self._to_router.send(wire, copy=False)
 
     def _send(self, msg) -> None:
-        # Sends only queue the message (unbounded HWM), so the sync-style call never blocks.
-        self._to_router.send(encode(msg), copy=False)
+        self._push(encode(msg))
 
     async def status(self, timeout_s: float = 5.0) -> RouterStatus:
         if self.failure is not None:

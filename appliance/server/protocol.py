@@ -181,5 +181,6 @@ def choice_options(params: SamplingParams, choice: int) -> SamplingOptions:
     """The worker's knobs for choice `choice` of n: a given seed is offset so choices differ."""
     options = params.to_options()
     if options.seed is not None and choice:
-        options = msgspec.structs.replace(options, seed=options.seed + choice)
+        seed = (options.seed + choice + 2**63) % 2**64 - 2**63  # wraps, stays a 64-bit integer
+        options = msgspec.structs.replace(options, seed=seed)
     return options

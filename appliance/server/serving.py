@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.messages import TextDelta, TokenizedRequest, TokenLogprob
 from appliance.sampling_params import SamplingParams
-from appliance.server.engine_client import RequestGroup
+from appliance.server.engine_client import EngineClient, RequestGroup
 from appliance.server.errors import APIError, BadRequest, sse_error
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import (
@@ -92,8 +92,26 @@ def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest)
 async def serve(
     endpoint: Endpoint[Body], state: ServerState, body: Body, request: Request
 ) -> Response:
-    """Handles one POST of an OpenAI route end to end."""
+    """Handles one POST of an OpenAI route end to end. Once submitted, the request's choices are
+    released (aborted in the router) on every way out that leaves them open."""
     arrival = time.monotonic()
+    state.metrics.frontend_enter()
+    try:
+        answer = await _admit(endpoint, state, body, arrival)
+    finally:
+        state.metrics.frontend_exit()
+    try:
+        return await _respond(state, request, body, answer)
+    except BaseException:
+        if answer.group.open_ids:
+            state.client.abort(answer.group)
+        raise
+
+
+async def _admit(
+    endpoint: Endpoint[Body], state: ServerState, body: Body, arrival: float
+) -> _Answer:
+    """Checks, prompts and choices, then the submit (last: nothing after it can fail)."""
     state.check_accepting()
     model = state.check_model(body.model)
     endpoint.check(state, body)
@@ -102,15 +120,22 @@ async def serve(
     group_id = new_request_id(endpoint.id_prefix)
     requests = choice_requests(state, group_id, prompts, params, body)
     formatter = endpoint.formatter(state, body, prompts)
+    head = {"id": group_id, "created": int(time.time()), "model": model}
+    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
     group = state.client.submit(group_id, requests, arrival)
-    answer = _Answer(
-        endpoint=endpoint,
-        group=group,
-        formatter=formatter,
-        head={"id": group_id, "created": int(time.time()), "model": model},
-        num_choices=len(requests),
-        num_prompt_tokens=sum(len(p.token_ids) for p in prompts),
-    )
+    if state.config.request_timeout:
+        group.deadline = arrival + state.config.request_timeout
+        group.timeout_s = state.config.request_timeout
+    return _Answer(endpoint, group, formatter, head, len(requests), num_prompt_tokens)
+
+
+async def _respond(
+    state: ServerState,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    answer: _Answer,
+) -> Response:
+    group = answer.group
     if not body.stream:
         async with abort_on_disconnect(request, state.client, group):
             return JSONResponse(await _collect(answer))
@@ -120,7 +145,24 @@ async def serve(
         return Response(status_code=499)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = _stream(state, request, answer, first, include_usage)
-    return StreamingResponse(stream, media_type="text/event-stream")
+    return ReleasingStream(state.client, group, stream, media_type="text/event-stream")
+
+
+class ReleasingStream(StreamingResponse):
+    """A stream that aborts its request's open choices however it ends, including when its body
+    never started (the client left before the first byte, or sending the headers failed)."""
+
+    def __init__(self, client: EngineClient, group: RequestGroup, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.client = client
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.group.open_ids:
+                self.client.abort(self.group)
 
 
 def choice_requests(

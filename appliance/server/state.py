@@ -23,6 +23,7 @@ from appliance.server.errors import (
     APIError,
     EngineFailed,
     ModelNotFound,
+    RequestTimeout,
     ServiceUnavailable,
     error_for_status,
 )
@@ -98,6 +99,18 @@ async def abort_on_disconnect(request: Request, client: EngineClient, group: Req
             client.abort(group)
 
 
+async def _next_item(group: RequestGroup):
+    """The group's next queue item, or RequestTimeout once its deadline has passed."""
+    if group.deadline is None:
+        return await group.queue.get()
+    try:
+        return await asyncio.wait_for(
+            group.queue.get(), max(0.0, group.deadline - time.monotonic())
+        )
+    except asyncio.TimeoutError:
+        raise RequestTimeout(group.timeout_s) from None
+
+
 def _check_item(group: RequestGroup, item) -> tuple[int, TextDelta] | None:
     """None when the group ended early; raises the error an item carries."""
     if item is None:  # failed (engine died, drain timeout) or client gone
@@ -115,7 +128,7 @@ async def first_item(
 ) -> tuple[int, TextDelta]:
     """Waits for a stream's first delta before any byte is sent, so that a rejection by the router
     (queue full, KV too small) still gets its real HTTP status instead of an in-stream error."""
-    get = asyncio.ensure_future(group.queue.get())
+    get = asyncio.ensure_future(_next_item(group))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -142,7 +155,7 @@ async def iterate_deltas(
     `first`: an item already taken from the queue (by `first_item`)."""
     remaining = len(group.choices)
     while remaining:
-        item = _check_item(group, first if first is not None else await group.queue.get())
+        item = _check_item(group, first if first is not None else await _next_item(group))
         first = None
         if item is None:
             return
