@@ -182,3 +182,25 @@ def test_serve_a_hub_id_from_the_cache_offline(tiny_dense, tmp_path):
     }
     assert block["engine.model.model_dir"] == repr(str(snapshot))
     assert block["server.served_model_name"] == "'tiny-org/tiny-dense'"
+
+
+def test_documented_serve_commands_parse():
+    """Every `appliance serve ...` the README and docs/operations.md show is accepted by the real
+    parser and builds a config (usage brackets `[...]` and trailing comments dropped)."""
+    import re
+    import shlex
+
+    from appliance.cli import _build_config
+
+    commands = []
+    for doc in ("README.md", "docs/operations.md"):
+        text = (ROOT / doc).read_text()
+        commands += re.findall(r"appliance serve((?: [^`#\n]*)?)", text)
+    assert len(commands) >= 8 and any("--reasoning off" in c for c in commands)
+    parser, dests = build_parser()
+    for tail in commands:
+        argv = shlex.split(re.sub(r"\[[^\]]*\]", "", tail.split("  ")[0]))
+        if any(arg.endswith("...") or arg.startswith(("ORG/", "${", "/models/${")) for arg in argv):
+            continue  # placeholders in prose, not commands
+        config = _build_config(parser.parse_args(["serve", *argv]), dests)
+        assert isinstance(config, ServeConfig), tail

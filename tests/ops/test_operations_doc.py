@@ -22,3 +22,23 @@ def test_every_metric_is_in_the_table() -> None:
         if f"| `{exposed}` | {family.type} |" not in DOC:
             missing.append(exposed)
     assert not missing, f"add to docs/operations.md section 4: {missing}"
+
+
+def test_every_cli_flag_is_documented() -> None:
+    """Every option of every `appliance` command has a row in section 7 (`| `--flag` |`); the
+    `--no-x` twin of a boolean flag is covered by its `--x` row."""
+    from appliance.cli import build_parser
+
+    parser, _ = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps them only here
+    missing = []
+    for name, command in commands.items():
+        for action in command._actions:
+            for flag in action.option_strings:
+                if flag in ("-h", "--help") or flag.startswith("--no-"):
+                    continue
+                if f"| `{flag}` |" not in DOC:
+                    missing.append(f"appliance {name} {flag}")
+            if not action.option_strings and f"| `{action.metavar}` (positional) |" not in DOC:
+                missing.append(f"appliance {name} {action.metavar}")
+    assert not missing, f"add to docs/operations.md section 7: {missing}"
