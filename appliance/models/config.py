@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.models.layers.quant import QuantConfig, parse_quant_config
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -42,6 +44,8 @@ class TextConfig:
     norm_topk_prob: bool = True
     # MTP head
     mtp_num_hidden_layers: int = 0
+    # fp8 weights: from the checkpoint's quantization_config or --quantization (None: unquantised)
+    quant: QuantConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -76,7 +80,8 @@ def _eos_ids(raw: dict[str, Any], text: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load_text_config(model_dir: str | Path) -> TextConfig:
+def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfig:
+    """`quantization` is the --quantization value ("" = whatever the checkpoint says)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     text = dict(raw.get("text_config") or raw)
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
@@ -117,5 +122,6 @@ def load_text_config(model_dir: str | Path) -> TextConfig:
         shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
         norm_topk_prob=text.get("norm_topk_prob", True),
         mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
+        quant=parse_quant_config(raw, quantization),
         raw=raw,
     )

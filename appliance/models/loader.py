@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from appliance.logging import get_logger
+from appliance.models.quant_weights import ScaleCheck, finish_loading, map_with_scales
 from appliance.progress import Progress
 
 log = get_logger(__name__)
@@ -73,21 +74,32 @@ def load_weights(
     """Feed checkpoint tensors through `model.map_weight_name` and each parameter's weight_loader.
 
     `tied` maps a parameter that may be absent from the checkpoint to the one it copies
-    (e.g. lm_head.weight -> model.embed_tokens.weight with tie_word_embeddings)."""
+    (e.g. lm_head.weight -> model.embed_tokens.weight with tie_word_embeddings). fp8 scale
+    tensors load beside their weights (quant_weights.py); an fp8 tensor without one is refused."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
+    scales = ScaleCheck()
     for name, tensor in tensors:
-        mapped = model.map_weight_name(name)
+        mapped = map_with_scales(model, name)
         if mapped is None:
             continue
+        scales.see(name, tensor.dtype)
         pname, shard_id = mapped
         param = params.get(pname)
         if param is None:
             unexpected.append(name)
             continue
-        param.weight_loader(param, tensor, shard_id)
+        try:
+            param.weight_loader(param, tensor, shard_id)
+        except ValueError as err:
+            raise CheckpointMismatch(f"{name}: {err}") from err
         loaded.add(pname)
+    if (name := scales.first_missing()) is not None:
+        raise CheckpointMismatch(
+            f"quantized checkpoint: fp8 tensor {name} has no scale "
+            f"(expected {name}_scale_inv or {name}_scale)"
+        )
     for dst, src in (tied or {}).items():
         if dst not in loaded and src in loaded:
             with torch.no_grad():
@@ -101,6 +113,7 @@ def load_weights(
         if unexpected:
             parts.append(f"unexpected keys: {_short_list(unexpected)}")
         raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(parts))
+    finish_loading(model)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -115,8 +128,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 values.uniform_(1.0, 16.0, generator=gen).log_()
             elif name.endswith("norm.weight") and "linear_attn" in name:
                 values.fill_(1.0)  # gated norm multiplies by w directly
+            elif name.endswith("_scale"):
+                values.fill_(1.0)  # fp8 dequantisation scales: weights drawn at their magnitude
             elif param.dim() == 1:
                 values.normal_(0.0, 0.1, generator=gen)
             else:
                 values.normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=gen)
             param.copy_(values.to(param.dtype))
+    finish_loading(model)

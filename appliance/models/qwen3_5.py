@@ -13,14 +13,14 @@ from torch import nn
 from appliance.models.config import TextConfig
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
-from appliance.models.layers.gdn import IN_PROJ_SHARDS, GatedDeltaNet
+from appliance.models.layers.gdn import BA_SHARDS, IN_PROJ_SHARDS, GatedDeltaNet
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import SparseMoE
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.rotary import Rotary
 
 
-def make_mlp(cfg: TextConfig) -> nn.Module:
+def make_mlp(cfg: TextConfig, prefix: str) -> nn.Module:
     if cfg.is_moe:
         return SparseMoE(
             cfg.hidden_size,
@@ -29,12 +29,17 @@ def make_mlp(cfg: TextConfig) -> nn.Module:
             cfg.moe_intermediate_size,
             cfg.shared_expert_intermediate_size,
             cfg.norm_topk_prob,
+            quant=cfg.quant,
+            prefix=prefix,
         )
-    return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, quant=cfg.quant, prefix=prefix)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer_type: str) -> None:
+    """`prefix` is the layer's checkpoint name (e.g. model.layers.3, mtp.layers.0): the
+    quantization config's ignore lists are matched against it."""
+
+    def __init__(self, cfg: TextConfig, layer_type: str, prefix: str) -> None:
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
@@ -46,6 +51,8 @@ class DecoderLayer(nn.Module):
                 cfg.linear_value_head_dim,
                 cfg.linear_conv_kernel_dim,
                 cfg.rms_norm_eps,
+                quant=cfg.quant,
+                prefix=f"{prefix}.linear_attn",
             )
         else:
             self.self_attn = Attention(
@@ -56,8 +63,10 @@ class DecoderLayer(nn.Module):
                 cfg.rms_norm_eps,
                 gated=True,
                 zero_centered_norm=True,
+                quant=cfg.quant,
+                prefix=f"{prefix}.self_attn",
             )
-        self.mlp = make_mlp(cfg)
+        self.mlp = make_mlp(cfg, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
@@ -80,7 +89,9 @@ class TextModel(nn.Module):
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, t, f"model.layers.{i}") for i, t in enumerate(cfg.layer_types)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=True)
 
 
@@ -127,7 +138,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         name = re.sub(r"^model\.language_model\.", "model.", name)
         if name == "lm_head.weight":
             return "lm_head.weight", None
-        return map_layer_name(name)
+        pname, shard = map_layer_name(name)
+        if pname.endswith(".linear_attn.in_proj.weight") and shard in BA_SHARDS:
+            gdn = self.get_submodule(pname[: -len(".in_proj.weight")])
+            if gdn.in_proj_ba is not None:  # b and a kept unquantised: their own GEMM
+                return pname.replace(".in_proj.", ".in_proj_ba."), BA_SHARDS[shard]
+        return pname, shard
 
 
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")

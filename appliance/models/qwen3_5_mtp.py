@@ -11,6 +11,7 @@ from torch import nn
 from appliance.models.config import TextConfig
 from appliance.models.layers.linear import ReplicatedLinear
 from appliance.models.layers.norm import RMSNorm
+from appliance.models.layers.quant import quant_for
 from appliance.models.qwen3_5 import DecoderLayer, map_layer_name
 
 MTP_MODES = ("vanilla", "eagle")
@@ -20,10 +21,10 @@ class Qwen3_5MTP(nn.Module):
     def __init__(self, cfg: TextConfig, main: nn.Module) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.fc = ReplicatedLinear(2 * hidden, hidden)
+        self.fc = ReplicatedLinear(2 * hidden, hidden, quant=quant_for(cfg.quant, "mtp.fc"))
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, zero_centered=True)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, zero_centered=True)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention")])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, "full_attention", "mtp.layers.0")])
         self.norm = RMSNorm(hidden, eps, zero_centered=True)
         self._main = (main,)  # shared embedding / lm_head / rotary; a tuple keeps it unregistered
 

@@ -69,6 +69,7 @@ def _orienting_loader(moe: SparseMoE):
 
 
 def make_mlp(cfg: TextConfig, layer: int) -> nn.Module:
+    prefix = f"model.layers.{layer}.mlp"
     if _is_sparse(cfg, layer):
         # HF's Qwen3-VL-MoE router always renormalises the top-k weights and has no shared expert.
         moe = SparseMoE(
@@ -78,10 +79,12 @@ def make_mlp(cfg: TextConfig, layer: int) -> nn.Module:
             cfg.moe_intermediate_size,
             0,
             norm_topk_prob=True,
+            quant=cfg.quant,
+            prefix=prefix,
         )
         moe.w_gate_up.weight_loader = moe.w_down.weight_loader = _orienting_loader(moe)
         return moe
-    return MLP(cfg.hidden_size, cfg.intermediate_size)
+    return MLP(cfg.hidden_size, cfg.intermediate_size, quant=cfg.quant, prefix=prefix)
 
 
 class DecoderLayer(nn.Module):
@@ -95,6 +98,8 @@ class DecoderLayer(nn.Module):
             cfg.rms_norm_eps,
             gated=False,
             zero_centered_norm=False,
+            quant=cfg.quant,
+            prefix=f"model.layers.{layer}.self_attn",
         )
         self.mlp = make_mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=False)

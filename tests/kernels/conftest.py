@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.fp8",
+    "kernels.fp8_block",
     "kernels.moe",
     "kernels.moe_triton",
     "kernels.sampling_triton",

@@ -11,6 +11,7 @@ from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import tp_rank, tp_size
+from appliance.models.layers.quant import QuantConfig, quant_for
 from kernels.attention import paged_attention, store_kv
 from kernels.rotary import apply_rotary
 
@@ -40,6 +41,8 @@ class Attention(nn.Module):
         gated: bool,
         zero_centered_norm: bool,
         bias: bool = False,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         size = tp_size()
@@ -51,12 +54,14 @@ class Attention(nn.Module):
         self.gated = gated
         self.scale = head_dim**-0.5
         q_out = num_heads * head_dim * (2 if gated else 1)
-        self.q_proj = ColumnLinear(hidden, [q_out], bias=bias)
+        q = {p: quant_for(quant, f"{prefix}.{p}") for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        self.q_proj = ColumnLinear(hidden, [q_out], bias=bias, quant=q["q_proj"])
         kv_shard = kv_head_shard(num_kv_heads, head_dim)
         local_kv = [self.num_kv_heads * head_dim]
-        self.k_proj = ColumnLinear(hidden, [num_kv_heads * head_dim], bias, local_kv, kv_shard)
-        self.v_proj = ColumnLinear(hidden, [num_kv_heads * head_dim], bias, local_kv, kv_shard)
-        self.o_proj = RowLinear(num_heads * head_dim, hidden, bias=False)
+        kv = [num_kv_heads * head_dim]
+        self.k_proj = ColumnLinear(hidden, kv, bias, local_kv, kv_shard, q["k_proj"])
+        self.v_proj = ColumnLinear(hidden, kv, bias, local_kv, kv_shard, q["v_proj"])
+        self.o_proj = RowLinear(num_heads * head_dim, hidden, bias=False, quant=q["o_proj"])
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner

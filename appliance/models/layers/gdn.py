@@ -11,12 +11,14 @@ from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, even_shard
 from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
+from appliance.models.layers.quant import QuantConfig, quant_for
 from kernels.conv1d import causal_conv1d, causal_conv1d_verify
 from kernels.gdn import gdn, gdn_verify
 from kernels.gdn_gate import gdn_gating
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
+BA_SHARDS = {4: 0, 5: 1}  # in_proj segments b, a -> in_proj_ba's, when that layer is separate
 
 
 class GatedDeltaNet(nn.Module):
@@ -29,6 +31,8 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         size = tp_size()
@@ -44,8 +48,17 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = sum(self.local_segments)
         self.conv_kernel = conv_kernel
         # One GEMM for the four input projections (checkpoint in_proj_qkv, _z, _b, _a are its
-        # segments, see IN_PROJ_SHARDS): [q | k | v | z | b | a] per rank.
-        self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim, num_v_heads, num_v_heads])
+        # segments, see IN_PROJ_SHARDS): [q | k | v | z | b | a] per rank. fp8 checkpoints keep
+        # b and a (one row per head) in bf16: then they are a second GEMM, `in_proj_ba`.
+        main = quant_for(quant, f"{prefix}.in_proj_qkv", f"{prefix}.in_proj_z")
+        ba = quant_for(quant, f"{prefix}.in_proj_b", f"{prefix}.in_proj_a")
+        heads = [num_v_heads, num_v_heads]
+        self.in_proj_ba = None
+        if main is ba:
+            self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim, *heads], quant=main)
+        else:
+            self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim], quant=main)
+            self.in_proj_ba = ColumnLinear(hidden, heads, quant=ba)
         self.in_proj_split = [self.conv_dim, value_dim // size, self.num_v_heads, self.num_v_heads]
         self.conv1d_weight = nn.Parameter(
             torch.empty(self.conv_dim, conv_kernel), requires_grad=False
@@ -54,7 +67,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = self._head_param()
         self.dt_bias = self._head_param()
         self.norm = GatedRMSNorm(head_v_dim, eps)
-        self.out_proj = RowLinear(value_dim, hidden)
+        self.out_proj = RowLinear(value_dim, hidden, quant=quant_for(quant, f"{prefix}.out_proj"))
         self.conv_states: torch.Tensor | None = None  # [slots, conv_dim, K-1], bound by the runner
         self.ssm_states: torch.Tensor | None = None  # [slots, Hv, Dk, Dv] fp32, bound by the runner
         # MTP only: one SSM state per verify row, and the wide conv working slot (pools.py)
@@ -74,7 +87,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split(self.in_proj_split, dim=-1)
+        projected = self.in_proj(x)
+        if self.in_proj_ba is not None:
+            projected = torch.cat([projected, self.in_proj_ba(x)], dim=-1)
+        qkv, z, b, a = projected.split(self.in_proj_split, dim=-1)
         mixed = self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)

@@ -2,7 +2,9 @@
 cuts this rank's shard out of a full checkpoint tensor, so the model loader never knows about TP.
 
 Column layers split the output dim (per logical segment), row layers split the input dim and
-all-reduce.
+all-reduce. The weight's storage and GEMM come from a quantization method (quant_methods.py): fp8
+layers add `weight_scale` (per output channel [N], or per tile [N/bn, K/bk]) cut like the weight:
+column layers cut scale rows, row layers cut block-scale columns and keep per-channel scales whole.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from appliance.models.layers.parallel import all_reduce, shard_range, tp_size
+from appliance.models.layers.parallel import all_reduce, shard_range, tp_rank, tp_size
+from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
+from appliance.models.layers.quant_methods import block_rows, channel_scale, linear_method
+from kernels.fp8 import FP8_DTYPE
 
 ShardFn = Callable[
     [torch.Tensor, int], torch.Tensor
@@ -30,11 +34,43 @@ def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(
             f"shape mismatch: parameter {tuple(param.shape)} vs loaded {tuple(loaded.shape)}"
         )
+    if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
+        # a cast between fp8 and a float type without its scale would silently be wrong
+        raise ValueError(
+            f"dtype mismatch: parameter {param.dtype} vs loaded {loaded.dtype} (the checkpoint's "
+            "quantization_config does not describe this tensor)"
+        )
     with torch.no_grad():
         param.copy_(loaded.to(param.dtype))
 
 
-class ColumnLinear(nn.Module):
+class _QuantLinear(nn.Module):
+    """Weight [rows, cols] (+ weight_scale) from a quantization method; `finish_loading` runs once
+    every tensor is in (online quantization)."""
+
+    def _init_weight(self, rows: int, cols: int, quant: QuantConfig | None, loader) -> None:
+        self.method = linear_method(quant)
+        self.weight = self.method.make_weight(rows, cols)
+        self.weight.weight_loader = loader
+        self.weight_scale = self.method.make_scale(rows, cols)
+        if self.weight_scale is not None:
+            self.weight_scale.weight_loader = loader
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.method.apply(x, self.weight, self.weight_scale, bias)
+
+    def finish_loading(self) -> None:
+        weight, scale = self.method.finish(self.weight, self.weight_scale)
+        self.weight, self.weight_scale = weight, scale
+
+    def _scale_kind(self, param: torch.Tensor) -> str:
+        """ "weight" (weights, biases), "channel" or "block" (scales)."""
+        if self.weight_scale is None or param is not self.weight_scale:
+            return "weight"
+        return "channel" if self.method.block is None else "block"
+
+
+class ColumnLinear(_QuantLinear):
     """y = x W^T with W's rows made of `segments` (e.g. [q, k, v]); each segment is sharded on its
     own.
 
@@ -48,14 +84,19 @@ class ColumnLinear(nn.Module):
         bias: bool = False,
         shard_sizes: list[int] | None = None,
         shard_fn: ShardFn = even_shard,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.segments = list(segments)
         self.local = shard_sizes or [s // tp_size() for s in segments]
         self.offsets = [sum(self.local[:i]) for i in range(len(self.local))]
         self.shard_fn = shard_fn
-        self.weight = nn.Parameter(torch.empty(sum(self.local), in_features), requires_grad=False)
-        self.weight.weight_loader = self._load
+        self._init_weight(sum(self.local), in_features, quant, self._load)
+        if self.method.block is not None and any(o % self.method.block[0] for o in self.offsets):
+            raise UnsupportedQuantization(
+                f"fp8 block {list(self.method.block)}: fused segments of local sizes {self.local} "
+                "do not start on block_n boundaries"
+            )
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local)), requires_grad=False)
@@ -68,8 +109,14 @@ class ColumnLinear(nn.Module):
             shard_id = 0
         if shard_id is None:  # one checkpoint tensor holding every segment
             shard_id = tuple(range(len(self.segments)))
+        kind = self._scale_kind(param)
         if isinstance(shard_id, tuple):  # one checkpoint tensor holding these segments, in order
             sizes = [self.segments[i] for i in shard_id]
+            if kind == "channel":
+                loaded = channel_scale(loaded, sum(sizes))
+            if kind == "block":
+                block_n = self.method.block[0]
+                sizes = [-(-s // block_n) for s in sizes]  # scale rows (offsets are aligned)
             if loaded.shape[0] != sum(sizes):
                 raise ValueError(
                     f"shape mismatch: segments {sizes} vs loaded {tuple(loaded.shape)}"
@@ -77,49 +124,83 @@ class ColumnLinear(nn.Module):
             for i, piece in zip(shard_id, loaded.split(sizes, dim=0)):
                 self._load(param, piece, i)
             return
+        if kind == "block":
+            block_n = self.method.block[0]
+            first, count = block_rows(self.shard_fn, self.segments[shard_id], block_n)
+            target = param.narrow(0, self.offsets[shard_id] // block_n, count)
+            copy_into(target, loaded.narrow(0, first, count))
+            return
+        if kind == "channel":
+            loaded = channel_scale(loaded, self.segments[shard_id])
         part = self.shard_fn(loaded, 0)
         copy_into(param.narrow(0, self.offsets[shard_id], self.local[shard_id]), part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
-class RowLinear(nn.Module):
+class RowLinear(_QuantLinear):
     """y = all_reduce(x_local W_local^T): input dim sharded. `reduce=False` leaves a partial sum."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        reduce: bool = True,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.reduce = reduce
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features // tp_size()), requires_grad=False
-        )
-        self.weight.weight_loader = lambda p, w, shard_id=None: copy_into(p, even_shard(w, 1))
+        self.out_features = out_features
+        local = in_features // tp_size()
+        self._init_weight(out_features, local, quant, self._load)
+        block = self.method.block
+        if block is not None and tp_size() > 1 and local % block[1]:
+            raise UnsupportedQuantization(
+                f"fp8 block {list(block)}: {in_features} input features over tensor-parallel "
+                f"size {tp_size()} leave {local} per rank, not a multiple of block_k"
+            )
         self.bias = None
         if bias:  # added once (rank 0) so the all-reduce does not multiply it
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = lambda p, w, shard_id=None: copy_into(p, w)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from appliance.models.layers.parallel import tp_rank
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        kind = self._scale_kind(param)
+        if kind == "channel":  # every rank holds all output rows
+            copy_into(param, channel_scale(loaded, self.out_features))
+        else:  # weight columns, or block-scale columns (aligned, checked at construction)
+            copy_into(param, even_shard(loaded, 1))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.bias is not None and tp_rank() == 0) else None
-        y = F.linear(x, self.weight, bias)
+        y = self._matmul(x, bias)
         return all_reduce(y) if self.reduce else y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(_QuantLinear):
     """The full weight on every rank (routers, small gates)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        quant: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = lambda p, w, shard_id=None: copy_into(p, w)
+        self.out_features = out_features
+        self._init_weight(out_features, in_features, quant, self._load)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = lambda p, w, shard_id=None: copy_into(p, w)
 
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if self._scale_kind(param) == "channel":
+            loaded = channel_scale(loaded, self.out_features)
+        copy_into(param, loaded)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)

@@ -6,14 +6,25 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
+from appliance.models.layers.quant import QuantConfig, quant_for
 from kernels.activation import silu_and_mul
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, reduce: bool = True) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        reduce: bool = True,
+        quant: QuantConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnLinear(hidden, [intermediate, intermediate])  # shard 0 gate, 1 up
-        self.down_proj = RowLinear(intermediate, hidden, reduce=reduce)
+        gate_up = quant_for(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        # shard 0 gate, 1 up
+        self.gate_up_proj = ColumnLinear(hidden, [intermediate, intermediate], quant=gate_up)
+        down = quant_for(quant, f"{prefix}.down_proj")
+        self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,165 @@
+"""Which weights are fp8 and how: parsed once from a checkpoint's `quantization_config` (Qwen
+"-FP8" block checkpoints, llm-compressor / compressed-tensors FP8) or from `--quantization fp8`
+(online: bf16 weights quantised per output channel at load). Called by
+`appliance.models.config.load_text_config`; the layers ask `QuantConfig.for_module`.
+
+Anything outside what is listed in SUPPORTED raises `UnsupportedQuantization` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMES = ("fp8_channel", "fp8_block")  # per-output-channel weight scales / [bn, bk] tile scales
+ONLINE = ("fp8",)  # values of --quantization
+BLOCK_SIZES = (16, 32, 64, 128)  # accepted block_n / block_k (Qwen's checkpoints use 128 x 128)
+SUPPORTED = (
+    'quant_method "fp8" (fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk] with '
+    f"bn, bk in {BLOCK_SIZES}, or none for per-tensor scales) and "
+    '"compressed-tensors" (format float-quantized: 8-bit float symmetric static weights with '
+    "strategy channel, tensor or block; dynamic 8-bit float activations)"
+)
+# Online fp8 keeps what Qwen's own fp8 checkpoints keep in bf16: routers, gates and the
+# per-head GDN projections (a few rows each; quantising them saves nothing and costs accuracy).
+ONLINE_IGNORE = (
+    "lm_head",
+    r"re:.*\.mlp\.gate$",
+    r"re:.*\.shared_expert_gate$",
+    r"re:.*\.linear_attn\.in_proj_[ab]$",
+)
+
+
+class UnsupportedQuantization(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    scheme: str  # one of SCHEMES
+    block: tuple[int, int] | None  # (block_n, block_k) for fp8_block
+    online: bool  # weights arrive in bf16/fp32 and are quantised once loaded
+    ignore: tuple[str, ...]  # module names kept unquantised: exact/dotted names or "re:<regex>"
+    source: str  # "fp8", "compressed-tensors" or "online": named in messages
+
+    def skips(self, name: str) -> bool:
+        """Whether checkpoint module `name` stays unquantised. Our `model.layers.*` names are also
+        tried in the VLM form `model.language_model.layers.*`."""
+        forms = {name, re.sub(r"^model\.", "model.language_model.", name)}
+        return any(_matches(pattern, form) for pattern in self.ignore for form in forms)
+
+    def for_module(self, *names: str) -> QuantConfig | None:
+        """This config if the checkpoint modules `names` (the parts of one fused layer) are all
+        quantised, None if none is; a mix cannot share one GEMM and is refused."""
+        skipped = [self.skips(n) for n in names]
+        if all(skipped):
+            return None
+        if not any(skipped):
+            return self
+        kept = [n for n, s in zip(names, skipped) if s]
+        raise UnsupportedQuantization(
+            f"{self.source} quantization: {', '.join(kept)} unquantised but "
+            f"{', '.join(n for n in names if n not in kept)} quantised; they are fused into one "
+            "layer here and must share one scheme"
+        )
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return f".{pattern}." in f".{name}."
+
+
+def parse_quant_config(raw: dict[str, Any], requested: str | None) -> QuantConfig | None:
+    """`raw` is the checkpoint's config.json; `requested` the --quantization value ("" = none)."""
+    qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if requested and requested not in ONLINE:
+        raise UnsupportedQuantization(
+            f"quantization {requested!r}: expected one of {', '.join(ONLINE)} (or none)"
+        )
+    if not qc:
+        if not requested:
+            return None
+        return QuantConfig("fp8_channel", None, True, ONLINE_IGNORE, "online")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _parse_fp8(qc)
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(qc)
+    raise UnsupportedQuantization(
+        f"quant_method {method!r} is not supported; supported: {SUPPORTED}"
+    )
+
+
+def _block(value: Any, field: str) -> tuple[int, int]:
+    ok = isinstance(value, (list, tuple)) and len(value) == 2
+    if not ok or any(v not in BLOCK_SIZES for v in value):
+        raise UnsupportedQuantization(
+            f"{field} {value!r} is not supported: expected [block_n, block_k] with each in "
+            f"{list(BLOCK_SIZES)}"
+        )
+    return int(value[0]), int(value[1])
+
+
+def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise UnsupportedQuantization(f"fp8 fmt {fmt!r} is not supported: expected e4m3")
+    activations = qc.get("activation_scheme", "dynamic")
+    if activations != "dynamic":
+        raise UnsupportedQuantization(
+            f"fp8 activation_scheme {activations!r} is not supported: expected dynamic"
+        )
+    ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+    block = qc.get("weight_block_size")
+    if block is None:  # per-tensor weight scales: loaded as per-channel ones
+        return QuantConfig("fp8_channel", None, False, ignore, "fp8")
+    return QuantConfig("fp8_block", _block(block, "fp8 weight_block_size"), False, ignore, "fp8")
+
+
+def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedQuantization(
+            f"compressed-tensors format {fmt!r} is not supported; supported: {SUPPORTED}"
+        )
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise UnsupportedQuantization(
+            f"compressed-tensors: {len(groups)} config_groups; exactly one FP8 group is supported"
+        )
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    want = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+    for key, value in want.items():
+        if weights.get(key) != value:
+            raise UnsupportedQuantization(
+                f"compressed-tensors weights {key}={weights.get(key)!r} is not supported "
+                f"(expected {value!r}); supported: {SUPPORTED}"
+            )
+    if (
+        not acts
+        or acts.get("num_bits") != 8
+        or acts.get("type") != "float"
+        or not acts.get("dynamic")
+    ):
+        raise UnsupportedQuantization(
+            f"compressed-tensors input_activations {acts!r} are not supported: expected dynamic "
+            "8-bit float (FP8_DYNAMIC / FP8_BLOCK schemes)"
+        )
+    ignore = tuple(qc.get("ignore") or ())
+    strategy = weights.get("strategy")
+    if strategy in ("channel", "tensor"):
+        return QuantConfig("fp8_channel", None, False, ignore, "compressed-tensors")
+    if strategy == "block":
+        block = _block(weights.get("block_structure"), "compressed-tensors block_structure")
+        return QuantConfig("fp8_block", block, False, ignore, "compressed-tensors")
+    raise UnsupportedQuantization(
+        f"compressed-tensors weights strategy {strategy!r} is not supported: expected channel, "
+        "tensor or block"
+    )
+
+
+def quant_for(quant: QuantConfig | None, *names: str) -> QuantConfig | None:
+    """`quant.for_module(*names)`, or None for an unquantised model."""
+    return quant.for_module(*names) if quant is not None else None

@@ -1,0 +1,131 @@
+"""How a linear layer stores its weight and runs its GEMM, one strategy per quantization scheme:
+unquantised, fp8 with a scale per output channel (checkpoint or online), fp8 with a scale per
+[block_n, block_k] tile. Chosen by `linear_method`; used by linear.py (and the expert variants by
+moe.py). The kernels live in kernels/fp8.py (backend from APPLIANCE_FP8_GEMM via kernels.backends)
+and kernels/fp8_block.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
+from kernels.fp8 import FP8_DTYPE, fp8_linear, per_token_quant_ref
+from kernels.fp8_block import fp8_block_linear
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Unquantized:
+    """Weight in the model dtype; F.linear."""
+
+    block: tuple[int, int] | None = None  # (block_n, block_k) of block-scaled weights
+
+    def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
+        """[*lead, rows, cols]; `lead` = (num_experts,) for expert weights."""
+        return _param(*lead, rows, cols)
+
+    def make_scale(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter | None:
+        return None
+
+    def apply(self, x, weight, scale, bias) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """Called once every tensor is loaded; returns the (weight, scale) to keep."""
+        return weight, scale
+
+
+def _flat(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    """Run a 2-D fp8 GEMM over the last dim of x [.., K]."""
+    out = fn(x.reshape(-1, x.shape[-1]), *args)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8Channel(Unquantized):
+    """e4m3 weight [N, K], fp32 scale [N]; activations quantised per token on the fly."""
+
+    def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
+        return _param(*lead, rows, cols, dtype=FP8_DTYPE)
+
+    def make_scale(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter | None:
+        return _param(*lead, rows, dtype=torch.float32)
+
+    def apply(self, x, weight, scale, bias) -> torch.Tensor:
+        return _flat(fp8_linear, x, weight, scale, bias)
+
+
+class Fp8Online(Fp8Channel):
+    """Loads the bf16/fp32 weight, then quantises it per output channel (vLLM's dynamic fp8)."""
+
+    def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
+        return _param(*lead, rows, cols)
+
+    def make_scale(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter | None:
+        return None
+
+    def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
+        if weight.dtype == FP8_DTYPE:  # finished already
+            return weight, scale
+        flat = weight.data.reshape(-1, weight.shape[-1])
+        w_q, w_scale = per_token_quant_ref(flat)  # one scale per output row
+        w_q = nn.Parameter(w_q.reshape(weight.shape), requires_grad=False)
+        return w_q, nn.Parameter(w_scale.reshape(weight.shape[:-1]), requires_grad=False)
+
+
+class Fp8Block(Unquantized):
+    """e4m3 weight [N, K], fp32 scale [ceil(N/bn), ceil(K/bk)]; activations quantised per token
+    and group of bk columns."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+
+    def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
+        return _param(*lead, rows, cols, dtype=FP8_DTYPE)
+
+    def make_scale(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter | None:
+        block_n, block_k = self.block
+        return _param(*lead, -(-rows // block_n), -(-cols // block_k), dtype=torch.float32)
+
+    def apply(self, x, weight, scale, bias) -> torch.Tensor:
+        return _flat(fp8_block_linear, x, weight, scale, self.block, bias)
+
+
+def linear_method(quant: QuantConfig | None) -> Unquantized:
+    if quant is None:
+        return Unquantized()
+    if quant.online:
+        return Fp8Online()
+    if quant.scheme == "fp8_channel":
+        return Fp8Channel()
+    if quant.scheme == "fp8_block":
+        return Fp8Block(quant.block)
+    raise UnsupportedQuantization(f"quantization scheme {quant.scheme!r}")
+
+
+def channel_scale(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's per-channel ([N, 1] / [N]) or per-tensor ([1] / []) scale as [rows]."""
+    flat = loaded.reshape(-1)
+    if flat.numel() == 1:
+        return flat.expand(rows)
+    if flat.numel() != rows:
+        raise ValueError(f"weight scale of {tuple(loaded.shape)} for {rows} output channels")
+    return flat
+
+
+def block_rows(shard_fn, rows: int, block_n: int) -> tuple[int, int]:
+    """(first scale row, scale rows) of this rank's part of a segment of `rows` weight rows, cut by
+    `shard_fn`; the part must start on a block boundary and end on one or at the segment end."""
+    local = shard_fn(torch.arange(rows), 0)
+    first, count = int(local[0]) if local.numel() else 0, local.numel()
+    aligned = first % block_n == 0 and (count % block_n == 0 or first + count == rows)
+    if not aligned or not torch.equal(local, torch.arange(first, first + count)):
+        raise UnsupportedQuantization(
+            f"fp8 block scales: this rank's rows [{first}, {first + count}) of a {rows}-row weight "
+            f"do not fall on block_n = {block_n} boundaries (use a smaller tensor-parallel size)"
+        )
+    return first // block_n, -(-count // block_n)

@@ -1,0 +1,175 @@
+"""Rewrite a tiny bf16/fp32 checkpoint (tiny.py, tiny_vl.py) into the fp8 layouts users have, plus
+the same model with the dequantised weights (the comparison model of the tests).
+
+- "fp8": Qwen's "-FP8" repos (DeepSeek-V3 style): e4m3 `weight` + fp32 `weight_scale_inv` per
+  [block_n, block_k] tile; `quantization_config = {quant_method: fp8, fmt: e4m3,
+  activation_scheme: dynamic, weight_block_size, modules_to_not_convert: [...]}` listing every
+  linear kept in bf16 by name (GDN in_proj_a/b, routers, shared-expert gates, lm_head, vision).
+- "compressed-tensors": llm-compressor FP8_DYNAMIC: e4m3 `weight` + `weight_scale` [out, 1] per
+  channel, one config group (static symmetric float8 channel weights, dynamic per-token
+  activations) and an `ignore` list of names and `re:` patterns.
+Fused experts get `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] / `gate_up_proj_scale` [E, 2I, 1];
+`expert_layout="per_expert"` splits them into `experts.{e}.{gate,up,down}_proj.weight` first.
+Called by tests/models/test_fp8_checkpoints.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from appliance.testing.tiny import fuse_experts, split_experts
+from kernels.fp8 import per_token_quant_ref
+from kernels.fp8_block import dequantize_block, quantize_block_ref
+
+LAYOUTS = ("fp8", "compressed-tensors")
+# what Qwen's fp8 repos keep in bf16 (matched on the module name)
+QWEN_KEEP = re.compile(
+    r"(^lm_head$|embed_tokens$|visual\.|\.in_proj_[ab]$|\.mlp\.gate$|\.shared_expert_gate$)"
+)
+COMPRESSED_IGNORE = [
+    "lm_head",
+    "re:.*mlp.gate$",
+    "re:.*shared_expert_gate$",
+    "re:.*linear_attn.*",
+    "re:.*visual.*",
+]
+_FUSED = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _read(src: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def _is_linear(name: str, tensor: torch.Tensor) -> bool:
+    if name.endswith(_FUSED):
+        return True
+    return name.endswith(".weight") and tensor.dim() == 2 and "embed_tokens" not in name
+
+
+def _kept(name: str, layout: str, ignore: list[str]) -> bool:
+    module = name.removesuffix(".weight")
+    if layout == "fp8":
+        return QWEN_KEEP.search(module) is not None
+    for pattern in ignore:
+        hit = re.match(pattern[3:], module) if pattern.startswith("re:") else module == pattern
+        if hit:
+            return True
+    return False
+
+
+def _quantize(w: torch.Tensor, layout: str, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] or fused [E, N, K] -> (e4m3, scale) in the layout's scale shape."""
+    if w.dim() == 3:
+        parts = [_quantize(w[e], layout, block) for e in range(w.shape[0])]
+        return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+    if layout == "fp8":
+        return quantize_block_ref(w.float(), block)
+    return per_token_quant_ref(w.float())  # one scale per output channel: [N, 1]
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, layout: str, block) -> torch.Tensor:
+    if layout == "fp8":
+        return dequantize_block(q, scale, block)
+    return q.float() * scale.float()
+
+
+def _quant_config(layout: str, block, kept: list[str], ignore: list[str]) -> dict:
+    if layout == "fp8":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(block),
+            "modules_to_not_convert": sorted(kept),
+        }
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**scheme, "strategy": "channel", "dynamic": False},
+                "input_activations": {**scheme, "strategy": "token", "dynamic": True},
+                "output_activations": None,
+            }
+        },
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+    }
+
+
+def _copy_side_files(src: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if (
+            file.is_file()
+            and file.suffix != ".safetensors"
+            and file.name != "model.safetensors.index.json"
+        ):
+            shutil.copy(file, out / file.name)
+
+
+def write_fp8_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    dequantized_out: str | Path,
+    *,
+    layout: str = "fp8",
+    block: tuple[int, int] = (128, 128),
+    expert_layout: str = "same",
+    transposed_experts: bool = False,
+    ignore: list[str] | None = None,
+) -> Path:
+    """Quantise `src` into `out` (layout "fp8" or "compressed-tensors"); write the dequantised
+    weights, in the source layout and dtype fp32, to `dequantized_out`.
+
+    expert_layout: "same" (as in src), "per_expert" or "fused". transposed_experts: src holds
+    Qwen3-VL-MoE's transposed fused experts ([E, H, 2I]); they are turned back first.
+    ignore: the compressed-tensors `ignore` list (default COMPRESSED_IGNORE)."""
+    ignore = list(COMPRESSED_IGNORE if ignore is None else ignore)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
+    src, out, deq_out = Path(src), Path(out), Path(dequantized_out)
+    tensors = _read(src)
+    if transposed_experts:
+        tensors = {
+            k: v.transpose(1, 2).contiguous() if k.endswith(_FUSED) else v
+            for k, v in tensors.items()
+        }
+    if expert_layout == "per_expert":
+        tensors = split_experts(tensors)
+    elif expert_layout == "fused":
+        tensors = fuse_experts(tensors)
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    kept: list[str] = []
+    for name, w in sorted(tensors.items()):
+        if not _is_linear(name, w) or _kept(name, layout, ignore):
+            if _is_linear(name, w):
+                kept.append(name.removesuffix(".weight"))
+            quantized[name] = dequantized[name] = w.float()
+            continue
+        q, scale = _quantize(w, layout, block)
+        quantized[name] = q
+        quantized[name + ("_scale_inv" if layout == "fp8" else "_scale")] = scale.float()
+        dequantized[name] = _dequantize(q, scale, layout, block)
+    for folder, state in ((out, quantized), (deq_out, dequantized)):
+        _copy_side_files(src, folder)
+        save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = _quant_config(layout, block, kept, ignore)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,236 @@
+"""Block-scaled fp8 (DeepSeek-V3 / Qwen "-FP8" checkpoints): e4m3 weights with one dequantisation
+scale per [block_n, block_k] tile, activations quantised per token and per group of block_k
+columns. References, the per-token-group quantiser and the block GEMM in Triton, and the dispatcher
+`fp8_block_linear`. Called by appliance/models/layers/quant_methods.py and kernels/fp8_moe.py.
+
+Scales are dequantisation scales (x ~= x_q * scale), as `weight_scale_inv` in the checkpoints.
+A weight [N, K] has scales [ceil(N / block_n), ceil(K / block_k)]; an activation [M, K] has
+[M, ceil(K / block_k)].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+
+Block = tuple[int, int]  # (block_n, block_k)
+
+
+# ------------------------------------------- references -------------------------------------------
+
+
+def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: Block) -> torch.Tensor:
+    """[.., ceil(rows/bn), ceil(cols/bk)] -> one scale per element [.., rows, cols]."""
+    block_n, block_k = block
+    full = scale.float().repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)
+    return full[..., :rows, :cols]
+
+
+def dequantize_block(w_q: torch.Tensor, scale: torch.Tensor, block: Block) -> torch.Tensor:
+    """w_q [.., N, K] e4m3, scale [.., N/bn, K/bk] -> fp32 [.., N, K]."""
+    return w_q.float() * expand_block_scale(scale, w_q.shape[-2], w_q.shape[-1], block)
+
+
+def quantize_block_ref(w: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 scales [ceil(N/bn), ceil(K/bk)]): amax of each tile / 448."""
+    block_n, block_k = block
+    rows, cols = w.shape
+    pad_n, pad_k = -rows % block_n, -cols % block_k
+    tiles = torch.nn.functional.pad(w.float(), (0, pad_k, 0, pad_n))
+    tiles = tiles.reshape((rows + pad_n) // block_n, block_n, (cols + pad_k) // block_k, block_k)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    full = expand_block_scale(scale, rows, cols, block)
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def per_token_group_quant_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] e4m3, scale [M, ceil(K/group)] fp32): one scale per row and group."""
+    rows, cols = x.shape
+    pad = -cols % group
+    groups = torch.nn.functional.pad(x.float(), (0, pad)).reshape(rows, -1, group)
+    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    full = scale.repeat_interleave(group, dim=1)[:, :cols]
+    return (x.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def fp8_block_mm_ref(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, ceil(K/bk)]
+    b_q: torch.Tensor,  # [N, K] e4m3
+    b_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: Block,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Dequantise both operands and multiply in fp32."""
+    a = a_q.float() * a_scale.float().repeat_interleave(block[1], dim=1)[:, : a_q.shape[1]]
+    out = a @ dequantize_block(b_q, b_scale, block).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+# --------------------------------------------- Triton ---------------------------------------------
+
+
+@jit
+def _group_quant_kernel(
+    x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    ok = offs < cols
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row * stride_s + group, scale)
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def per_token_group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    check_last_dim_contiguous("x", x)
+    if group != next_pow2(group):
+        raise ValueError(f"per_token_group_quant: group {group} must be a power of two")
+    rows, cols = x.shape
+    num_groups = -(-cols // group)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    if rows:
+        _group_quant_kernel[(rows, num_groups)](
+            x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), GROUP=group
+        )
+    return q, scale
+
+
+@jit
+def _fp8_block_mm_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    m_size,
+    n_size,
+    k_size,
+    stride_am,
+    stride_bn,
+    stride_om,
+    stride_sam,
+    stride_sbn,
+    SCALE_ROWS_N: tl.constexpr,  # block_n of the weight scales
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # == block_k of the scales: one scale column per K step
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < m_size, rn < n_size
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
+    sa_ptrs = sa_ptr + rm.to(tl.int64) * stride_sam
+    sb_ptrs = sb_ptr + (rn // SCALE_ROWS_N).to(tl.int64) * stride_sbn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(k_size, BLOCK_K)):
+        k_ok = rk + kb * BLOCK_K < k_size
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def _block_mm_config(m: int) -> dict[str, int]:
+    """Starting points, not yet measured on the H200 (the lead's run will set them)."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+    if m <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+
+
+def fp8_block_mm_triton(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    a_scale: torch.Tensor,  # [M, ceil(K/bk)] fp32
+    b_q: torch.Tensor,  # [N, K] e4m3
+    b_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)] fp32
+    block: Block,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Same result as fp8_block_mm_ref (fp32 accumulation per K block)."""
+    check_last_dim_contiguous("a_q", a_q)
+    check_last_dim_contiguous("b_q", b_q)
+    (m, k), n = a_q.shape, b_q.shape[0]
+    block_n, block_k = block
+    want_a, want_b = (m, -(-k // block_k)), (-(-n // block_n), -(-k // block_k))
+    if b_q.shape[1] != k or tuple(a_scale.shape) != want_a or tuple(b_scale.shape) != want_b:
+        raise ValueError(
+            f"fp8_block_mm: a {tuple(a_q.shape)} scale {tuple(a_scale.shape)} (want {want_a}), "
+            f"b {tuple(b_q.shape)} scale {tuple(b_scale.shape)} (want {want_b}), block {block}"
+        )
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    sa, sb = a_scale.float(), b_scale.float()
+    cfg = _block_mm_config(m)
+    grid = (-(-m // cfg["BLOCK_M"]), -(-n // cfg["BLOCK_N"]))
+    _fp8_block_mm_kernel[grid](
+        a_q,
+        b_q,
+        out,
+        sa,
+        sb,
+        bias if bias is not None else sb,
+        m,
+        n,
+        k,
+        a_q.stride(0),
+        b_q.stride(0),
+        out.stride(0),
+        sa.stride(0),
+        sb.stride(0),
+        SCALE_ROWS_N=block_n,
+        HAS_BIAS=bias is not None,
+        BLOCK_K=block_k,
+        **cfg,
+    )
+    return out
+
+
+# ------------------------------------------ dispatchers ------------------------------------------
+
+
+def per_token_group_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return per_token_group_quant_triton(x, group)
+    return per_token_group_quant_ref(x, group)
+
+
+def fp8_block_linear(
+    x: torch.Tensor,  # [T, K] bf16 / fp16 / fp32
+    weight_q: torch.Tensor,  # [N, K] e4m3
+    weight_scale: torch.Tensor,  # [ceil(N/bn), ceil(K/bk)]
+    block: Block,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
+    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere)."""
+    x_q, x_scale = per_token_group_quant(x, block[1])
+    if use_triton(x):
+        return fp8_block_mm_triton(x_q, x_scale, weight_q, weight_scale, block, x.dtype, bias)
+    return fp8_block_mm_ref(x_q, x_scale, weight_q, weight_scale, block, x.dtype, bias)

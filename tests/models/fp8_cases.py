@@ -1,0 +1,80 @@
+"""Helpers of the fp8 checkpoint tests: engine logits of a checkpoint, the fp8 kernels with the
+activation quantisation taken out (so an fp8 model must equal its dequantised twin to float noise),
+and the dequantised view of a loaded model's fp8 parameters."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from test_qwen3_5_parity import engine_logits
+
+import appliance.engine.runner as runner_module
+import kernels.fp8_moe as fp8_moe
+from appliance.engine.runner import ModelRunner
+from appliance.models.config import load_text_config
+from appliance.models.layers import quant_methods
+from appliance.offline.llm import build_engine_config
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_block import dequantize_block
+
+IDS = list(range(3, 120, 3))
+
+
+def runner(ckpt, quantization: str = "", **options) -> ModelRunner:
+    opts = dict(max_num_seqs=2, num_kv_slots=256, max_model_len=128, **options)
+    config = build_engine_config(str(ckpt), 1, opts)
+    if not quantization:
+        return ModelRunner(config)
+    # --quantization reaches load_text_config once the runner passes ModelConfig.quantization
+    patched = functools.partial(load_text_config, quantization=quantization)
+    original = runner_module.load_text_config
+    runner_module.load_text_config = patched
+    try:
+        return ModelRunner(config)
+    finally:
+        runner_module.load_text_config = original
+
+
+def logits(ckpt, quantization: str = "") -> torch.Tensor:
+    """Teacher-forced logits [len(IDS), vocab] of IDS, prefilled in chunks of 16."""
+    return engine_logits(runner(ckpt, quantization), [IDS], chunk=16)[0]
+
+
+def _linear_exact(x, weight_q, weight_scale, bias=None):
+    w = weight_q.float() * weight_scale.float().reshape(-1, 1)
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+def _block_exact(x, weight_q, weight_scale, block, bias=None):
+    return F.linear(x, dequantize_block(weight_q, weight_scale, block).to(x.dtype), bias)
+
+
+def without_activation_quant(monkeypatch) -> None:
+    """fp8 weights dequantised, activations left in full precision (the per-channel expert
+    reference, kernels.moe.fused_moe_fp8_ref, already works this way)."""
+    monkeypatch.setattr(quant_methods, "fp8_linear", _linear_exact)
+    monkeypatch.setattr(quant_methods, "fp8_block_linear", _block_exact)
+    monkeypatch.setattr(fp8_moe, "fp8_block_linear", _block_exact)
+
+
+def dequantized_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter in fp32; fp8 weights multiplied out with their `_scale` (per channel or
+    per tile); the scales themselves left out. Names match an unquantised model's."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, param in params.items():
+        if name.endswith("_scale"):
+            continue
+        if param.dtype != FP8_DTYPE:
+            out[name] = param.float()
+            continue
+        scale = params[name + "_scale"]
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        block = module.method.block
+        if block is not None:
+            out[name] = dequantize_block(param, scale, block)
+        else:
+            out[name] = param.float() * scale.float()[..., None]
+    return out
