@@ -18,6 +18,7 @@ from appliance.server.images import NOT_SUPPORTED, RequestImage, expand_image_to
 from appliance.server.protocol import ChatMessage, ImagePart
 
 CHARS_PER_TOKEN_LIMIT = 16  # max_prompt_chars = 0 means max_model_len x this
+DOCUMENT_SEPARATOR = "<|endoftext|>"  # Qwen's end of a pretraining document (it has no BOS)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class PromptBuilder:
     def completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
-            ids = self._encode(prompt, "prompt")
+            ids = self._encode(prompt, "prompt") or self.start_ids("prompt")
             self.check_tokens(len(ids), "prompt")
             return Prompt(ids, prompt)
         vocab = len(self.tokenizer)
@@ -133,6 +134,22 @@ class PromptBuilder:
             )
         self.check_tokens(len(prompt), "prompt")
         return Prompt(list(prompt), None)
+
+    def start_ids(self, param: str) -> list[int]:
+        """What an empty text prompt (which OpenAI accepts) becomes: the BOS token, or, for
+        tokenizers without one (Qwen), `<|endoftext|>`, the separator every pretraining document
+        follows, so the model generates as at the start of a document."""
+        tokenizer = self.tokenizer
+        if tokenizer.bos_token_id is not None:
+            return [tokenizer.bos_token_id]
+        separator = tokenizer.convert_tokens_to_ids(DOCUMENT_SEPARATOR)
+        if isinstance(separator, int) and separator != tokenizer.unk_token_id:
+            return [separator]
+        raise BadRequest(
+            f"{param}: the prompt is empty, and this model's tokenizer has neither a BOS token "
+            f"nor {DOCUMENT_SEPARATOR} to start generating from.",
+            param,
+        )
 
     def _encode(self, text: str, param: str) -> list[int]:
         """Token ids of `text`; text that is not valid Unicode (a lone UTF-16 surrogate from a

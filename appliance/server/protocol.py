@@ -17,11 +17,14 @@ from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
 
 
 class _Schema(BaseModel):
     # Unknown fields (store, metadata, user, ...) are accepted and ignored, as OpenAI servers do.
-    model_config = ConfigDict(extra="ignore")
+    # Strict types, as OpenAI checks them: no "2" or 2.0 or true for an integer, no "yes" for a
+    # boolean (in particular `"prompt": [[false]]` is not a token-id prompt).
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextPart(_Schema):
@@ -66,7 +69,7 @@ class _SamplingFields(_Schema):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = None  # at most MAX_STOP_SEQUENCES (checked in sampling_params)
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -96,7 +99,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing
             raise BadRequest("top_logprobs: requires logprobs to be true.", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -150,6 +153,11 @@ _ERROR_MEANINGS = {
 
 def sampling_params(req: _SamplingFields, num_logprobs: int | None) -> SamplingParams:
     """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults."""
+    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
+        raise BadRequest(
+            f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
+            "stop",
+        )
     fields = {
         "temperature": req.temperature,
         "top_p": req.top_p,

@@ -12,7 +12,7 @@ from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
-from appliance.parsers.schema import tool_name
+from appliance.server.chat_checks import check_messages, check_tool_choice, check_tools
 from appliance.server.errors import BadRequest
 from appliance.server.images import image_support, load_images
 from appliance.server.prompts import Prompt
@@ -129,6 +129,8 @@ class ChatEndpoint:
 
     def check(self, state: ServerState, body: ChatCompletionRequest) -> None:
         check_n(state, body)
+        check_messages(body.messages)
+        check_tools(body.tools)
         check_tool_choice(body.tool_choice, body.tools)
         fmt = (body.response_format or {}).get("type", "text")
         if fmt != "text":
@@ -159,25 +161,3 @@ class ChatEndpoint:
 
 
 CHAT = ChatEndpoint()
-
-
-def check_tool_choice(choice: str | dict | None, tools: list | None) -> None:
-    """OpenAI's rules: "none" | "auto" | "required", or a named function that is among `tools`;
-    "required" and a named function need tools."""
-    param = "tool_choice"
-    if choice is None or choice in ("none", "auto"):
-        return
-    if isinstance(choice, str) and choice != "required":
-        raise BadRequest(
-            f"tool_choice: {choice!r} is not one of 'none', 'auto', 'required'.", param
-        )
-    if not tools:
-        raise BadRequest("tool_choice: is only allowed when tools are specified.", param)
-    if isinstance(choice, dict):
-        name = tool_name(choice)
-        if name is None:
-            raise BadRequest(
-                "tool_choice: expected {'type': 'function', 'function': {'name'}}.", param
-            )
-        if name not in {tool_name(t) for t in tools}:
-            raise BadRequest(f"tool_choice: function {name!r} is not among the tools.", param)
