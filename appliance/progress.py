@@ -25,6 +25,7 @@ from appliance.logging import get_logger
 logger = get_logger(__name__)
 
 _BAR_WIDTH = 24
+_CLEAR_LINE = "\033[K"  # erase what a longer earlier redraw left to the right
 
 
 class Progress:
@@ -81,7 +82,7 @@ class Progress:
             if not self.enabled or (self._last_shown is None and quick):
                 return
             if self._tty:
-                self._stream.write("\r" + self.render(final=True) + "\n")
+                self._stream.write("\r" + self.render(final=True) + _CLEAR_LINE + "\n")
                 self._stream.flush()
             else:
                 logger.info("%s", self.render(final=True))
@@ -113,7 +114,7 @@ class Progress:
             return  # the final line follows at close
         self._last_shown = now
         if self._tty:
-            self._stream.write("\r" + self.render())
+            self._stream.write("\r" + self.render() + _CLEAR_LINE)
             self._stream.flush()
         else:
             logger.info("%s", self.render())

@@ -47,7 +47,8 @@ def test_tty_bar_redraws_in_place_and_ends_with_a_newline(log_stream) -> None:
         for _ in range(4):
             clock.now += 1.5
             bar.update()
-    out = tty.getvalue()
+    out = tty.getvalue().replace("\033[K", "")  # each redraw clears the rest of the line
+    assert tty.getvalue().count("\033[K") == 5  # four redraws and the final one
     assert out.startswith("\rloading weights [")
     assert "1/4 tensors  25% 1.5s" in out and "3/4 tensors  75% 4.5s" in out
     assert out.endswith("] 4/4 tensors 100% 6.0s\n") and out.count("\n") == 1
@@ -94,7 +95,7 @@ def test_step_without_a_count_ticks_elapsed_time(log_stream) -> None:
     tty = TTY()
     with Progress("building the embedded default model", stream=tty, delay_s=0.0):
         time.sleep(0.4)  # one long call: the tick thread draws meanwhile
-    out = tty.getvalue()
+    out = tty.getvalue().replace("\033[K", "")
     assert out.startswith("\rbuilding the embedded default model: ")
     assert "building the embedded default model: done in " in out and out.endswith("s\n")
 
@@ -108,7 +109,7 @@ def test_weight_loading_reports_every_tensor(tiny_dense, monkeypatch, log_stream
     monkeypatch.setattr(loader, "Progress", partial(Progress, stream=tty, delay_s=0.0))
     names = [name for name, _ in loader.iter_tensors(tiny_dense)]
     mtp = [name for name, _ in loader.iter_tensors(tiny_dense, prefix="mtp.")]
-    final = [line for line in tty.getvalue().split("\r") if line.endswith("\n")]
+    final = [x for x in tty.getvalue().replace("\033[K", "").split("\r") if x.endswith("\n")]
     assert len(final) == 2 and mtp and set(mtp) < set(names)
     assert final[0].startswith("loading weights [" + "#" * 24 + "]")
     assert f"] {len(names)}/{len(names)} tensors 100% " in final[0]
