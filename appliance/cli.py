@@ -196,18 +196,22 @@ def _print_backends() -> int:
     from appliance.logging import setup_logging
     from kernels.backends import detect_platform, resolve_backends
 
+    try:
+        requested = envs.kernel_backends()
+    except envs.EnvError as exc:
+        _fail(str(exc), code=1, command="backends")
     setup_logging()
     platform = detect_platform()
     print(f"platform: {platform}")
-    table = resolve_backends(**envs.kernel_backends(), platform=platform)
+    table = resolve_backends(**requested, platform=platform)
     for kind, name in table.items():
         print(f"{kind:<12} {name}")
     return 0
 
 
-def _fail(message: str, code: int = 2) -> NoReturn:
+def _fail(message: str, code: int = 2, command: str = "serve") -> NoReturn:
     """One error line on stderr, no usage block, no traceback; exits with `code`."""
-    sys.stderr.write(f"appliance serve: error: {message}\n")
+    sys.stderr.write(f"appliance {command}: error: {message}\n")
     raise SystemExit(code)
 
 

@@ -131,6 +131,12 @@ def test_bad_env_flag_is_one_line_before_anything_starts(tmp_path, flag, value, 
     assert not any(tmp_path.iterdir())  # nothing was built: the check came first
 
 
+def test_backends_command_reports_a_bad_env_flag_in_one_line():
+    code, err, _ = _run_cli(["backends"], {"APPLIANCE_GDN_PREFILL_BACKEND": "fast"})
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("appliance backends: error: APPLIANCE_GDN_PREFILL_BACKEND='fast': ")
+
+
 def test_busy_port_is_one_line_before_loading(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
