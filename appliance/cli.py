@@ -193,13 +193,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 
 def _print_backends() -> int:
-    from appliance.logging import setup_logging
-    from kernels.backends import detect_platform, resolve_backends
-
-    try:
+    try:  # before importing torch: a bad flag fails at once
         requested = envs.kernel_backends()
     except envs.EnvError as exc:
         _fail(str(exc), code=1, command="backends")
+    from appliance.logging import setup_logging
+    from kernels.backends import detect_platform, resolve_backends
+
     setup_logging()
     platform = detect_platform()
     print(f"platform: {platform}")
