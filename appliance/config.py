@@ -21,9 +21,11 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     max_model_len: int = 0  # context length; 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
+    quantization: str = ""  # "" (as the checkpoint says) | fp8 (bf16 weights to fp8 at load)
 
     def __post_init__(self) -> None:
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
+        _check(self.quantization in ("", "fp8"), "quantization", "fp8 or empty")
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",
