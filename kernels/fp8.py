@@ -1,7 +1,10 @@
-"""fp8 e4m3 activation quantisation (per token, per tensor) and the scaled GEMM of fp8 linears and
-fp8 experts: references, Triton kernels and the dispatchers `fp8_quant`, `fp8_scaled_mm` and
-`fp8_linear` (the backend chosen in kernels.backends). Called by appliance/models/layers/linear.py
-and kernels/moe_triton.py.
+"""fp8 e4m3 activation quantisation (per token, per tensor) and the scaled GEMM of per-channel fp8
+linears and fp8 experts: references, Triton kernels and the dispatchers `fp8_quant`,
+`fp8_scaled_mm` and `fp8_linear` (the backend chosen in kernels.backends, APPLIANCE_FP8_GEMM).
+`fp8_linear` is what fp8 linear layers with per-channel weight scales run (compressed-tensors
+FP8_DYNAMIC checkpoints, online --quantization fp8: appliance/models/layers/quant_methods.py);
+block-scaled checkpoints (Qwen "-FP8") use kernels/fp8_block.py. Also called by
+kernels/moe_triton.py (per-token activation quantisation of fp8 experts).
 
 Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale
 per output channel [N] or one per tensor [1].

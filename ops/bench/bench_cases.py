@@ -362,12 +362,40 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
     auto_case = (
         f"fp8_auto[{backends.selected('fp8_gemm')}]",
         shape,
-        lambda: fp8.fp8_scaled_mm(a_q, w_q, a_s, w_s, BF16),  # what the model layers call
+        # what per-channel fp8 linears run after quantising x (quant_methods.Fp8Channel)
+        lambda: fp8.fp8_scaled_mm(a_q, w_q, a_s, w_s, BF16),
         2 * m * n * k,
         "TFLOP/s",
         {name: fn for name, fn in peers.items() if name != "bf16 mm (not fp8)"},
     )
     return triton_case, auto_case
+
+
+def _fp8_block_case(m: int, w, block=(128, 128)) -> tuple:
+    """The block GEMM of Qwen "-FP8" linears (activations quantised per token and 128-group)
+    against the per-channel Triton GEMM at the same shape and bf16."""
+    from kernels import fp8_block
+
+    n, k = w.shape
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    a_q, a_s = fp8_block.per_token_group_quant(x, block[1])
+    b_q, b_s = fp8_block.quantize_block_ref(w, block)
+    c_q, c_s = fp8.per_token_quant_ref(w)
+    t_q, t_s = fp8.per_token_quant_ref(x)
+    w_bf16 = w.to(BF16)
+    return (
+        "fp8_block_gemm",
+        f"M={m} N={n} K={k}",
+        lambda: fp8_block.fp8_block_mm_triton(a_q, a_s, b_q, b_s, block, BF16),
+        2 * m * n * k,
+        "TFLOP/s",
+        {
+            "fp8_gemm per-channel (ours)": lambda: fp8.fp8_scaled_mm_triton(
+                t_q, c_q, t_s, c_s.reshape(n), BF16
+            ),
+            "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
+        },
+    )
 
 
 def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
@@ -376,6 +404,7 @@ def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
         w_q, w_s = fp8.per_token_quant_ref(w)
         for m in (1, 16, 64, 256, 4096):
             yield from _fp8_gemm_case(m, w_q, w_s.reshape(n), w.to(BF16))
+            yield _fp8_block_case(m, w)
     for tokens in (16, 8192):
         x = torch.randn(tokens, HIDDEN, device=DEV, dtype=BF16)
         yield (
