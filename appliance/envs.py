@@ -75,6 +75,12 @@ _register(
     "fp8 scaled GEMM backend.",
     ("auto", "cutlass", "sgl", "triton", "torch"),
 )
+_register(
+    "APPLIANCE_DISABLE_MTP_FUSED_GRAPH",
+    False,
+    _bool,
+    "MTP: accept drafts on the host after an eager verify (off: the fused device step, graphed).",
+)
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 _register(
     "APPLIANCE_API_KEY",

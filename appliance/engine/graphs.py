@@ -54,34 +54,88 @@ def graph_reserve_bytes(max_bs: int, vocab_size: int) -> int:
     return max_bs * vocab_size * 4 * 3 + 512 * 2**20 if max_bs else 0
 
 
-def capture_decode_graphs(
-    model: torch.nn.Module,
-    requests: RequestTable,
-    sizes: PoolSizes,
-    max_bs: int,
-    hidden_vocab: tuple[int, int],
-    dtype: torch.dtype,
-    device: torch.device,
-) -> DecodeGraphs:
-    """Builds and captures the decode graphs, logging each bucket, the time and the memory."""
-    graphs = DecodeGraphs(model, requests, sizes, max_bs, *hidden_vocab, dtype, device)
+def capture_logged(name: str, graphs, reserved: int) -> None:
+    """Captures `graphs` (DecodeGraphs, MtpGraphs), logging each bucket, the time and the memory
+    against what the memory sizing held back."""
     total = len(graphs.batch_sizes)
-    log.info("capturing CUDA graphs for %d decode batch sizes", total)
-    graphs.capture(lambda done, _, bs: log.info("CUDA graph %d/%d (batch %d)", done, total, bs))
+    log.info("capturing %s CUDA graphs for %d batch sizes", name, total)
+    graphs.capture(lambda done, _, bs: log.info("%s graph %d/%d (batch %d)", name, done, total, bs))
     log.info(
-        "CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
+        "%s CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
+        name,
         total,
-        max_bs,
+        graphs.max_bs,
         graphs.capture_s,
         graphs.pool_bytes / 2**30,
-        graph_reserve_bytes(max_bs, hidden_vocab[1]) / 2**30,
+        reserved / 2**30,
     )
-    return graphs
+
+
+@torch.inference_mode()
+def capture_buckets(
+    batch_sizes: list[int],
+    steps: list[Callable[[int], None]],
+    device: torch.device,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> tuple[dict[int, list[torch.cuda.CUDAGraph]], float, int]:
+    """Captures `steps` (each a function of the bucket size, run in order) as one graph each per
+    bucket, largest bucket first so smaller ones reuse its memory; one memory pool for all. Each
+    bucket is warmed up eagerly first (Triton compiles and autotunes outside the capture). Returns
+    the graphs per bucket, the seconds it took and the device memory the pool holds."""
+    start = time.perf_counter()
+    torch.cuda.synchronize(device)
+    free_before, _ = torch.cuda.mem_get_info(device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+    for i, bs in enumerate(sorted(batch_sizes, reverse=True)):
+        for step in steps:
+            step(bs)
+        torch.cuda.synchronize(device)
+        graphs[bs] = []
+        for step in steps:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step(bs)
+            graphs[bs].append(graph)
+        if progress is not None:
+            progress(i + 1, len(batch_sizes), bs)
+    torch.cuda.synchronize(device)
+    free_after, _ = torch.cuda.mem_get_info(device)
+    return graphs, time.perf_counter() - start, max(0, free_before - free_after)
 
 
 def is_plain_decode(chunks: list[ScheduledChunk]) -> bool:
     """Every chunk computes one token, samples it, and carries no MTP drafts."""
     return bool(chunks) and all(c.num_tokens == 1 and c.sample and not c.num_draft for c in chunks)
+
+
+class StagedInputs:
+    """A graph's integer inputs: one `[rows, max_bs]` int64 device tensor (`meta`) whose columns
+    past the real batch hold each row's padding value, filled from a pinned host buffer in one
+    non-blocking transfer per step. Two host buffers alternate: with a step in flight, the copy of
+    its inputs may not have run yet."""
+
+    def __init__(self, pad: list[int], max_bs: int, device: torch.device) -> None:
+        self.pad = list(pad)
+        self.meta = torch.tensor([[p] * max_bs for p in pad], dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        self.staging = [self.meta.cpu().pin_memory() if cuda else self.meta.cpu() for _ in range(2)]
+        self.staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.turn = 0
+
+    def stage(self, rows: list[list[int]]) -> None:
+        """rows[r] = the values of input row r for the step's n columns; the rest is padding."""
+        self.turn ^= 1
+        host, copied = self.staging[self.turn], self.staged[self.turn]
+        if copied is not None:
+            copied.synchronize()  # its last copy (two steps ago) has run: safe to overwrite
+        staged = host.numpy()
+        for r, (values, pad) in enumerate(zip(rows, self.pad, strict=True)):
+            staged[r, : len(values)] = values
+            staged[r, len(values) :] = pad
+        self.meta.copy_(host, non_blocking=True)  # one transfer of the whole (tiny) buffer
+        if copied is not None:
+            copied.record()
 
 
 class DecodeGraphs:
@@ -104,15 +158,10 @@ class DecodeGraphs:
         self.model, self.requests, self.device = model, requests, device
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
-        self.pad = (sizes.pad_req_slot, 0, sizes.pad_kv_slot)  # slot, position, KV slot
         requests.token_ids[sizes.pad_req_slot].zero_()  # padding rows read token 0
-        # inputs: [3, max_bs] (req slot, position, KV slot) on the device, staged from pinned host
-        self.meta = torch.tensor([[p] * max_bs for p in self.pad], dtype=torch.int64, device=device)
-        # two staging buffers, alternating: with a step in flight, its copy may not have run yet
-        cuda = device.type == "cuda"
-        self.staging = [self.meta.cpu().pin_memory() if cuda else self.meta.cpu() for _ in range(2)]
-        self.staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self.turn = 0
+        # inputs: [3, max_bs] (req slot, position, KV slot) on the device
+        self.inputs = StagedInputs([sizes.pad_req_slot, 0, sizes.pad_kv_slot], max_bs, device)
+        self.meta = self.inputs.meta
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
         # outputs, shared by every bucket (a replay writes the first bs rows)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
@@ -145,26 +194,12 @@ class DecodeGraphs:
         self.hidden[:bs].copy_(hidden)
         self.logits[:bs].copy_(self.model.compute_logits(hidden))
 
-    @torch.inference_mode()
     def capture(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         """Warm up and capture every bucket, largest first (smaller ones reuse its memory)."""
-        start = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        free_before, _ = torch.cuda.mem_get_info(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        for i, bs in enumerate(reversed(self.batch_sizes)):
-            self._forward(bs)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            self.graphs[bs] = graph
-            if progress is not None:
-                progress(i + 1, len(self.batch_sizes), bs)
-        torch.cuda.synchronize(self.device)
-        free_after, _ = torch.cuda.mem_get_info(self.device)
-        self.capture_s = time.perf_counter() - start
-        self.pool_bytes = max(0, free_before - free_after)
+        graphs, self.capture_s, self.pool_bytes = capture_buckets(
+            self.batch_sizes, [self._forward], self.device, progress
+        )
+        self.graphs = {bs: g[0] for bs, g in graphs.items()}
 
     # ------------------------------------------------------------------ replay
     def bucket(self, n: int) -> int:
@@ -177,19 +212,13 @@ class DecodeGraphs:
         """Replays the step; returns (bucket, hidden [n, H], logits [n, V]) for the n chunks."""
         n = len(chunks)
         bs = self.bucket(n)
-        self.turn ^= 1
-        host, copied = self.staging[self.turn], self.staged[self.turn]
-        if copied is not None:
-            copied.synchronize()  # its last copy (two steps ago) has run: safe to overwrite
-        staged = host.numpy()
-        staged[0, :n] = [c.req_slot for c in chunks]
-        staged[1, :n] = [c.start for c in chunks]
-        staged[2, :n] = [c.kv_slots[0] for c in chunks]
-        for row, value in enumerate(self.pad):
-            staged[row, n:] = value
-        self.meta.copy_(host, non_blocking=True)  # one transfer of the whole (tiny) buffer
-        if copied is not None:
-            copied.record()
+        self.inputs.stage(
+            [
+                [c.req_slot for c in chunks],
+                [c.start for c in chunks],
+                [c.kv_slots[0] for c in chunks],
+            ]
+        )
         graph = self.graphs.get(bs)
         if graph is not None:
             graph.replay()

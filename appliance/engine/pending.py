@@ -1,10 +1,13 @@
 """A step the worker has launched but not reported yet: either its result is already known (steps
-that finish on the host: MTP, logprobs) or its sampled tokens are on their way to the host in one
-non-blocking copy. Created by the model runner's submit(), read by its collect()."""
+that finish on the host: logprobs, mixed MTP steps) or its sampled tokens are on their way to the
+host in one non-blocking copy: one token per request (plain decode), or per request its k + 1 MTP
+samples followed by how many of them were accepted. Created by the model runner's submit(), read by
+its collect()."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,8 +21,10 @@ class PendingStep:
     start: float  # perf_counter() when the step was launched
     done: StepResult | None = None  # set when the result was computed at launch
     slots: list[int] = field(default_factory=list)  # request slot of each sampled row
-    host_ids: torch.Tensor | None = None  # [S] int64 (pinned on CUDA), filled by the copy
+    host_ids: torch.Tensor | None = None  # [S] or [S, k + 2] int64 (pinned on CUDA), copied into
     copied: torch.cuda.Event | None = None  # recorded after the copy (None on CPU)
+    lengths: Callable[[list[int]], None] | None = None  # told each request's new length (MTP)
+    starts: list[int] = field(default_factory=list)  # MTP: each request's first verify position
 
     @classmethod
     def ready(cls, result: StepResult) -> PendingStep:
@@ -27,16 +32,17 @@ class PendingStep:
 
     @classmethod
     def copying(
-        cls, step_id: int, start: float, slots: list[int], token_ids: torch.Tensor
+        cls, step_id: int, start: float, slots: list[int], token_ids: torch.Tensor, **mtp
     ) -> PendingStep:
-        """Starts the device-to-host copy of the step's sampled ids [S] (stream-ordered)."""
+        """Starts the device-to-host copy of the step's sampled ids [S] (or MTP rows [S, k + 2],
+        with `lengths` and `starts`) (stream-ordered)."""
         if not token_ids.is_cuda:
-            return cls(step_id, start, slots=slots, host_ids=token_ids)
+            return cls(step_id, start, slots=slots, host_ids=token_ids.clone(), **mtp)
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host.copy_(token_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(step_id, start, slots=slots, host_ids=host, copied=event)
+        return cls(step_id, start, slots=slots, host_ids=host, copied=event, **mtp)
 
     def is_done(self) -> bool:
         """The result can be read without waiting for the device."""
@@ -47,6 +53,12 @@ class PendingStep:
             return self.done
         if self.copied is not None:
             self.copied.synchronize()
-        ids = self.host_ids.tolist()
-        sampled = [SampledTokens(slot, [token]) for slot, token in zip(self.slots, ids)]
+        rows = self.host_ids.tolist()
+        if self.host_ids.dim() == 1:
+            tokens = [[token] for token in rows]
+        else:  # MTP: the k + 1 samples, then how many were accepted
+            tokens = [row[: row[-1]] for row in rows]
+            if self.lengths is not None:
+                self.lengths([s + 1 + len(run) for s, run in zip(self.starts, tokens)])
+        sampled = [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
         return StepResult(self.step_id, sampled, time.perf_counter() - self.start)

@@ -46,10 +46,11 @@ class PoolSizes:
 
     @property
     def num_scratch_slots(self) -> int:
-        """Eagle chain steps after the first write their draft KV here, never into verify slots."""
-        return self.num_req_slots * self.mtp_step
+        """Eagle chain steps after the first write their draft KV here, never into verify slots
+        (the padding row has its own, so padded chain rows stay in bounds)."""
+        return self.num_req_rows * self.mtp_step
 
-    def scratch_slot(self, req_slot: int, step: int) -> int:
+    def scratch_slot(self, req_slot, step: int):  # req_slot: an int or a tensor of them
         return self.num_kv_slots + req_slot * self.mtp_step + step
 
 

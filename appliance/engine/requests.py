@@ -11,7 +11,7 @@ admitted again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,6 +59,9 @@ class RequestTable:
         self.num_tokens_host = [0] * num_slots
         self.prompt_len_host = [0] * num_slots
         self.num_draft = [0] * num_slots  # MTP drafts per step (0: the request decodes plainly)
+        self.admissions = [
+            0
+        ] * num_slots  # admissions per slot so far (tells reuses of a slot apart)
 
     # ------------------------------------------------------------------ admission
     def admit(self, requests: Sequence[NewRequest]) -> None:
@@ -77,6 +80,7 @@ class RequestTable:
             self.num_tokens_host[slot] = n
             self.prompt_len_host[slot] = prompt_len
             self.num_draft[slot] = req.num_draft
+            self.admissions[slot] += 1
             ints.append([slot, n, prompt_len, _int64(opts.top_k), _int64(opts.seed or 0)])
             floats.append([opts.temperature, opts.top_p, opts.min_p])
         packed = to_device(ints, torch.int64, self.device)  # [N, 5]
@@ -101,10 +105,25 @@ class RequestTable:
     def uses_mtp(self, slot: int) -> bool:
         return self.num_draft[slot] > 0
 
-    def known_before_sampling(self, chunk: ScheduledChunk) -> int:
-        """Tokens known when the chunk's first sampled row is sampled (its sampling offset). A
-        verify chunk restarts from its first row, the last token known when it was planned."""
-        return chunk.start + 1 if chunk.num_draft else self.num_tokens_host[chunk.req_slot]
+    @staticmethod
+    def known_before_sampling(chunk: ScheduledChunk) -> int:
+        """Tokens known when the chunk's first sampled row is sampled (its sampling offset): a plain
+        chunk samples the token after its last row; a verify chunk restarts from its first row,
+        the last token known when it was planned."""
+        return chunk.start + 1 if chunk.num_draft else chunk.start + chunk.num_tokens
+
+    def lengths_on_collect(self, slots: list[int]) -> Callable[[list[int]], None]:
+        """For a step whose lengths the host learns only when its result arrives (MTP on the
+        device): a function that records them in the host mirror, skipping slots released (or
+        given to another request) since the step was launched."""
+        admitted = [self.admissions[slot] for slot in slots]
+
+        def record(lengths: list[int]) -> None:
+            for slot, epoch, length in zip(slots, admitted, lengths):
+                if self.admissions[slot] == epoch and self.options[slot] is not None:
+                    self.num_tokens_host[slot] = length
+
+        return record
 
     def write_sampled(
         self, slots: list[int], positions: list[int], token_ids: torch.Tensor

@@ -18,9 +18,15 @@ import torch
 from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
-from appliance.engine.graphs import capture_decode_graphs, graph_max_bs, graph_reserve_bytes
+from appliance.engine.graphs import (
+    DecodeGraphs,
+    capture_logged,
+    graph_max_bs,
+    graph_reserve_bytes,
+)
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
+from appliance.engine.mtp_graphs import MtpGraphs, mtp_graph_max_bs, mtp_graph_reserve_bytes
 from appliance.engine.pending import PendingStep
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.requests import RequestTable
@@ -123,18 +129,9 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
-        self.graphs = None  # last: the pools and the table must exist
-        if self.graph_max_bs:
-            cfg = self.text_config
-            self.graphs = capture_decode_graphs(
-                self.model,
-                self.requests,
-                sizes,
-                self.graph_max_bs,
-                (cfg.hidden_size, cfg.vocab_size),
-                self.dtype,
-                self.device,
-            )
+        # last: the pools and the table must exist
+        self.graphs = self._decode_graphs() if self.graph_max_bs else None
+        self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
         self._pending: collections.deque[PendingStep] = collections.deque()
 
     # ------------------------------------------------------------------ startup
@@ -188,6 +185,44 @@ class ModelRunner:
             len(modules),
         )
         return modules
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        cfg, sizes = self.text_config, self.pools.sizes
+        graphs = DecodeGraphs(
+            self.model,
+            self.requests,
+            sizes,
+            self.graph_max_bs,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            self.dtype,
+            self.device,
+        )
+        capture_logged("decode", graphs, graph_reserve_bytes(self.graph_max_bs, cfg.vocab_size))
+        return graphs
+
+    def _mtp_graphs(self) -> MtpGraphs | None:
+        """The device-resident MTP step: captured with the decode graphs, else run eagerly."""
+        if envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:
+            log.info("MTP: fused step off (APPLIANCE_DISABLE_MTP_FUSED_GRAPH): accept on the host")
+            return None
+        sizes = self.pools.sizes
+        max_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step) or sizes.num_req_slots
+        graphs = MtpGraphs(
+            self.model,
+            self.draft_modules,
+            self.pools.gdn_layers,
+            self.requests,
+            sizes,
+            max_bs,
+            self.text_config.hidden_size,
+            self.dtype,
+            self.device,
+        )
+        if self.graph_max_bs:
+            reserve = mtp_graph_reserve_bytes(max_bs, self.mtp_step, self.text_config.vocab_size)
+            capture_logged("MTP verify + draft", graphs, reserve)
+        return graphs
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.text_config.eos_token_ids)
@@ -247,7 +282,11 @@ class ModelRunner:
         per_slot = max(
             1, sum(kv_bytes_per_slot(m, self.dtype) for m in [self.model, *self.draft_modules])
         )
-        graphs = graph_reserve_bytes(self.graph_max_bs, self.text_config.vocab_size)
+        vocab = self.text_config.vocab_size
+        graphs = graph_reserve_bytes(self.graph_max_bs, vocab)
+        if self.mtp_step and not envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:
+            mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
+            graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
         held = activation + self.reserved_bytes + graphs
         budget = (free - held) * self.config.cache.mem_fraction - state
         slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
@@ -311,6 +350,8 @@ class ModelRunner:
         self._admit(plan)
         if not plan.chunks:
             return PendingStep.ready(StepResult(plan.step_id, [], 0.0))
+        if self._fused_mtp_step(plan.chunks):
+            return self._launch_mtp(plan.step_id, start, plan.chunks)
         if self._graph_step(plan.chunks):
             batch, hidden, logits = self._replay(plan.chunks)
         else:
@@ -352,6 +393,25 @@ class ModelRunner:
         """The token each plain sampling chunk sampled [len(chunks)] goes after its last row."""
         positions = [c.start + c.num_tokens for c in chunks]
         self.requests.write_sampled([c.req_slot for c in chunks], positions, token_ids)
+
+    def _fused_mtp_step(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step of verify chunks only (every request decoding with all k drafts), none with
+        images: accepted on the device (engine/mtp_graphs.py)."""
+        if self.mtp_graphs is None or not self.mtp_graphs.can_run(chunks):
+            return False
+        return not any(c.req_slot in self.mm.requests for c in chunks)
+
+    def _launch_mtp(self, step_id: int, start: float, chunks: list[ScheduledChunk]) -> PendingStep:
+        out = self.mtp_graphs.run(chunks)  # [n, k + 2] on the device
+        slots = [c.req_slot for c in chunks]
+        return PendingStep.copying(
+            step_id,
+            start,
+            slots,
+            out,
+            lengths=self.requests.lengths_on_collect(slots),
+            starts=[c.start for c in chunks],
+        )
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
         """A step the decode graphs can replay: plain one-token decodes, none with images."""

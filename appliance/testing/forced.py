@@ -105,6 +105,7 @@ class ForcedRunner(ModelRunner):
         self.forced_eos = eos if eos is not None else min(self.eos_token_ids)
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.forced: dict[int, Script] = {}  # req_slot -> its script
+        self.mtp_graphs = None  # scripts are forced in the host sampler: MTP accepts on the host
         log.info("forced runner: %d script(s) from %s", len(self.scripts), SCRIPT_FILE)
 
     def _admit(self, plan: StepPlan) -> None:

@@ -3,9 +3,11 @@
 a real config.
 
 Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
-k-step chain), and the ratios verify/plain and draft/plain, plus the HBM floor of a plain decode
-step measured in the same run: (weight bytes + KV bytes read + GDN state bytes read and written) /
-the device-to-device copy bandwidth measured here, so the plain step is read against physics.
+k-step chain), with MTP's fused device step on and off (host acceptance), the ratios verify/plain
+and draft/plain and the ITL implied at the published accept lengths, plus the HBM floor of a plain
+decode step measured in the same run: (weight bytes + KV bytes read + GDN state bytes read and
+written) / the device-to-device copy bandwidth measured here, so the plain step is read against
+physics.
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +29,7 @@ from appliance.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from appliance.engine.mtp_graphs import MtpGraphs
 from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
@@ -161,17 +165,50 @@ def step_bytes(runner: ModelRunner, batch: int, context: int) -> float:
     return active_weight_bytes(runner.model, batch) + batch * (context * kv + 2 * state)
 
 
+def fused_step(runner: ModelRunner, k: int, batch: int, graphs: bool) -> MtpGraphs:
+    """The fused MTP step for k drafts (the runner's pools hold up to its mtp_step), captured
+    for this batch size when graphs are on."""
+    fused = MtpGraphs(
+        runner.model,
+        runner.draft_modules,
+        runner.pools.gdn_layers,
+        runner.requests,
+        runner.pools.sizes,
+        batch,
+        runner.text_config.hidden_size,
+        runner.dtype,
+        runner.device,
+        k=k,
+        batch_sizes=[batch],
+    )
+    if graphs:
+        fused.capture()
+    fused.timing = True
+    return fused
+
+
 def measure(
-    runner: ModelRunner, draft_times: list[float], batch: int, prompt_len: int, k: int, steps: int
+    runner: ModelRunner,
+    draft_times: list[float],
+    batch: int,
+    prompt_len: int,
+    k: int,
+    steps: int,
+    fused: MtpGraphs | None = None,
 ) -> dict:
     bench = Bench(runner)
     if runner.drafter is not None:
         runner.drafter.k = max(k, 1)
+    runner.mtp_graphs = fused
     prefill_s, starts = bench.prefill(batch, prompt_len, num_draft=k)
     draft_times.clear()
-    samples = [bench.decode(starts, k) for _ in range(steps)]
+    samples = []
+    for _ in range(steps):
+        samples.append(bench.decode(starts, k))
+        if fused is not None:  # the draft program's device time, from events around it
+            draft_times.append(fused.last_times_ms()[1] / 1e3)
     overlap_ms = float("nan")
-    if k == 0 and runner.drafter is None:  # steps in flight need device-resident sampling
+    if k == 0:  # steps in flight need device-resident sampling (plain decode)
         overlap_ms = bench.decode_pipelined(starts, steps) * 1e3
     samples = sorted(samples)[: max(1, steps - 2)]  # drop the slowest (allocator warm-up)
     draft = sorted(draft_times)[: max(1, len(draft_times) - 2)] if k else [0.0]
@@ -219,17 +256,30 @@ def build_runner(
         return ModelRunner(engine)
 
 
+# Qwen3.5-27B's published mean accept lengths at k = 1, 2, 3 (docs/benchmarks.md): the ITL a
+# measured MTP step implies on real weights (dummy weights never accept a draft)
+PUBLISHED_ACCEPT = {1: 1.90, 2: 2.68, 3: 3.28}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--mtp", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--graphs", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument(
+        "--fused",
+        nargs="+",
+        default=["on", "off"],
+        choices=["on", "off"],
+        help="MTP steps: the fused device step (on) or host acceptance (off)",
+    )
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
     runner = build_runner(
         args.config,
         max(args.batch),
@@ -245,9 +295,9 @@ def main() -> None:
     draft_times = timed_draft(runner) if runner.drafter is not None else []
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print(
-        f"{'graphs':>6} {'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} "
+        f"{'graphs':>6} {'fused':>5} {'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} "
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
-        f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13}"
+        f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
     for graphs in args.graphs:
         runner.graphs = captured if graphs == "on" else None
@@ -255,21 +305,27 @@ def main() -> None:
             plain = None
             floor_ms = step_bytes(runner, batch, args.prompt_len + args.steps) / bandwidth * 1e3
             for k in args.mtp:
-                r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps)
-                plain = r["step_ms"] if k == 0 else plain
-                r["graphs"] = graphs
-                r["floor_ms"] = floor_ms
-                r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
-                r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
-                r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
-                rows.append(r)
-                print(
-                    f"{graphs:>6} {batch:>5} {k:>2} {r['prefill_ms']:>10.1f} "
-                    f"{r['verify_ms']:>9.2f} {r['draft_ms']:>9.2f} "
-                    f"{r['verify_over_plain']:>12.2f} {r['draft_over_plain']:>11.2f} "
-                    f"{floor_ms:>8.2f} {r['plain_over_floor']:>11.2f} "
-                    f"{r['overlap_ms']:>10.2f} {r['overlap_ms'] / floor_ms:>13.2f}"
-                )
+                for fused in args.fused if k else ["-"]:
+                    step = fused_step(runner, k, batch, graphs == "on") if fused == "on" else None
+                    r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps, step)
+                    del step
+                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                    plain = r["step_ms"] if k == 0 else plain
+                    r.update(graphs=graphs, fused=fused, floor_ms=floor_ms)
+                    r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
+                    r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
+                    r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
+                    r["itl_published_ms"] = r["step_ms"] / PUBLISHED_ACCEPT.get(k, 1.0)
+                    rows.append(r)
+                    print(
+                        f"{graphs:>6} {fused:>5} {batch:>5} {k:>2} {r['prefill_ms']:>10.1f} "
+                        f"{r['verify_ms']:>9.2f} {r['draft_ms']:>9.2f} "
+                        f"{r['verify_over_plain']:>12.2f} {r['draft_over_plain']:>11.2f} "
+                        f"{floor_ms:>8.2f} {r['plain_over_floor']:>11.2f} "
+                        f"{r['overlap_ms']:>10.2f} {r['overlap_ms'] / floor_ms:>13.2f} "
+                        f"{r['itl_published_ms']:>10.2f}",
+                        flush=True,
+                    )
     print(f"weights {weight_bytes(runner.model) / 2**30:.2f} GiB")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -108,12 +108,34 @@ class OracleDrafter(Drafter):
             self.requests.draft_tokens[r.req_slot, : self.k] = torch.tensor(future)
 
 
+def oracle_drafts(runner, futures: dict[tuple[int, ...], list[int]], wrong_every: int) -> None:
+    """Installs the oracle in both MTP paths: the host path's Drafter (steps with prefill chunks,
+    or every step with the fused path off) and the fused device step's draft chain."""
+    oracle = OracleDrafter(runner.drafter, futures, wrong_every)
+    runner.drafter = oracle
+    if runner.mtp_graphs is None:
+        return
+
+    def chain(bs, slots, last, y1):  # the fused step's chain: P = last committed position
+        rows = [  # the host Drafter's view of the same requests: start + count - 1 = P
+            type("Row", (), {"req_slot": slot, "start": p, "count": 1})
+            for slot, p in zip(slots.tolist(), last.tolist())
+        ]
+        oracle._chain(rows, y1)
+
+    runner.mtp_graphs._chain = chain
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
 @pytest.mark.parametrize("wrong_every", [1000, 5, 2])
-def test_accept_and_commit_with_oracle_drafts(ckpt, reference, wrong_every):
+def test_accept_and_commit_with_oracle_drafts(ckpt, reference, wrong_every, fused, monkeypatch):
     seqs, greedy, _ = reference
+    if not fused:
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "1")
     llm = LLM(str(ckpt), mtp_step=3, **OPTS)
+    assert (llm.runner.mtp_graphs is not None) == fused
     futures = {tuple(s): g for s, g in zip(seqs, greedy)}
-    llm.runner.drafter = OracleDrafter(llm.runner.drafter, futures, wrong_every)
+    oracle_drafts(llm.runner, futures, wrong_every)
     got = llm.generate(seqs, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in got] == greedy
     stats = llm.scheduler.stats()
@@ -146,9 +168,7 @@ def test_stop_tokens_strings_and_max_tokens_inside_accepted_runs(ckpt, reference
             )
     want = plain.generate(seqs, params)
     llm = LLM(str(ckpt), mtp_step=3, **OPTS)
-    llm.runner.drafter = OracleDrafter(
-        llm.runner.drafter, dict(zip(map(tuple, seqs), greedy)), 1000
-    )
+    oracle_drafts(llm.runner, dict(zip(map(tuple, seqs), greedy)), 1000)
     got = llm.generate(seqs, params)
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == [
         (o.token_ids, o.text, o.finish_reason) for o in want

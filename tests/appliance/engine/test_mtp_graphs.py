@@ -1,0 +1,139 @@
+"""The fused MTP step (appliance/engine/mtp_graphs.py): acceptance on the device, lossless against
+MTP off, the same accept counts as the host path, and padding rows that never touch a live
+request's KV, state or scratch slots. On CPU the programs run eagerly (padded as when replayed);
+capture and replay are checked on the GPU (tests marked gpu)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from appliance.engine.mtp import Drafter
+from appliance.engine.mtp_graphs import (
+    MtpGraphs,
+    is_full_verify,
+    mtp_graph_max_bs,
+    mtp_graph_reserve_bytes,
+)
+from appliance.engine.pools import Pools
+from appliance.engine.requests import RequestTable
+from appliance.messages import ScheduledChunk
+from appliance.offline.llm import LLM
+from appliance.sampling_params import SamplingParams
+
+OPTS = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_slots=4096, max_model_len=256)
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=7, ignore_eos=True)
+
+
+def prompts(n: int, vocab: int, seed: int = 4) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (5 + 7 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def test_which_steps_and_sizes():
+    verify = ScheduledChunk(0, 9, 3, [1, 2, 3], True, num_draft=2)
+    assert is_full_verify([verify, ScheduledChunk(1, 4, 3, [4, 5, 6], True, num_draft=2)], 2)
+    assert not is_full_verify([], 2)
+    assert not is_full_verify([verify], 3)  # clamped drafts (near max_tokens): host path
+    assert not is_full_verify([verify, ScheduledChunk(1, 4, 1, [7], True)], 2)  # a plain decode
+    assert mtp_graph_max_bs(256, 3) == 64 and mtp_graph_max_bs(8, 1) == 4
+    assert mtp_graph_max_bs(0, 3) == 0 and mtp_graph_max_bs(2, 3) == 1
+    assert mtp_graph_reserve_bytes(0, 3, 1000) == 0 < mtp_graph_reserve_bytes(1, 3, 1000)
+
+
+def padded(runner, max_bs: int) -> MtpGraphs:
+    """What the runner builds on CUDA: pools with a padding row, then the fused step rounding every
+    batch up to a bucket (here run eagerly)."""
+    sizes = dataclasses.replace(runner.pools.sizes, padding=True)
+    device = runner.device
+    runner.pools = Pools([runner.model, *runner.draft_modules], sizes, runner.dtype, device)
+    runner.requests = RequestTable(sizes.num_req_rows, sizes.max_model_len, sizes.mtp_step, device)
+    runner.drafter = Drafter(
+        runner.model, runner.draft_modules, sizes.mtp_step, runner.requests, sizes, device
+    )
+    graphs = MtpGraphs(
+        runner.model,
+        runner.draft_modules,
+        runner.pools.gdn_layers,
+        runner.requests,
+        sizes,
+        max_bs,
+        runner.text_config.hidden_size,
+        runner.dtype,
+        device,
+    )
+    graphs.padded = True
+    runner.mtp_graphs = graphs
+    return graphs
+
+
+@pytest.mark.parametrize("fixture", ["tiny_dense", "tiny_moe"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_padded_fused_step_is_lossless_and_keeps_padding_apart(fixture, k, request):
+    model_dir = str(request.getfixturevalue(fixture))
+    off = LLM(model_dir, **OPTS)
+    seqs = prompts(3, off.runner.text_config.vocab_size)  # 3 requests -> bucket 4: one pad row
+    params = [GREEDY, SEEDED, GREEDY]
+    want = [o.token_ids for o in off.generate(seqs, params)]
+
+    llm = LLM(model_dir, mtp_step=k, **OPTS)
+    graphs = padded(llm.runner, max_bs=4)
+    runs = []
+    run = graphs.run
+    graphs.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+    sizes = llm.runner.pools.sizes
+    gdn = llm.runner.pools.gdn_layers[0]
+    idle = 7  # a request slot the three requests never get
+    idle_state = (gdn.ssm_states[idle].clone(), gdn.conv_states[idle].clone())
+    k_cache = llm.runner.pools.kv[0][0]
+    unused = slice(2000, sizes.num_kv_slots)  # router slots past those three requests use
+    unused_kv = k_cache[unused].clone()
+    idle_scratch = [sizes.scratch_slot(idle, j) for j in range(k)]
+    draft_k = llm.runner.pools.kv[-1][0]  # the MTP layer's KV pool (scratch slots live there)
+    scratch_kv = draft_k[idle_scratch].clone()
+
+    got = [o.token_ids for o in llm.generate(seqs, params)]
+    assert got == want
+    assert runs and set(runs) <= {1, 2, 3}  # the fused step ran (padded to buckets 1, 2, 4)
+    assert torch.equal(gdn.ssm_states[idle], idle_state[0])
+    assert torch.equal(gdn.conv_states[idle], idle_state[1])
+    assert torch.equal(k_cache[unused], unused_kv)
+    assert torch.equal(draft_k[idle_scratch], scratch_kv)
+    assert k_cache[sizes.pad_kv_slot].abs().sum() > 0  # the padding rows wrote their own slot
+    stats = llm.scheduler.stats()
+    assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_fused_and_host_paths_accept_the_same_drafts(tiny_trained, mode, monkeypatch):
+    """On a model whose draft head agrees, the device step accepts exactly what the host path
+    accepts (same tokens, same accept counts per position)."""
+    seqs = prompts(6, 64, seed=2)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if fused else "1")
+        llm = LLM(str(tiny_trained), mtp_step=3, mtp_mode=mode, **OPTS)
+        assert (llm.runner.mtp_graphs is not None) == fused
+        tokens = [o.token_ids for o in llm.generate(seqs, GREEDY)]
+        stats = llm.scheduler.stats()
+        results[fused] = (tokens, stats.mtp_accepted_per_position, stats.mtp_drafts)
+    assert results[True] == results[False]
+    assert sum(results[True][1]) > results[True][2] // 2  # drafts really were accepted
+
+
+def test_lengths_reach_the_host_mirror_only_for_the_same_admission():
+    table = RequestTable(4, 32, 2, torch.device("cpu"))
+    from appliance.messages import NewRequest, SamplingOptions
+
+    table.admit([NewRequest(1, [1, 2, 3], SamplingOptions(), num_draft=2)])
+    record = table.lengths_on_collect([1])
+    record([6])
+    assert table.num_tokens_host[1] == 6
+    record = table.lengths_on_collect([1])
+    table.release([1])
+    table.admit([NewRequest(1, [9], SamplingOptions(), num_draft=2)])  # the slot's next request
+    record([8])
+    assert table.num_tokens_host[1] == 1  # the old step's length does not land on the new one
