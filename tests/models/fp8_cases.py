@@ -78,3 +78,25 @@ def dequantized_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[name] = param.float() * scale.float()[..., None]
     return out
+
+
+def exact_everywhere() -> None:
+    """without_activation_quant for a spawned TP rank (no pytest monkeypatch there)."""
+    quant_methods.fp8_linear = _linear_exact
+    quant_methods.fp8_block_linear = _block_exact
+    fp8_moe.fp8_block_linear = _block_exact
+
+
+def tp_rank_main(rank: int, world: int, init: str, ckpt: str, out: str) -> None:
+    """One rank of a TP=2 run of `logits(ckpt)` with activation quantisation taken out."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    exact_everywhere()
+    config = build_engine_config(ckpt, 1, dict(max_num_seqs=2, num_kv_slots=256, max_model_len=128))
+    result = engine_logits(ModelRunner(config, rank, world), [IDS], chunk=16)[0]
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()

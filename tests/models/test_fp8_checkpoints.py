@@ -15,7 +15,14 @@ import json
 
 import pytest
 import torch
-from fp8_cases import dequantized_params, logits, runner, without_activation_quant
+import torch.multiprocessing as mp
+from fp8_cases import (
+    dequantized_params,
+    logits,
+    runner,
+    tp_rank_main,
+    without_activation_quant,
+)
 from safetensors.torch import load_file, save_file
 
 from appliance.models.layers.quant import ONLINE_IGNORE
@@ -242,3 +249,21 @@ def test_fp8_tensors_without_quantization_config_are_refused(written, tmp_path):
     _with_config(written["dense-ct"][0], bad, lambda c: c.pop("quantization_config"))
     with pytest.raises(CheckpointMismatch, match="dtype mismatch.*quantization_config"):
         runner(bad)
+
+
+@pytest.mark.parametrize("name", ["dense-fp8", "moe-ct-fused", "moe-fp8-per-expert"])
+def test_tp2_shards_scales_with_their_weights(name, written, monkeypatch, tmp_path):
+    """Column layers cut scale rows (block rows for tiles), row layers cut block-scale columns and
+    keep per-channel scales whole, experts cut both per expert: TP=2 gives TP=1's logits."""
+    q = written[name][0]
+    without_activation_quant(monkeypatch)
+    want = logits(q)
+    out = tmp_path / "tp2.pt"
+    mp.start_processes(
+        tp_rank_main,
+        args=(2, f"file://{tmp_path}/dist_init", str(q), str(out)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    torch.testing.assert_close(torch.load(out), want, atol=1e-4, rtol=0)
