@@ -84,6 +84,15 @@ def _router_view(stats: RouterStats, visual: VisualStats | None) -> dict[str, An
     return view
 
 
+def _openapi_with_limits(app: FastAPI, state: ServerState) -> dict[str, Any]:
+    """The generated schema plus the limits this server's config sets (`n` <= --max-n)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            schema["components"]["schemas"][name]["properties"]["n"]["maximum"] = state.config.max_n
+    return app.openapi_schema
+
+
 def build_app(
     state: ServerState, background: Sequence[Callable[[], Awaitable[None]]] = ()
 ) -> FastAPI:
@@ -99,6 +108,7 @@ def build_app(
             await state.client.close()
 
     app = FastAPI(title="appliance", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi_with_limits(app, state)
     app.router.route_class = LimitedJSONRoute  # JSON bodies: nesting depth, no NaN
     install_error_handlers(app)
     # Added innermost first: AccessLog sees (and counts) every answer, 401s and 413s included.

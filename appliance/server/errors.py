@@ -155,9 +155,15 @@ def _validation_error(exc: RequestValidationError) -> BadRequest:
     # Union members show up as extra loc parts ("prompt", "str"): the field is the first part.
     param = loc[0] if loc else None
     path = ".".join(loc)
-    if first.get("type") == "missing":
-        return BadRequest(f"{path or 'body'}: field required.", param)
-    return BadRequest(f"{path or 'body'}: {first.get('msg', 'invalid value')}.", param)
+    kind = first.get("type", "")
+    if kind == "missing":
+        return BadRequest(f"{path or 'body'}: field required.", param, "missing_required_parameter")
+    # OpenAI's codes: a wrong JSON type is "invalid_type"; a right type with a wrong value
+    # (a number below its minimum, a role it does not know) is "invalid_value".
+    code = (
+        "invalid_type" if kind.endswith("_type") or kind.startswith("union_") else "invalid_value"
+    )
+    return BadRequest(f"{path or 'body'}: {first.get('msg', 'invalid value')}.", param, code)
 
 
 def install_error_handlers(app: FastAPI) -> None:

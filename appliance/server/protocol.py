@@ -20,6 +20,15 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
 
 
+INT64_MAX = 2**63 - 1
+
+
+def documented(**bounds: float) -> Any:
+    """An optional field whose range is stated in the OpenAPI schema (JSON Schema keywords) and
+    checked by SamplingParams, not by pydantic."""
+    return Field(None, json_schema_extra=bounds)
+
+
 class _Schema(BaseModel):
     # Unknown fields (store, metadata, user, ...) are accepted and ignored, as OpenAI servers do.
     # Strict types, as OpenAI checks them: no "2" or 2.0 or true for an integer, no "yes" for a
@@ -62,18 +71,19 @@ class _SamplingFields(_Schema):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None
-    # Types only here; value ranges are SamplingParams' (one rule set with the offline LLM).
+    # Types here; value ranges are SamplingParams' (one rule set with the offline LLM), described
+    # (not enforced) by `documented` so the OpenAPI schema states them too.
     n: int = Field(1, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    temperature: float | None = documented(minimum=0)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(minimum=-1, maximum=INT64_MAX)
+    min_p: float | None = documented(minimum=0, maximum=1)
+    seed: int | None = documented(minimum=-INT64_MAX - 1, maximum=INT64_MAX)
     stop: str | list[str] | None = None  # at most MAX_STOP_SEQUENCES (checked in sampling_params)
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from appliance.sampling_params import SamplingParams
 from appliance.server.chat_checks import parameters_problem
 from appliance.server.errors import BadRequest
 from appliance.server.prompts import PromptBuilder
+from appliance.server.protocol import ChatCompletionRequest
 from tests.appliance.server.test_errors import MSG, assert_error, assert_serving
 
 
@@ -198,3 +200,25 @@ def test_an_empty_prompt_uses_bos_when_there_is_one():
     )
     with pytest.raises(BadRequest, match="neither a BOS token"):
         PromptBuilder(none, 64).completion("")
+
+
+def test_the_ranges_in_the_openapi_schema_are_the_ones_enforced():
+    """The schema documents SamplingParams' ranges: each bound is accepted, one step past it is
+    refused (so the two cannot drift apart)."""
+    properties = ChatCompletionRequest.model_json_schema()["properties"]
+    documented = 0
+    for name, prop in properties.items():
+        if name not in SamplingParams.__dataclass_fields__ or "anyOf" not in prop:
+            continue
+        step = 1 if prop["anyOf"][0]["type"] == "integer" else 1e-6
+        for key, inside, outside in [
+            ("minimum", 0, -step),
+            ("maximum", 0, step),
+            ("exclusiveMinimum", step, 0),
+        ]:
+            if key in prop:
+                documented += 1
+                SamplingParams(**{name: prop[key] + inside})
+                with pytest.raises(ValueError, match=name):
+                    SamplingParams(**{name: prop[key] + outside})
+    assert documented >= 12

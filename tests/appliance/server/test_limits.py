@@ -129,5 +129,9 @@ def test_openapi_describes_request_and_error_bodies(make_server):
         for status in ("400", "401", "404", "413", "429"):
             content = post["responses"][status]["content"]["application/json"]
             assert content["schema"]["$ref"].endswith("ErrorResponse"), status
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        properties = schema["components"]["schemas"][name]["properties"]
+        assert properties["n"]["maximum"] == 16  # this server's --max-n
+        assert properties["top_p"]["maximum"] == 1  # SamplingParams' ranges, documented
     detail = schema["components"]["schemas"]["ErrorDetail"]
     assert set(detail["required"]) == {"message", "type", "param", "code"}
