@@ -1,4 +1,5 @@
-"""compose.yaml and ops/Dockerfile: keys operators rely on, env flags, compose's own check."""
+"""compose.yaml (+ compose.override.yaml on GPU hosts, compose.cpu.yaml on CPU hosts) and the
+Dockerfiles: keys operators rely on, env flags, compose's own check of each variant."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from appliance import envs
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+GPU_OVERRIDE = ROOT / "compose.override.yaml"  # merged by a plain `docker compose up`
+CPU_OVERRIDE = ROOT / "compose.cpu.yaml"  # `-f compose.yaml -f compose.cpu.yaml`
+CPU_DOCKERFILE = ROOT / "ops/docker/Dockerfile.cpu"
 DOCKERFILE = ROOT / "ops/Dockerfile"
 DEFAULT_RE = re.compile(r"^\$\{(?P<name>\w+):-(?P<default>.*)\}$")
 REQUIRED_RE = re.compile(r"^\$\{(?P<name>\w+):\?.+\}$")  # compose refuses to start without it
@@ -29,10 +33,14 @@ def compose() -> dict:
 
 def test_appliance_service_gpu_shm_health_restart(compose) -> None:
     app = compose["services"]["appliance"]
-    devices = app["deploy"]["resources"]["reservations"]["devices"]
+    # The GPU block is in the override a plain `up` reads: a CPU variant could not remove it.
+    assert "deploy" not in app
+    gpu = yaml.safe_load(GPU_OVERRIDE.read_text())["services"]["appliance"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert gpu["ulimits"] == {"memlock": -1}
     assert app["ipc"] == "host"
-    assert app["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert app["ulimits"] == {"stack": 67108864}
     health = app["healthcheck"]
     assert health["test"] == ["CMD", "curl", "-fsS", "http://localhost:8000/health"]
     assert health["start_period"] == "600s"
@@ -90,13 +98,11 @@ def test_dockerfile_base_entrypoint_and_health() -> None:
     assert "python3.12" in text
 
 
-@pytest.mark.skipif(
-    shutil.which("docker-compose") is None,
-    reason="needs Debian's docker-compose package (apt-get install docker-compose)",
-)
-def test_docker_compose_config_accepts_the_file(tmp_path) -> None:
+def compose_config(*files: Path) -> dict:
+    """`docker-compose [-f FILE]... config`, resolved; no files = what a plain `up` reads."""
+    flags = [arg for f in files for arg in ("-f", str(f))]
     result = subprocess.run(
-        ["docker-compose", "-f", str(COMPOSE), "config"],
+        ["docker-compose", *flags, "config"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -104,13 +110,64 @@ def test_docker_compose_config_accepts_the_file(tmp_path) -> None:
         env={**os.environ, **SECRETS_ENV},
     )
     assert result.returncode == 0, result.stderr
-    resolved = yaml.safe_load(result.stdout)
-    app = resolved["services"]["appliance"]
+    return yaml.safe_load(result.stdout)
+
+
+needs_compose = pytest.mark.skipif(
+    shutil.which("docker-compose") is None,
+    reason="needs Debian's docker-compose package (apt-get install docker-compose)",
+)
+
+
+@needs_compose
+def test_docker_compose_config_accepts_the_file() -> None:
+    app = compose_config(COMPOSE)["services"]["appliance"]
     assert app["healthcheck"]["start_period"] in ("10m", "600s", "10m0s")
     assert app["environment"]["APPLIANCE_LOG_STATS_INTERVAL"] == "10"
+    assert "deploy" not in app  # the GPU block comes from compose.override.yaml
 
 
-def test_the_appliance_command_parses(compose) -> None:
+@needs_compose
+def test_a_plain_up_reserves_the_gpus() -> None:
+    """No -f: compose reads compose.yaml and merges compose.override.yaml (v1.28+ and v2 alike)."""
+    app = compose_config()["services"]["appliance"]
+    devices = app["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert app["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert app["build"]["dockerfile"] == "ops/Dockerfile"
+
+
+@needs_compose
+def test_the_cpu_variant_has_no_gpu_settings() -> None:
+    resolved = compose_config(COMPOSE, CPU_OVERRIDE)
+    app = resolved["services"]["appliance"]
+    assert "deploy" not in app and "memlock" not in app["ulimits"]  # memlock -1 fails on VMs
+    assert app["build"]["dockerfile"] == "ops/docker/Dockerfile.cpu"
+    assert app["command"] == ["", "--host", "0.0.0.0", "--port", "8000"]
+    # Everything else is the base file's: keys, env flags, volumes, ports.
+    base = compose_config(COMPOSE)["services"]["appliance"]
+    for key in ("environment", "ports", "ipc", "restart"):
+        assert app[key] == base[key], key
+    assert sorted(app["volumes"]) == sorted(base["volumes"])  # merged in another order
+    prom = resolved["services"]["prometheus"]
+    assert prom["build"]["dockerfile"] == "Dockerfile.prometheus"
+    assert prom["command"] == compose_config(COMPOSE)["services"]["prometheus"]["command"]
+    assert resolved["services"]["grafana"]["profiles"] == ["grafana"]
+
+
+def _command(path: Path) -> list[str]:
+    return yaml.safe_load(path.read_text())["services"]["appliance"]["command"]
+
+
+@pytest.mark.parametrize(
+    ("compose_file", "dockerfile", "model_dir"),
+    [
+        (COMPOSE, DOCKERFILE, "/models/Qwen3.5-27B-FP8"),
+        (CPU_OVERRIDE, CPU_DOCKERFILE, ""),  # "" = the embedded default model
+    ],
+    ids=["gpu", "cpu"],
+)
+def test_the_appliance_command_parses(compose_file, dockerfile, model_dir) -> None:
     """The service's command, after the image's entrypoint (`appliance serve`) and with compose's
     defaults substituted, is accepted by the real CLI parser (a bad flag once made compose loop)."""
     from appliance.cli import build_parser
@@ -118,9 +175,10 @@ def test_the_appliance_command_parses(compose) -> None:
     def substitute(arg: str) -> str:
         return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), str(arg))
 
-    entrypoint = re.search(r'^ENTRYPOINT \["appliance", "serve"\]', DOCKERFILE.read_text(), re.M)
-    assert entrypoint, "the image's entrypoint is no longer `appliance serve`"
-    argv = ["serve", *[substitute(a) for a in compose["services"]["appliance"]["command"]]]
+    entrypoint = re.search(r'^ENTRYPOINT \["appliance", "serve"\]', dockerfile.read_text(), re.M)
+    assert entrypoint, f"{dockerfile.name}'s entrypoint is no longer `appliance serve`"
+    argv = ["serve", *[substitute(a) for a in _command(compose_file)]]
     parser, _ = build_parser()
     args = parser.parse_args(argv)  # exits (SystemExit) on an unknown flag
-    assert args.model_dir == "/models/Qwen3.5-27B-FP8" and args.tp == 1 and args.port == 8000
+    assert args.model_dir == model_dir and args.tp in (1, None) and args.port == 8000
+    assert args.host == "0.0.0.0"
