@@ -143,7 +143,10 @@ class PromptBuilder:
         if tokenizer.bos_token_id is not None:
             return [tokenizer.bos_token_id]
         separator = tokenizer.convert_tokens_to_ids(DOCUMENT_SEPARATOR)
-        if isinstance(separator, int) and separator != tokenizer.unk_token_id:
+        # An unknown token converts to the unk id (Qwen's unk token is <|endoftext|> itself).
+        if isinstance(separator, int) and (
+            tokenizer.convert_ids_to_tokens(separator) == DOCUMENT_SEPARATOR
+        ):
             return [separator]
         raise BadRequest(
             f"{param}: the prompt is empty, and this model's tokenizer has neither a BOS token "

@@ -143,6 +143,8 @@ def test_afterwards_the_pools_are_empty_and_the_server_serves(http, live):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     r = http.post("/v1/chat/completions", json=body, headers=AUTH)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = http.post("/v1/completions", json={"prompt": "", "max_tokens": 2}, headers=AUTH)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1, r.text
     for path in ("/v1/models", "/debug/status", "/openapi.json"):
         assert http.get(path).status_code == 401
         assert http.get(path, headers=AUTH).status_code == 200

@@ -3,6 +3,7 @@ tool schemas, at most 4 stop strings, an empty prompt, top_logprobs 0 without lo
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -188,6 +189,15 @@ def test_an_empty_prompt_generates_from_the_start_of_a_document(make_server, tok
     assert complete(client, prompt=["", "hi"]).status_code == 200
 
 
+def test_an_empty_prompt_with_qwens_tokenizer(tokenizer):
+    """Qwen's unk token is <|endoftext|> itself: the separator is still found."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.unk_token = "<|endoftext|>"
+    separator = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert tokenizer.unk_token_id == separator
+    assert PromptBuilder(tokenizer, 64).completion("").token_ids == [separator]
+
+
 def test_an_empty_prompt_uses_bos_when_there_is_one():
     tok = SimpleNamespace(bos_token_id=7, unk_token_id=None, encode=lambda *a, **k: [])
     builder = PromptBuilder(tok, 64)
@@ -197,6 +207,7 @@ def test_an_empty_prompt_uses_bos_when_there_is_one():
         unk_token_id=0,
         encode=lambda *a, **k: [],
         convert_tokens_to_ids=lambda token: 0,  # unknown: the unk id
+        convert_ids_to_tokens=lambda token_id: "<unk>",
     )
     with pytest.raises(BadRequest, match="neither a BOS token"):
         PromptBuilder(none, 64).completion("")
