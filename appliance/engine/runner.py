@@ -376,10 +376,12 @@ class ModelRunner:
 
     def _device_resident(self, batch: StepBatch) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with
-        one non-blocking copy to the host: no MTP (acceptance runs on the host) and no logprobs."""
-        if self.drafter is not None:
+        one non-blocking copy to the host: no MTP request in it (their drafts follow on the host
+        path) and no logprobs."""
+        table = self.requests
+        if any(table.uses_mtp(c.req_slot) for c in batch.chunks):
             return False
-        return all(self.requests.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
+        return all(table.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
 
     def _launch_sampling(
         self, step_id: int, start: float, batch: StepBatch, logits: torch.Tensor

@@ -116,15 +116,6 @@ class GatedDeltaNet(nn.Module):
                 ctx.has_initial_state,
                 max_q_len=ctx.max_q_len,
             )
-        plain = causal_conv1d(
-            mixed[:split],
-            self.conv1d_weight,
-            self.conv_states,
-            ctx.req_slots[:reqs],
-            ctx.cu_seqlens_q[: reqs + 1],
-            ctx.has_initial_state[:reqs],
-            max_q_len=ctx.max_q_len,
-        )
         verify = causal_conv1d_verify(
             mixed[split:],
             self.conv1d_weight,
@@ -135,6 +126,17 @@ class GatedDeltaNet(nn.Module):
             # the bound is the window's row capacity (k + 1), not the batch's longest chunk: a
             # prefill chunk in the same batch may be far longer than any verify request
             max_q_len=self.conv_windows.shape[2] - (self.conv_kernel - 1),
+        )
+        if split == 0:  # verify rows only (the fused MTP step): no plain part, no concatenation
+            return verify
+        plain = causal_conv1d(
+            mixed[:split],
+            self.conv1d_weight,
+            self.conv_states,
+            ctx.req_slots[:reqs],
+            ctx.cu_seqlens_q[: reqs + 1],
+            ctx.has_initial_state[:reqs],
+            max_q_len=ctx.max_q_len,
         )
         return torch.cat([plain, verify])
 
@@ -153,6 +155,19 @@ class GatedDeltaNet(nn.Module):
                 ctx.has_initial_state,
                 max_q_len=ctx.max_q_len,
             )
+        verify = gdn_verify(
+            q[split:],
+            k[split:],
+            v[split:],
+            g[split:],
+            beta[split:],
+            self.ssm_states,
+            self.ssm_candidates,
+            ctx.req_slots[reqs:],
+            ctx.cu_seqlens_q[reqs:] - split,
+        )
+        if split == 0:
+            return verify
         plain = gdn(
             q[:split],
             k[:split],
@@ -164,17 +179,6 @@ class GatedDeltaNet(nn.Module):
             ctx.cu_seqlens_q[: reqs + 1],
             ctx.has_initial_state[:reqs],
             max_q_len=ctx.max_q_len,
-        )
-        verify = gdn_verify(
-            q[split:],
-            k[split:],
-            v[split:],
-            g[split:],
-            beta[split:],
-            self.ssm_states,
-            self.ssm_candidates,
-            ctx.req_slots[reqs:],
-            ctx.cu_seqlens_q[reqs:] - split,
         )
         return torch.cat([plain, verify])
 

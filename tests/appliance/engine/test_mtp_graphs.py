@@ -137,3 +137,49 @@ def test_lengths_reach_the_host_mirror_only_for_the_same_admission():
     table.admit([NewRequest(1, [9], SamplingOptions(), num_draft=2)])  # the slot's next request
     record([8])
     assert table.num_tokens_host[1] == 1  # the old step's length does not land on the new one
+
+
+def _gpu_llm(model_dir, k: int, **extra) -> LLM:
+    """fp32 on the GPU: MTP is exactly lossless only where verify and plain rows round alike."""
+    opts = dict(OPTS, device="cuda", dtype="float32", cuda_graph_max_bs=16)
+    return LLM(str(model_dir), mtp_step=k, **opts, **extra)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["dense", "moe"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_captured_fused_step_is_lossless(family, k, tmp_path):
+    from appliance.testing.tiny import build_qwen3_5
+
+    model_dir = build_qwen3_5(tmp_path / family, moe=family == "moe", seed=3)
+    seqs = prompts(3, 200)  # padded to bucket 4
+    params = [GREEDY, SEEDED, GREEDY]
+    want = [o.token_ids for o in _gpu_llm(model_dir, 0).generate(seqs, params)]
+    llm = _gpu_llm(model_dir, k)
+    graphs = llm.runner.mtp_graphs
+    assert graphs is not None and graphs.graphs and graphs.max_bs == 16 // (k + 1)
+    runs = []
+    run = graphs.run
+    graphs.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+    assert [o.token_ids for o in llm.generate(seqs, params)] == want
+    assert 3 in runs  # the three requests decoded together through the captured graphs
+    stats = llm.scheduler.stats()
+    assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_fused_step_accepts_like_the_host_path(tiny_trained, monkeypatch):
+    seqs = prompts(6, 64, seed=2)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if fused else "1")
+        llm = _gpu_llm(tiny_trained, 3)
+        assert (llm.runner.mtp_graphs is not None) == fused
+        tokens = [o.token_ids for o in llm.generate(seqs, GREEDY)]
+        stats = llm.scheduler.stats()
+        results[fused] = (tokens, stats.mtp_mean_accept_len)
+        print(f"fused={fused}: mean accept length {stats.mtp_mean_accept_len:.3f}")
+    assert results[True][0] == results[False][0]
+    assert abs(results[True][1] - results[False][1]) < 0.05 and results[True][1] > 1.5
