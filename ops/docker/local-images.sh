@@ -17,6 +17,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0+cpu}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 FORCE=${FORCE:-0}
 
+"$DOCKER" info >/dev/null 2>&1 || { echo "no Docker daemon answers $DOCKER info" >&2; exit 1; }
 have() { [ "$FORCE" != 1 ] && "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
 
 debian_mirror() {
