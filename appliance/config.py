@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_waiting: int = 1024  # queue length before new requests get 429
     mtp_step: int = 0  # MTP draft tokens per step (0 = MTP off)
     mtp_mode: str = "eagle"  # eagle: one MTP layer reused per step; vanilla: one module per step
+    # drafts are proposed from the first N token ids only (0 = the whole vocabulary): BPE ids are
+    # roughly ordered by frequency, and the draft's LM head read shrinks with N
+    mtp_draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         _check(self.mtp_mode in ("vanilla", "eagle"), "mtp_mode", "vanilla or eagle")
@@ -49,6 +52,7 @@ class SchedulerConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")
         _check(self.num_kv_slots >= 0, "num_kv_slots", "an integer >= 0")
         _check(0 <= self.mtp_step <= 3, "mtp_step", "0 (off), 1, 2 or 3")
+        _check(self.mtp_draft_vocab >= 0, "mtp_draft_vocab", "an integer >= 0 (0: all)")
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.pools import PoolSizes
+from appliance.engine.pools import Pools, PoolSizes
 from appliance.engine.requests import RequestTable
 from appliance.messages import ScheduledChunk
 from appliance.models.context import ForwardContext, forward_context
-from appliance.models.layers.gdn import GatedDeltaNet
 
 
 def accept(drafts: list[int], samples: list[int]) -> list[int]:
@@ -28,23 +27,20 @@ def accept(drafts: list[int], samples: list[int]) -> list[int]:
     return samples[: n + 1]
 
 
-def commit_gdn(
-    gdn_layers: list[GatedDeltaNet], slots: list[int], rows: list[int], device: torch.device
-) -> None:
+def commit_gdn(pools: Pools, slots: list[int], rows: list[int], device: torch.device) -> None:
     """The state after verify row rows[i] becomes request slots[i]'s committed GDN state."""
     if not slots:
         return
     slot_t = torch.tensor(slots, dtype=torch.int64, device=device)
     row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-    for layer in gdn_layers:
-        layer.commit_verify(slot_t, row_t)
+    pools.commit_verify(slot_t, row_t)
 
 
 def accept_and_commit(
     chunks: list[ScheduledChunk],
     samples: list[list[int]],
     requests: RequestTable,
-    gdn_layers: list[GatedDeltaNet],
+    pools: Pools,
 ) -> list[list[int]]:
     """Verify chunks of one step and the main model's samples at each one's rows 0..num_draft -> the
     accepted tokens per chunk (1..num_draft + 1). They are written into the request table after the
@@ -59,7 +55,7 @@ def accept_and_commit(
         accept(drafted[: c.num_draft], main) for c, drafted, main in zip(chunks, drafts, samples)
     ]
     requests.append(slots, [c.start + 1 for c in chunks], accepted)
-    commit_gdn(gdn_layers, slots, [len(tokens) - 1 for tokens in accepted], requests.device)
+    commit_gdn(pools, slots, [len(tokens) - 1 for tokens in accepted], requests.device)
     return accepted
 
 
@@ -109,9 +105,11 @@ class Drafter:
         requests: RequestTable,
         sizes: PoolSizes,
         device: torch.device,
+        draft_vocab: int = 0,  # drafts from the first N ids (0: all; SchedulerConfig)
     ) -> None:
         self.main, self.modules, self.k = main, modules, mtp_step
         self.requests, self.sizes, self.device = requests, sizes, device
+        self.draft_vocab = draft_vocab
 
     def _ctx(
         self, slots: list[int], q_lens: list[int], seq_lens: list[int], kv_slots: list[int]
@@ -167,7 +165,7 @@ class Drafter:
         slots = [r.req_slot for r in rows]
         last = [r.start + r.count - 1 for r in rows]  # P per request
         ys = [y1]
-        drafts = [self.main.compute_logits(y1).argmax(-1)]
+        drafts = [self.main.draft_ids(y1, self.draft_vocab)]
         written = [0] * len(self.modules)  # chain rows each module already holds in its KV
         for step in range(2, self.k + 1):
             m = step - 1 if len(self.modules) > 1 else 0
@@ -188,7 +186,7 @@ class Drafter:
             written[m] = step - 1
             y_step = y.view(len(rows), n, -1)[:, -1]
             ys.append(y_step)
-            drafts.append(self.main.compute_logits(y_step).argmax(-1))
+            drafts.append(self.main.draft_ids(y_step, self.draft_vocab))
         proposed = torch.stack(drafts, dim=1)  # [B, k]
         index = torch.tensor(slots, device=self.device)
         self.requests.draft_tokens[index, : proposed.shape[1]] = proposed

@@ -26,11 +26,10 @@ from collections.abc import Callable
 import torch
 
 from appliance.engine.graphs import StagedInputs, capture_buckets, graph_batch_sizes
-from appliance.engine.pools import PoolSizes
+from appliance.engine.pools import Pools, PoolSizes
 from appliance.engine.requests import RequestTable
 from appliance.messages import ScheduledChunk
 from appliance.models.context import ForwardContext, forward_context
-from appliance.models.layers.gdn import GatedDeltaNet
 from kernels.sampling import sample
 
 
@@ -63,7 +62,7 @@ class MtpGraphs:
         self,
         model: torch.nn.Module,
         drafts: list[torch.nn.Module],
-        gdn_layers: list[GatedDeltaNet],
+        pools: Pools,  # its GDN states are committed after acceptance
         requests: RequestTable,
         sizes: PoolSizes,
         max_bs: int,
@@ -72,8 +71,10 @@ class MtpGraphs:
         device: torch.device,
         k: int = 0,  # drafts per step; 0: the pools' mtp_step (benchmarks try smaller ones)
         batch_sizes: list[int] | None = None,  # buckets; None: graph_batch_sizes(max_bs)
+        draft_vocab: int = 0,  # drafts from the first N ids (0: all; SchedulerConfig)
     ) -> None:
-        self.model, self.gdn_layers = model, gdn_layers
+        self.draft_vocab = draft_vocab
+        self.model, self.pools = model, pools
         self.requests, self.sizes, self.device = requests, sizes, device
         self.k = k = k or sizes.mtp_step
         if not 1 <= k <= sizes.mtp_step:
@@ -152,8 +153,7 @@ class MtpGraphs:
         # samples past the accepted run land past the request's length: never read as known
         table.token_ids[row_slots, positions + 1] = samples.reshape(-1)
         table.num_tokens[slots] = start + 1 + accepted
-        for layer in self.gdn_layers:
-            layer.commit_verify(slots, kept)
+        self.pools.commit_verify(slots, kept)
         self.out[:bs, :rows].copy_(samples)
         self.out[:bs, rows].copy_(accepted)
 
@@ -178,8 +178,8 @@ class MtpGraphs:
         P + j with input (y_j, d'_j) and writes its draft KV to the request's scratch slot j - 1
         (the same chain as appliance/engine/mtp.py's Drafter, on fixed shapes)."""
         table, k = self.requests, self.k
-        compute_logits = self.model.compute_logits
-        ys, drafts = [y1], [compute_logits(y1).argmax(-1)]
+        draft_ids = self.model.draft_ids
+        ys, drafts = [y1], [draft_ids(y1, self.draft_vocab)]
         written = [0] * len(self.drafts)  # chain rows each module already holds in its KV
         scratch = self.sizes.scratch_slot(slots, 0)  # [bs] each request's first scratch slot
         for step in range(2, k + 1):
@@ -207,7 +207,7 @@ class MtpGraphs:
                 y = self.drafts[m](ids, h, pos.reshape(-1))
             written[m] = step - 1
             ys.append(y.view(bs, n, -1)[:, -1])
-            drafts.append(compute_logits(ys[-1]).argmax(-1))
+            drafts.append(draft_ids(ys[-1], self.draft_vocab))
         table.draft_tokens[slots, :k] = torch.stack(drafts, dim=1)
 
     # ------------------------------------------------------------------ capture and run

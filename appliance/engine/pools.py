@@ -76,15 +76,16 @@ def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype, mtp_step: int = 0
 
 
 class Pools:
-    """Allocates and binds the KV and state tensors into the model's layers."""
+    """Allocates and binds the KV and state tensors into the model's layers. The GDN layers' state
+    tensors are views of one stacked tensor per kind ([layers, slots, ...]; all GDN layers of a
+    model have one shape), so committing MTP verify states is a handful of kernels for the whole
+    model rather than a handful per layer."""
 
     def __init__(
         self, models: list[nn.Module], sizes: PoolSizes, dtype: torch.dtype, device: torch.device
     ) -> None:
         self.sizes = sizes
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.states: list[tuple[torch.Tensor, torch.Tensor]] = []
-        rows = sizes.mtp_step + 1
         modules = [m for model in models for m in model.modules()]
         for m in modules:
             if isinstance(m, Attention):
@@ -94,39 +95,13 @@ class Pools:
                     torch.zeros(shape, dtype=dtype, device=device),
                 )
                 self.kv.append(m.kv_cache)
-            elif isinstance(m, GatedDeltaNet):
-                m.conv_states = torch.zeros(
-                    sizes.num_req_rows, m.conv_dim, m.conv_kernel - 1, dtype=dtype, device=device
-                )
-                m.ssm_states = torch.zeros(
-                    sizes.num_req_rows,
-                    m.num_v_heads,
-                    m.head_k_dim,
-                    m.head_v_dim,
-                    dtype=torch.float32,
-                    device=device,
-                )
-                self.states.append((m.conv_states, m.ssm_states))
-                if sizes.mtp_step:
-                    m.ssm_candidates = torch.zeros(
-                        sizes.num_req_rows,
-                        rows,
-                        m.num_v_heads,
-                        m.head_k_dim,
-                        m.head_v_dim,
-                        dtype=torch.float32,
-                        device=device,
-                    )
-                    m.conv_windows = torch.zeros(
-                        sizes.num_req_rows,
-                        m.conv_dim,
-                        m.conv_kernel - 1 + rows,
-                        dtype=dtype,
-                        device=device,
-                    )
         self.gdn_layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
+        self.stacked: dict[str, torch.Tensor] = {}
+        if self.gdn_layers:
+            self._bind_states(sizes, dtype, device)
+        self.states = [(m.conv_states, m.ssm_states) for m in self.gdn_layers]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
-        st_mib = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in self.states) / 2**20
+        st_mib = sum(t.numel() * t.element_size() for t in self.stacked.values()) / 2**20
         log.info(
             "pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",
             sizes.num_kv_slots,
@@ -134,3 +109,41 @@ class Pools:
             sizes.num_req_slots,
             st_mib,
         )
+
+    def _bind_states(self, sizes: PoolSizes, dtype: torch.dtype, device: torch.device) -> None:
+        first, rows = self.gdn_layers[0], sizes.mtp_step + 1
+        shapes = {
+            (m.conv_dim, m.conv_kernel, m.num_v_heads, m.head_k_dim, m.head_v_dim)
+            for m in self.gdn_layers
+        }
+        if len(shapes) != 1:
+            raise ValueError(f"GDN layers of different shapes cannot share a state pool: {shapes}")
+        n, slots = len(self.gdn_layers), sizes.num_req_rows
+        heads = (first.num_v_heads, first.head_k_dim, first.head_v_dim)
+        width = first.conv_kernel - 1
+        kinds = {  # name -> (shape, dtype)
+            "conv_states": ((n, slots, first.conv_dim, width), dtype),
+            "ssm_states": ((n, slots, *heads), torch.float32),
+        }
+        if sizes.mtp_step:  # one SSM state per verify row, and the wide conv working slot
+            kinds["ssm_candidates"] = ((n, slots, rows, *heads), torch.float32)
+            kinds["conv_windows"] = ((n, slots, first.conv_dim, width + rows), dtype)
+        for name, (shape, kind) in kinds.items():
+            self.stacked[name] = torch.zeros(shape, dtype=kind, device=device)
+            for i, m in enumerate(self.gdn_layers):
+                setattr(m, name, self.stacked[name][i])
+
+    def commit_verify(self, slots: torch.Tensor, accepted_rows: torch.Tensor) -> None:
+        """After MTP acceptance, in every GDN layer at once: the state after verify row
+        accepted_rows[i] becomes request slots[i]'s committed state (SSM from its candidate, conv
+        from the working window), as GatedDeltaNet.commit_verify does for one layer."""
+        st = self.stacked
+        if not st:
+            return
+        st["ssm_states"][:, slots] = st["ssm_candidates"][:, slots, accepted_rows]
+        conv, windows = st["conv_states"], st["conv_windows"]
+        width = conv.shape[-1]
+        cols = accepted_rows[:, None] + 1 + torch.arange(width, device=slots.device)  # [B, K-1]
+        picked = windows[:, slots]  # [L, B, C, K-1+rows]
+        index = cols[None, :, None, :].expand(picked.shape[0], -1, picked.shape[2], -1)
+        conv[:, slots] = picked.gather(3, index)

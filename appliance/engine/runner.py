@@ -70,7 +70,7 @@ class ModelRunner:
         if not config.model.model_dir:
             raise ValueError("model_dir: the runner needs a checkpoint folder (resolve it first)")
         self.model_dir = Path(config.model.model_dir)
-        self.text_config: TextConfig = load_text_config(self.model_dir)
+        self.text_config: TextConfig = load_text_config(self.model_dir, config.model.quantization)
         self.device = resolve_device(config.parallel.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -118,7 +118,13 @@ class ModelRunner:
         self.drafter = None
         if self.mtp_step:
             self.drafter = Drafter(
-                self.model, self.draft_modules, self.mtp_step, self.requests, sizes, self.device
+                self.model,
+                self.draft_modules,
+                self.mtp_step,
+                self.requests,
+                sizes,
+                self.device,
+                config.scheduler.mtp_draft_vocab,
             )
         self.sampler = Sampler()
         # image inputs (M-RoPE layout, embeddings to splice); tests may swap `self.mm.store`
@@ -211,13 +217,14 @@ class ModelRunner:
         graphs = MtpGraphs(
             self.model,
             self.draft_modules,
-            self.pools.gdn_layers,
+            self.pools,
             self.requests,
             sizes,
             max_bs,
             self.text_config.hidden_size,
             self.dtype,
             self.device,
+            draft_vocab=self.config.scheduler.mtp_draft_vocab,
         )
         if self.graph_max_bs:
             reserve = mtp_graph_reserve_bytes(max_bs, self.mtp_step, self.text_config.vocab_size)
@@ -476,7 +483,7 @@ class ModelRunner:
             [chunks[i] for i in verify],
             [tokens[i] for i in verify],
             self.requests,
-            self.pools.gdn_layers,
+            self.pools,
         )
         for i, run in zip(verify, accepted):
             tokens[i] = run

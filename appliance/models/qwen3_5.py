@@ -127,6 +127,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def draft_ids(self, hidden: torch.Tensor, vocab_limit: int = 0) -> torch.Tensor:
+        """MTP drafts: the greedy token of each row [N, H] among the first `vocab_limit` ids."""
+        return self.lm_head.argmax(hidden, vocab_limit)
+
     # ------------------------------------------------------------------ checkpoint names
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint tensor name -> (parameter name, shard_id), or None for tensors that belong to

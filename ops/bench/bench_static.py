@@ -171,7 +171,7 @@ def fused_step(runner: ModelRunner, k: int, batch: int, graphs: bool) -> MtpGrap
     fused = MtpGraphs(
         runner.model,
         runner.draft_modules,
-        runner.pools.gdn_layers,
+        runner.pools,
         runner.requests,
         runner.pools.sizes,
         batch,
@@ -180,6 +180,7 @@ def fused_step(runner: ModelRunner, k: int, batch: int, graphs: bool) -> MtpGrap
         runner.device,
         k=k,
         batch_sizes=[batch],
+        draft_vocab=runner.drafter.draft_vocab,
     )
     if graphs:
         fused.capture()
@@ -274,6 +275,13 @@ def main() -> None:
         choices=["on", "off"],
         help="MTP steps: the fused device step (on) or host acceptance (off)",
     )
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="MTP drafts from the first N ids (0: all); each value is measured",
+    )
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="auto")
@@ -295,7 +303,8 @@ def main() -> None:
     draft_times = timed_draft(runner) if runner.drafter is not None else []
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print(
-        f"{'graphs':>6} {'fused':>5} {'batch':>5} {'k':>2} {'prefill ms':>10} {'verify ms':>9} "
+        f"{'graphs':>6} {'fused':>5} {'vocab':>6} {'batch':>5} {'k':>2} {'prefill ms':>10} "
+        f"{'verify ms':>9} "
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
@@ -305,20 +314,26 @@ def main() -> None:
             plain = None
             floor_ms = step_bytes(runner, batch, args.prompt_len + args.steps) / bandwidth * 1e3
             for k in args.mtp:
-                for fused in args.fused if k else ["-"]:
+                variants = (
+                    [(f, v) for f in args.fused for v in args.draft_vocab] if k else [("-", 0)]
+                )
+                for fused, vocab in variants:
+                    if runner.drafter is not None:
+                        runner.drafter.draft_vocab = vocab
                     step = fused_step(runner, k, batch, graphs == "on") if fused == "on" else None
                     r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps, step)
                     del step
                     torch.cuda.empty_cache() if torch.cuda.is_available() else None
                     plain = r["step_ms"] if k == 0 else plain
-                    r.update(graphs=graphs, fused=fused, floor_ms=floor_ms)
+                    r.update(graphs=graphs, fused=fused, draft_vocab=vocab, floor_ms=floor_ms)
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
                     r["itl_published_ms"] = r["step_ms"] / PUBLISHED_ACCEPT.get(k, 1.0)
                     rows.append(r)
                     print(
-                        f"{graphs:>6} {fused:>5} {batch:>5} {k:>2} {r['prefill_ms']:>10.1f} "
+                        f"{graphs:>6} {fused:>5} {vocab or 'all':>6} {batch:>5} {k:>2} "
+                        f"{r['prefill_ms']:>10.1f} "
                         f"{r['verify_ms']:>9.2f} {r['draft_ms']:>9.2f} "
                         f"{r['verify_over_plain']:>12.2f} {r['draft_over_plain']:>11.2f} "
                         f"{floor_ms:>8.2f} {r['plain_over_floor']:>11.2f} "

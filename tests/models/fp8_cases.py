@@ -4,16 +4,12 @@ and the dequantised view of a loaded model's fp8 parameters."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from test_qwen3_5_parity import engine_logits
 
-import appliance.engine.runner as runner_module
 import kernels.fp8_moe as fp8_moe
 from appliance.engine.runner import ModelRunner
-from appliance.models.config import load_text_config
 from appliance.models.layers import quant_methods
 from appliance.offline.llm import build_engine_config
 from kernels.fp8 import FP8_DTYPE
@@ -23,18 +19,9 @@ IDS = list(range(3, 120, 3))
 
 
 def runner(ckpt, quantization: str = "", **options) -> ModelRunner:
+    """A runner built the way `--quantization` builds it (ModelConfig.quantization)."""
     opts = dict(max_num_seqs=2, num_kv_slots=256, max_model_len=128, **options)
-    config = build_engine_config(str(ckpt), 1, opts)
-    if not quantization:
-        return ModelRunner(config)
-    # --quantization reaches load_text_config once the runner passes ModelConfig.quantization
-    patched = functools.partial(load_text_config, quantization=quantization)
-    original = runner_module.load_text_config
-    runner_module.load_text_config = patched
-    try:
-        return ModelRunner(config)
-    finally:
-        runner_module.load_text_config = original
+    return ModelRunner(build_engine_config(str(ckpt), 1, dict(opts, quantization=quantization)))
 
 
 def logits(ckpt, quantization: str = "") -> torch.Tensor:

@@ -50,3 +50,21 @@ class LMHead(_VocabShard):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab]
         logits = F.linear(hidden, self.weight)
         return all_gather_last(logits)[:, : self.vocab]
+
+    def argmax(self, hidden: torch.Tensor, limit: int = 0) -> torch.Tensor:
+        """[N, H] -> [N] int64: the most likely id among the first `limit` ids (0: all), ties to
+        the lowest id, without gathering the logits (each rank sends its best value and id)."""
+        limit = min(limit or self.vocab, self.vocab)
+        rows = max(0, min(limit - self.start, self.weight.shape[0]))
+        if tp_size() == 1:
+            return F.linear(hidden, self.weight[:rows]).argmax(-1)
+        n = hidden.shape[0]
+        if rows:
+            best, ids = F.linear(hidden, self.weight[:rows]).float().max(-1)
+        else:  # this rank holds none of the first `limit` ids
+            best = torch.full((n,), float("-inf"), device=hidden.device)
+            ids = torch.zeros(n, dtype=torch.int64, device=hidden.device)
+        pair = torch.stack([best, (ids + self.start).float()], dim=-1)  # ids < 2**24: exact
+        gathered = all_gather_last(pair).view(n, tp_size(), 2)  # ranks in id order
+        winner = gathered[..., 0].argmax(-1)  # the first best: the lowest id on ties
+        return gathered[torch.arange(n, device=hidden.device), winner, 1].long()

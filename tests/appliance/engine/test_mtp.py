@@ -14,8 +14,8 @@ from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk
 GREEDY = SamplingOptions(temperature=0.0)
 
 
-class RecordingGDN:
-    """Stands in for a GatedDeltaNet layer: records which verify row each slot commits."""
+class RecordingPools:
+    """Stands in for the pools: records which verify row each slot commits."""
 
     def __init__(self) -> None:
         self.commits: list[tuple[list[int], list[int]]] = []
@@ -44,16 +44,16 @@ def test_accept_and_commit_writes_tokens_and_commits_gdn_rows():
         ScheduledChunk(0, 3, 4, [10, 11, 12, 13], True, num_draft=3),
         ScheduledChunk(2, 5, 4, [14, 15, 16, 17], True, num_draft=3),
     ]
-    layers = [RecordingGDN(), RecordingGDN()]
-    got = accept_and_commit(chunks, [[20, 21, 99, 98], [7, 31, 32, 33]], table, layers)
+    pools = RecordingPools()
+    got = accept_and_commit(chunks, [[20, 21, 99, 98], [7, 31, 32, 33]], table, pools)
     assert got == [[20, 21, 99], [7]]
     assert table.token_ids[0, :7].tolist() == [1, 2, 3, 4, 20, 21, 99]
     assert table.token_ids[2, :7].tolist() == [1, 2, 3, 4, 5, 6, 7]
     assert table.num_tokens_host[0] == 7 and table.num_tokens_host[2] == 7
     assert table.num_tokens[[0, 2]].tolist() == [7, 7]
-    assert all(layer.commits == [([0, 2], [2, 0])] for layer in layers)
-    assert accept_and_commit([], [], table, layers) == []  # no verify chunks: nothing committed
-    assert len(layers[0].commits) == 1
+    assert pools.commits == [([0, 2], [2, 0])]
+    assert accept_and_commit([], [], table, pools) == []  # no verify chunks: nothing committed
+    assert len(pools.commits) == 1
 
 
 def test_extend_rows_cuts_verify_chunks_to_their_accepted_rows():
@@ -75,3 +75,30 @@ def test_extend_rows_cuts_verify_chunks_to_their_accepted_rows():
         (0, 0, 0, 3, [0, 1, 2]),
         (3, 4, 4, 2, [4, 5]),
     ]
+
+
+def test_stacked_commit_equals_each_layers_commit(tiny_dense):
+    """Pools.commit_verify (all GDN layers in one go) leaves what GatedDeltaNet.commit_verify
+    leaves layer by layer."""
+    from appliance.engine.pools import Pools, PoolSizes
+    from appliance.models.config import load_text_config
+    from appliance.models.registry import model_class
+
+    cfg = load_text_config(tiny_dense)
+    model = model_class(cfg)(cfg)
+    pools = Pools([model], PoolSizes(64, 4, 32, mtp_step=3), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for tensor in pools.stacked.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+    slots, rows = torch.tensor([2, 0]), torch.tensor([3, 1])
+    want = []
+    for layer in pools.gdn_layers:
+        conv, ssm = layer.conv_states.clone(), layer.ssm_states.clone()
+        layer.conv_states, layer.ssm_states = conv, ssm  # a private copy, committed per layer
+        layer.commit_verify(slots, rows)
+        want.append((conv, ssm))
+    pools.commit_verify(slots, rows)
+    assert len(pools.gdn_layers) > 1
+    for (conv, ssm), i in zip(want, range(len(want))):
+        assert torch.equal(pools.stacked["conv_states"][i], conv)
+        assert torch.equal(pools.stacked["ssm_states"][i], ssm)

@@ -57,7 +57,7 @@ def padded(runner, max_bs: int) -> MtpGraphs:
     graphs = MtpGraphs(
         runner.model,
         runner.draft_modules,
-        runner.pools.gdn_layers,
+        runner.pools,
         runner.requests,
         sizes,
         max_bs,
@@ -124,6 +124,30 @@ def test_fused_and_host_paths_accept_the_same_drafts(tiny_trained, mode, monkeyp
     assert sum(results[True][1]) > results[True][2] // 2  # drafts really were accepted
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
+def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_dense, fused, monkeypatch):
+    monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if fused else "1")
+    off = LLM(str(tiny_dense), **OPTS)
+    seqs = prompts(3, off.runner.text_config.vocab_size)
+    want = [o.token_ids for o in off.generate(seqs, GREEDY)]
+    llm = LLM(str(tiny_dense), mtp_step=2, mtp_draft_vocab=40, **OPTS)
+    assert [o.token_ids for o in llm.generate(seqs, GREEDY)] == want
+    drafted = llm.runner.requests.draft_tokens[:3]
+    assert drafted.max() < 40 and drafted.sum() > 0
+
+
+def test_lm_head_argmax_over_a_prefix_of_the_vocabulary():
+    from appliance.models.layers.embedding import LMHead
+
+    head = LMHead(100, 8)
+    torch.nn.init.normal_(head.weight, generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    logits = head(hidden)
+    assert torch.equal(head.argmax(hidden), logits.argmax(-1))
+    assert torch.equal(head.argmax(hidden, 30), logits[:, :30].argmax(-1))
+    assert torch.equal(head.argmax(hidden, 1000), logits.argmax(-1))  # past the vocabulary: all
+
+
 def test_lengths_reach_the_host_mirror_only_for_the_same_admission():
     table = RequestTable(4, 32, 2, torch.device("cpu"))
     from appliance.messages import NewRequest, SamplingOptions
@@ -141,7 +165,7 @@ def test_lengths_reach_the_host_mirror_only_for_the_same_admission():
 
 def _gpu_llm(model_dir, k: int, **extra) -> LLM:
     """fp32 on the GPU: MTP is exactly lossless only where verify and plain rows round alike."""
-    opts = dict(OPTS, device="cuda", dtype="float32", cuda_graph_max_bs=16)
+    opts = dict(OPTS, max_num_seqs=16, device="cuda", dtype="float32", cuda_graph_max_bs=16)
     return LLM(str(model_dir), mtp_step=k, **opts, **extra)
 
 
