@@ -63,10 +63,10 @@ for s in ${STEPS:-probe tests bench}; do
         python3 ops/bench/bench_vit.py --json "$OUT/vit.json" ;;
     static) step static "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch ${STATIC_BATCH:-1 16 64} --mtp ${STATIC_MTP:-0} \
-      --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 --json "$OUT/static.json" ;;
+      --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 ${STATIC_ARGS:-} --json "$OUT/static.json" ;;
     static_moe) step static_moe "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_35b_a3b.json --batch ${STATIC_BATCH:-1 16 64} \
-      --mtp ${STATIC_MTP:-0} --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 --json "$OUT/static_moe.json" ;;
+      --mtp ${STATIC_MTP:-0} --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 ${STATIC_ARGS:-} --json "$OUT/static_moe.json" ;;
     graphs) step graphs "${GRAPHS_S:-200}" python3 -m pytest tests/appliance/engine/test_graphs.py \
       tests/appliance/engine/test_mtp_graphs.py -q -s -p no:cacheprovider -m gpu -rfE ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
