@@ -81,6 +81,12 @@ _register(
     _bool,
     "MTP: accept drafts on the host after an eager verify (off: the fused device step, graphed).",
 )
+_register(
+    "APPLIANCE_GPU_BUSY_LOG",
+    0.0,
+    _number,
+    "Seconds between worker log lines of the device's busy share while serving (0 = off).",
+)
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 _register(
     "APPLIANCE_API_KEY",

@@ -18,6 +18,7 @@ import torch
 from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
+from appliance.engine.busy import BusyMeter
 from appliance.engine.graphs import (
     DecodeGraphs,
     capture_logged,
@@ -139,6 +140,7 @@ class ModelRunner:
         self.graphs = self._decode_graphs() if self.graph_max_bs else None
         self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
         self._pending: collections.deque[PendingStep] = collections.deque()
+        self.busy = BusyMeter(envs.APPLIANCE_GPU_BUSY_LOG if rank == 0 else 0.0, self.device)
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -341,7 +343,9 @@ class ModelRunner:
         return self.collect()
 
     def submit(self, plan: StepPlan) -> None:
+        self.busy.begin()
         self._pending.append(self._launch(plan))
+        self.busy.end()
 
     def oldest_done(self) -> bool:
         """The oldest submitted step's result is ready (its device work has finished)."""
@@ -349,7 +353,9 @@ class ModelRunner:
 
     def collect(self) -> StepResult:
         """The oldest submitted step's result (waits for its device work)."""
-        return self._pending.popleft().result()
+        result = self._pending.popleft().result()
+        self.busy.collected()
+        return result
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> PendingStep:
