@@ -105,14 +105,21 @@ def _printable(text: str, limit: int) -> str:
     return clean if len(clean) <= limit else clean[: limit - 3] + "..."
 
 
-def access_line(method: str, path: str, status: int, latency_s: float, request_id: str) -> str:
-    """`POST /v1/chat/completions 200 0.123s id=chatcmpl-1`. The query string is dropped and
-    nothing from the body is accepted, so no prompt text can reach the log."""
+def access_line(
+    method: str, path: str, status: int, latency_s: float, request_id: str, **fields: str
+) -> str:
+    """`POST /v1/chat/completions 200 0.123s id=req-1 completion=chatcmpl-2 aborted=client_gone`:
+    `fields` follow as key=value, the empty ones left out. The query string is dropped and nothing
+    from the body is accepted, so no prompt text can reach the log."""
     bare_path = path.split("?", 1)[0].split("#", 1)[0]
-    return (
+    line = (
         f"{_printable(method.upper(), 16)} {_printable(bare_path, _MAX_PATH)} {int(status)} "
         f"{latency_s:.3f}s id={_printable(request_id or '-', _MAX_REQUEST_ID)}"
     )
+    for key, value in fields.items():
+        if value:
+            line += f" {key}={_printable(value, _MAX_REQUEST_ID)}"
+    return line
 
 
 def access_level(path: str, status: int) -> int:
@@ -121,9 +128,12 @@ def access_level(path: str, status: int) -> int:
     return logging.DEBUG if bare_path in PROBE_PATHS and int(status) < 400 else logging.INFO
 
 
-def log_access(method: str, path: str, status: int, latency_s: float, request_id: str) -> None:
+def log_access(
+    method: str, path: str, status: int, latency_s: float, request_id: str, **fields: str
+) -> None:
     """One access-log line on the `appliance.access` logger (the caller decides whether to log)."""
     logger = get_logger("appliance.access")
     level = access_level(path, status)
     if logger.isEnabledFor(level):
-        logger.log(level, "%s", access_line(method, path, status, latency_s, request_id))
+        line = access_line(method, path, status, latency_s, request_id, **fields)
+        logger.log(level, "%s", line)

@@ -24,14 +24,17 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return (0 = only the sampled one)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling (OpenAI)
 
 
 def mtp_compatible(options: SamplingOptions) -> bool:
-    """Whether a request can decode with MTP drafts. Penalties and logprobs need per-row history and
-    reporting that verify rows do not carry, so such requests decode one token per step (in the same
-    batch). Read by the router (to plan verify rows) — the worker just follows num_draft."""
+    """Whether a request can decode with MTP drafts. Penalties, logprobs and a logit bias need
+    per-row history, reporting or logits edits that verify rows (and the fused MTP step) do not
+    carry, so such requests decode one token per step (in the same batch). Read by the router (to
+    plan verify rows) — the worker just follows num_draft."""
     return (
         options.logprobs is None
+        and not options.logit_bias
         and options.presence_penalty == 0.0
         and options.frequency_penalty == 0.0
         and options.repetition_penalty == 1.0

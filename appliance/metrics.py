@@ -26,7 +26,10 @@ from appliance.stats import CumulativeTracker, StatsWindow
 
 logger = get_logger(__name__)
 
-FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+# "rejected": refused by the router with a client error (400 too long, 429 queue full) after
+# submission; "error": a server-side failure. Requests refused before submission (validation, auth)
+# never reach this counter: appliance_http_requests_total{status} counts them.
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "rejected", "error")
 IMAGE_STAGES = ("fetch_decode", "preprocess", "encode")
 
 # fmt: off

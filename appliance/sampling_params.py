@@ -14,6 +14,7 @@ from appliance.messages import DetokParams, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_TOKEN_ID = 2**31  # token ids travel as int32 on the worker
+MAX_LOGIT_BIAS = 100.0  # OpenAI's logit_bias range is [-100, 100]
 
 
 def _check(cond: bool, name: str, accepted: str, value: object) -> None:
@@ -47,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = sampled token's logprob plus the top k
     skip_special_tokens: bool = True  # detokenizer: drop special tokens from the text
     include_stop_str_in_output: bool = False  # detokenizer: keep the matched stop string
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -102,6 +104,24 @@ class SamplingParams:
             f"None or an integer in [0, {MAX_LOGPROBS}]",
             self.logprobs,
         )
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict), "logit_bias", "None or a dict", bias)
+        for token_id, value in (bias or {}).items():
+            _check(
+                _is_int(token_id) and 0 <= token_id < MAX_TOKEN_ID,
+                "logit_bias",
+                f"token ids in [0, {MAX_TOKEN_ID})",
+                token_id,
+            )
+            _check(
+                _is_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS,
+                "logit_bias",
+                f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (token {token_id})",
+                value,
+            )
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +140,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             logprobs=self.logprobs,
+            logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items() if b},
         )
 
     def to_detok(self) -> DetokParams:

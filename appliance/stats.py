@@ -21,7 +21,7 @@ from appliance.logging import get_logger
 logger = get_logger(__name__)
 
 # Finish reasons whose tokens do not count toward the window's throughput.
-EXCLUDED_REASONS = ("abort", "error")
+EXCLUDED_REASONS = ("abort", "rejected", "error")
 _WINDOW_COUNTERS = (
     "mtp_drafts",
     "mtp_draft_tokens",

@@ -10,8 +10,10 @@ Choices, documented here once:
 - Penalties: repetition (HF: seen = prompt + output tokens; positive logits divided, negative ones
   multiplied), then frequency and presence (OpenAI: over output tokens only; subtract
   frequency * count + presence * [count > 0]).
-- Logprobs are those of the post-penalty, pre-temperature distribution (log_softmax of the penalised
-  logits): what the model assigns after the request's penalties, independent of how it is sampled.
+- Logit bias (OpenAI `logit_bias`): added to the penalised logits of the named token ids, on every
+  row of the request; ids past the logits' vocabulary are ignored (the server refuses them).
+- Logprobs are those of the post-penalty, post-bias, pre-temperature distribution (log_softmax of
+  the edited logits): what the request's penalties and bias leave, independent of how it is sampled.
 """
 
 from __future__ import annotations
@@ -107,6 +109,28 @@ def apply_penalties(
     return out
 
 
+def apply_logit_bias(
+    logits: torch.Tensor,  # [B, V] fp32
+    rows: Sequence[SamplingOptions],
+) -> torch.Tensor:
+    """Returns biased logits [B, V] (a new tensor if any row has a bias, else `logits`)."""
+    vocab = logits.shape[-1]
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.logit_bias.items():
+            if 0 <= token_id < vocab:
+                row_ids.append(i)
+                token_ids.append(token_id)
+                biases.append(bias)
+    if not row_ids:
+        return logits
+    device = logits.device
+    index = (to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device))
+    out = logits.clone()
+    out.index_put_(index, to_device(biases, torch.float32, device).to(out.dtype), accumulate=True)
+    return out
+
+
 def gather_logprobs(
     logits: torch.Tensor,  # [B, V] penalised, pre-temperature
     token_ids: torch.Tensor,  # [B]
@@ -149,6 +173,7 @@ class Sampler:
             raise ValueError("token_history: needed for penalties")
         if token_history is not None:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
+        logits = apply_logit_bias(logits, rows)
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
             # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)

@@ -33,6 +33,7 @@ _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/models",
+    "/v1/models/{model}",
     "/health",
     "/metrics",
     "/debug/status",
@@ -67,12 +68,28 @@ class AccessLog:
             await self.app(scope, receive, send_wrapper)
         finally:
             path = scope.get("path", "")
-            self.state.metrics.on_http_response(path if path in _ROUTES else "other", status)
+            self.state.metrics.on_http_response(route_label(path), status)
             if self.state.config.access_log:
-                # probes (/health, /metrics) at DEBUG; control characters in the id neutralised
+                # probes (/health, /metrics) at DEBUG; control characters in the id neutralised.
+                # serve() leaves the completion id and the request's group in the scope's state.
+                served = scope.get("state") or {}
+                group = served.get("request_group")
                 log_access(
-                    scope.get("method", ""), path, status, time.monotonic() - start, request_id
+                    scope.get("method", ""),
+                    path,
+                    status,
+                    time.monotonic() - start,
+                    request_id,
+                    completion=served.get("completion_id", ""),
+                    aborted=(group.abort_reason or "") if group is not None else "",
                 )
+
+
+def route_label(path: str) -> str:
+    """The route template of a path for the HTTP metric (unknown paths are "other")."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    return path if path in _ROUTES else "other"
 
 
 def _router_view(stats: RouterStats, visual: VisualStats | None) -> dict[str, Any]:
@@ -125,9 +142,8 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         return await serve(COMPLETION, state, body, request)
 
-    @app.get("/v1/models", responses=error_responses(401))
-    async def models():
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": state.model_name,
             "object": "model",
             "created": state.created,
@@ -137,7 +153,19 @@ def build_app(
             "max_model_len": state.max_model_len,
             "permission": [],
         }
-        return {"object": "list", "data": [card]}
+
+    # The model list answers what /health answers while the server cannot serve (starting,
+    # draining, a role died): a 200 there would tell a client the model is ready when it is not.
+    @app.get("/v1/models", responses=error_responses(401, 500, 503))
+    async def models():
+        state.check_accepting()
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", responses=error_responses(401, 404, 500, 503))
+    async def model(model: str):
+        state.check_accepting()
+        state.check_model(model)
+        return model_card()
 
     @app.get("/health", responses=error_responses(500, 503))
     async def health():

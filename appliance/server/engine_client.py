@@ -65,10 +65,21 @@ class RequestGroup:
     error: APIError | None = None
     deadline: float | None = None  # time.monotonic() past which the request is aborted (408)
     timeout_s: float = 0.0  # the limit that set `deadline` (for the error message)
+    # why its unfinished choices were aborted (None: none were): "client_gone", "deadline",
+    # "drain_timeout", "error"; read by the access log
+    abort_reason: str | None = None
 
     @property
     def open_ids(self) -> list[str]:
         return [rid for rid, c in self.choices.items() if not c.finished]
+
+
+def finish_label(delta: TextDelta) -> str:
+    """The metrics' finish reason of a final delta: a refusal with a client-error status (the
+    router's 400 / 429: too long, queue full) is "rejected", not a server-side "error"."""
+    if delta.finish_reason == "error" and 400 <= delta.error_status < 500:
+        return "rejected"
+    return delta.finish_reason or "error"
 
 
 class EngineClient:
@@ -153,8 +164,12 @@ class EngineClient:
             raise
         return group
 
-    def abort(self, group: RequestGroup) -> None:
-        """Frees the group's unfinished choices in the router at once (client went away)."""
+    def abort(self, group: RequestGroup, reason: str) -> None:
+        """Frees the group's unfinished choices in the router at once (the client went away, the
+        deadline passed, ...); the first reason given is the group's `abort_reason`."""
+        if not group.open_ids:
+            return
+        group.abort_reason = group.abort_reason or reason
         self._release(group, group.open_ids)
 
     def _release(self, group: RequestGroup, in_router: list[str]) -> None:
@@ -196,17 +211,21 @@ class EngineClient:
     def engine_failed(self, message: str) -> int:
         """A role died: every open request fails with `message`, and so will every new one."""
         self.failure = message
-        return self._fail_groups(EngineFailed(message), send_abort=False)
+        return self._fail_groups(EngineFailed(message), abort_reason=None)
 
     def abort_all(self, message: str) -> int:
         """Drain timeout: abort every open request in the router and fail it with a 503."""
-        return self._fail_groups(ServiceUnavailable(message), send_abort=True)
+        return self._fail_groups(ServiceUnavailable(message), abort_reason="drain_timeout")
 
-    def _fail_groups(self, err: APIError, send_abort: bool) -> int:
+    def _fail_groups(self, err: APIError, abort_reason: str | None) -> int:
+        """Fails every open group with `err`; with an abort_reason their choices are also
+        aborted in the router (which is still alive)."""
+        send_abort = abort_reason is not None
         groups = {id(g): g for g in self._groups.values()}.values()
         count = len(self._groups)
         for group in groups:
             group.error = err
+            group.abort_reason = group.abort_reason or abort_reason
             for req_id in group.open_ids:
                 if send_abort:
                     self._send(AbortRequest(req_id))
@@ -263,7 +282,7 @@ class EngineClient:
         if delta.finish_reason is not None:
             choice.finished = True
             del self._groups[delta.req_id]
-            self._record_finish(delta.req_id, choice, delta.finish_reason)
+            self._record_finish(delta.req_id, choice, finish_label(delta))
         group.queue.put_nowait((choice.index, delta))
 
     # ------------------------------------------------------------------ metrics

@@ -7,6 +7,7 @@ and chat template are used (transformers AutoTokenizer).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,11 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self._max_prompt_chars = max_prompt_chars
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows, added tokens included: ids in [0, vocab_size)."""
+        return len(self.tokenizer)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -126,7 +132,7 @@ class PromptBuilder:
             ids = self._encode(prompt, "prompt") or self.start_ids("prompt")
             self.check_tokens(len(ids), "prompt")
             return Prompt(ids, prompt)
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         bad = [t for t in prompt if t < 0 or t >= vocab]
         if bad:
             raise BadRequest(

@@ -64,7 +64,12 @@ class ChatMessage(_Schema):
 
 
 class StreamOptions(_Schema):
+    # Unknown keys are refused (400 naming stream_options), unlike elsewhere: a misspelt
+    # include_usage would otherwise silently drop the usage chunk.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
+    include_obfuscation: bool = False  # OpenAI's; accepted and ignored (no obfuscation here)
 
 
 class _SamplingFields(_Schema):
@@ -89,6 +94,8 @@ class _SamplingFields(_Schema):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # token id (a decimal string, as JSON keys are) -> bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -161,8 +168,44 @@ _ERROR_MEANINGS = {
 }
 
 
-def sampling_params(req: _SamplingFields, num_logprobs: int | None) -> SamplingParams:
-    """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults."""
+def check_stream_options(req: _SamplingFields) -> None:
+    """stream_options only with stream=true, as OpenAI answers it."""
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest(
+            "stream_options: only allowed when stream is true.", "stream_options", "invalid_value"
+        )
+
+
+def logit_bias(req: _SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """The request's logit_bias with integer keys; 400 naming a key that is not a token id of the
+    vocabulary [0, vocab_size). The bias range is SamplingParams'."""
+    if not req.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise BadRequest(
+                f"logit_bias: keys must be token ids (decimal integers), got {key!r}.",
+                "logit_bias",
+                "invalid_value",
+            )
+        token_id = int(key)
+        if token_id >= vocab_size:
+            raise BadRequest(
+                f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size}).",
+                "logit_bias",
+                "invalid_value",
+            )
+        bias[token_id] = value
+    return bias
+
+
+def sampling_params(
+    req: _SamplingFields, num_logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults.
+    `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
+    check_stream_options(req)
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
         raise BadRequest(
             f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
@@ -188,6 +231,7 @@ def sampling_params(req: _SamplingFields, num_logprobs: int | None) -> SamplingP
             logprobs=num_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias(req, vocab_size),
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

@@ -31,6 +31,7 @@ from appliance.server.state import (
     ClientGone,
     ServerState,
     abort_on_disconnect,
+    exit_reason,
     first_item,
     iterate_deltas,
     new_request_id,
@@ -100,11 +101,13 @@ async def serve(
         answer = await _admit(endpoint, state, body, arrival)
     finally:
         state.metrics.frontend_exit()
+    # for the access log (app.AccessLog): the completion id and how the request ended
+    request.state.completion_id = answer.head["id"]
+    request.state.request_group = answer.group
     try:
         return await _respond(state, request, body, answer)
-    except BaseException:
-        if answer.group.open_ids:
-            state.client.abort(answer.group)
+    except BaseException as exc:
+        state.client.abort(answer.group, exit_reason(exc))
         raise
 
 
@@ -115,7 +118,7 @@ async def _admit(
     state.check_accepting()
     model = state.check_model(body.model)
     endpoint.check(state, body)
-    params = sampling_params(body, body.num_logprobs())
+    params = sampling_params(body, body.num_logprobs(), state.prompts.vocab_size)
     prompts = await endpoint.prompts(state, body)
     group_id = new_request_id(endpoint.id_prefix)
     requests = choice_requests(state, group_id, prompts, params, body)
@@ -160,9 +163,8 @@ class ReleasingStream(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:
-            if self.group.open_ids:
-                self.client.abort(self.group)
+        finally:  # open choices here: the body stopped early (the client went away)
+            self.client.abort(self.group, "client_gone")
 
 
 def choice_requests(

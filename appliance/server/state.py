@@ -74,6 +74,15 @@ class ClientGone(Exception):
     """The client disconnected before its stream started (nothing left to answer)."""
 
 
+def exit_reason(exc: BaseException) -> str:
+    """Why a request's open choices are aborted when `exc` ends its handler: the client left
+    (a stream's body is cancelled or closed when it does), or the request failed otherwise
+    (a rejection of another choice, a bug). A passed deadline is marked where it is detected."""
+    if isinstance(exc, (ClientGone, asyncio.CancelledError, GeneratorExit)):
+        return "client_gone"
+    return "error"
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -87,16 +96,19 @@ async def abort_on_disconnect(request: Request, client: EngineClient, group: Req
 
     async def watch() -> None:
         await _wait_disconnect(request)
-        client.abort(group)
+        client.abort(group, "client_gone")
         group.queue.put_nowait(None)
 
     task = asyncio.create_task(watch())
     try:
         yield
+    except BaseException as exc:
+        client.abort(group, exit_reason(exc))
+        raise
     finally:
         task.cancel()
-        if group.open_ids:
-            client.abort(group)
+        # open choices after a normal exit: the answer was cut short because the client left
+        client.abort(group, "client_gone")
 
 
 async def _next_item(group: RequestGroup):
@@ -108,6 +120,7 @@ async def _next_item(group: RequestGroup):
             group.queue.get(), max(0.0, group.deadline - time.monotonic())
         )
     except asyncio.TimeoutError:
+        group.abort_reason = group.abort_reason or "deadline"  # its choices are aborted next
         raise RequestTimeout(group.timeout_s) from None
 
 
@@ -138,10 +151,9 @@ async def first_item(
         if item is None:
             raise ClientGone
         return item
-    except BaseException:
+    except BaseException as exc:
         get.cancel()
-        if group.open_ids:
-            client.abort(group)
+        client.abort(group, exit_reason(exc))
         raise
     finally:
         gone.cancel()

@@ -174,6 +174,25 @@ class ScriptedEngine(threading.Thread):
         self.outbox.close()
 
 
+def asgi_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """An HTTP scope for driving the app's ASGI interface directly (chunked bodies, a client
+    that disconnects mid-stream: what TestClient cannot do)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return build_tokenizer()

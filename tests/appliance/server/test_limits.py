@@ -9,6 +9,7 @@ import json
 import pytest
 
 from appliance.server.limits import MAX_JSON_DEPTH, json_depth_exceeds
+from tests.appliance.server.conftest import asgi_scope
 from tests.appliance.server.test_errors import MSG, assert_error, assert_serving
 
 LIMIT = 4096
@@ -49,20 +50,8 @@ def test_a_chunked_body_is_cut_off_at_the_limit(make_server):
     async def send(message):
         sent.append(message)
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 8000),
-    }
+    headers = [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")]
+    scope = asgi_scope("POST", "/v1/completions", headers)
     asyncio.run(client.app(scope, receive, send))
     assert sent[0]["status"] == 413
     body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))

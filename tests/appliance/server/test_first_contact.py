@@ -1,0 +1,275 @@
+"""Issue 17 items 5 and 6 against the scripted engine, through the `openai` SDK where it can:
+the model routes agree with /health, stream_options / logit_bias / logprobs=0 as OpenAI has them,
+client errors counted apart from server errors, and the access log's completion id and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+import openai
+import pytest
+
+from tests.appliance.server.conftest import asgi_scope
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def sdk_for(client) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0
+    )
+
+
+def finished(state, reason: str) -> float:
+    return state.metrics.registry.get_sample_value(
+        "appliance_requests_finished_total", {"model_name": "tiny", "finish_reason": reason}
+    )
+
+
+# ---------------------------------------------------------------- /v1/models and readiness
+
+
+def test_model_routes_through_the_sdk(make_server):
+    client, _, _ = make_server()
+    sdk = sdk_for(client)
+    card = sdk.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model" and card.owned_by == "appliance"
+    assert card.model_extra["max_model_len"] == 256
+    assert [m.id for m in sdk.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.models.retrieve("no/such-model")
+    err = info.value.body
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert "no/such-model" in err["message"]
+    r = client.get("/v1/models/no-such-model")
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _not_serving(state, how: str) -> None:
+    if how == "starting":
+        state.ready = False
+    elif how == "draining":
+        state.draining = True
+    else:
+        state.client.failure = "The worker died."
+
+
+@pytest.mark.parametrize("how", ["starting", "draining", "failed"])
+def test_model_routes_answer_what_health_answers(make_server, how):
+    client, _, state = make_server()
+    assert client.get("/v1/models").status_code == 200
+    _not_serving(state, how)
+    health = client.get("/health")
+    assert health.status_code == (500 if how == "failed" else 503)
+    for path in ("/v1/models", "/v1/models/tiny"):
+        r = client.get(path)
+        assert (r.status_code, r.json()) == (health.status_code, health.json()), path
+    with pytest.raises(openai.APIStatusError) as info:
+        sdk_for(client).models.list()
+    assert info.value.status_code == health.status_code
+
+
+# ---------------------------------------------------------------- stream_options
+
+
+def test_stream_options_only_with_stream_and_only_known_keys(make_server):
+    client, engine, _ = make_server()
+    sdk = sdk_for(client)
+    for route, extra in (("chat", {"messages": MSG}), ("completions", {"prompt": "hi"})):
+        create = sdk.chat.completions.create if route == "chat" else sdk.completions.create
+        with pytest.raises(openai.BadRequestError) as info:
+            create(model="tiny", stream_options={"include_usage": True}, **extra)
+        assert info.value.body["param"] == "stream_options"
+        assert "only allowed when stream is true" in info.value.body["message"]
+        for bad in ({"include_usage": "yes"}, {"include_usage": True, "continuous": True}):
+            with pytest.raises(openai.BadRequestError) as info:
+                create(model="tiny", stream=True, stream_options=bad, **extra)
+            assert info.value.body["param"] == "stream_options", bad
+    assert engine.received == []  # every refusal came before the engine
+    chunks = list(
+        sdk.completions.create(
+            model="tiny", prompt="hi", stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+# ---------------------------------------------------------------- logit_bias and logprobs=0
+
+
+def test_logit_bias_validated_and_sent_to_the_worker(make_server, tokenizer):
+    client, engine, _ = make_server()
+    sdk = sdk_for(client)
+    vocab = len(tokenizer)
+    out = sdk.chat.completions.create(
+        model="tiny", messages=MSG, logit_bias={"5": -100, "7": 2.5, "9": 0}
+    )
+    assert out.choices[0].finish_reason == "stop"
+    # ints as given, the no-op 0 dropped (so it does not cost the request its MTP drafts)
+    assert engine.received[-1].sampling.logit_bias == {5: -100.0, 7: 2.5}
+    sdk.completions.create(model="tiny", prompt="hi", logit_bias={str(vocab - 1): 100})
+    assert engine.received[-1].sampling.logit_bias == {vocab - 1: 100.0}
+    count = len(engine.received)
+    for bias, words in (
+        ({str(vocab): 1}, f"token id {vocab} is outside the vocabulary [0, {vocab})"),
+        ({"12abc": 1}, "'12abc'"),
+        ({"-3": 1}, "'-3'"),
+        ({"5": 100.5}, "100.5"),
+        ({"5": -101}, "-101"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model="tiny", messages=MSG, logit_bias=bias)
+        assert info.value.body["param"] == "logit_bias", bias
+        assert words in info.value.body["message"], info.value.body
+    assert len(engine.received) == count
+
+
+def test_completions_logprobs_zero_is_the_sampled_token_only(make_server):
+    client, engine, _ = make_server()
+    out = sdk_for(client).completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=0)
+    assert engine.received[-1].sampling.logprobs == 0
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 3 and lp.token_logprobs == [-0.25] * 3
+    assert lp.top_logprobs == [{}, {}, {}]
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
+
+
+def test_echo_with_logprobs_is_a_clear_400(make_server):
+    client, engine, _ = make_server()
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk_for(client).completions.create(model="tiny", prompt="hi", echo=True, logprobs=0)
+    assert info.value.body["param"] == "echo"
+    assert "echo with logprobs" in info.value.body["message"]
+    assert engine.received == []
+
+
+# ---------------------------------------------------------------- conformance: metrics, log
+
+
+def test_router_refusals_count_as_rejected_not_error(make_server):
+    client, engine, state = make_server()
+    engine.reject_status = 429
+    with pytest.raises(openai.RateLimitError):
+        sdk_for(client).chat.completions.create(model="tiny", messages=MSG, n=2)
+    engine.reject_status = 400
+    with pytest.raises(openai.BadRequestError):
+        sdk_for(client).chat.completions.create(model="tiny", messages=MSG)
+    engine.reject_status = 0
+    deadline = time.monotonic() + 3
+    while finished(state, "rejected") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert finished(state, "rejected") == 3
+    assert finished(state, "error") == 0
+    sdk_for(client).chat.completions.create(model="tiny", messages=MSG)
+    assert finished(state, "stop") == 1
+    assert 'finish_reason="rejected"' in client.get("/metrics").text
+
+
+class AccessLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def access_lines():
+    logger = logging.getLogger("appliance.access")
+    handler, level = AccessLines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def logged_server(make_server, **config):
+    client, engine, state = make_server(**config)
+    state.config = dataclasses.replace(state.config, access_log=True)
+    return client, engine, state
+
+
+def test_access_log_carries_the_completion_id(make_server, access_lines):
+    client, _, _ = logged_server(make_server)
+    r = client.post("/v1/chat/completions", json={"messages": MSG}, headers={"x-request-id": "r1"})
+    completion_id = r.json()["id"]
+    assert completion_id.startswith("chatcmpl-")
+    (line,) = [x for x in access_lines if " id=r1" in x]
+    assert line.startswith("POST /v1/chat/completions 200 ")
+    assert line.endswith(f" id=r1 completion={completion_id}")  # finished normally: no abort
+    r = client.post("/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "r2"})
+    (line,) = [x for x in access_lines if " id=r2" in x]
+    assert line.endswith(f" completion={r.json()['id']}") and "cmpl-" in line
+    client.post("/v1/completions", json={"prompt": "x", "n": 0}, headers={"x-request-id": "r3"})
+    (line,) = [x for x in access_lines if " id=r3" in x]
+    assert " 400 " in line and "completion=" not in line  # refused before any completion
+
+
+def test_deadline_abort_is_logged_and_counted(make_server, tokenizer, access_lines):
+    ids = tokenizer.encode("hello world " * 20, add_special_tokens=False)
+    client, engine, state = logged_server(
+        make_server, script=lambda prompt: ids, request_timeout=0.3
+    )
+    engine.step_s = 0.05
+    body = {"messages": MSG, "max_tokens": 40, "stream": True}
+    headers = {"x-request-id": "d1"}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        events = [x for x in r.iter_lines() if x.startswith("data: ")]
+    assert "request_timeout" in events[-2]  # read to the end: the server cut it, not the client
+    (line,) = [x for x in access_lines if " id=d1" in x]
+    assert " 200 " in line and line.endswith(" aborted=deadline")
+    assert finished(state, "abort") == 1 and finished(state, "error") == 0
+
+
+async def _stream_then_leave(app, path: str, body: dict) -> list[dict]:
+    """Drives the ASGI app like a client that reads the first streamed chunk and disconnects."""
+    raw = json.dumps(body).encode()
+    first_chunk = asyncio.Event()
+    messages: list[dict] = []
+    requested = False
+
+    async def receive() -> dict:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await first_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        messages.append(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            first_chunk.set()
+
+    headers = [
+        (b"host", b"testserver"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(raw)).encode()),
+        (b"x-request-id", b"gone1"),
+    ]
+    scope = asgi_scope("POST", path, headers)
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return messages
+
+
+def test_client_disconnect_mid_stream_is_logged_and_counted(make_server, tokenizer, access_lines):
+    ids = tokenizer.encode("hello world " * 20, add_special_tokens=False)
+    client, engine, state = logged_server(make_server, script=lambda prompt: ids)
+    engine.step_s = 0.05  # 40 tokens take 2 s: the client leaves long before the end
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 40, "stream": True}
+    messages = client.portal.call(_stream_then_leave, client.app, "/v1/chat/completions", body)
+    assert messages[0]["type"] == "http.response.start" and messages[0]["status"] == 200
+    (line,) = [x for x in access_lines if " id=gone1" in x]
+    assert " completion=chatcmpl-" in line and line.endswith(" aborted=client_gone")
+    assert finished(state, "abort") == 1 and finished(state, "stop") == 0
+    deadline = time.monotonic() + 3
+    while not engine.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine.aborted) == 1 and state.client.num_open == 0
