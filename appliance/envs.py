@@ -87,6 +87,13 @@ _register(
     _number,
     "Seconds between worker log lines of the device's busy share while serving (0 = off).",
 )
+_register(
+    "APPLIANCE_HEARTBEAT_TIMEOUT",
+    30.0,
+    _number,
+    "Seconds a role may go without a heartbeat (one a second) before the launcher fails the "
+    "appliance naming it, as if it died (0 = off).",
+)
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 _register(
     "APPLIANCE_API_KEY",

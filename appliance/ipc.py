@@ -19,7 +19,16 @@ from pathlib import Path
 import zmq
 
 from appliance.logging import setup_logging
-from appliance.messages import ProcessReady, StartupProgress, VisualInfo, WorkerInfo, encode
+from appliance.messages import (
+    Heartbeat,
+    ProcessReady,
+    StartupProgress,
+    VisualInfo,
+    WorkerInfo,
+    encode,
+)
+
+HEARTBEAT_INTERVAL_S = 1.0  # a role's heartbeat period; the launcher's deadline is in envs
 
 
 @dataclass(frozen=True)
@@ -119,12 +128,22 @@ def _set_process_title(title: str) -> None:
 
 
 class RoleLink:
-    """A role's PUSH socket to the launcher: progress lines and the ready message."""
+    """A role's PUSH socket to the launcher: progress lines and the ready message; and, from its
+    own thread and socket, a Heartbeat every HEARTBEAT_INTERVAL_S. The thread beats while the main
+    thread computes (a long step releases the GIL); a stopped or hung process beats no more."""
 
     def __init__(self, address: str, role: str, rank: int = 0) -> None:
         self.role, self.rank = role, rank
         self._ctx = zmq.Context.instance()
         self._sock = zmq_socket(self._ctx, zmq.PUSH, address, bind=False)
+        beat = zmq_socket(self._ctx, zmq.PUSH, address, bind=False)
+        threading.Thread(target=self._beat, args=(beat,), name="heartbeat", daemon=True).start()
+
+    def _beat(self, sock: zmq.Socket) -> None:
+        wire = encode(Heartbeat(self.role, self.rank))
+        while True:
+            sock.send(wire)
+            time.sleep(HEARTBEAT_INTERVAL_S)
 
     def progress(self, stage: str) -> None:
         self._sock.send(encode(StartupProgress(self.role, self.rank, stage)))

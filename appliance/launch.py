@@ -29,6 +29,7 @@ from appliance.messages import (
     Drained,
     EngineReady,
     Fatal,
+    Heartbeat,
     ProcessReady,
     StartupProgress,
     ToLauncher,
@@ -70,6 +71,9 @@ class Launcher:
         self._decoder = decoder(ToLauncher)
         self._stop_signal: int | None = None
         self._t0 = time.monotonic()
+        self._last_beat: dict[str, float] = {}  # role -> monotonic time of its last Heartbeat
+        self._serving_since = float("inf")  # set when every role is ready
+        self._heartbeat_timeout = float(envs.APPLIANCE_HEARTBEAT_TIMEOUT)
 
     # -------------------------------------------------------------- spawning
     def _spawn(self, role: str, target, *args) -> None:
@@ -124,10 +128,29 @@ class Launcher:
                 return f"{role} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
-    def _poll(self, timeout_ms: int):
-        if self._inbox.poll(timeout_ms):
-            return self._decoder.decode(self._inbox.recv())
+    def _silent_role(self) -> str | None:
+        """A role that sent no Heartbeat for APPLIANCE_HEARTBEAT_TIMEOUT seconds (stopped, hung in
+        native code) is killed and reported like a dead one. Checked once serving began: a slow
+        start-up is the progress display's business."""
+        if self._heartbeat_timeout <= 0:
+            return None
+        now = time.monotonic()
+        for role, proc in self._procs.items():
+            silent = now - max(self._last_beat.get(role, 0.0), self._serving_since)
+            if silent > self._heartbeat_timeout and proc.exitcode is None:
+                proc.kill()  # SIGKILL ends a stopped process too; SIGTERM would wait for SIGCONT
+                proc.join(1.0)
+                return f"{role} (pid {proc.pid}) stopped answering: no heartbeat for {silent:.1f}s"
         return None
+
+    def _poll(self, timeout_ms: int):
+        if not self._inbox.poll(timeout_ms):
+            return None
+        msg = self._decoder.decode(self._inbox.recv())
+        if isinstance(msg, Heartbeat):
+            role = msg.role if msg.role != "worker" else f"worker {msg.rank}"
+            self._last_beat[role] = time.monotonic()
+        return msg
 
     def _wait_startup(self) -> WorkerInfo:
         """Waits for every role's ProcessReady, spawning the router once the workers are ready."""
@@ -217,8 +240,9 @@ class Launcher:
                 signal.signal(s, handler)
 
     def _serve(self) -> int:
+        self._serving_since = time.monotonic()
         while True:
-            dead = self._dead_role()
+            dead = self._dead_role() or self._silent_role()
             if dead is not None:
                 return self._fail(dead)
             if self._stop_signal is not None:
@@ -241,7 +265,7 @@ class Launcher:
         self._control.send(encode(Drain(timeout)))
         deadline = time.monotonic() + timeout + 10.0
         while time.monotonic() < deadline:
-            dead = self._dead_role()
+            dead = self._dead_role() or self._silent_role()
             if dead is not None:
                 logger.warning("%s while draining", dead)
                 return 1

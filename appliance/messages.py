@@ -382,6 +382,15 @@ class Drained(msgspec.Struct, tag="drained", frozen=True):
     aborted: int  # requests aborted because the drain timeout passed
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """The role is alive (not stopped, not hung outside Python). Written by a thread in every role
+    once a second (ipc.RoleLink), read by launcher, which fails the appliance when a role misses
+    APPLIANCE_HEARTBEAT_TIMEOUT seconds of them."""
+
+    role: str  # as in ProcessReady
+    rank: int  # worker TP rank; 0 for the other roles
+
+
 class EngineReady(msgspec.Struct, tag="engine_ready", frozen=True):
     """Every role is up: start admitting requests. Written by launcher, read by server."""
 
@@ -407,5 +416,5 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
 ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest
 ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ReleaseImages
 ToServer = DetokOutput | RouterStats | RouterStatus | VisualStats
-ToLauncher = StartupProgress | ProcessReady | Drained
+ToLauncher = StartupProgress | ProcessReady | Drained | Heartbeat
 ToServerControl = EngineReady | Drain | Fatal

@@ -1,0 +1,128 @@
+"""Every role of a live appliance killed (SIGKILL) or frozen (SIGSTOP) while a stream is open: the
+stream ends with an error within 10 s, /health stops answering 200, the launcher exits non-zero
+naming the role, and no role process or shared-memory segment is left behind.
+
+One appliance start per case on the tiny dense model (--no-vision unless the visual server is the
+role under test; --tp 2 for the worker cases). A frozen role is caught by its missing heartbeats
+(APPLIANCE_HEARTBEAT_TIMEOUT, 3 s here). Wall time on 2 cores: 9-18 s per case, about 2.5 min
+for the 12.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.live import start_appliance
+
+HEARTBEAT_TIMEOUT_S = 3
+ROLES = ["server", "detokenizer", "router", "worker 0", "worker 1", "visual"]
+BODY = {
+    "messages": [{"role": "user", "content": "count to ten"}],
+    "max_tokens": 400,
+    "stream": True,
+    "ignore_eos": True,
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+SHM = Path("/dev/shm")
+
+
+def _stream(url: str, started: threading.Event, outcome: dict) -> None:
+    """Reads one SSE stream; `outcome` gets the time and kind of its end: "error" (an error event,
+    or the connection broke) or "done" (a normal finish, which must not happen here)."""
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=BODY, timeout=60) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if line == "data: [DONE]":
+                    outcome.update(kind="done")
+                    break
+                if line.startswith("data: "):
+                    started.set()
+                    if "error" in json.loads(line[6:]):
+                        outcome.update(kind="error", text=line)
+                        break
+            else:
+                outcome.setdefault("kind", "error")  # the body ended without [DONE]
+    except httpx.HTTPError as exc:
+        outcome.update(kind="error", text=repr(exc))
+    finally:
+        outcome["at"] = time.monotonic()
+        started.set()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+@pytest.mark.parametrize("role", ROLES, ids=lambda r: r.replace(" ", ""))
+def test_role_failure_fails_streams_health_and_launcher(tiny_dense, tmp_path, role, signum):
+    args = ["--tp", "2"] if role.startswith("worker") else []
+    if role != "visual":
+        args.append("--no-vision")
+    shm_before = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+    app = start_appliance(
+        tiny_dense,
+        tmp_path / "appliance.log",
+        *args,
+        env={"APPLIANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)},
+    )
+    pids = {who: int(pid) for who, pid in re.findall(r"\ds\] (.+?) ready \(pid (\d+)", app.log())}
+    target = pids[role]
+    try:
+        started, outcome = threading.Event(), {}
+        reader = threading.Thread(target=_stream, args=(app.url, started, outcome), daemon=True)
+        reader.start()
+        assert started.wait(30), "the stream never started"
+        assert "kind" not in outcome, outcome
+        t0 = time.monotonic()
+        os.kill(target, signum)
+        reader.join(30)
+        assert outcome.get("kind") == "error", outcome
+        stream_s = outcome["at"] - t0
+        assert stream_s < 10, f"the stream ended {stream_s:.1f}s after the {role} failed"
+        if role != "server":  # a dead server's streams just break
+            assert role in outcome.get("text", ""), outcome
+        while _healthy(app.url) and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert not _healthy(app.url)
+        code = app.proc.wait(30)
+        exit_s = time.monotonic() - t0
+        log = app.log()
+        assert code != 0, log[-3000:]
+        assert f"{role} (pid {target})" in log, log[-3000:]
+        how = "stopped answering" if signum == signal.SIGSTOP else "exited with code -9"
+        assert how in log, log[-3000:]
+        left = [pid for pid in pids.values() if _alive(pid)]
+        assert not left, f"left running: {left}"
+        shm_after = {p.name for p in SHM.iterdir()} if SHM.is_dir() else set()
+        leaked = [n for n in shm_after - shm_before if any(str(p) in n for p in pids.values())]
+        assert not leaked, f"left in /dev/shm: {leaked}"
+        name = signal.Signals(signum).name
+        print(f"{role} {name}: stream error after {stream_s:.1f}s, launcher exit {exit_s:.1f}s")
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        app.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
