@@ -3,6 +3,7 @@ its clean SIGTERM exit (code 0) is asserted at teardown."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.e2e.live import start_appliance
@@ -17,3 +18,14 @@ def appliance(tiny_dense, tmp_path_factory):
     yield app
     code = app.stop()
     assert code == 0, app.log()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def sdk(appliance):
+    """The official SDK against the module's appliance (no retries: each status is seen once)."""
+    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(sdk):
+    return sdk.models.list().data[0].id

@@ -81,8 +81,9 @@ def start_appliance(
     *args: str,
     max_model_len: int = 512,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> LiveAppliance:
-    port = free_port()
+    port = port or free_port()
     cmd = [
         sys.executable,
         "-m",

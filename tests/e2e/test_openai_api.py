@@ -18,16 +18,6 @@ MSGS = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
 @pytest.fixture(scope="module")
-def sdk(appliance):
-    return openai.OpenAI(base_url=f"{appliance.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(sdk):
-    return sdk.models.list().data[0].id
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_dense):
     return AutoTokenizer.from_pretrained(str(tiny_dense))
 
