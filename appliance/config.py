@@ -154,7 +154,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # HTTP bind address (0.0.0.0 to listen on every interface)
     port: int = 8000  # HTTP port
     served_model_name: str = ""  # model id in the API; "" = the model folder's name
-    max_prompt_chars: int = 0  # prompt characters accepted before tokenizing; 0 = 16 x context
+    max_prompt_chars: int = 0  # prompt characters accepted before tokenizing; 0 = 8 x context
     max_n: int = 16  # largest `n` (choices per request) accepted
     reasoning: str = "auto"  # <think> to reasoning_content: auto (prompt opens <think>) | on | off
     access_log: bool = True  # one INFO line per HTTP request (method, path, status, latency, id)

@@ -18,7 +18,9 @@ from appliance.server.errors import BadRequest, ContextLengthExceeded
 from appliance.server.images import NOT_SUPPORTED, RequestImage, expand_image_tokens
 from appliance.server.protocol import ChatMessage, ImagePart
 
-CHARS_PER_TOKEN_LIMIT = 16  # max_prompt_chars = 0 means max_model_len x this
+# max_prompt_chars = 0 means max_model_len x this: twice the characters of a full context of
+# English text (~4 per token), and ~4 s of tokenizing for a 256k context on one core
+CHARS_PER_TOKEN_LIMIT = 8
 DOCUMENT_SEPARATOR = "<|endoftext|>"  # Qwen's end of a pretraining document (it has no BOS)
 
 
@@ -103,7 +105,7 @@ class PromptBuilder:
         """Renders and tokenizes; `images` (checked by appliance/server/images.py, in message
         order) each expand their one `<|image_pad|>` to their token count."""
         rendered_messages = [_message_dict(m, bool(images)) for m in messages]
-        self.check_chars(sum(_text_chars(m.content) for m in messages), "messages")
+        self.check_chars(message_chars(messages), "messages")
         kwargs = dict(template_kwargs or {})
         if tools:
             kwargs["tools"] = tools
@@ -174,6 +176,11 @@ class PromptBuilder:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def message_chars(messages: list[ChatMessage]) -> int:
+    """The text characters of a conversation (what `check_chars` limits), images left out."""
+    return sum(_text_chars(m.content) for m in messages)
 
 
 def _text_chars(content: str | list | None) -> int:

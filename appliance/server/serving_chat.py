@@ -7,7 +7,6 @@ parser (appliance/parsers) before it becomes `content` / `reasoning_content` / `
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
@@ -15,7 +14,7 @@ from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reas
 from appliance.server.chat_checks import check_messages, check_tool_choice, check_tools
 from appliance.server.errors import BadRequest
 from appliance.server.images import image_support, load_images
-from appliance.server.prompts import Prompt
+from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest
 from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
@@ -139,9 +138,12 @@ class ChatEndpoint:
             )
 
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
+        num_chars = message_chars(body.messages)
+        state.prompts.check_chars(num_chars, "messages")  # before fetching images or queueing
         support = image_support(state.model_dir, state.config.visual)
         images = await load_images(support, body.messages, state.metrics)
-        prompt = await asyncio.to_thread(
+        prompt = await state.prompt_lanes.run(
+            num_chars,
             state.prompts.chat,
             body.messages,
             body.tools,

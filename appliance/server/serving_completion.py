@@ -6,7 +6,6 @@ Used by app.py. Choice index = prompt index x n + choice number, as OpenAI numbe
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
@@ -103,7 +102,12 @@ class CompletionEndpoint:
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
         raw_prompts = _prompt_list(body.prompt)
-        return await asyncio.to_thread(lambda: [state.prompts.completion(p) for p in raw_prompts])
+        text_chars = [len(p) for p in raw_prompts if isinstance(p, str)]
+        for num_chars in text_chars:
+            state.prompts.check_chars(num_chars, "prompt")  # before queueing for a lane
+        return await state.prompt_lanes.run(
+            sum(text_chars), lambda: [state.prompts.completion(p) for p in raw_prompts]
+        )
 
     def formatter(
         self, state: ServerState, body: CompletionRequest, prompts: list[Prompt]

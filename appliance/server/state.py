@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -29,6 +32,26 @@ from appliance.server.errors import (
 )
 from appliance.server.prompts import PromptBuilder
 
+LARGE_PROMPT_CHARS = 65_536  # prompts over this many characters are built in the large lane
+
+
+class PromptLanes:
+    """Where prompts are rendered and tokenized, off the event loop, in two thread pools: prompts
+    over LARGE_PROMPT_CHARS characters queue for a lane of their own (one thread per two cores),
+    so a few maximal prompts never take every thread or core from small requests. Threads suffice:
+    the fast tokenizer's Rust encode releases the GIL."""
+
+    def __init__(self, large_threads: int = 0) -> None:
+        cores = os.cpu_count() or 2
+        self._small = ThreadPoolExecutor(max(2, cores), thread_name_prefix="prompt")
+        large = large_threads or max(1, cores // 2)
+        self._large = ThreadPoolExecutor(large, thread_name_prefix="prompt-large")
+
+    async def run(self, num_chars: int, fn: Callable, *args):
+        """`fn(*args)` in the lane for a prompt of `num_chars` characters."""
+        pool = self._large if num_chars > LARGE_PROMPT_CHARS else self._small
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
 
 @dataclass
 class ServerState:
@@ -40,6 +63,7 @@ class ServerState:
     metrics: MetricsRecorder
     ready: bool = False  # EngineReady received: admitting requests
     draining: bool = False  # Drain received: refusing new requests
+    prompt_lanes: PromptLanes = field(default_factory=PromptLanes)  # where prompts are tokenized
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -102,7 +102,7 @@ def test_completion_bad_prompts(make_server):
 
 def test_context_guards(make_server, tokenizer):
     client, engine, state = make_server()
-    long_text = "hello world " * 200  # > 256 tokens, < 16 x 256 characters
+    long_text = "hello world " * 150  # > 256 tokens, < 8 x 256 characters
     n_tokens = len(tokenizer.encode(long_text, add_special_tokens=False))
     r = client.post("/v1/completions", json={"prompt": long_text})
     err = assert_error(r, 400, "prompt", "context_length_exceeded")
@@ -113,7 +113,7 @@ def test_context_guards(make_server, tokenizer):
     # Character limit, before tokenization.
     r = client.post(
         "/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "a" * (16 * 256 + 1)}]},
+        json={"messages": [{"role": "user", "content": "a" * (8 * 256 + 1)}]},
     )
     err = assert_error(r, 400, "messages", "context_length_exceeded", "input characters")
     assert err["message"].startswith("This model's maximum context length is 256 tokens.")
