@@ -25,6 +25,7 @@ class PendingStep:
     copied: torch.cuda.Event | None = None  # recorded after the copy (None on CPU)
     lengths: Callable[[list[int]], None] | None = None  # told each request's new length (MTP)
     starts: list[int] = field(default_factory=list)  # MTP: each request's first verify position
+    known: list[SampledTokens] = field(default_factory=list)  # results the host already has
 
     @classmethod
     def ready(cls, result: StepResult) -> PendingStep:
@@ -60,5 +61,5 @@ class PendingStep:
             tokens = [row[: row[-1]] for row in rows]
             if self.lengths is not None:
                 self.lengths([s + 1 + len(run) for s, run in zip(self.starts, tokens)])
-        sampled = [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
+        sampled = self.known + [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
         return StepResult(self.step_id, sampled, time.perf_counter() - self.start)

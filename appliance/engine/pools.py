@@ -16,6 +16,8 @@ from appliance.models.layers.gdn import GatedDeltaNet
 
 log = get_logger(__name__)
 
+COMMIT_CHUNK_BYTES = 256 * 2**20  # bound on the temporary of an MTP state commit
+
 
 @dataclass(frozen=True)
 class PoolSizes:
@@ -140,7 +142,14 @@ class Pools:
         st = self.stacked
         if not st:
             return
-        st["ssm_states"][:, slots] = st["ssm_candidates"][:, slots, accepted_rows]
+        ssm, candidates = st["ssm_states"], st["ssm_candidates"]
+        # the gathered states are a temporary copy: a few layers at a time keeps it near
+        # COMMIT_CHUNK_BYTES (all 48 layers of a 16-request batch would be 2.4 GB)
+        per_layer = slots.numel() * ssm[0, 0].numel() * ssm.element_size()
+        step = max(1, COMMIT_CHUNK_BYTES // max(1, per_layer))
+        for first in range(0, ssm.shape[0], step):
+            layers = slice(first, first + step)
+            ssm[layers, slots] = candidates[layers, slots, accepted_rows]
         conv, windows = st["conv_states"], st["conv_windows"]
         width = conv.shape[-1]
         cols = accepted_rows[:, None] + 1 + torch.arange(width, device=slots.device)  # [B, K-1]

@@ -27,7 +27,12 @@ from appliance.engine.graphs import (
 )
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
-from appliance.engine.mtp_graphs import MtpGraphs, mtp_graph_max_bs, mtp_graph_reserve_bytes
+from appliance.engine.mtp_graphs import (
+    MtpGraphs,
+    is_full_verify,
+    mtp_graph_max_bs,
+    mtp_graph_reserve_bytes,
+)
 from appliance.engine.pending import PendingStep
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.requests import RequestTable
@@ -363,18 +368,37 @@ class ModelRunner:
         self._admit(plan)
         if not plan.chunks:
             return PendingStep.ready(StepResult(plan.step_id, [], 0.0))
-        if self._fused_mtp_step(plan.chunks):
-            return self._launch_mtp(plan.step_id, start, plan.chunks)
-        if self._graph_step(plan.chunks):
-            batch, hidden, logits = self._replay(plan.chunks)
+        chunks = plan.chunks
+        fused = self._fused_mtp_part(chunks)
+        if fused:
+            # the full verify chunks on the device; the rest of the step (prefill chunks, plain
+            # decodes, clamped verifies) first, on the host path, its results joined to the step's
+            rest = [c for c in chunks if c not in fused]
+            known = self._finish_on_host(*self._forward_eager(rest)) if rest else []
+            return self._launch_mtp(plan.step_id, start, fused, known)
+        if self._graph_step(chunks):
+            batch, hidden, logits = self._replay(chunks)
         else:
-            batch = build_batch(plan.chunks, self.requests, self.device)
-            hidden = self.forward_batch(batch)
-            logits = None
-            if batch.sample_rows:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            batch, hidden, logits = self._forward_eager(chunks)
         if logits is not None and self._device_resident(batch):
             return self._launch_sampling(plan.step_id, start, batch, logits)
+        sampled = self._finish_on_host(batch, hidden, logits)
+        return PendingStep.ready(StepResult(plan.step_id, sampled, time.perf_counter() - start))
+
+    def _forward_eager(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[StepBatch, torch.Tensor, torch.Tensor | None]:
+        batch = build_batch(chunks, self.requests, self.device)
+        hidden = self.forward_batch(batch)
+        logits = None
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+        return batch, hidden, logits
+
+    def _finish_on_host(
+        self, batch: StepBatch, hidden: torch.Tensor, logits: torch.Tensor | None
+    ) -> list[SampledTokens]:
+        """Sampling, MTP acceptance and the draft pass with the host reading the samples."""
         sampled: list[SampledTokens] = []
         if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
@@ -385,7 +409,7 @@ class ModelRunner:
                 if chunk.num_draft
             }
             self.drafter.run(hidden, extend_rows(batch.chunks, accepted, self.requests))
-        return PendingStep.ready(StepResult(plan.step_id, sampled, time.perf_counter() - start))
+        return sampled
 
     def _device_resident(self, batch: StepBatch) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with
@@ -409,14 +433,25 @@ class ModelRunner:
         positions = [c.start + c.num_tokens for c in chunks]
         self.requests.write_sampled([c.req_slot for c in chunks], positions, token_ids)
 
-    def _fused_mtp_step(self, chunks: list[ScheduledChunk]) -> bool:
-        """A step of verify chunks only (every request decoding with all k drafts), none with
-        images: accepted on the device (engine/mtp_graphs.py)."""
-        if self.mtp_graphs is None or not self.mtp_graphs.can_run(chunks):
-            return False
-        return not any(c.req_slot in self.mm.requests for c in chunks)
+    def _fused_mtp_part(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The step's chunks that the fused MTP step takes (engine/mtp_graphs.py): verify chunks
+        of requests decoding with all k drafts, none with images; none if they are more than its
+        largest batch."""
+        if self.mtp_graphs is None:
+            return []
+        k = self.mtp_graphs.k
+        picked = [
+            c for c in chunks if is_full_verify([c], k) and c.req_slot not in self.mm.requests
+        ]
+        return picked if len(picked) <= self.mtp_graphs.max_bs else []
 
-    def _launch_mtp(self, step_id: int, start: float, chunks: list[ScheduledChunk]) -> PendingStep:
+    def _launch_mtp(
+        self,
+        step_id: int,
+        start: float,
+        chunks: list[ScheduledChunk],
+        known: list[SampledTokens],
+    ) -> PendingStep:
         out = self.mtp_graphs.run(chunks)  # [n, k + 2] on the device
         slots = [c.req_slot for c in chunks]
         return PendingStep.copying(
@@ -426,6 +461,7 @@ class ModelRunner:
             out,
             lengths=self.requests.lengths_on_collect(slots),
             starts=[c.start for c in chunks],
+            known=known,
         )
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:

@@ -124,6 +124,26 @@ def test_fused_and_host_paths_accept_the_same_drafts(tiny_trained, mode, monkeyp
     assert sum(results[True][1]) > results[True][2] // 2  # drafts really were accepted
 
 
+def test_a_step_with_prefill_chunks_splits_around_the_fused_verify(tiny_dense):
+    """Verify chunks of decoding requests take the fused step while another request's prefill
+    chunks (and clamped verifies near max_tokens) run on the host path in the same step."""
+    off = LLM(str(tiny_dense), **OPTS)
+    vocab = off.runner.text_config.vocab_size
+    seqs = [prompts(1, vocab)[0], torch.randint(0, vocab, (200,)).tolist()]  # short, long
+    params = [GREEDY, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]
+    want = [o.token_ids for o in off.generate(seqs, params)]
+    llm = LLM(str(tiny_dense), mtp_step=2, **dict(OPTS, max_num_batched_tokens=24))
+    runner, eager, shared = llm.runner, [], []
+    step, forward, launch = runner._launch, runner._forward_eager, runner._launch_mtp
+    runner._launch = lambda plan: eager.clear() or step(plan)
+    runner._forward_eager = lambda chunks: eager.append(len(chunks)) or forward(chunks)
+    runner._launch_mtp = lambda *a: shared.append((sum(eager), len(a[3]))) or launch(*a)
+    assert [o.token_ids for o in llm.generate(seqs, params)] == want
+    assert any(rows for rows, _ in shared)  # host-path chunks ran in the same step as the fused
+    stats = llm.scheduler.stats()
+    assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
 def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_dense, fused, monkeypatch):
     monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if fused else "1")
@@ -207,3 +227,18 @@ def test_captured_fused_step_accepts_like_the_host_path(tiny_trained, monkeypatc
         print(f"fused={fused}: mean accept length {stats.mtp_mean_accept_len:.3f}")
     assert results[True][0] == results[False][0]
     assert abs(results[True][1] - results[False][1]) < 0.05 and results[True][1] > 1.5
+
+
+def test_a_pending_mtp_step_joins_what_the_host_path_already_sampled():
+    from appliance.engine.pending import PendingStep
+    from appliance.messages import SampledTokens
+
+    lengths = []
+    out = torch.tensor([[5, 6, 7, 2], [8, 9, 1, 1]])  # k = 2: three samples, then accepted
+    pending = PendingStep.copying(
+        3, 0.0, [4, 1], out, lengths=lengths.extend, starts=[10, 20], known=[SampledTokens(2, [9])]
+    )
+    out.zero_()  # the step's buffer is reused by the next step: the pending step kept a copy
+    result = pending.result()
+    assert [(s.req_slot, s.token_ids) for s in result.sampled] == [(2, [9]), (4, [5, 6]), (1, [8])]
+    assert lengths == [13, 22]
