@@ -10,6 +10,8 @@ for the 12.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import re
@@ -19,10 +21,13 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
 import pytest
+from PIL import Image
 
 from tests.e2e.live import start_appliance
+from visual.cache import SEGMENT_PREFIX
 
 HEARTBEAT_TIMEOUT_S = 3
 ROLES = ["server", "detokenizer", "router", "worker 0", "worker 1", "visual"]
@@ -34,6 +39,26 @@ BODY = {
     "chat_template_kwargs": {"enable_thinking": False},
 }
 SHM = Path("/dev/shm")
+_PIXELS = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+_PNG = io.BytesIO()
+Image.fromarray(_PIXELS).save(_PNG, "PNG")
+IMAGE_BODY = {
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what is this"},
+                {
+                    "type": "image_url",
+                    "image_url": {
+                        "url": f"data:image/png;base64,{base64.b64encode(_PNG.getvalue()).decode()}"
+                    },
+                },
+            ],
+        }
+    ],
+    "max_tokens": 2,
+}
 
 
 def _stream(url: str, started: threading.Event, outcome: dict) -> None:
@@ -83,6 +108,11 @@ def test_role_failure_fails_streams_health_and_launcher(tiny_dense, tmp_path, ro
     pids = {who: int(pid) for who, pid in re.findall(r"\ds\] (.+?) ready \(pid (\d+)", app.log())}
     target = pids[role]
     try:
+        if role == "visual":  # an image in the shared-memory cache, for the leak check below
+            resp = httpx.post(f"{app.url}/v1/chat/completions", json=IMAGE_BODY, timeout=60)
+            assert resp.status_code == 200, resp.text
+            segments = [p.name for p in SHM.iterdir() if p.name.startswith(SEGMENT_PREFIX)]
+            assert any(str(target) in name for name in segments), segments
         started, outcome = threading.Event(), {}
         reader = threading.Thread(target=_stream, args=(app.url, started, outcome), daemon=True)
         reader.start()
