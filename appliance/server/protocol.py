@@ -171,9 +171,7 @@ _ERROR_MEANINGS = {
 def check_stream_options(req: _SamplingFields) -> None:
     """stream_options only with stream=true, as OpenAI answers it."""
     if req.stream_options is not None and not req.stream:
-        raise BadRequest(
-            "stream_options: only allowed when stream is true.", "stream_options", "invalid_value"
-        )
+        raise BadRequest("stream_options: only allowed when stream is true.", "stream_options")
 
 
 def logit_bias(req: _SamplingFields, vocab_size: int) -> dict[int, float] | None:
@@ -187,14 +185,12 @@ def logit_bias(req: _SamplingFields, vocab_size: int) -> dict[int, float] | None
             raise BadRequest(
                 f"logit_bias: keys must be token ids (decimal integers), got {key!r}.",
                 "logit_bias",
-                "invalid_value",
             )
         token_id = int(key)
         if token_id >= vocab_size:
             raise BadRequest(
                 f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size}).",
                 "logit_bias",
-                "invalid_value",
             )
         bias[token_id] = value
     return bias

@@ -85,8 +85,9 @@ class SchemaStrategies:
 
     def _object(self, schema: dict[str, Any]) -> st.SearchStrategy:
         properties = schema.get("properties", {})
-        if not properties:
-            return st.dictionaries(st.text(max_size=8), ANY_JSON, max_size=MAX_ITEMS)
+        if not properties:  # a map: its values fit additionalProperties (any JSON by default)
+            values = self.fitting(schema.get("additionalProperties", True))
+            return st.dictionaries(st.text(max_size=8), values, max_size=MAX_ITEMS)
         required = set(schema.get("required", ()))
         return st.fixed_dictionaries(
             {name: self.fitting(sub) for name, sub in properties.items() if name in required},

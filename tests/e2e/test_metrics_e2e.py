@@ -266,11 +266,14 @@ def test_access_log_one_line_per_request_and_no_prompt_text(live, load):
     log = live.log()
     assert SECRET not in log
     for request_id in ("load-1", "load-2", "load-3", "load-4"):
-        lines = [line for line in log.splitlines() if line.endswith(f" id={request_id}")]
+        # the request id, then the completion id the client got (issue 17, item 5)
+        lines = [line for line in log.splitlines() if f" id={request_id} completion=" in line]
         assert len(lines) == 1, (request_id, lines)
         assert "appliance.access: POST /v1/chat/completions 200 " in lines[0]
+        assert re.search(r" completion=chatcmpl-[0-9a-f]+( aborted=client_gone)?$", lines[0])
     posts = [line for line in log.splitlines() if "appliance.access: POST " in line]
     assert len(posts) == 4
+    assert sum(line.endswith(" aborted=client_gone") for line in posts) == 1  # the abandoned one
     # successful probes (/health polls, /metrics scrapes) stay at DEBUG: not in an INFO log
     assert "appliance.access: GET /health 200" not in log
     assert "appliance.access: GET /metrics" not in log
