@@ -333,6 +333,9 @@ class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):
     """A batch of text deltas. Written by detokenizer, read by server."""
 
     deltas: list[TextDelta] = []
+    # requests the detokenizer holds state for, after this batch (server: /debug/status); a batch
+    # without deltas is sent when only this changed (an aborted request forgotten)
+    num_live: int = 0
 
 
 # ---------------------------------------------------------------- every role <-> launcher

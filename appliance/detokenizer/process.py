@@ -13,7 +13,7 @@ from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
-from appliance.messages import RouterOutput, decoder, encode
+from appliance.messages import DetokOutput, RouterOutput, decoder, encode
 
 logger = get_logger(__name__)
 
@@ -29,9 +29,11 @@ def run_detokenizer(model_dir: str, addrs: Addresses) -> None:
     to_router = zmq_socket(ctx, zmq.PUSH, addrs.router, bind=False)
     link.ready()
     dec = decoder(RouterOutput)
+    reported_live = 0
     while True:
         out, finishes = detok.process(dec.decode(inbox.recv(copy=False)))
         for finish in finishes:
             to_router.send(encode(finish))
-        if out.deltas:
-            to_server.send(encode(out))
+        if out.deltas or detok.num_live != reported_live:
+            reported_live = detok.num_live
+            to_server.send(encode(DetokOutput(out.deltas, reported_live)))

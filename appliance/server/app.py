@@ -184,6 +184,7 @@ def build_app(
             {
                 "router": router,
                 "requests": requests,
+                "detokenizer": {"live_requests": state.client.detok_live},
                 "server": {
                     "open_sequences": state.client.num_open,
                     "ready": state.ready,

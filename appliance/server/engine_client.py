@@ -102,6 +102,7 @@ class EngineClient:
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # set when the engine died; every request fails with it
         self.visual_stats: VisualStats | None = None  # the visual server's latest report
+        self.detok_live = 0  # requests the detokenizer holds state for (its latest report)
 
     async def start(self) -> None:
         ctx = zmq.asyncio.Context.instance()
@@ -255,6 +256,7 @@ class EngineClient:
         while True:
             msg = dec.decode(await self._inbox.recv(copy=False))
             if isinstance(msg, DetokOutput):
+                self.detok_live = msg.num_live
                 now = time.monotonic()
                 for delta in msg.deltas:
                     self._deliver(delta, now)

@@ -90,7 +90,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.RouterOutput: m.RouterOutput([m.DetokRegister("r1", 12, DETOK)], [UPDATE]),
     m.TokenLogprob: LOGPROB,
     m.TextDelta: DELTA,
-    m.DetokOutput: m.DetokOutput([DELTA]),
+    m.DetokOutput: m.DetokOutput([DELTA], num_live=3),
     m.WorkerInfo: WORKER,
     m.StartupProgress: m.StartupProgress("worker", 1, "loading model"),
     m.ProcessReady: m.ProcessReady("worker", 0, 1234, WORKER, VISUAL_INFO),
