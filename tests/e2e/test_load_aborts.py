@@ -2,7 +2,8 @@
 disconnecting mid-stream and every 16th sending an image; then a full queue (--max-waiting 64)
 answers 429 with Retry-After and a request that can never fit answers 400. Afterwards nothing is
 held: 0 running, 0 waiting, 0 KV and state slots, 0 pinned image-cache entries, 0 open sequences
-in the server and 0 live requests in the detokenizer (/debug/status). Live appliance on the tiny dense model with its visual server.
+in the server and 0 live requests in the detokenizer (/debug/status). Live appliance on the tiny
+dense model with its visual server.
 Wall time: 70-120 s on a 2-core box shared with other jobs (2 rounds 48-99 s, start-up 22 s).
 """
 
