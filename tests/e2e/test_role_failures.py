@@ -4,7 +4,7 @@ naming the role, and no role process or shared-memory segment is left behind.
 
 One appliance start per case on the tiny dense model (--no-vision unless the visual server is the
 role under test; --tp 2 for the worker cases). A frozen role is caught by its missing heartbeats
-(APPLIANCE_HEARTBEAT_TIMEOUT, 3 s here). Wall time on 2 cores: 9-18 s per case, about 2.5 min
+(APPLIANCE_HEARTBEAT_TIMEOUT, 3 s here). Wall time on 2 cores: 9-20 s per case, 2.5-4 min
 for the 12.
 """
 
