@@ -156,7 +156,13 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> StepPlan | None:
-        """Plans one step; None when no request has anything to compute."""
+        """Plans one step; None when no request has anything to compute, or while an MTP
+        decode is in flight: its accepted length (so its next chunk) is known only with its
+        result, and a step planned meanwhile would leave it out, splitting the MTP requests into
+        two alternating halves that each advance every other step. Waiting keeps them in one
+        batch; the device idles for the result's round trip instead."""
+        if any(r.num_pending and self._uses_mtp(r) for r in self.running):
+            return None
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
