@@ -89,7 +89,7 @@ _register(
 )
 _register(
     "APPLIANCE_HEARTBEAT_TIMEOUT",
-    30.0,
+    8.0,
     _number,
     "Seconds a role may go without a heartbeat (one a second) before the launcher fails the "
     "appliance naming it, as if it died (0 = off).",
