@@ -25,7 +25,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
-        _check(self.quantization in ("", "fp8"), "quantization", "fp8 or empty")
+        _check(
+            self.quantization in ("", "fp8"),
+            f"quantization {self.quantization!r}",
+            "fp8 or empty (as the checkpoint says)",
+        )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",

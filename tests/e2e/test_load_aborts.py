@@ -166,12 +166,12 @@ def test_full_queue_gets_429_and_unfittable_request_400_then_nothing_is_held(app
                 )
                 for _ in range(MAX_NUM_SEQS + MAX_WAITING)
             ]
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 180  # a loaded 2-core CI box admits them slowly
             while True:
                 router = (await http.get("/debug/status")).json()["router"]
                 if router["num_waiting"] >= MAX_WAITING:
                     break
-                assert time.monotonic() < deadline, router
+                assert time.monotonic() < deadline, (router["num_waiting"], router)
                 await asyncio.sleep(0.1)
             plain = dict(_body(2, max_tokens=4), stream=False)
             refused = [await http.post("/v1/chat/completions", json=plain) for _ in range(4)]
