@@ -221,12 +221,12 @@ class Scheduler:
 
     def _may_decode(self, req: Request) -> bool:
         """A decode may be planned while the previous step of the request is in flight (its token
-        is pending), unless that pending token is the request's last (max_tokens), the request
-        uses MTP (its accepted length is unknown until the result arrives), or MAX_PENDING tokens
-        are out already."""
+        is pending), unless that pending token is the request's last (max_tokens) or MAX_PENDING
+        tokens are out already. (No step is planned at all while an MTP decode is pending: see
+        schedule().)"""
         if not req.num_pending:
             return True
-        if req.num_pending >= MAX_PENDING or self._uses_mtp(req):
+        if req.num_pending >= MAX_PENDING:
             return False
         return req.num_output_tokens + req.num_pending < req.max_tokens
 

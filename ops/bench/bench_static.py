@@ -323,7 +323,8 @@ def main() -> None:
                     step = fused_step(runner, k, batch, graphs == "on") if fused == "on" else None
                     r = measure(runner, draft_times, batch, args.prompt_len, k, args.steps, step)
                     del step
-                    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
                     plain = r["step_ms"] if k == 0 else plain
                     r.update(graphs=graphs, fused=fused, draft_vocab=vocab, floor_ms=floor_ms)
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
