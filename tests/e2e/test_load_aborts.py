@@ -27,7 +27,7 @@ ROUNDS = 2
 MAX_NUM_SEQS = 16
 MAX_WAITING = CLIENTS  # room for every client: preempted requests queue again
 MAX_TOKENS = 16
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096  # the overflow test's streams must outlive 80 requests' tokenizing
 ERRORS: list[str] = []  # why a stream counted as errored
 
 
@@ -171,6 +171,10 @@ def test_full_queue_gets_429_and_unfittable_request_400_then_nothing_is_held(app
                 router = (await http.get("/debug/status")).json()["router"]
                 if router["num_waiting"] >= MAX_WAITING:
                     break
+                done = [t for t in streams if t.done()]
+                assert not [t.exception() for t in done if t.exception()], done
+                early = [t.result() for t in done if t.result().status_code != 200]
+                assert not early, [(r.status_code, (await r.aread())[:200]) for r in early]
                 assert time.monotonic() < deadline, (router["num_waiting"], router)
                 await asyncio.sleep(0.1)
             plain = dict(_body(2, max_tokens=4), stream=False)

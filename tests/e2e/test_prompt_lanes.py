@@ -72,10 +72,11 @@ def test_small_request_stays_fast_while_maximal_prompts_tokenize(app):
     # every big prompt was tokenized: its token count, not its characters, got it refused
     assert all(code == 400 and "input tokens" in text for code, _, text in results), results[0]
     assert small, f"the big prompts finished before any small request ({busy_s:.1f}s)"
-    assert big_s[-1] > 6.0, f"the big prompts were too cheap to test anything: {big_s}"
-    # with one shared pool a small request waited for the big ones (18 s on a loaded 2-core box);
-    # 5 s leaves room for a CI box shared with other jobs (an idle one answers in 0.1-0.3 s)
-    assert max(small) < 5.0, f"small request latencies {small}, big {big_s}"
+    assert big_s[-1] > 2.0, f"the big prompts were too cheap to test anything: {big_s}"
+    # with one shared pool a small request waited for the big ones (18 s on a loaded 2-core box,
+    # all of the big prompts' time); an idle box answers it in 0.1-0.3 s while they take 6 s. Half
+    # of their time leaves room for a CI box shared with other jobs, whatever its speed.
+    assert max(small) < 0.5 * big_s[-1], f"small request latencies {small}, big {big_s}"
 
 
 def test_prompt_over_the_character_limit_is_refused_before_tokenizing(app):
