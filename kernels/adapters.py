@@ -7,6 +7,8 @@ the fallbacks to our own kernels and references).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # ---------------------------------------------- fp8 ----------------------------------------------
@@ -79,6 +81,24 @@ def fp8_scaled_mm_external(
 # ---------------------------------------------- GDN ----------------------------------------------
 
 
+# fla-core (0.6+) hands its own chunk_gated_delta_rule to flash-qla whenever flash_qla imports,
+# unless this switch of fla's backend registry is "0" (it reads it at every call)
+FLA_FLASHQLA_SWITCH = "FLA_FLASH_QLA"
+
+
+def _chunk_gated_delta_rule(backend: str):
+    """The chunk kernel the backend names: flash-qla's, or fla-core's own Triton one."""
+    if backend == "flashqla":
+        from flash_qla import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    if os.environ.get(FLA_FLASHQLA_SWITCH) != "0":
+        os.environ[FLA_FLASHQLA_SWITCH] = "0"
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule
+
+
 def gdn_chunked_external(
     backend: str,
     q: torch.Tensor,  # [T, Hk, Dk]
@@ -97,10 +117,7 @@ def gdn_chunked_external(
     """fla-core / flash-qla `chunk_gated_delta_rule` over the requests longer than min_len: their
     rows are packed, states gathered from the pool (zeros without an initial state) and scattered
     back."""
-    if backend == "flashqla":
-        from flash_qla import chunk_gated_delta_rule
-    else:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    chunk_gated_delta_rule = _chunk_gated_delta_rule(backend)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     picked = torch.nonzero(lens > min_len).flatten()
     if picked.numel() == 0:

@@ -3,6 +3,9 @@ torch references, with strided q/k/v/g/beta views and poisoned state slots."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,3 +164,38 @@ def test_full_size_verify_rows():
     got = gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu)
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
     assert_close(candidates[slots], ref_candidates[slots], torch.bfloat16, factor=ACCUMULATING)
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@gpu
+@pytest.mark.skipif(
+    not (_importable("fla") and _importable("flash_qla")), reason="needs fla-core and flash-qla"
+)
+def test_fla_and_flashqla_each_run_their_own_chunk_kernel():
+    """With both libraries installed, fla-core would hand its chunk kernel to flash-qla: the "fla"
+    backend must still run fla's own kernel (different rounding), and each stays near gdn_ref."""
+    from fla.backends import _get_operation_registry
+
+    from kernels.adapters import FLA_FLASHQLA_SWITCH, gdn_chunked_external
+
+    lens, init = [3000, 2000], [True, False]
+    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=5, has_init=init)
+    ref_inputs = list(inputs)
+    ref_inputs[5] = inputs[5].clone()
+    expected = gdn_ref(*ref_inputs).float()
+    outs = {}
+    for backend, tolerance in (("fla", 0.01), ("flashqla", 0.05)):
+        run = list(inputs)
+        run[5] = inputs[5].clone()
+        out = torch.empty_like(expected, dtype=torch.bfloat16)
+        outs[backend] = gdn_chunked_external(backend, *run, min_len=0, out=out).float()
+        err = ((outs[backend] - expected).norm() / expected.norm()).item()
+        print(f"{backend}: relative error {err:.4f} against gdn_ref")
+        assert err < tolerance, (backend, err)
+    assert os.environ[FLA_FLASHQLA_SWITCH] == "0"
+    active = _get_operation_registry("gated_delta_rule").get_active()
+    assert active is None or active.backend_type != "flash_qla", active
+    assert not torch.equal(outs["fla"], outs["flashqla"]), "fla ran flash-qla's kernel"
