@@ -237,14 +237,23 @@ def build_runner(
     mtp: list[int],
     graphs: bool,
     device: str = "auto",
+    quantization: str = "none",
 ) -> ModelRunner:
-    """A runner on dummy weights from a real config.json, with pools sized for the benchmark."""
+    """A runner on dummy weights from a real config.json, with pools sized for the benchmark;
+    `quantization`: none, fp8 (online, per channel) or block (the official -FP8 repos' layout)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = json.loads(Path(config).read_text())
+        if quantization == "block":
+            cfg["quantization_config"] = BLOCK_FP8
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         need = max_batch * (prompt_len + (2 * steps + 2) * 4)
         engine = EngineConfig(
-            model=ModelConfig(model_dir=tmp, load_format="dummy", max_model_len=4096),
+            model=ModelConfig(
+                model_dir=tmp,
+                load_format="dummy",
+                max_model_len=4096,
+                quantization="fp8" if quantization == "fp8" else "",
+            ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_batch,
                 mtp_step=max(mtp),
@@ -256,6 +265,19 @@ def build_runner(
         )
         return ModelRunner(engine)
 
+
+# the quantization_config of Qwen's -FP8 repos: 128 x 128 weight blocks, dynamic activations
+BLOCK_FP8 = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+    "modules_to_not_convert": [
+        "lm_head",
+        "re:.*\\.mlp\\.gate$",
+        "re:.*linear_attn\\.in_proj_[ab]$",
+    ],
+}
 
 # Qwen3.5-27B's published mean accept lengths at k = 1, 2, 3 (docs/benchmarks.md): the ITL a
 # measured MTP step implies on real weights (dummy weights never accept a draft)
@@ -285,6 +307,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8", "block"],
+        help="weights: bf16, online fp8 per channel, or block fp8 as in Qwen's -FP8 repos",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -296,6 +324,7 @@ def main() -> None:
         args.mtp,
         "on" in args.graphs,
         args.device,
+        args.quantization,
     )
     bandwidth = copy_bandwidth()
     captured = runner.graphs
@@ -342,7 +371,11 @@ def main() -> None:
                         f"{r['itl_published_ms']:>10.2f}",
                         flush=True,
                     )
-    print(f"weights {weight_bytes(runner.model) / 2**30:.2f} GiB")
+    by_dtype: dict[str, int] = {}
+    for p in runner.model.parameters():
+        by_dtype[str(p.dtype)] = by_dtype.get(str(p.dtype), 0) + p.numel() * p.element_size()
+    parts = ", ".join(f"{d.replace('torch.', '')} {b / 2**30:.2f}" for d, b in by_dtype.items())
+    print(f"weights {weight_bytes(runner.model) / 2**30:.2f} GiB ({parts})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
