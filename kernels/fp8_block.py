@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
+from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
+from kernels.fp8_splitk import SPLITK_MAX_M, fp8_splitk_block_mm
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 Block = tuple[int, int]  # (block_n, block_k)
@@ -232,5 +235,11 @@ def fp8_block_linear(
     block_k, then the block GEMM (Triton on CUDA, the reference elsewhere)."""
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
+        if (
+            x.shape[0] <= SPLITK_MAX_M
+            and block[1] == SPLITK_BLOCK_K
+            and block[0] % SPLITK_BLOCK_N == 0
+        ):
+            return fp8_splitk_block_mm(x_q, x_scale, weight_q, weight_scale, block, x.dtype, bias)
         return fp8_block_mm_triton(x_q, x_scale, weight_q, weight_scale, block, x.dtype, bias)
     return fp8_block_mm_ref(x_q, x_scale, weight_q, weight_scale, block, x.dtype, bias)

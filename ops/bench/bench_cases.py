@@ -398,6 +398,63 @@ def _fp8_block_case(m: int, w, block=(128, 128)) -> tuple:
     )
 
 
+def _fp8_decode_case(m: int, w_q, w_s, b_q, b_s, w_bf16) -> tuple[tuple, tuple]:
+    from kernels import adapters, fp8_block, fp8_splitk
+
+    n, k = w_q.shape
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    a_q, a_s = fp8.per_token_quant_ref(x)
+    g_q, g_s = fp8_block.per_token_group_quant(x, 128)
+    peers = {
+        "tiled triton": lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16),
+        "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external(
+            "torch", a_q, w_q, a_s, w_s, BF16
+        ),
+        "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
+    }
+    if has("sgl_kernel"):
+        peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external(
+            "sgl", a_q, w_q, a_s, w_s, BF16
+        )
+    shape = f"M={m} N={n} K={k}"
+    channel = (
+        "fp8_splitk",
+        shape,
+        lambda: fp8_splitk.fp8_splitk_mm(a_q, w_q, a_s, w_s, BF16),
+        n * k,
+        "GB/s",
+        peers,
+    )
+    block = (
+        "fp8_splitk_blk",
+        shape,
+        lambda: fp8_splitk.fp8_splitk_block_mm(g_q, g_s, b_q, b_s, (128, 128), BF16),
+        n * k,
+        "GB/s",
+        {
+            "tiled block triton": lambda: fp8_block.fp8_block_mm_triton(
+                g_q, g_s, b_q, b_s, (128, 128), BF16
+            ),
+            "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
+        },
+    )
+    return channel, block
+
+
+def fp8_decode_cases(compile_peers: bool) -> Iterator[tuple]:
+    """Decode-sized fp8 GEMMs as weight reads (GB/s of fp8 weight; the H200's HBM is ~4.8 TB/s):
+    the split-K kernel the Triton route runs for M <= 16, per channel and block, against the
+    tiled Triton kernels, cuBLASLt, sglang-kernel and a bf16 GEMM (which reads twice the bytes)."""
+    from kernels import fp8_block
+
+    for n, k in ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
+        w = torch.randn(n, k, device=DEV) * 0.05
+        w_q, w_s = fp8.per_token_quant_ref(w)
+        b_q, b_s = fp8_block.quantize_block_ref(w, (128, 128))
+        for m in (1, 4, 16):
+            yield from _fp8_decode_case(m, w_q, w_s.reshape(n), b_q, b_s, w.to(BF16))
+
+
 def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
     for n, k in ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
         w = torch.randn(n, k, device=DEV) * 0.05
@@ -503,6 +560,7 @@ OPS = {
     "conv1d": conv_cases,
     "elementwise": elementwise_cases,
     "fp8": fp8_cases,
+    "fp8_decode": fp8_decode_cases,
     "moe": moe_cases,
     "sampling": sampling_cases,
 }

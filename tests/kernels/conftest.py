@@ -29,6 +29,7 @@ KERNEL_MODULES = (
     "kernels.norm",
     "kernels.rotary",
     "kernels.activation",
+    "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
     "kernels.fp8",
     "kernels.fp8_block",
     "kernels.moe",
