@@ -4,8 +4,8 @@ linears and fp8 experts: references, Triton kernels and the dispatchers `fp8_qua
 `fp8_linear` is what fp8 linear layers with per-channel weight scales run (compressed-tensors
 FP8_DYNAMIC checkpoints, online --quantization fp8: appliance/models/layers/quant_methods.py);
 block-scaled checkpoints (Qwen "-FP8") use kernels/fp8_block.py. On the Triton route, decode
-sizes (M <= 16) run the split-K kernel of kernels/fp8_splitk.py. Also called by
-kernels/moe_triton.py (per-token activation quantisation of fp8 experts).
+sizes with a long K (M <= 16, K >= 2N) run the split-K kernel of kernels/fp8_splitk.py. Also
+called by kernels/moe_triton.py (per-token activation quantisation of fp8 experts).
 
 Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale
 per output channel [N] or one per tensor [1].
@@ -17,7 +17,7 @@ import torch
 
 from kernels import backends
 from kernels.adapters import fp8_scaled_mm_external
-from kernels.fp8_splitk import SPLITK_MAX_M, fp8_splitk_mm
+from kernels.fp8_splitk import fp8_splitk_mm, splitk_wins
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -312,7 +312,7 @@ def fp8_scaled_mm(
         return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
     route = fp8_gemm_route(backends.selected("fp8_gemm"), a_q.shape[0], a_q.device)
     if route == "triton":
-        if a_q.shape[0] <= SPLITK_MAX_M:  # decode sizes: a weight read split over every SM
+        if splitk_wins(a_q.shape[0], b_q.shape[0], a_q.shape[1]):  # decode sizes, long K
             return fp8_splitk_mm(a_q, b_q, scale_a, scale_b, out_dtype, bias)
         return fp8_scaled_mm_triton(a_q, b_q, scale_a, scale_b, out_dtype, bias)
     if route == "reference":

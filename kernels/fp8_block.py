@@ -15,7 +15,7 @@ import torch
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
 from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
-from kernels.fp8_splitk import SPLITK_MAX_M, fp8_splitk_block_mm
+from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 Block = tuple[int, int]  # (block_n, block_k)
@@ -236,7 +236,7 @@ def fp8_block_linear(
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
         if (
-            x.shape[0] <= SPLITK_MAX_M
+            splitk_wins(x.shape[0], weight_q.shape[0], weight_q.shape[1])
             and block[1] == SPLITK_BLOCK_K
             and block[0] % SPLITK_BLOCK_N == 0
         ):

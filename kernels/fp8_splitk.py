@@ -20,6 +20,15 @@ import torch
 from kernels.triton_utils import check_last_dim_contiguous, jit, num_sms, tl
 
 SPLITK_MAX_M = 16  # one 16-row MMA tile; above it the tiled kernels are no longer launch-starved
+# measured on the H200 (docs/benchmarks.md): split-K wins only where K is long against N (the
+# 27B down projection, K = 17408, N = 5120: 1.2-1.4x the tiled kernel, 1.6x for block scales);
+# at N = 5120 = K and N = 34816 the tiled kernels are 2x faster
+
+
+def splitk_wins(m: int, n: int, k: int) -> bool:
+    return m <= SPLITK_MAX_M and k >= 2 * n
+
+
 BLOCK_M = 16
 BLOCK_N = 64
 BLOCK_K = 128
