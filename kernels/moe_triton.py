@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, per_token_quant_triton
+from kernels.moe_gemv import GEMV_MAX_ROWS, fused_moe_gemv
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 
@@ -174,7 +175,32 @@ def fused_moe_triton(
     shared_output: torch.Tensor | None = None,  # [T, H] shared expert output
     shared_gate: torch.Tensor | None = None,  # [T, 1] shared expert gate logits (sigmoid applied)
 ) -> torch.Tensor:
-    """Same result as fused_moe_ref (+ sigmoid(shared_gate) * shared_output when given)."""
+    """Same result as fused_moe_ref (+ sigmoid(shared_gate) * shared_output when given); at
+    most GEMV_MAX_ROWS (token, slot) pairs run kernels/moe_gemv.py instead."""
+    kwargs = dict(
+        w_gate_up_scale=w_gate_up_scale,
+        w_down_scale=w_down_scale,
+        shared_output=shared_output,
+        shared_gate=shared_gate,
+    )
+    if 0 < topk_ids.numel() <= GEMV_MAX_ROWS:
+        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, **kwargs)
+    return fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, **kwargs)
+
+
+def fused_moe_grouped(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
+    shared_output: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_moe_triton's grouped GEMMs over the rows sorted by expert, at any size."""
     check_last_dim_contiguous("x", x)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
@@ -260,6 +286,18 @@ def fused_moe_triton(
         num_warps=4,
         num_stages=3,
     )
+    return moe_sum(rows_out, out, top_k, shared_output, shared_gate)
+
+
+def moe_sum(
+    rows_out: torch.Tensor,  # [T * k, H] fp32, already scaled by the routing weights
+    out: torch.Tensor,  # [T, H]
+    top_k: int,
+    shared_output: torch.Tensor | None,
+    shared_gate: torch.Tensor | None,
+) -> torch.Tensor:
+    """out = the sum of each token's k rows (+ sigmoid(shared_gate) * shared_output)."""
+    num_tokens, hidden = out.shape
     has_shared = shared_output is not None
     if has_shared and shared_gate is None:
         raise ValueError("fused_moe: shared_output needs shared_gate")

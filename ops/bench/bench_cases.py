@@ -516,6 +516,35 @@ def moe_cases(compile_peers: bool) -> Iterator[tuple]:
         )
 
 
+def moe_decode_cases(compile_peers: bool) -> Iterator[tuple]:
+    """Decode-size MoE of Qwen3.5-35B-A3B as a weight read (GB/s of the touched experts' bytes):
+    the per-pair kernels (kernels/moe_gemv.py, what fused_moe runs for <= 16 pairs) against the
+    grouped GEMMs over rows sorted by expert."""
+    from kernels.moe import moe_route_ref
+    from kernels.moe_gemv import fused_moe_gemv
+    from kernels.moe_triton import fused_moe_grouped
+
+    experts, top_k, hidden, inter = 256, 8, 2048, 512
+    w1 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=DEV, dtype=BF16) * inter**-0.5
+    for tokens in (1, 2):
+        x = torch.randn(tokens, hidden, device=DEV, dtype=BF16)
+        weights, ids = moe_route_ref(torch.randn(tokens, experts, device=DEV), top_k, True)
+        touched = torch.unique(ids).numel()
+        yield (
+            "moe_gemv",
+            f"T={tokens} E={experts} k={top_k} ({touched} experts)",
+            lambda x=x, w=weights, i=ids: fused_moe_gemv(x, w1, w2, w, i),
+            touched * 3 * hidden * inter * 2,
+            "GB/s",
+            {
+                "grouped (sorted rows)": lambda x=x, w=weights, i=ids: fused_moe_grouped(
+                    x, w1, w2, w, i
+                )
+            },
+        )
+
+
 # -------------------------------------------- sampling --------------------------------------------
 
 
@@ -562,5 +591,6 @@ OPS = {
     "fp8": fp8_cases,
     "fp8_decode": fp8_decode_cases,
     "moe": moe_cases,
+    "moe_decode": moe_decode_cases,
     "sampling": sampling_cases,
 }

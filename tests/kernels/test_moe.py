@@ -39,7 +39,7 @@ def test_align_groups_rows_by_expert_with_padding():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("tokens", [9, 13])  # > GEMV_MAX_ROWS pairs: the grouped GEMMs
 def test_bf16_experts_match_reference(tokens, dtype):
     args = moe_inputs(tokens, 4, 2, 32, 16, dtype, seed=tokens)
     expected = fused_moe_ref(*args)
@@ -47,27 +47,29 @@ def test_bf16_experts_match_reference(tokens, dtype):
     assert_close(got, expected, dtype, factor=2.0, name="moe")
 
 
+def quant_experts(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> e4m3 with [E, N] (per channel) or [E] (per tensor) scales."""
+    if per_channel:
+        q, s = per_token_quant_ref(w.flatten(0, 1))
+        return q.view(w.shape), s.view(w.shape[:2])
+    pairs = [per_tensor_quant_ref(e) for e in w]
+    return torch.stack([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+
+
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_fp8_experts_match_dequantised_reference(per_channel):
-    x, w1, w2, weights, ids = moe_inputs(6, 4, 2, 64, 32, torch.bfloat16, seed=3)
-
-    def quant(w):
-        if per_channel:
-            q, s = per_token_quant_ref(w.flatten(0, 1))
-            return q.view(w.shape), s.view(w.shape[:2])
-        pairs = [per_tensor_quant_ref(e) for e in w]
-        return torch.stack([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-
-    (w1_q, w1_s), (w2_q, w2_s) = quant(w1.float()), quant(w2.float())
+    x, w1, w2, weights, ids = moe_inputs(10, 4, 2, 64, 32, torch.bfloat16, seed=3)
+    w1_q, w1_s = quant_experts(w1.float(), per_channel)
+    w2_q, w2_s = quant_experts(w2.float(), per_channel)
     expected = fused_moe_fp8_ref(x, w1_q, w1_s, w2_q, w2_s, weights, ids)
     got = fused_moe_triton(x, w1_q, w2_q, weights, ids, w_gate_up_scale=w1_s, w_down_scale=w2_s)
     assert rel_error(got, expected) < FP8_REL_ERROR
 
 
 def test_shared_expert_gate_and_dispatcher():
-    x, w1, w2, weights, ids = moe_inputs(5, 4, 2, 32, 16, torch.float32, seed=8)
-    shared = randn(5, 32, seed=9)
-    gate = randn(5, 1, seed=10)
+    x, w1, w2, weights, ids = moe_inputs(9, 4, 2, 32, 16, torch.float32, seed=8)
+    shared = randn(9, 32, seed=9)
+    gate = randn(9, 1, seed=10)
     expected = fused_moe_ref(x, w1, w2, weights, ids) + torch.sigmoid(gate) * shared
     got = fused_moe_triton(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate)
     assert_close(got, expected, torch.float32, name="triton")
@@ -80,7 +82,7 @@ def test_shared_expert_gate_and_dispatcher():
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [16, 256, 2048])
+@pytest.mark.parametrize("tokens", [1, 2, 16, 256, 2048])
 def test_full_size_qwen35_35b_a3b(tokens):
     args = moe_inputs(tokens, 256, 8, 2048, 512, torch.bfloat16, seed=1)
     expected = fused_moe_ref(*args)
