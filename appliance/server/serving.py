@@ -118,7 +118,8 @@ async def _admit(
     state.check_accepting()
     model = state.check_model(body.model)
     endpoint.check(state, body)
-    params = sampling_params(body, body.num_logprobs(), state.prompts.vocab_size)
+    vocab_size = state.prompts.vocab_size
+    params = sampling_params(body, body.num_logprobs(), vocab_size, body.num_prompt_logprobs())
     prompts = await endpoint.prompts(state, body)
     group_id = new_request_id(endpoint.id_prefix)
     requests = choice_requests(state, group_id, prompts, params, body)
@@ -215,6 +216,8 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
     tokens = [0] * n
     async for index, delta in iterate_deltas(answer.group):
         texts[index].append(delta.text)
+        if delta.prompt_logprobs is not None:  # first: the prompt's entries lead the choice's
+            logprobs[index] = delta.prompt_logprobs + (logprobs[index] or [])
         if delta.logprobs is not None:
             logprobs[index] = (logprobs[index] or []) + delta.logprobs
         tokens[index] = delta.num_output_tokens

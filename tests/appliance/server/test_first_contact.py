@@ -139,13 +139,50 @@ def test_completions_logprobs_zero_is_the_sampled_token_only(make_server):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
 
 
-def test_echo_with_logprobs_is_a_clear_400(make_server):
+def test_echo_with_logprobs_leads_with_the_prompt_entries(make_server, tokenizer):
     client, engine, _ = make_server()
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk_for(client).completions.create(model="tiny", prompt="hi", echo=True, logprobs=0)
-    assert info.value.body["param"] == "echo"
-    assert "echo with logprobs" in info.value.body["message"]
-    assert engine.received == []
+    sdk = sdk_for(client)
+    prompt = "hello world"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = sdk.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=2)
+    assert engine.received[-1].sampling.prompt_logprobs == 1
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and lp.tokens[: len(ids)] == [
+        tokenizer.decode([i]) for i in ids
+    ]
+    assert lp.token_logprobs == [None] + [-1.0] * (len(ids) - 1) + [-0.25, -0.25]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[1] == {lp.tokens[1]: -1.0}
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(prompt)
+    assert "".join(lp.tokens) == choice.text
+    # streamed: the same entries, the prompt's in the first chunk
+    stream = sdk.completions.create(
+        model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=2, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(prompt) and chunks[0].logprobs.token_logprobs[0] is None
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert streamed == lp.token_logprobs and offsets == lp.text_offset
+    # without echo the prompt is not scored; chat never scores it
+    sdk.completions.create(model="tiny", prompt=prompt, logprobs=1, max_tokens=2)
+    assert engine.received[-1].sampling.prompt_logprobs is None
+
+
+def test_max_tokens_0_with_echo_answers_the_scored_prompt(make_server, tokenizer):
+    client, engine, _ = make_server()
+    prompt = "hello world"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = sdk_for(client).completions.create(
+        model="tiny", prompt=prompt, echo=True, logprobs=0, max_tokens=0
+    )
+    assert engine.received[-1].max_tokens == 0
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == [None] + [-1.0] * (len(ids) - 1)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    plain = sdk_for(client).completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert plain.choices[0].text == "" and plain.choices[0].logprobs is None
 
 
 # ---------------------------------------------------------------- conformance: metrics, log
