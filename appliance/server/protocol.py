@@ -70,6 +70,8 @@ class StreamOptions(_Schema):
 
     include_usage: bool = False
     include_obfuscation: bool = False  # OpenAI's; accepted and ignored (no obfuscation here)
+    # vLLM's (guidellm sends it): with include_usage, every chunk's usage counts the tokens so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Schema):

@@ -147,8 +147,10 @@ async def _respond(
         first = await first_item(request, state.client, group)
     except ClientGone:
         return Response(status_code=499)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, request, answer, first, include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and options.continuous_usage_stats
+    stream = _stream(state, request, answer, first, include_usage, continuous)
     return ReleasingStream(state.client, group, stream, media_type="text/event-stream")
 
 
@@ -254,9 +256,15 @@ async def _stream(
     answer: _Answer,
     first: tuple[int, TextDelta],
     include_usage: bool,
+    continuous: bool = False,
 ) -> AsyncIterator[str]:
+    """With `continuous` (vLLM's continuous_usage_stats) every chunk's usage counts the tokens
+    generated so far; otherwise only the last chunk carries one."""
+
     def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
         name = answer.endpoint.chunk_object_name
+        if continuous and usage_ is None:
+            usage_ = usage(answer.num_prompt_tokens, sum(tokens))
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens = [0] * answer.num_choices

@@ -97,6 +97,16 @@ def test_stream_options_only_with_stream_and_only_known_keys(make_server):
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats (guidellm asks for it): every chunk counts the tokens so far
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    routes = ((sdk.chat.completions.create, {"messages": MSG}), (sdk.completions.create, {}))
+    for create, extra in routes:
+        extra = extra or {"prompt": "hi"}
+        chunks = list(create(model="tiny", stream=True, stream_options=options, **extra))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[0] <= 1 < counts[-1], counts
+        assert chunks[-1].choices == [] and counts[-2] == counts[-1]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
 
 
 # ---------------------------------------------------------------- logit_bias and logprobs=0
