@@ -59,7 +59,10 @@ def score_rows(
         block = slice(first, first + ROWS_PER_BLOCK)
         logprobs = torch.log_softmax(compute_logits(hidden[block]).float(), dim=-1)  # [n, V]
         chosen.append(logprobs.gather(1, targets[block, None])[:, 0])
-        values, ids = logprobs.topk(top_k, dim=-1)  # k = 0: empty [n, 0]
+        if top_k:
+            values, ids = logprobs.topk(top_k, dim=-1)  # [n, k]
+        else:  # only the scored tokens
+            values, ids = logprobs[:, :0], targets[block, None][:, :0]
         top_values.append(values)
         top_ids.append(ids)
     return torch.cat(chosen), torch.cat(top_values), torch.cat(top_ids)

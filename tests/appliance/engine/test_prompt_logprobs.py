@@ -27,6 +27,18 @@ def hf_prompt_logprobs(model_dir, prompt: list[int]) -> list[float]:
     ids=["whole", "chunked", "preempted"],
 )
 def test_prompt_logprobs_match_transformers(tiny_dense, options):
+    check_prompt_logprobs(tiny_dense, dict(device="cpu", **options), abs_tol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prompt_logprobs_match_transformers_on_cuda(tiny_dense):
+    """The CUDA path (Triton attention over chunks, the device top-k), in fp32 (ieee dots)."""
+    options = dict(device="cuda", dtype="float32", max_num_batched_tokens=16, num_kv_slots=96)
+    check_prompt_logprobs(tiny_dense, options, abs_tol=1e-3)
+
+
+def check_prompt_logprobs(tiny_dense, options: dict, abs_tol: float) -> None:
     llm = LLM(str(tiny_dense), max_num_seqs=4, max_model_len=128, **options)
     prompts = [list(range(40, 90)), [7, 300, 5], [11], list(range(900, 860, -1))]
     params = [
@@ -37,7 +49,7 @@ def test_prompt_logprobs_match_transformers(tiny_dense, options):
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         expected = hf_prompt_logprobs(tiny_dense, prompt)
-        assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=abs_tol)
         assert len(out.token_ids) == 24
     if options["num_kv_slots"] < 100:
         assert llm.scheduler.stats().num_preemptions > 0
