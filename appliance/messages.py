@@ -24,6 +24,8 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return (0 = only the sampled one)
+    # score the prompt (completions echo + logprobs): top alternatives per prompt token; None = off
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling (OpenAI)
 
 
@@ -99,12 +101,33 @@ class SampledTokens(msgspec.Struct, frozen=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token: (id, logprob) pairs
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Scores of a run of prompt tokens: each token's logprob under the model given the tokens
+    before it (raw logits: no penalties, no bias), with the top alternatives. Written by worker
+    rank 0 (the part a prefill chunk computed, in PromptScores), joined by router (the whole
+    prompt, in the request's first TokenUpdate), read by detokenizer."""
+
+    start: int  # prompt index of token_ids[0]
+    token_ids: list[int]  # the scored prompt tokens
+    logprobs: list[float | None]  # per token; None for prompt token 0 (nothing before it)
+    top: list[list[tuple[int, float]]]  # per token: (id, logprob) pairs, best first
+
+
+class PromptScores(msgspec.Struct, frozen=True):
+    """The prompt tokens one chunk scored (SamplingOptions.prompt_logprobs). Written by worker
+    rank 0, read by router."""
+
+    req_slot: int
+    scores: PromptLogprobs
+
+
 class StepResult(msgspec.Struct, frozen=True):
     """Result of one StepPlan. Written by worker rank 0, read by router."""
 
     step_id: int
     sampled: list[SampledTokens]
     forward_s: float = 0.0  # worker time spent in the step
+    prompt_scores: list[PromptScores] = []  # prompt logprobs computed by the step's chunks
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -149,7 +172,9 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     req_id: str  # unique id chosen by the server ("chatcmpl-…-0")
     prompt_token_ids: list[int]
     sampling: SamplingOptions
-    max_tokens: int  # generated tokens at most (the server has already capped it by the context)
+    # generated tokens at most (the server has already capped it by the context); 0 = only score
+    # the prompt (completions echo): the prefill's sample is dropped
+    max_tokens: int
     ignore_eos: bool = False
     stop_token_ids: list[int] = []  # extra token ids that end the request (finish_reason "stop")
     detok: DetokParams = DetokParams()
@@ -231,6 +256,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     error: str | None = None  # message when finish_reason == "error" (e.g. request rejected)
     error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
+    prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's scores, in the first update
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -311,7 +337,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One token's logprob entry in OpenAI form. Written by detokenizer, read by server."""
 
     token: str  # the token's text ("bytes:\\xe4" style is not used: invalid UTF-8 shows as U+FFFD)
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token (nothing before it scores it)
     bytes: list[int]  # the token's raw UTF-8 bytes
     top: list[tuple[str, float, list[int]]] = []  # (token, logprob, bytes), best first
 
@@ -327,6 +353,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None  # one entry per token of token_ids
     error: str | None = None
     error_status: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, in the first delta
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):

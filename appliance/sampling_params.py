@@ -46,6 +46,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
     repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of seen tokens
     logprobs: int | None = None  # None = off; k = sampled token's logprob plus the top k
+    prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus the top k
     skip_special_tokens: bool = True  # detokenizer: drop special tokens from the text
     include_stop_str_in_output: bool = False  # detokenizer: keep the matched stop string
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
@@ -97,13 +98,14 @@ class SamplingParams:
             _check(_is_number(value) and -2 <= value <= 2, name, "in [-2, 2]", value)
         rp = self.repetition_penalty
         _check(_is_number(rp) and rp > 0, "repetition_penalty", "a number > 0", rp)
-        _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"None or an integer in [0, {MAX_LOGPROBS}]",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
+                value,
+            )
         self._validate_logit_bias()
 
     def _validate_logit_bias(self) -> None:
@@ -140,6 +142,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty),
             repetition_penalty=float(self.repetition_penalty),
             logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items() if b},
         )
 

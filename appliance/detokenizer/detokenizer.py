@@ -67,9 +67,13 @@ class Detokenizer:
         text = state.take_delta(final=finish is not None)
         token_ids = list(update.token_ids[:consumed])
         logprobs = self._logprobs(update, consumed) if state.params.logprobs else None
+        scores = update.prompt_logprobs
+        prompt_logprobs = None
+        if scores is not None:
+            prompt_logprobs = self._entries(scores.token_ids, scores.logprobs, scores.top)
         if finish is not None:
             del self._requests[req_id]
-        if not text and not token_ids and finish is None:
+        if not text and not token_ids and finish is None and prompt_logprobs is None:
             return None
         return TextDelta(
             req_id,
@@ -80,19 +84,31 @@ class Detokenizer:
             logprobs,
             error=update.error,
             error_status=update.error_status,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:
         if update.logprobs is None:
             return None
+        return self._entries(
+            update.token_ids[:consumed], update.logprobs[:consumed], update.top_logprobs
+        )
+
+    def _entries(
+        self,
+        token_ids: list[int],
+        logprobs: list[float | None],
+        tops: list[list[tuple[int, float]]] | None,
+    ) -> list[TokenLogprob]:
+        """OpenAI logprob entries (token text and bytes, its logprob, the top alternatives')."""
         entries: list[TokenLogprob] = []
         entry = self.tokenizer.token_entry
-        for i in range(consumed):
-            text, raw = entry(update.token_ids[i])
+        for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            text, raw = entry(token_id)
             top: list[tuple[str, float, list[int]]] = []
-            if update.top_logprobs is not None:
-                for tok, lp in update.top_logprobs[i]:
+            if tops is not None:
+                for tok, lp in tops[i]:
                     t_text, t_raw = entry(tok)
                     top.append((t_text, lp, t_raw))
-            entries.append(TokenLogprob(text, update.logprobs[i], raw, top))
+            entries.append(TokenLogprob(text, logprob, raw, top))
         return entries

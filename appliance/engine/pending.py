@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from appliance.messages import SampledTokens, StepResult
+from appliance.messages import PromptScores, SampledTokens, StepResult
 
 
 @dataclass
@@ -26,6 +26,7 @@ class PendingStep:
     lengths: Callable[[list[int]], None] | None = None  # told each request's new length (MTP)
     starts: list[int] = field(default_factory=list)  # MTP: each request's first verify position
     known: list[SampledTokens] = field(default_factory=list)  # results the host already has
+    scores: list[PromptScores] = field(default_factory=list)  # prompt logprobs (host lists)
 
     @classmethod
     def ready(cls, result: StepResult) -> PendingStep:
@@ -33,17 +34,17 @@ class PendingStep:
 
     @classmethod
     def copying(
-        cls, step_id: int, start: float, slots: list[int], token_ids: torch.Tensor, **mtp
+        cls, step_id: int, start: float, slots: list[int], token_ids: torch.Tensor, **extra
     ) -> PendingStep:
         """Starts the device-to-host copy of the step's sampled ids [S] (or MTP rows [S, k + 2],
-        with `lengths` and `starts`) (stream-ordered)."""
+        with `lengths` and `starts`) (stream-ordered); `scores`: the step's prompt logprobs."""
         if not token_ids.is_cuda:
-            return cls(step_id, start, slots=slots, host_ids=token_ids.clone(), **mtp)
+            return cls(step_id, start, slots=slots, host_ids=token_ids.clone(), **extra)
         host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         host.copy_(token_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(step_id, start, slots=slots, host_ids=host, copied=event, **mtp)
+        return cls(step_id, start, slots=slots, host_ids=host, copied=event, **extra)
 
     def is_done(self) -> bool:
         """The result can be read without waiting for the device."""
@@ -62,4 +63,5 @@ class PendingStep:
             if self.lengths is not None:
                 self.lengths([s + 1 + len(run) for s, run in zip(self.starts, tokens)])
         sampled = self.known + [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
-        return StepResult(self.step_id, sampled, time.perf_counter() - self.start)
+        elapsed = time.perf_counter() - self.start
+        return StepResult(self.step_id, sampled, elapsed, self.scores)

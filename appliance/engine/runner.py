@@ -35,11 +35,12 @@ from appliance.engine.mtp_graphs import (
 )
 from appliance.engine.pending import PendingStep
 from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
+from appliance.engine.prompt_logprobs import score_prompts
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
 from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
-from appliance.messages import SampledTokens, ScheduledChunk, StepPlan, StepResult
+from appliance.messages import PromptScores, SampledTokens, ScheduledChunk, StepPlan, StepResult
 from appliance.models.config import TextConfig, load_text_config
 from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
@@ -370,20 +371,31 @@ class ModelRunner:
             return PendingStep.ready(StepResult(plan.step_id, [], 0.0))
         chunks = plan.chunks
         fused = self._fused_mtp_part(chunks)
+        scores: list[PromptScores] = []  # prompt logprobs of the step's eager chunks
         if fused:
             # the full verify chunks on the device; the rest of the step (prefill chunks, plain
             # decodes, clamped verifies) first, on the host path, its results joined to the step's
             rest = [c for c in chunks if c not in fused]
-            known = self._finish_on_host(*self._forward_eager(rest)) if rest else []
-            return self._launch_mtp(plan.step_id, start, fused, known)
+            known: list[SampledTokens] = []
+            if rest:
+                batch, hidden, logits = self._forward_eager(rest)
+                scores = self._score_prompts(batch, hidden)
+                known = self._finish_on_host(batch, hidden, logits)
+            return self._launch_mtp(plan.step_id, start, fused, known, scores)
         if self._graph_step(chunks):
             batch, hidden, logits = self._replay(chunks)
         else:
             batch, hidden, logits = self._forward_eager(chunks)
+            scores = self._score_prompts(batch, hidden)
         if logits is not None and self._device_resident(batch):
-            return self._launch_sampling(plan.step_id, start, batch, logits)
+            return self._launch_sampling(plan.step_id, start, batch, logits, scores)
         sampled = self._finish_on_host(batch, hidden, logits)
-        return PendingStep.ready(StepResult(plan.step_id, sampled, time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        return PendingStep.ready(StepResult(plan.step_id, sampled, elapsed, scores))
+
+    def _score_prompts(self, batch: StepBatch, hidden: torch.Tensor) -> list[PromptScores]:
+        """Prompt logprobs of the batch's chunks whose requests ask for them (usually none)."""
+        return score_prompts(batch, hidden, self.requests, self.model.compute_logits)
 
     def _forward_eager(
         self, chunks: list[ScheduledChunk]
@@ -421,12 +433,18 @@ class ModelRunner:
         return all(table.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
 
     def _launch_sampling(
-        self, step_id: int, start: float, batch: StepBatch, logits: torch.Tensor
+        self,
+        step_id: int,
+        start: float,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        scores: list[PromptScores],
     ) -> PendingStep:
         out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
         chunks = batch.sample_chunks
+        slots = [c.req_slot for c in chunks]
         self._write_plain(chunks, out.token_ids)
-        return PendingStep.copying(step_id, start, [c.req_slot for c in chunks], out.token_ids)
+        return PendingStep.copying(step_id, start, slots, out.token_ids, scores=scores)
 
     def _write_plain(self, chunks: list[ScheduledChunk], token_ids: torch.Tensor) -> None:
         """The token each plain sampling chunk sampled [len(chunks)] goes after its last row."""
@@ -451,6 +469,7 @@ class ModelRunner:
         start: float,
         chunks: list[ScheduledChunk],
         known: list[SampledTokens],
+        scores: list[PromptScores],
     ) -> PendingStep:
         out = self.mtp_graphs.run(chunks)  # [n, k + 2] on the device
         slots = [c.req_slot for c in chunks]
@@ -462,6 +481,7 @@ class ModelRunner:
             lengths=self.requests.lengths_on_collect(slots),
             starts=[c.start for c in chunks],
             known=known,
+            scores=scores,
         )
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:

@@ -28,6 +28,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first)
+    prompt_logprobs: list[float | None] | None = None
 
 
 def build_engine_config(model_dir: str | None, tp: int, options: dict) -> EngineConfig:
@@ -159,6 +161,8 @@ class LLM:
             raise ValueError(delta.error or "the request was refused")
         out.token_ids += delta.token_ids
         out.text += delta.text
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = [entry.logprob for entry in delta.prompt_logprobs]
         if out.logprobs is not None and delta.logprobs is not None:
             out.logprobs += [entry.logprob for entry in delta.logprobs]
         out.finish_reason = delta.finish_reason

@@ -143,7 +143,14 @@ class EngineCore:
             if reason is not None:
                 self._ended(out.req_id)
             self._updates.append(
-                TokenUpdate(out.req_id, out.new_token_ids, reason, out.logprobs, out.top_logprobs)
+                TokenUpdate(
+                    out.req_id,
+                    out.new_token_ids,
+                    reason,
+                    out.logprobs,
+                    out.top_logprobs,
+                    prompt_logprobs=out.prompt_logprobs,
+                )
             )
         self._forward_s.append(result.forward_s)
         self._router_s.append(planned + time.perf_counter() - start)

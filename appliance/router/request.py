@@ -10,9 +10,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
-from appliance.messages import ImageInput, SamplingOptions
+from appliance.messages import ImageInput, PromptLogprobs, SamplingOptions
 
 
 class RequestStatus(enum.Enum):
@@ -29,6 +30,24 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # client went away or the owner aborted it
 
 
+class PromptScoreBuffer:
+    """A request's prompt logprobs while its prefill chunks report them (a chunk recomputed after
+    a preemption writes the same places again); token 0 keeps None."""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.token_ids = prompt_token_ids
+        self.logprobs: list[float | None] = [None] * len(prompt_token_ids)
+        self.top: list[list[tuple[int, float]]] = [[] for _ in prompt_token_ids]
+
+    def add(self, part: PromptLogprobs) -> None:
+        end = part.start + len(part.logprobs)
+        self.logprobs[part.start : end] = part.logprobs
+        self.top[part.start : end] = part.top
+
+    def whole(self) -> PromptLogprobs:
+        return PromptLogprobs(0, list(self.token_ids), self.logprobs, self.top)
+
+
 @dataclass(eq=False)
 class Request:
     """One generation request. `eq=False`: requests compare by identity."""
@@ -36,7 +55,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: only the prompt is computed (scored); the prefill's sample is dropped
     eos_token_ids: frozenset[int] = frozenset()  # ignored when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()  # always honoured
     ignore_eos: bool = False
@@ -54,6 +73,8 @@ class Request:
     num_prompt_counted: int = (
         0  # prompt positions already counted in stats (recompute not re-counted)
     )
+    # prompt logprobs gathered until the first output carries them (sampling.prompt_logprobs)
+    prompt_scores: PromptScoreBuffer | None = None
     _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
     _num_kv: int = 0
 
@@ -61,6 +82,17 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = frozenset(self.eos_token_ids)
         self.stop_token_ids = frozenset(self.stop_token_ids)
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_scores = PromptScoreBuffer(self.prompt_token_ids)
+
+    def take_prompt_scores(self) -> PromptLogprobs | None:
+        """The whole prompt's logprobs, once (the first output); a recompute after a later
+        preemption does not score the prompt again."""
+        if self.prompt_scores is None:
+            return None
+        whole, self.prompt_scores = self.prompt_scores.whole(), None
+        self.sampling = msgspec.structs.replace(self.sampling, prompt_logprobs=None)
+        return whole
 
     # ------------------------------------------------------------------ tokens
 
@@ -89,8 +121,9 @@ class Request:
 
     @property
     def peak_kv_slots(self) -> int:
-        """KV slots held at the end of generation: the last sampled token is never fed back."""
-        return self.num_prompt_tokens + self.max_tokens - 1
+        """KV slots held at the end of generation: the last sampled token is never fed back (with
+        max_tokens 0, every prompt position still gets one)."""
+        return self.num_prompt_tokens + max(self.max_tokens, 1) - 1
 
     @property
     def is_finished(self) -> bool:
@@ -141,3 +174,4 @@ class RequestOutput:
     logprobs: list[float] | None = None  # one per new token, when requested
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     stop_token_id: int | None = None  # the eos/stop token id that ended the request, if any
+    prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, with the first output

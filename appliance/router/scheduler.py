@@ -40,7 +40,7 @@ class SchedulerError(Exception):
 
 
 class InvalidRequest(SchedulerError, ValueError):
-    """Malformed request (empty prompt, max_tokens < 1, duplicate id). Maps to HTTP 400."""
+    """Malformed request (empty prompt, max_tokens < 0, duplicate id). Maps to HTTP 400."""
 
 
 class RequestTooLong(SchedulerError, ValueError):
@@ -89,6 +89,8 @@ class Scheduler:
         # step -> req slot -> (request, its num_preemptions when planned): a result is stale if the
         # request was preempted (and maybe re-admitted on the same slot) since.
         self._inflight: dict[int, dict[int, tuple[Request, int, int]]] = {}  # (req, epoch, drafts)
+        # step -> req slot -> request, for steps with chunks of requests scoring their prompt
+        self._scoring: dict[int, dict[int, Request]] = {}
         self._rng = np.random.default_rng(rng_seed)
         self._step_id = 0
         self._num_preemptions = 0
@@ -215,6 +217,13 @@ class Scheduler:
             for c in chunks
             if c.sample and (r := self._running_by_slot[c.req_slot])
         }
+        scoring = {
+            c.req_slot: r
+            for c in chunks
+            if (r := self._running_by_slot[c.req_slot]).prompt_scores is not None
+        }
+        if scoring:
+            self._scoring[step_id] = scoring
         plan = StepPlan(step_id, new_requests, chunks, self._released)
         self._released = []
         return plan
@@ -320,6 +329,12 @@ class Scheduler:
         inflight = self._inflight.pop(result.step_id, None)
         if inflight is None:
             raise SchedulerError(f"result for unknown or already-updated step {result.step_id}")
+        scoring = self._scoring.pop(result.step_id, {})
+        for part in result.prompt_scores:
+            req = scoring.get(part.req_slot)
+            # kept even when the step is stale: a prompt's scores do not depend on the epoch
+            if req is not None and req.prompt_scores is not None:
+                req.prompt_scores.add(part.scores)
         outputs: list[RequestOutput] = []
         for sampled in result.sampled:
             entry = inflight.pop(sampled.req_slot, None)
@@ -351,7 +366,9 @@ class Scheduler:
         new_tokens: list[int] = []
         reason: FinishReason | None = None
         stop_token_id: int | None = None
-        for token in sampled.token_ids:
+        if req.max_tokens == 0:  # the prompt was only scored: its sample is dropped
+            reason = FinishReason.LENGTH
+        for token in sampled.token_ids if req.max_tokens else ():
             req.output_token_ids.append(token)
             new_tokens.append(token)
             if token in req.stop_token_ids or (not req.ignore_eos and token in req.eos_token_ids):
@@ -374,6 +391,7 @@ class Scheduler:
             logprobs=logprobs,
             top_logprobs=top,
             stop_token_id=stop_token_id,
+            prompt_logprobs=req.take_prompt_scores(),
         )
 
     # ------------------------------------------------------------------ slot bookkeeping
@@ -425,8 +443,8 @@ class Scheduler:
             raise InvalidRequest(f"request {req.req_id!r} was already scheduled")
         if req.num_prompt_tokens == 0:
             raise InvalidRequest("prompt: expected at least one token")
-        if req.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens: expected an integer >= 1, got {req.max_tokens}")
+        if req.max_tokens < 0:
+            raise InvalidRequest(f"max_tokens: expected an integer >= 0, got {req.max_tokens}")
         prompt_len, max_tokens = req.num_prompt_tokens, req.max_tokens
         total = prompt_len + max_tokens
         if total > self.max_model_len:

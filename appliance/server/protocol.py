@@ -70,6 +70,8 @@ class StreamOptions(_Schema):
 
     include_usage: bool = False
     include_obfuscation: bool = False  # OpenAI's; accepted and ignored (no obfuscation here)
+    # vLLM's (guidellm sends it): with include_usage, every chunk's usage counts the tokens so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Schema):
@@ -120,10 +122,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise BadRequest("top_logprobs: requires logprobs to be true.", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only the prompt, scored with echo + logprobs
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -133,6 +138,10 @@ class CompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt (its tokens lead the choice's logprobs)."""
+        return self.logprobs if self.echo else None
 
 
 class ErrorDetail(BaseModel):
@@ -197,7 +206,10 @@ def logit_bias(req: _SamplingFields, vocab_size: int) -> dict[int, float] | None
 
 
 def sampling_params(
-    req: _SamplingFields, num_logprobs: int | None, vocab_size: int
+    req: _SamplingFields,
+    num_logprobs: int | None,
+    vocab_size: int,
+    num_prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults.
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
@@ -225,6 +237,7 @@ def sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=num_logprobs,
+            prompt_logprobs=num_prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, vocab_size),

@@ -118,7 +118,8 @@ async def _admit(
     state.check_accepting()
     model = state.check_model(body.model)
     endpoint.check(state, body)
-    params = sampling_params(body, body.num_logprobs(), state.prompts.vocab_size)
+    vocab_size = state.prompts.vocab_size
+    params = sampling_params(body, body.num_logprobs(), vocab_size, body.num_prompt_logprobs())
     prompts = await endpoint.prompts(state, body)
     group_id = new_request_id(endpoint.id_prefix)
     requests = choice_requests(state, group_id, prompts, params, body)
@@ -146,8 +147,10 @@ async def _respond(
         first = await first_item(request, state.client, group)
     except ClientGone:
         return Response(status_code=499)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = _stream(state, request, answer, first, include_usage)
+    options = body.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and options.continuous_usage_stats
+    stream = _stream(state, request, answer, first, include_usage, continuous)
     return ReleasingStream(state.client, group, stream, media_type="text/event-stream")
 
 
@@ -215,6 +218,8 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
     tokens = [0] * n
     async for index, delta in iterate_deltas(answer.group):
         texts[index].append(delta.text)
+        if delta.prompt_logprobs is not None:  # first: the prompt's entries lead the choice's
+            logprobs[index] = delta.prompt_logprobs + (logprobs[index] or [])
         if delta.logprobs is not None:
             logprobs[index] = (logprobs[index] or []) + delta.logprobs
         tokens[index] = delta.num_output_tokens
@@ -251,9 +256,15 @@ async def _stream(
     answer: _Answer,
     first: tuple[int, TextDelta],
     include_usage: bool,
+    continuous: bool = False,
 ) -> AsyncIterator[str]:
+    """With `continuous` (vLLM's continuous_usage_stats) every chunk's usage counts the tokens
+    generated so far; otherwise only the last chunk carries one."""
+
     def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
         name = answer.endpoint.chunk_object_name
+        if continuous and usage_ is None:
+            usage_ = usage(answer.num_prompt_tokens, sum(tokens))
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens = [0] * answer.num_choices

@@ -37,7 +37,8 @@ class LegacyLogprobs:
         for e in items:
             tokens.append(e.token)
             token_logprobs.append(e.logprob)
-            top.append({t: lp for t, lp, _ in e.top})
+            # a prompt's first token has no logprob and no alternatives (null, as OpenAI)
+            top.append(None if e.logprob is None else {t: lp for t, lp, _ in e.top})
             offsets.append(self.offset)
             self.offset += len(e.token)
         return {
@@ -49,12 +50,19 @@ class LegacyLogprobs:
 
 
 class CompletionFormatter:
-    """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk)."""
+    """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk), and
+    with `scored` (echo + logprobs) its token entries lead the choice's logprobs, offsets from 0."""
 
-    def __init__(self, echoes: list[str]) -> None:
+    def __init__(self, echoes: list[str], scored: bool = False) -> None:
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
         self.pending_echo = list(echoes)  # per choice: echo not streamed yet
-        self.offsets = [LegacyLogprobs(len(e)) for e in echoes]  # per choice, for streaming
+        self.scored = scored
+        # per choice, for streaming
+        self.offsets = [LegacyLogprobs(self._first_offset(e)) for e in echoes]
+
+    def _first_offset(self, echo: str) -> int:
+        """text_offset of the first entry: the echoed prompt's own entries start at 0."""
+        return 0 if self.scored else len(echo)
 
     def opening(self, index: int) -> None:
         return None
@@ -62,9 +70,10 @@ class CompletionFormatter:
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         text = self.pending_echo[index] + delta.text
         self.pending_echo[index] = ""
-        if not text and not delta.logprobs and delta.finish_reason is None:
+        items = (delta.prompt_logprobs or []) + (delta.logprobs or [])
+        if not text and not items and delta.finish_reason is None:
             return None
-        logprobs = self.offsets[index].entries(delta.logprobs) if delta.logprobs else None
+        logprobs = self.offsets[index].entries(items) if items else None
         return {
             "index": index,
             "text": text,
@@ -79,7 +88,9 @@ class CompletionFormatter:
         return {
             "index": index,
             "text": echo + text,
-            "logprobs": None if logprobs is None else LegacyLogprobs(len(echo)).entries(logprobs),
+            "logprobs": None
+            if logprobs is None
+            else LegacyLogprobs(self._first_offset(echo)).entries(logprobs),
             "finish_reason": finish_reason,
         }
 
@@ -95,10 +106,6 @@ class CompletionEndpoint:
         if body.suffix:
             raise BadRequest("suffix: not supported.", "suffix")
         check_n(state, body)
-        if body.echo and body.logprobs is not None:
-            raise BadRequest(
-                "echo: prompt logprobs (echo with logprobs) are not supported.", "echo"
-            )
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
         raw_prompts = _prompt_list(body.prompt)
@@ -115,7 +122,7 @@ class CompletionEndpoint:
         echoes: list[str] = []
         for prompt in prompts:
             echoes += [_echo(state, body, prompt)] * body.n
-        return CompletionFormatter(echoes)
+        return CompletionFormatter(echoes, scored=body.num_prompt_logprobs() is not None)
 
 
 def _echo(state: ServerState, body: CompletionRequest, prompt: Prompt) -> str:

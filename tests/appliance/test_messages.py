@@ -18,6 +18,7 @@ OPTS = m.SamplingOptions(
     frequency_penalty=-0.5,
     repetition_penalty=1.1,
     logprobs=3,
+    prompt_logprobs=2,
 )
 DETOK = m.DetokParams(
     stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True
@@ -45,13 +46,22 @@ STATS = m.RouterStats(
 )
 PROGRESS = m.RequestProgress("r1", "running", 12, 3, 14, 15, 0)
 STATUS = m.RouterStatus(query_id=5, stats=STATS, requests=[PROGRESS])
+PROMPT_LP = m.PromptLogprobs(0, [3, 8], [None, -1.5], [[], [(8, -1.5), (2, -2.0)]])
 UPDATE = m.TokenUpdate(
-    "r1", [4, 5], "length", [-0.1, -0.2], [[(4, -0.1), (9, -2.0)], [(5, -0.2)]], None, 0
+    "r1",
+    [4, 5],
+    "length",
+    [-0.1, -0.2],
+    [[(4, -0.1), (9, -2.0)], [(5, -0.2)]],
+    None,
+    0,
+    PROMPT_LP,
 )
 LOGPROB = m.TokenLogprob(
     "hé", -0.25, [104, 195, 169], [("hé", -0.25, [104, 195, 169]), ("x", -3.0, [120])]
 )
-DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0)
+FIRST = m.TokenLogprob("a", None, [97])
+DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB])
 WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7])
 
 IMAGE = m.ImageInput(offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="sha256:ab12")
@@ -68,7 +78,14 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.ScheduledChunk: CHUNK,
     m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2]),
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
-    m.StepResult: m.StepResult(1, [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])], 0.01),
+    m.PromptLogprobs: PROMPT_LP,
+    m.PromptScores: m.PromptScores(3, m.PromptLogprobs(4, [8], [-1.5], [[(8, -1.5)]])),
+    m.StepResult: m.StepResult(
+        1,
+        [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])],
+        0.01,
+        [m.PromptScores(3, m.PromptLogprobs(1, [8, 9], [-1.5, -0.5], [[], []]))],
+    ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
         "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE]

@@ -1,6 +1,7 @@
 """A fresh default start, as the README runs it (`appliance serve`, no model, empty APPLIANCE_HOME):
 it builds the embedded model, prints one config block with the resolved kernel backends, logs
-every line in the appliance format, warns about nothing, answers a request and stops cleanly."""
+every line in the appliance format, warns about nothing, answers a request (and the SDK's defaults:
+no max_tokens) and stops cleanly."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from tests.e2e.live import STARTUP_TIMEOUT_S, free_port
 
@@ -57,6 +59,7 @@ def test_fresh_default_start_is_clean(tmp_path) -> None:
             timeout=60,
         )
         assert reply.status_code == 200, reply.text
+        _sdk_defaults_are_served(url, log)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -78,6 +81,22 @@ def test_fresh_default_start_is_clean(tmp_path) -> None:
     assert "auto" not in backends.values()
     if expected:
         assert set(backends.values()) == {expected}
+
+
+def _sdk_defaults_are_served(url: str, log: Path) -> None:
+    """The official SDK with its default request settings: /v1/models advertises the context the
+    KV pool holds, and a chat without max_tokens (the rest of the context) is admitted (read a few
+    chunks: the random default model may talk for minutes) as is a default completion."""
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    card = sdk.models.list().data[0]
+    ready = re.search(r"max_model_len (\d+), (\d+) KV slots", log.read_text())
+    assert card.model_extra["max_model_len"] == int(ready.group(1)) <= int(ready.group(2))
+    messages = [{"role": "user", "content": "hi"}]
+    with sdk.chat.completions.create(model=card.id, messages=messages, stream=True) as stream:
+        chunks = [chunk for chunk, _ in zip(stream, range(4))]
+    assert len(chunks) == 4 and chunks[0].choices[0].delta.role == "assistant"
+    out = sdk.completions.create(model=card.id, prompt="hi")
+    assert out.choices[0].finish_reason in ("stop", "length") and out.usage.completion_tokens <= 16
 
 
 def _has_cuda() -> bool:

@@ -1,7 +1,9 @@
 """Issue 17 items 5 and 6 against a live appliance (real processes, tiny dense checkpoint with its
-MTP head on, `--mtp-step 1`), through the `openai` SDK: /v1/models agrees with /health while the
-appliance starts, logit_bias reaches the worker's sampler (forced and banned tokens, no MTP drafts
-for such requests), and a client that leaves mid-stream shows in the access log and the metrics."""
+MTP head on, `--mtp-step 1`, prefill in chunks of 32 tokens), through the `openai` SDK: /v1/models
+agrees with /health while the appliance starts, logit_bias reaches the worker's sampler (forced and
+banned tokens, no MTP drafts for such requests), echo + logprobs scores the prompt as transformers
+does (max_tokens 0 included), and a client that leaves mid-stream shows in the access log and the
+metrics."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
+from appliance.testing.oracle import hf_logits
 from tests.e2e.live import free_port, start_appliance
+from tests.e2e.scoring import assert_scored_like_transformers
 
 PROMPT = "def f(x):"
 
@@ -46,7 +51,9 @@ def started(tiny_dense, tmp_path_factory):
     poller.start()
     log = tmp_path_factory.mktemp("first_contact") / "appliance.log"
     try:
-        app = start_appliance(tiny_dense, log, "--mtp-step", "1", port=port)
+        app = start_appliance(
+            tiny_dense, log, "--mtp-step", "1", "--max-num-batched-tokens", "32", port=port
+        )
     finally:
         time.sleep(0.2)
         stop.set()
@@ -134,6 +141,33 @@ def test_logit_bias_requests_decode_without_mtp(appliance, sdk, model, tokenizer
     assert counter(scrape(appliance), "appliance_mtp_drafts_total") == drafts
     sdk.chat.completions.create(model=model, messages=messages, max_tokens=8)
     assert counter(scrape(appliance), "appliance_mtp_drafts_total") > drafts
+
+
+def test_echo_with_logprobs_scores_the_prompt(sdk, model, tokenizer, tiny_dense):
+    prompt = list(range(50, 130))  # 80 tokens: three prefill chunks
+    out = sdk.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=3, max_tokens=1, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.text.startswith(tokenizer.decode(prompt))
+    assert len(choice.logprobs.token_logprobs) == len(prompt) + 1
+    assert_scored_like_transformers(tiny_dense, prompt, choice.logprobs, 3)
+    # the generated (greedy) token follows with its own logprob: the most likely one
+    ref_last = torch.log_softmax(hf_logits(tiny_dense, prompt)[-1], dim=-1)
+    assert choice.logprobs.token_logprobs[-1] == pytest.approx(ref_last.max().item(), abs=1e-4)
+    # max_tokens 0: only the prompt, scored; streamed alike
+    text = "def f(x):\n    return x * 2\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    only = sdk.completions.create(model=model, prompt=text, echo=True, logprobs=2, max_tokens=0)
+    assert only.choices[0].text == text and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and len(only.choices[0].logprobs.tokens) == len(ids)
+    assert_scored_like_transformers(tiny_dense, ids, only.choices[0].logprobs, 2)
+    stream = sdk.completions.create(
+        model=model, prompt=text, echo=True, logprobs=2, max_tokens=0, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed == only.choices[0].logprobs.token_logprobs
 
 
 def test_client_gone_mid_stream_is_logged_and_counted(appliance, model):

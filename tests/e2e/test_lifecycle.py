@@ -1,6 +1,6 @@
-"""Process lifecycle of a live appliance: TP=2 over gloo equals TP=1, SIGTERM drains in-flight work
-and exits 0, and a SIGKILLed worker fails open streams fast, fails /health, and makes the launcher
-exit non-zero naming the worker."""
+"""Process lifecycle of a live appliance: TP=2 over gloo equals TP=1 (prompt logprobs included),
+SIGTERM drains in-flight work and exits 0, and a SIGKILLed worker fails open streams fast, fails
+/health, and makes the launcher exit non-zero naming the worker."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.e2e.live import start_appliance
+from tests.e2e.scoring import assert_scored_like_transformers
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MSGS = [{"role": "user", "content": "count to ten"}]
@@ -43,6 +44,11 @@ def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
             assert out.choices[0].logprobs.token_logprobs == pytest.approx(
                 expected.logprobs, abs=1e-4
             )
+        # prompt logprobs from the logits gathered over both ranks
+        scored = sdk.completions.create(
+            model=tiny_dense.name, prompt=prompts[1], echo=True, logprobs=2, max_tokens=0
+        )
+        assert_scored_like_transformers(tiny_dense, prompts[1], scored.choices[0].logprobs, 2)
         # SIGTERM while a request is in flight: it completes, new work is refused, exit 0.
         result: dict = {}
 

@@ -12,6 +12,7 @@ from fake_worker import (
     reference_tokens,
     req,
     run,
+    run_pipelined,
 )
 
 from appliance.messages import SampledTokens, SamplingOptions, StepResult
@@ -114,12 +115,23 @@ def test_rejects_impossible_requests() -> None:
     with pytest.raises(InvalidRequest, match="prompt"):
         sched.add_request(req("empty", [], max_tokens=1))
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        sched.add_request(req("zero", [1], max_tokens=0))
+        sched.add_request(req("negative", [1], max_tokens=-1))
     with pytest.raises(InvalidRequest, match="already in use"):
         sched.add_request(req("fits", [1], max_tokens=1))
     assert isinstance(RequestTooLong("x", 1, 1, 1), ValueError)
     out = run(sched, FakeWorker(50))
     assert len(out.tokens["fits"]) == 11
+
+
+@pytest.mark.parametrize("drive", [run, run_pipelined])
+def test_max_tokens_zero_computes_the_prompt_and_drops_its_sample(drive) -> None:
+    sched = make_scheduler(num_kv_slots=10, budget=4)
+    worker = FakeWorker(10)
+    sched.add_request(req("only-prompt", prompt_of(10, 0), max_tokens=0))  # 10 of 10 slots
+    out = drive(sched, worker)
+    assert out.tokens["only-prompt"] == [] and out.reasons["only-prompt"] is FinishReason.LENGTH
+    assert sum(c.num_tokens for p in worker.plans for c in p.chunks) == 10  # no decode
+    assert_pools_empty(sched)
 
 
 def test_queue_full() -> None:

@@ -20,6 +20,7 @@ from appliance.messages import (
     AbortRequest,
     DetokRegister,
     FinishRequest,
+    PromptLogprobs,
     RouterOutput,
     RouterStats,
     RouterStatus,
@@ -140,8 +141,23 @@ class ScriptedEngine(threading.Thread):
             if self.active:
                 time.sleep(self.step_s)
 
+    @staticmethod
+    def _prompt_logprobs(req: TokenizedRequest, done: int) -> PromptLogprobs | None:
+        """With the first token: every prompt token after the first scores -1.0 (itself its only
+        alternative)."""
+        k = req.sampling.prompt_logprobs
+        if k is None or done:
+            return None
+        rest = req.prompt_token_ids[1:]
+        top = [[(t, -1.0)][:k] for t in rest]
+        return PromptLogprobs(0, req.prompt_token_ids, [None] + [-1.0] * len(rest), [[], *top])
+
     def _step(self, req_id: str, entry: list) -> TokenUpdate:
         req, done = entry
+        prompt_logprobs = self._prompt_logprobs(req, done)
+        if req.max_tokens == 0:
+            del self.active[req_id]
+            return TokenUpdate(req_id, [], "length", prompt_logprobs=prompt_logprobs)
         tokens = self.script(req.prompt_token_ids)
         token = tokens[done] if done < len(tokens) else self.eos
         entry[1] = done + 1
@@ -157,7 +173,7 @@ class ScriptedEngine(threading.Thread):
             finish = "length"
         if finish is not None:
             del self.active[req_id]
-        return TokenUpdate(req_id, [token], finish, logprobs, top)
+        return TokenUpdate(req_id, [token], finish, logprobs, top, prompt_logprobs=prompt_logprobs)
 
     def stats(self) -> RouterStats:
         n = len(self.active)

@@ -97,6 +97,16 @@ def test_stream_options_only_with_stream_and_only_known_keys(make_server):
     )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats (guidellm asks for it): every chunk counts the tokens so far
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    routes = ((sdk.chat.completions.create, {"messages": MSG}), (sdk.completions.create, {}))
+    for create, extra in routes:
+        extra = extra or {"prompt": "hi"}
+        chunks = list(create(model="tiny", stream=True, stream_options=options, **extra))
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert counts == sorted(counts) and counts[0] <= 1 < counts[-1], counts
+        assert chunks[-1].choices == [] and counts[-2] == counts[-1]
+        assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
 
 
 # ---------------------------------------------------------------- logit_bias and logprobs=0
@@ -139,13 +149,50 @@ def test_completions_logprobs_zero_is_the_sampled_token_only(make_server):
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
 
 
-def test_echo_with_logprobs_is_a_clear_400(make_server):
+def test_echo_with_logprobs_leads_with_the_prompt_entries(make_server, tokenizer):
     client, engine, _ = make_server()
-    with pytest.raises(openai.BadRequestError) as info:
-        sdk_for(client).completions.create(model="tiny", prompt="hi", echo=True, logprobs=0)
-    assert info.value.body["param"] == "echo"
-    assert "echo with logprobs" in info.value.body["message"]
-    assert engine.received == []
+    sdk = sdk_for(client)
+    prompt = "hello world"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = sdk.completions.create(model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=2)
+    assert engine.received[-1].sampling.prompt_logprobs == 1
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt) and lp.tokens[: len(ids)] == [
+        tokenizer.decode([i]) for i in ids
+    ]
+    assert lp.token_logprobs == [None] + [-1.0] * (len(ids) - 1) + [-0.25, -0.25]
+    assert lp.top_logprobs[0] is None and lp.top_logprobs[1] == {lp.tokens[1]: -1.0}
+    assert lp.text_offset[0] == 0 and lp.text_offset[len(ids)] == len(prompt)
+    assert "".join(lp.tokens) == choice.text
+    # streamed: the same entries, the prompt's in the first chunk
+    stream = sdk.completions.create(
+        model="tiny", prompt=prompt, echo=True, logprobs=1, max_tokens=2, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(prompt) and chunks[0].logprobs.token_logprobs[0] is None
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    offsets = [x for c in chunks if c.logprobs for x in c.logprobs.text_offset]
+    assert streamed == lp.token_logprobs and offsets == lp.text_offset
+    # without echo the prompt is not scored; chat never scores it
+    sdk.completions.create(model="tiny", prompt=prompt, logprobs=1, max_tokens=2)
+    assert engine.received[-1].sampling.prompt_logprobs is None
+
+
+def test_max_tokens_0_with_echo_answers_the_scored_prompt(make_server, tokenizer):
+    client, engine, _ = make_server()
+    prompt = "hello world"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out = sdk_for(client).completions.create(
+        model="tiny", prompt=prompt, echo=True, logprobs=0, max_tokens=0
+    )
+    assert engine.received[-1].max_tokens == 0
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs == [None] + [-1.0] * (len(ids) - 1)
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    plain = sdk_for(client).completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert plain.choices[0].text == "" and plain.choices[0].logprobs is None
 
 
 # ---------------------------------------------------------------- conformance: metrics, log
