@@ -160,7 +160,7 @@ def active_weight_bytes(model: torch.nn.Module, batch: int) -> float:
 def step_bytes(runner: ModelRunner, batch: int, context: int) -> float:
     """Bytes a plain decode step must move: the weights it reads once (only the routed experts of a
     MoE model), each request's KV (its context) once, each request's GDN state read and written."""
-    kv = sum(kv_bytes_per_slot(m, runner.dtype) for m in [runner.model])
+    kv = sum(kv_bytes_per_slot(m, runner.kv_dtype) for m in [runner.model])
     state = state_bytes_per_slot(runner.model, runner.dtype, 0)
     return active_weight_bytes(runner.model, batch) + batch * (context * kv + 2 * state)
 

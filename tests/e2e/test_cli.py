@@ -84,6 +84,10 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == "appliance serve: error: --transport carrier-pigeon: expected ipc or tcp\n"
     with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert err == "appliance serve: error: --kv-cache-dtype fp8: expected auto or fp8_e4m3\n"
+    with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--tp", "two"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --tp: invalid int value: 'two'" in err
