@@ -231,3 +231,35 @@ def test_dispatcher_passes_kv_scales_to_the_reference_on_cpu():
     scales = KVScales(k_scale, v_scale, 0.1, 2.0)
     got = paged_attention(*args, 0.25, kv_scales=scales)
     assert_close(got, paged_attention_ref(*args, 0.25, k_scale, v_scale), torch.float32, name="d")
+
+
+@gpu
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([1] * 64, [4096] * 64), ([1], [32768]), ([4] * 16, [2048] * 16), ([2048, 5], [6144, 5])],
+    ids=["decode64x4k", "decode1x32k", "verify16", "prefill_prefix"],
+)
+def test_full_size_fp8_kv(q_lens, seq_lens):
+    base = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=13)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.02, torch.bfloat16)
+    expected = paged_attention_ref(*args, 256**-0.5, k_scale, v_scale)
+    got = paged_attention_triton(*args, 256**-0.5, k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="full fp8")
+
+
+@gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="optional flashinfer not installed"
+)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens", [([1] * 16, [4096] * 16), ([4] * 8, [1024] * 8), ([700, 5], [900, 5])]
+)
+def test_flashinfer_fp8_kv_matches_reference(q_lens, seq_lens):
+    """flashinfer with kv_data_type e4m3 and its k_scale / v_scale == our dequantising reference."""
+    from kernels.adapters import paged_attention_flashinfer
+
+    base = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=14)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.03, torch.bfloat16)
+    expected = paged_attention_ref(*args, 256**-0.5, k_scale, v_scale)
+    got = paged_attention_flashinfer(*args, 256**-0.5, kv_scales=(0.02, 0.03))
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="flashinfer fp8")
