@@ -190,6 +190,15 @@ def _with_config(src, dst, edit) -> None:
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
+def _ct_weights(**fields):
+    """A config edit setting compressed-tensors weight-scheme fields."""
+
+    def edit(config: dict) -> None:
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(fields)
+
+    return edit
+
+
 @pytest.mark.parametrize(
     "name,edit,words",
     [
@@ -204,13 +213,7 @@ def _with_config(src, dst, edit) -> None:
             lambda c: c["quantization_config"].update(activation_scheme="static"),
             ["'static'", "dynamic"],
         ),
-        (
-            "dense-ct",
-            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
-                strategy="group"
-            ),
-            ["'group'", "channel"],
-        ),
+        ("dense-ct", _ct_weights(strategy="group"), ["'group'", "channel"]),
         (
             "dense-ct",
             lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
@@ -229,20 +232,8 @@ def _with_config(src, dst, edit) -> None:
             lambda c: c["quantization_config"].update(format="pack-quantized"),
             ["'pack-quantized'", "float-quantized"],
         ),
-        (
-            "dense-ct",
-            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
-                type="int"
-            ),
-            ["type='int'", "'float'"],
-        ),
-        (
-            "dense-ct",
-            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
-                num_bits=4
-            ),
-            ["num_bits=4", "8"],
-        ),
+        ("dense-ct", _ct_weights(type="int"), ["type='int'", "'float'"]),
+        ("dense-ct", _ct_weights(num_bits=4), ["num_bits=4", "8"]),
         (
             "dense-ct",
             lambda c: c["quantization_config"]["config_groups"].update(
