@@ -9,6 +9,7 @@ decode step measured in the same run: (weight bytes + KV bytes read + GDN state 
 written) / the device-to-device copy bandwidth measured here, so the plain step is read against
 physics.
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
+`--kv-cache-dtype fp8_e4m3` runs the same steps over fp8 KV pools (the floor counts their bytes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from appliance.config import (
+    CacheConfig,
     EngineConfig,
     GraphConfig,
     ModelConfig,
@@ -237,6 +239,7 @@ def build_runner(
     mtp: list[int],
     graphs: bool,
     device: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A runner on dummy weights from a real config.json, with pools sized for the benchmark."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,6 +255,7 @@ def build_runner(
                 num_kv_slots=need * 2,
             ),
             parallel=ParallelConfig(device=device),
+            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
             graphs=GraphConfig(disable_cuda_graph=not graphs),
         )
         return ModelRunner(engine)
@@ -285,6 +289,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -296,6 +301,7 @@ def main() -> None:
         args.mtp,
         "on" in args.graphs,
         args.device,
+        args.kv_cache_dtype,
     )
     bandwidth = copy_bandwidth()
     captured = runner.graphs
