@@ -64,6 +64,9 @@ _KV_SCALE = re.compile(
     r"^(?P<attn>.*\.self_attn)\.(?:attn\.)?"
     r"(?:(?P<kv>[kv])_scale|kv_scale|(?P<proj>[kv])_proj\.output_scale)$"
 )
+# scales of fp8 attention arithmetic (vLLM's q_scale / prob_scale): attention here computes in
+# the model dtype, so they are read past
+_UNUSED_ATTN_SCALE = re.compile(r"^.*\.self_attn\.(?:attn\.)?(?:q_scale|prob_scale)$")
 
 
 class KVScaleLoader:
@@ -78,6 +81,8 @@ class KVScaleLoader:
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether `name` is a KV-cache scale (consumed here, never a parameter)."""
+        if _UNUSED_ATTN_SCALE.match(name):
+            return True
         match = _KV_SCALE.match(name)
         if match is None:
             return False

@@ -178,6 +178,7 @@ def write_fp8_checkpoint(
 
 KV_SCALE_NAMINGS = {  # how checkpoints name a full-attention layer's KV-cache scales
     "k_scale": (".self_attn.k_scale", ".self_attn.v_scale"),  # llm-compressor kv_cache_scheme
+    "attn.k_scale": (".self_attn.attn.k_scale", ".self_attn.attn.v_scale"),  # vLLM module names
     "kv_scale": (".self_attn.kv_scale",),  # AutoFP8 / older vLLM: one scale for both
     "output_scale": (".self_attn.k_proj.output_scale", ".self_attn.v_proj.output_scale"),  # Quark
 }
@@ -209,6 +210,9 @@ def add_kv_cache_scales(
         values = (k,) if naming == "kv_scale" else (k, v)
         for suffix, value in zip(KV_SCALE_NAMINGS[naming], values):
             tensors[prefix + suffix] = torch.tensor(value, dtype=torch.float32)
+        if naming == "attn.k_scale":  # vLLM-exported fp8-attention checkpoints also carry these
+            tensors[prefix + ".self_attn.attn.q_scale"] = torch.tensor(1.0)
+            tensors[prefix + ".self_attn.attn.prob_scale"] = torch.tensor(1.0)
         expected[prefix] = (k, k) if naming == "kv_scale" else (k, v)
     for file in ckpt.glob("*.safetensors"):
         file.unlink()

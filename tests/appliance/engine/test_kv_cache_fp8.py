@@ -129,7 +129,7 @@ def test_greedy_with_mtp_equals_greedy_without_on_fp8_kv(tiny_trained):
     assert [o.token_ids for o in mtp] == [o.token_ids for o in plain]
 
 
-@pytest.mark.parametrize("naming", ["k_scale", "kv_scale", "output_scale"])
+@pytest.mark.parametrize("naming", ["k_scale", "kv_scale", "output_scale", "attn.k_scale"])
 def test_scales_from_the_checkpoint(naming, tiny_dense, full_precision, tmp_path):
     """Per-layer scales under each naming reach their layer (MTP layer included); the pool holds
     k / k_scale (so x = stored * scale to e4m3 precision); logits stay close."""
