@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import json
 import re
 import sys
 import typing
@@ -236,6 +237,23 @@ def _resolve_model(config: ServeConfig, revision: str) -> ServeConfig:
     return dataclasses.replace(config, engine=engine, server=server)
 
 
+def _check_quantization(config: ServeConfig) -> None:
+    """A checkpoint whose quantization_config cannot load (method, scheme, block size) fails here
+    in one line naming it and what is supported, before any process starts."""
+    from appliance.models.layers.quant import UnsupportedQuantization, parse_quant_config
+
+    model = config.engine.model
+    path = Path(model.model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # the worker reports an unreadable config with its own error
+    try:
+        parse_quant_config(raw, model.quantization)
+    except UnsupportedQuantization as exc:
+        _fail(f"{path.parent.name}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
@@ -257,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(exc), code=1)
     setup_logging()
     config = _resolve_model(config, args.revision)
+    _check_quantization(config)
     try:
         return serve(config)
     except LaunchError as exc:  # the port was taken while the model was being resolved

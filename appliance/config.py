@@ -8,6 +8,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field, fields
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kernels.attention.KV_CACHE_DTYPES holds the torch dtypes
+
 
 def _check(cond: bool, name: str, accepted: str) -> None:
     if not cond:
@@ -72,9 +74,13 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 (half the bytes per KV slot)
 
     def __post_init__(self) -> None:
         _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " or ".join(KV_CACHE_DTYPES)
+        )
 
 
 @dataclass(frozen=True)

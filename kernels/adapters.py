@@ -212,11 +212,15 @@ def paged_attention_flashinfer(
     scale: float,
     *,
     max_q_len: int | None = None,
+    kv_scales: tuple[float, float] | None = None,  # (k, v) dequantisation scales of an fp8 cache
 ) -> torch.Tensor:
     """Same result as kernels.attention.paged_attention_ref through flashinfer's paged wrappers,
     our token-granular cache viewed as pages of one token (no copy). Decode batches (one q row
     per request) use the decode wrapper; verify rows and prefill the FA2 prefill wrapper, causal
-    with the q rows as the last tokens of each sequence."""
+    with the q rows as the last tokens of each sequence. An fp8 (e4m3) cache is planned with
+    kv_data_type e4m3 and its scales go to `run` as flashinfer's float `k_scale` / `v_scale`
+    (folded into sm_scale / applied to the output, the semantics of our kernels); the wrappers
+    never run inside CUDA graphs here, so host floats are safe."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     if max_q_len is None:
@@ -253,4 +257,8 @@ def paged_attention_flashinfer(
             )
         _FI.last[key] = (stamp, meta)  # holding meta keeps the ids in the stamp unique
     q = q if q.is_contiguous() else q.contiguous()
-    return wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)))
+    scales = {}
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+        scales = dict(k_scale=float(k_scale), v_scale=float(v_scale))
+    return wrapper.run(q, (k_cache.unsqueeze(1), v_cache.unsqueeze(1)), **scales)

@@ -4,12 +4,20 @@ with a cached prefix. Called by appliance/models/layers/attention.py.
 Layout: request b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (q_len rows) and has seq_lens[b]
 tokens in the KV after this step; query row j sits at position seq_lens[b] - q_len + j and attends
 causally to KV positions 0..that position, whose slots are req_to_token[req_slots[b], :seq_len].
+
+An fp8 (e4m3) cache holds k / k_scale and v / v_scale, saturated to +-448 (`--kv-cache-dtype
+fp8_e4m3`); the scales are per layer (KVScales) and read through device pointers, so CUDA graphs
+replay with whatever the loader put there. Reads dequantise: k_scale folds into the softmax scale,
+v_scale into the output.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
 from kernels.triton_utils import (
     HAS_TRITON,
     check_last_dim_contiguous,
@@ -21,6 +29,33 @@ from kernels.triton_utils import (
     use_triton,
 )
 
+KV_CACHE_DTYPES = {"fp8_e4m3": FP8_DTYPE}  # --kv-cache-dtype values other than auto
+
+
+class KVScales(NamedTuple):
+    """Dequantisation scales of one layer's fp8 KV cache (real value = cache value * scale)."""
+
+    k: torch.Tensor  # [1] fp32 on the cache's device; the kernels read it (CUDA-graph safe)
+    v: torch.Tensor  # [1] fp32
+    k_host: float  # the same values for APIs that take floats (flashinfer); set with k / v
+    v_host: float
+
+
+def is_fp8_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_DTYPE
+
+
+def quantize_kv_ref(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x / scale saturated to the e4m3 range, in e4m3 (scale None = 1)."""
+    x = x.float() if scale is None else x.float() / scale.float()
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv_ref(cache_rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cache rows in fp32: fp8 ones multiplied by their scale, others as stored."""
+    rows = cache_rows.float()
+    return rows * scale.float() if is_fp8_cache(cache_rows) and scale is not None else rows
+
 
 def store_kv_ref(
     k: torch.Tensor,  # [T, Hkv, D]
@@ -28,7 +63,13 @@ def store_kv_ref(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     kv_slots: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,  # [1] fp32; used by an fp8 cache only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    if is_fp8_cache(k_cache):
+        k_cache[kv_slots] = quantize_kv_ref(k, k_scale)
+        v_cache[kv_slots] = quantize_kv_ref(v, v_scale)
+        return
     k_cache[kv_slots] = k.to(k_cache.dtype)
     v_cache[kv_slots] = v.to(v_cache.dtype)
 
@@ -42,6 +83,8 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,  # [B + 1]
     seq_lens: torch.Tensor,  # [B]
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [1] fp32 dequantisation scales of an fp8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns [T, Hq, D] in q's dtype; softmax in fp32."""
     out = torch.empty_like(q)
@@ -56,8 +99,8 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         kv_idx = req_to_token[slot, :kv_len].long()
-        k = k_cache[kv_idx].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_cache[kv_idx].float().repeat_interleave(group, dim=1)
+        k = dequantize_kv_ref(k_cache[kv_idx], k_scale).repeat_interleave(group, dim=1)  # [L,Hq,D]
+        v = dequantize_kv_ref(v_cache[kv_idx], v_scale).repeat_interleave(group, dim=1)
         qb = q[q_start:q_end].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
@@ -87,6 +130,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -99,6 +144,7 @@ def _store_kv_kernel(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -107,6 +153,9 @@ def _store_kv_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8_KV:  # x / scale, saturated: e4m3 has no infinity
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
     tl.store(
         k_cache_ptr + slot * stride_kcs + h * stride_kch + d,
         k.to(k_cache_ptr.dtype.element_ty),
@@ -125,11 +174,14 @@ def store_kv_triton(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     kv_slots: torch.Tensor,  # [T] int
+    k_scale: torch.Tensor | None = None,  # [1] fp32; required by an fp8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[1:] or k_cache.shape != v_cache.shape:
         raise ValueError(f"store_kv: shapes k {k.shape} v {v.shape} cache {k_cache.shape}")
+    fp8 = _check_kv_scales("store_kv", k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -139,6 +191,8 @@ def store_kv_triton(
         k_cache,
         v_cache,
         kv_slots,
+        k_scale if fp8 else kv_slots,
+        v_scale if fp8 else kv_slots,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -151,7 +205,23 @@ def store_kv_triton(
         head_dim,
         BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim),
+        FP8_KV=fp8,
     )
+
+
+def _check_kv_scales(op: str, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the caches are fp8; those need [1] fp32 scales on their device."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{op}: k cache {k_cache.dtype} and v cache {v_cache.dtype} differ")
+    if not is_fp8_cache(k_cache):
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.dtype != torch.float32 or t.numel() != 1 or t.device != k_cache.device:
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            raise ValueError(
+                f"{op}: an fp8 cache needs {name} as [1] fp32 on its device, got {got}"
+            )
+    return True
 
 
 @jit
@@ -177,6 +247,7 @@ def _attend_block(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     PREC: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
     n = start + tl.arange(0, BLOCK_N)
@@ -197,6 +268,9 @@ def _attend_block(
         mask=kv_mask,
         other=0.0,
     )
+    if FP8_KV:  # e4m3 tiles widened to q's dtype; their scales are folded in by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -220,6 +294,8 @@ def _paged_attention_kernel(
     req_slots_ptr,
     cu_q_ptr,
     seq_lens_ptr,
+    k_scale_ptr,  # [1] fp32 dequantisation scales of an fp8 cache (FP8_KV)
+    v_scale_ptr,
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -242,6 +318,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PREC: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     ROWS = BLOCK_M // GROUP  # query rows per program
     b = tl.program_id(0)
@@ -283,6 +360,10 @@ def _paged_attention_kernel(
     first_visible = tl.minimum(hi, seq_len - q_len + row0 + 1)
     unmasked_hi = lo + tl.maximum(first_visible - lo, 0) // BLOCK_N * BLOCK_N
 
+    v_scale = 1.0
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -310,6 +391,7 @@ def _paged_attention_kernel(
             BLOCK_N,
             False,
             PREC,
+            FP8_KV,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -334,11 +416,12 @@ def _paged_attention_kernel(
             BLOCK_N,
             True,
             PREC,
+            FP8_KV,
         )
 
     t_row = (q_start + q_row).to(tl.int64)
     out_mask = row_ok[:, None] & d_ok[None, :]
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         tl.store(
             out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -446,6 +529,8 @@ def paged_attention_triton(
     max_q_len: int | None = None,  # host bound on q rows per request; given -> no device sync
     num_splits: int | None = None,  # KV splits (fixed for CUDA graphs); None -> heuristic
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    k_scale: torch.Tensor | None = None,  # [1] fp32; required by an fp8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as paged_attention_ref; q may be a strided view (last dim contiguous)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -454,6 +539,7 @@ def paged_attention_triton(
     num_kv_heads = k_cache.shape[1]
     if num_q_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
         raise ValueError(f"paged_attention: q {q.shape} vs cache {k_cache.shape}/{v_cache.shape}")
+    fp8 = _check_kv_scales("paged_attention", k_cache, v_cache, k_scale, v_scale)
     if req_to_token.stride(1) != 1:
         raise ValueError("paged_attention: req_to_token rows must be contiguous")
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
@@ -480,9 +566,11 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_KV=fp8,
     )
     tensors = (q, k_cache, v_cache, out)
-    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, scale * _LOG2E)
+    kv_scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unread without FP8_KV
+    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, *kv_scales, scale * _LOG2E)
     if max_q_len > 16 and q.is_cuda and num_splits in (None, 1):
 
         def grid(cfg):
@@ -565,12 +653,14 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_slots, Hkv, D]
     v_cache: torch.Tensor,  # [num_slots, Hkv, D]
     kv_slots: torch.Tensor,  # [T]
+    kv_scales: KVScales | None = None,  # an fp8 cache's scales (ignored by other caches)
 ) -> None:
     """Dispatcher used by the model layers: Triton on CUDA, the reference elsewhere."""
+    scales = (kv_scales.k, kv_scales.v) if kv_scales is not None else (None, None)
     if use_triton(k):
-        store_kv_triton(k, v, k_cache, v_cache, kv_slots)
+        store_kv_triton(k, v, k_cache, v_cache, kv_slots, *scales)
     else:
-        store_kv_ref(k, v, k_cache, v_cache, kv_slots)
+        store_kv_ref(k, v, k_cache, v_cache, kv_slots, *scales)
 
 
 def paged_attention(
@@ -585,19 +675,25 @@ def paged_attention(
     *,
     max_q_len: int | None = None,
     num_splits: int | None = None,
+    kv_scales: KVScales | None = None,  # an fp8 cache's scales (ignored by other caches)
 ) -> torch.Tensor:
     """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
     by default, flashinfer's paged wrappers, or the torch reference); the reference on CPU."""
     args = (q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale)
+    fp8 = is_fp8_cache(k_cache)
+    scales = (kv_scales.k, kv_scales.v) if fp8 and kv_scales is not None else (None, None)
     if not q.is_cuda:
-        return paged_attention_ref(*args)
+        return paged_attention_ref(*args, *scales)
     from kernels import backends
 
     backend = backends.selected("attention")
     if backend == "flashinfer":
         from kernels.adapters import paged_attention_flashinfer
 
-        return paged_attention_flashinfer(*args, max_q_len=max_q_len)
+        host = (kv_scales.k_host, kv_scales.v_host) if fp8 and kv_scales is not None else None
+        return paged_attention_flashinfer(*args, max_q_len=max_q_len, kv_scales=host)
     if backend == "triton" and use_triton(q):
-        return paged_attention_triton(*args, max_q_len=max_q_len, num_splits=num_splits)
-    return paged_attention_ref(*args)
+        return paged_attention_triton(
+            *args, max_q_len=max_q_len, num_splits=num_splits, k_scale=scales[0], v_scale=scales[1]
+        )
+    return paged_attention_ref(*args, *scales)

@@ -189,6 +189,8 @@ def _fp8_mm_kernel(
     stride_am,
     stride_bn,
     stride_om,
+    stride_sam,  # block scales only: row stride of the activation / weight scale tables
+    stride_sbn,
     SA_PER_ROW: tl.constexpr,
     SB_PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -196,6 +198,10 @@ def _fp8_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,  # False: one scale per row / column / tensor, applied after the
+    # K loop; True (kernels/fp8_block.py): the weight's scale per [SCALE_ROWS_N, BLOCK_K] tile and
+    # the activation's per row and BLOCK_K group, applied at every K step
+    SCALE_ROWS_N: tl.constexpr,  # block_n of the weight's block scales (1 without them)
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(m_size, BLOCK_M)
@@ -208,30 +214,82 @@ def _fp8_mm_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < m_size, rn < n_size
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
     b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
+    sa_ptrs = sa_ptr + rm.to(tl.int64) * stride_sam
+    sb_ptrs = sb_ptr + (rn // SCALE_ROWS_N).to(tl.int64) * stride_sbn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_size, BLOCK_K):
-        a = tl.load(a_ptrs, mask=(rm < m_size)[:, None] & (rk + k0 < k_size)[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(rn < n_size)[None, :] & (rk + k0 < k_size)[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+    for kb in range(0, tl.cdiv(k_size, BLOCK_K)):
+        k_ok = rk + kb * BLOCK_K < k_size
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if BLOCK_SCALES:
+            sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
+            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if SA_PER_ROW:
-        acc = acc * tl.load(sa_ptr + rm, mask=rm < m_size, other=0.0)[:, None]
-    else:
-        acc = acc * tl.load(sa_ptr)
-    if SB_PER_COL:
-        acc = acc * tl.load(sb_ptr + rn, mask=rn < n_size, other=0.0)[None, :]
-    else:
-        acc = acc * tl.load(sb_ptr)
+    if not BLOCK_SCALES:
+        if SA_PER_ROW:
+            acc = acc * tl.load(sa_ptr + rm, mask=m_ok, other=0.0)[:, None]
+        else:
+            acc = acc * tl.load(sa_ptr)
+        if SB_PER_COL:
+            acc = acc * tl.load(sb_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc = acc * tl.load(sb_ptr)
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=rn < n_size, other=0.0).to(tl.float32)[None, :]
+        acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
         out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
         acc.to(out_ptr.dtype.element_ty),
-        mask=(rm < m_size)[:, None] & (rn < n_size)[None, :],
+        mask=m_ok[:, None] & n_ok[None, :],
     )
+
+
+def launch_fp8_mm(
+    a_q: torch.Tensor,  # [M, K] e4m3
+    b_q: torch.Tensor,  # [N, K] e4m3
+    sa: torch.Tensor,  # fp32: [M] / [1], or [M, K/bk] with block scales
+    sb: torch.Tensor,  # fp32: [N] / [1], or [N/bn, K/bk] with block scales
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,  # [N]
+    cfg: dict[str, int],  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages
+    scale_block_n: int = 0,  # block_n of block scales (BLOCK_K is then their block_k); 0: none
+) -> torch.Tensor:
+    """The one fp8 GEMM kernel for both scale granularities (shapes checked by the callers)."""
+    m, n, k = a_q.shape[0], b_q.shape[0], a_q.shape[1]
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    if m == 0:
+        return out
+    block = scale_block_n > 0
+    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
+    _fp8_mm_kernel[grid](
+        a_q,
+        b_q,
+        out,
+        sa,
+        sb,
+        bias if bias is not None else sb,
+        m,
+        n,
+        k,
+        a_q.stride(0),
+        b_q.stride(0),
+        out.stride(0),
+        sa.stride(0) if block else 0,
+        sb.stride(0) if block else 0,
+        SA_PER_ROW=sa.numel() > 1,
+        SB_PER_COL=sb.numel() > 1,
+        HAS_BIAS=bias is not None,
+        BLOCK_SCALES=block,
+        SCALE_ROWS_N=max(1, scale_block_n),
+        **cfg,
+    )
+    return out
 
 
 def _mm_config(m: int) -> dict[str, int]:
@@ -257,34 +315,11 @@ def fp8_scaled_mm_triton(
     """Same result as fp8_scaled_mm_ref (fp32 accumulation)."""
     check_last_dim_contiguous("a_q", a_q)
     check_last_dim_contiguous("b_q", b_q)
-    (m, k), n = a_q.shape, b_q.shape[0]
+    m, k = a_q.shape
     if b_q.shape[1] != k:
         raise ValueError(f"fp8_scaled_mm: a {a_q.shape} b {b_q.shape}")
-    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
-    if m == 0:
-        return out
     sa, sb = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
-    cfg = _mm_config(m)
-    grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
-    _fp8_mm_kernel[grid](
-        a_q,
-        b_q,
-        out,
-        sa,
-        sb,
-        bias if bias is not None else sb,
-        m,
-        n,
-        k,
-        a_q.stride(0),
-        b_q.stride(0),
-        out.stride(0),
-        SA_PER_ROW=sa.numel() > 1,
-        SB_PER_COL=sb.numel() > 1,
-        HAS_BIAS=bias is not None,
-        **cfg,
-    )
-    return out
+    return launch_fp8_mm(a_q, b_q, sa, sb, out_dtype, bias, _mm_config(m))
 
 
 # ------------------------------------------ dispatchers ------------------------------------------

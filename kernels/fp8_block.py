@@ -1,7 +1,8 @@
 """Block-scaled fp8 (DeepSeek-V3 / Qwen "-FP8" checkpoints): e4m3 weights with one dequantisation
 scale per [block_n, block_k] tile, activations quantised per token and per group of block_k
-columns. References, the per-token-group quantiser and the block GEMM in Triton, and the dispatcher
-`fp8_block_linear`. Called by appliance/models/layers/quant_methods.py and kernels/fp8_moe.py.
+columns. References, the per-token-group quantiser in Triton, the block GEMM (the GEMM kernel of
+kernels/fp8.py with block scales) and the dispatcher `fp8_block_linear`. Called by
+appliance/models/layers/quant_methods.py and kernels/fp8_moe.py.
 
 Scales are dequantisation scales (x ~= x_q * scale), as `weight_scale_inv` in the checkpoints.
 A weight [N, K] has scales [ceil(N / block_n), ceil(K / block_k)]; an activation [M, K] has
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
 from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
 from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
 from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
@@ -108,62 +109,13 @@ def per_token_group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Ten
     return q, scale
 
 
-@jit
-def _fp8_block_mm_kernel(
-    a_ptr,
-    b_ptr,
-    out_ptr,
-    sa_ptr,
-    sb_ptr,
-    bias_ptr,
-    m_size,
-    n_size,
-    k_size,
-    stride_am,
-    stride_bn,
-    stride_om,
-    stride_sam,
-    stride_sbn,
-    SCALE_ROWS_N: tl.constexpr,  # block_n of the weight scales
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # == block_k of the scales: one scale column per K step
-):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok, n_ok = rm < m_size, rn < n_size
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None]  # [BLOCK_K, BLOCK_N]
-    sa_ptrs = sa_ptr + rm.to(tl.int64) * stride_sam
-    sb_ptrs = sb_ptr + (rn // SCALE_ROWS_N).to(tl.int64) * stride_sbn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k_size, BLOCK_K)):
-        k_ok = rk + kb * BLOCK_K < k_size
-        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
-
-
 def _block_mm_config(m: int) -> dict[str, int]:
     """Starting points, not yet measured on the H200 (the lead's run will set them)."""
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 def fp8_block_mm_triton(
@@ -186,33 +138,10 @@ def fp8_block_mm_triton(
             f"fp8_block_mm: a {tuple(a_q.shape)} scale {tuple(a_scale.shape)} (want {want_a}), "
             f"b {tuple(b_q.shape)} scale {tuple(b_scale.shape)} (want {want_b}), block {block}"
         )
-    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
-    if m == 0:
-        return out
-    sa, sb = a_scale.float(), b_scale.float()
-    cfg = _block_mm_config(m)
-    grid = (-(-m // cfg["BLOCK_M"]), -(-n // cfg["BLOCK_N"]))
-    _fp8_block_mm_kernel[grid](
-        a_q,
-        b_q,
-        out,
-        sa,
-        sb,
-        bias if bias is not None else sb,
-        m,
-        n,
-        k,
-        a_q.stride(0),
-        b_q.stride(0),
-        out.stride(0),
-        sa.stride(0),
-        sb.stride(0),
-        SCALE_ROWS_N=block_n,
-        HAS_BIAS=bias is not None,
-        BLOCK_K=block_k,
-        **cfg,
+    cfg = dict(_block_mm_config(m), BLOCK_K=block_k)
+    return launch_fp8_mm(
+        a_q, b_q, a_scale.float(), b_scale.float(), out_dtype, bias, cfg, scale_block_n=block_n
     )
-    return out
 
 
 # ------------------------------------------ dispatchers ------------------------------------------

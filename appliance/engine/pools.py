@@ -64,6 +64,16 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return per
 
 
+def plan_kv_slots(
+    free: int, held: int, mem_fraction: float, state_bytes: int, per_slot: int, scratch: int
+) -> int:
+    """The startup memory plan's KV slots: `mem_fraction` of the device memory free after weights
+    less `held` (activation peak, ViT reservation, CUDA-graph pools), less the state pools, in
+    slots of `per_slot` bytes (every attention layer's k and v), less the MTP scratch slots."""
+    budget = (free - held) * mem_fraction - state_bytes
+    return int(budget // max(1, per_slot)) - scratch
+
+
 def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype, mtp_step: int = 0) -> int:
     per = 0
     for m in model.modules():
@@ -84,17 +94,23 @@ class Pools:
     model rather than a handful per layer."""
 
     def __init__(
-        self, models: list[nn.Module], sizes: PoolSizes, dtype: torch.dtype, device: torch.device
+        self,
+        models: list[nn.Module],
+        sizes: PoolSizes,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,  # the KV pools' dtype (fp8 e4m3); None = dtype
     ) -> None:
         self.sizes = sizes
+        self.kv_dtype = kv_dtype or dtype
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         modules = [m for model in models for m in model.modules()]
         for m in modules:
             if isinstance(m, Attention):
                 shape = (sizes.num_kv_rows, m.num_kv_heads, m.head_dim)
                 m.kv_cache = (
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=device),
+                    torch.zeros(shape, dtype=self.kv_dtype, device=device),
                 )
                 self.kv.append(m.kv_cache)
         self.gdn_layers = [m for m in modules if isinstance(m, GatedDeltaNet)]
@@ -105,12 +121,27 @@ class Pools:
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
         st_mib = sum(t.numel() * t.element_size() for t in self.stacked.values()) / 2**20
         log.info(
-            "pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",
+            "pools: %d KV slots (%s, %.1f MiB), %d request/state slots (%.1f MiB)",
             sizes.num_kv_slots,
+            str(self.kv_dtype).removeprefix("torch."),
             kv_mib,
             sizes.num_req_slots,
             st_mib,
         )
+
+    def log_kv_scales(self, models: list[nn.Module]) -> None:
+        """With an fp8 KV pool: which k / v scales each attention layer uses (checkpoint or 1.0)."""
+        layers = [(n, m) for model in models for n, m in model.named_modules()]
+        layers = [(n, m) for n, m in layers if isinstance(m, Attention)]
+        from_ckpt = [(n, m) for n, m in layers if m.kv_scales_source.startswith("checkpoint")]
+        log.info(
+            "fp8 KV cache: k/v scales from the checkpoint for %d of %d attention layers, 1.0 "
+            "for the rest",
+            len(from_ckpt),
+            len(layers),
+        )
+        for name, m in from_ckpt:
+            log.info("fp8 KV cache scales of %s: %s", name, m.kv_scales_source)
 
     def _bind_states(self, sizes: PoolSizes, dtype: torch.dtype, device: torch.device) -> None:
         first, rows = self.gdn_layers[0], sizes.mtp_step + 1

@@ -34,7 +34,13 @@ from appliance.engine.mtp_graphs import (
     mtp_graph_reserve_bytes,
 )
 from appliance.engine.pending import PendingStep
-from appliance.engine.pools import Pools, PoolSizes, kv_bytes_per_slot, state_bytes_per_slot
+from appliance.engine.pools import (
+    Pools,
+    PoolSizes,
+    kv_bytes_per_slot,
+    plan_kv_slots,
+    state_bytes_per_slot,
+)
 from appliance.engine.prompt_logprobs import score_prompts
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
@@ -47,6 +53,7 @@ from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
 from kernels import backends
+from kernels.attention import KV_CACHE_DTYPES
 from visual.shm import SharedMemoryImageStore
 
 log = get_logger(__name__)
@@ -86,6 +93,8 @@ class ModelRunner:
         if dtype == "auto":
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = _DTYPES[dtype]
+        kv_dtype = config.cache.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv_dtype == "auto" else KV_CACHE_DTYPES[kv_dtype]
         self.backends = backends.configure(
             attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
@@ -102,8 +111,14 @@ class ModelRunner:
         self.mtp_step = config.scheduler.mtp_step
         self.draft_modules = self._build_drafts() if self.mtp_step else []
         self.pools = Pools(
-            [self.model, *self.draft_modules], self._pool_sizes(), self.dtype, self.device
+            [self.model, *self.draft_modules],
+            self._pool_sizes(),
+            self.dtype,
+            self.device,
+            self.kv_dtype,
         )
+        if self.kv_dtype != self.dtype:
+            self.pools.log_kv_scales([self.model, *self.draft_modules])
         sizes = self.pools.sizes
         self.num_kv_slots = sizes.num_kv_slots
         if self.max_model_len > self.num_kv_slots:
@@ -269,6 +284,7 @@ class ModelRunner:
             PoolSizes(tokens, 1, tokens, self.mtp_step),
             self.dtype,
             self.device,
+            self.kv_dtype,
         )
         probe_requests = RequestTable(1, tokens, self.mtp_step, self.device)
         torch.cuda.synchronize(self.device)
@@ -294,8 +310,8 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         rows = sched.max_num_seqs + (1 if self.graph_max_bs else 0)  # + the padding slot
         state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * rows
-        per_slot = max(
-            1, sum(kv_bytes_per_slot(m, self.dtype) for m in [self.model, *self.draft_modules])
+        per_slot = sum(
+            kv_bytes_per_slot(m, self.kv_dtype) for m in [self.model, *self.draft_modules]
         )
         vocab = self.text_config.vocab_size
         graphs = graph_reserve_bytes(self.graph_max_bs, vocab)
@@ -303,17 +319,21 @@ class ModelRunner:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
         held = activation + self.reserved_bytes + graphs
-        budget = (free - held) * self.config.cache.mem_fraction - state
-        slots = int(budget // per_slot) - sched.max_num_seqs * self.mtp_step  # scratch slots
+        scratch = sched.max_num_seqs * self.mtp_step
+        mem_fraction = self.config.cache.mem_fraction
+        slots = plan_kv_slots(free, held, mem_fraction, state, per_slot, scratch)
         log.info(
             "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
-            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools -> %d KV slots",
+            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools -> %d KV slots of %d B "
+            "(%s)",
             free / 2**30,
             activation / 2**30,
             self.reserved_bytes / 2**30,
             graphs / 2**30,
             state / 2**30,
             slots,
+            per_slot,
+            str(self.kv_dtype).removeprefix("torch."),
         )
         if slots < sched.max_num_batched_tokens:
             raise RuntimeError(

@@ -16,7 +16,12 @@ from safetensors import safe_open
 from torch import nn
 
 from appliance.logging import get_logger
-from appliance.models.quant_weights import ScaleCheck, finish_loading, map_with_scales
+from appliance.models.quant_weights import (
+    KVScaleLoader,
+    ScaleCheck,
+    finish_loading,
+    map_with_scales,
+)
 from appliance.progress import Progress
 
 log = get_logger(__name__)
@@ -75,12 +80,19 @@ def load_weights(
 
     `tied` maps a parameter that may be absent from the checkpoint to the one it copies
     (e.g. lm_head.weight -> model.embed_tokens.weight with tie_word_embeddings). fp8 scale
-    tensors load beside their weights (quant_weights.py); an fp8 tensor without one is refused."""
+    tensors load beside their weights (quant_weights.py); an fp8 tensor without one is refused.
+    KV-cache scales (`self_attn.k_scale` ...) go to their attention layer (1.0 where absent)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     scales = ScaleCheck()
+    kv_scales = KVScaleLoader(model)
     for name, tensor in tensors:
+        try:
+            if kv_scales.take(name, tensor):
+                continue
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
         mapped = map_with_scales(model, name)
         if mapped is None:
             continue
@@ -113,6 +125,7 @@ def load_weights(
         if unexpected:
             parts.append(f"unexpected keys: {_short_list(unexpected)}")
         raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(parts))
+    kv_scales.apply()
     finish_loading(model)
 
 

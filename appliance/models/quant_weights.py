@@ -1,10 +1,14 @@
 """The loader's side of fp8 checkpoints: scale tensors (`<weight>_scale_inv` in Qwen / DeepSeek
 block checkpoints, `<weight>_scale` in compressed-tensors ones) follow their weight's name mapping
-onto the layer's `<param>_scale`; every fp8 tensor must come with a scale; layers finish (online
-quantization) once all tensors are in. Called by appliance/models/loader.py."""
+onto the layer's `<param>_scale`; every fp8 tensor must come with a scale; KV-cache scales go to
+their attention layer (`KVScaleLoader`); layers finish (online quantization) once all tensors are
+in. Called by appliance/models/loader.py."""
 
 from __future__ import annotations
 
+import re
+
+import torch
 from torch import nn
 
 from kernels.fp8 import FP8_DTYPE
@@ -51,3 +55,59 @@ def finish_loading(model: nn.Module) -> None:
         finish = getattr(module, "finish_loading", None)
         if finish is not None:
             finish()
+
+
+# KV-cache scales as checkpoints name them: llm-compressor / compressed-tensors kv_cache_scheme
+# (`self_attn.k_scale`, `v_scale`), AutoFP8 / older vLLM (`self_attn.kv_scale`, both), Quark and
+# older compressed-tensors (`k_proj.output_scale`), vLLM's module names (`self_attn.attn.k_scale`)
+_KV_SCALE = re.compile(
+    r"^(?P<attn>.*\.self_attn)\.(?:attn\.)?"
+    r"(?:(?P<kv>[kv])_scale|kv_scale|(?P<proj>[kv])_proj\.output_scale)$"
+)
+# scales of fp8 attention arithmetic (vLLM's q_scale / prob_scale): attention here computes in
+# the model dtype, so they are read past
+_UNUSED_ATTN_SCALE = re.compile(r"^.*\.self_attn\.(?:attn\.)?(?:q_scale|prob_scale)$")
+
+
+class KVScaleLoader:
+    """Collects the KV-cache scales of a checkpoint and hands them to the attention layers
+    (`Attention.set_kv_scales`); layers without one keep 1.0. A scale per head is reduced to its
+    maximum: the cache is written here from full-precision k / v, so any scale is a valid choice
+    and the largest never saturates a head the checkpoint calibrated."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.found: dict[str, dict[str, tuple[float, str]]] = {}  # module -> k/v -> (value, name)
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether `name` is a KV-cache scale (consumed here, never a parameter)."""
+        if _UNUSED_ATTN_SCALE.match(name):
+            return True
+        match = _KV_SCALE.match(name)
+        if match is None:
+            return False
+        mapped = self.model.map_weight_name(f"{match['attn']}.k_proj.weight")
+        if mapped is None:  # another component's layer (the MTP head of the main model)
+            return True
+        module = mapped[0].removesuffix(".k_proj.weight")
+        value = float(tensor.float().max()) if tensor.numel() else float("nan")
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name}: KV-cache scale {value} (expected a finite number > 0)")
+        which = match["kv"] or match["proj"]
+        for kind in (which,) if which else ("k", "v"):
+            self.found.setdefault(module, {})[kind] = (value, name)
+        return True
+
+    def apply(self) -> None:
+        for module_name, module in self.model.named_modules():
+            if not hasattr(module, "set_kv_scales"):
+                continue
+            got = self.found.get(module_name)
+            if not got:
+                continue
+            values, parts = [], []
+            for kind in ("k", "v"):
+                value, name = got.get(kind, (1.0, f"{kind}_scale (absent, default)"))
+                values.append(value)
+                parts.append(f"{name}={value:g}")
+            module.set_kv_scales(*values, f"checkpoint: {', '.join(parts)}")

@@ -10,7 +10,8 @@ the same model with the dequantised weights (the comparison model of the tests).
   activations) and an `ignore` list of names and `re:` patterns.
 Fused experts get `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] / `gate_up_proj_scale` [E, 2I, 1];
 `expert_layout="per_expert"` splits them into `experts.{e}.{gate,up,down}_proj.weight` first.
-Called by tests/models/test_fp8_checkpoints.py.
+`add_kv_cache_scales` adds per-layer KV-cache scales under the names checkpoints use.
+Called by tests/models/test_fp8_checkpoints.py and tests/appliance/engine/test_kv_cache_fp8.py.
 """
 
 from __future__ import annotations
@@ -173,3 +174,59 @@ def write_fp8_checkpoint(
     config["quantization_config"] = _quant_config(layout, block, kept, ignore)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+KV_SCALE_NAMINGS = {  # how checkpoints name a full-attention layer's KV-cache scales
+    "k_scale": (".self_attn.k_scale", ".self_attn.v_scale"),  # llm-compressor kv_cache_scheme
+    "attn.k_scale": (".self_attn.attn.k_scale", ".self_attn.attn.v_scale"),  # vLLM module names
+    "kv_scale": (".self_attn.kv_scale",),  # AutoFP8 / older vLLM: one scale for both
+    "output_scale": (".self_attn.k_proj.output_scale", ".self_attn.v_proj.output_scale"),  # Quark
+}
+KV_CACHE_SCHEME = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+}
+
+
+def add_kv_cache_scales(
+    ckpt: str | Path, scales: dict[str, tuple[float, float]], naming: str = "k_scale"
+) -> dict[str, tuple[float, float]]:
+    """Adds per-layer KV-cache scales to the checkpoint in `ckpt` (in place), as quantised
+    checkpoints carry them. `scales` maps a full-attention layer's checkpoint prefix (the name
+    before `.self_attn`, e.g. `model.language_model.layers.3` or `mtp.layers.0`) to (k, v); the
+    "kv_scale" naming writes one value (k) for both. A compressed-tensors config gets its
+    `kv_cache_scheme`. Returns what the loader should find per prefix: (k, v)."""
+    if naming not in KV_SCALE_NAMINGS:
+        raise ValueError(f"naming={naming!r}: expected one of {', '.join(KV_SCALE_NAMINGS)}")
+    ckpt = Path(ckpt)
+    tensors = _read(ckpt)
+    expected = {}
+    for prefix, (k, v) in scales.items():
+        if f"{prefix}.self_attn.k_proj.weight" not in tensors:
+            raise ValueError(f"{prefix} is not a full-attention layer of {ckpt}")
+        values = (k,) if naming == "kv_scale" else (k, v)
+        for suffix, value in zip(KV_SCALE_NAMINGS[naming], values):
+            tensors[prefix + suffix] = torch.tensor(value, dtype=torch.float32)
+        if naming == "attn.k_scale":  # vLLM-exported fp8-attention checkpoints also carry these
+            tensors[prefix + ".self_attn.attn.q_scale"] = torch.tensor(1.0)
+            tensors[prefix + ".self_attn.attn.prob_scale"] = torch.tensor(1.0)
+        expected[prefix] = (k, k) if naming == "kv_scale" else (k, v)
+    for file in ckpt.glob("*.safetensors"):
+        file.unlink()
+    (ckpt / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, str(ckpt / "model.safetensors"), {"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") == "compressed-tensors":
+        quant["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+        (ckpt / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return expected
+
+
+def attention_prefixes(ckpt: str | Path) -> list[str]:
+    """Checkpoint prefixes of the full-attention layers (main model and MTP head)."""
+    suffix = ".self_attn.k_proj.weight"
+    return sorted(n.removesuffix(suffix) for n in _read(Path(ckpt)) if n.endswith(suffix))

@@ -9,6 +9,7 @@ decode step measured in the same run: (weight bytes + KV bytes read + GDN state 
 written) / the device-to-device copy bandwidth measured here, so the plain step is read against
 physics.
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
+`--kv-cache-dtype fp8_e4m3` runs the same steps over fp8 KV pools (the floor counts their bytes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from appliance.config import (
+    CacheConfig,
     EngineConfig,
     GraphConfig,
     ModelConfig,
@@ -160,7 +162,7 @@ def active_weight_bytes(model: torch.nn.Module, batch: int) -> float:
 def step_bytes(runner: ModelRunner, batch: int, context: int) -> float:
     """Bytes a plain decode step must move: the weights it reads once (only the routed experts of a
     MoE model), each request's KV (its context) once, each request's GDN state read and written."""
-    kv = sum(kv_bytes_per_slot(m, runner.dtype) for m in [runner.model])
+    kv = sum(kv_bytes_per_slot(m, runner.kv_dtype) for m in [runner.model])
     state = state_bytes_per_slot(runner.model, runner.dtype, 0)
     return active_weight_bytes(runner.model, batch) + batch * (context * kv + 2 * state)
 
@@ -238,6 +240,7 @@ def build_runner(
     graphs: bool,
     device: str = "auto",
     quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A runner on dummy weights from a real config.json, with pools sized for the benchmark;
     `quantization`: none, fp8 (online, per channel) or block (the official -FP8 repos' layout)."""
@@ -261,6 +264,7 @@ def build_runner(
                 num_kv_slots=need * 2,
             ),
             parallel=ParallelConfig(device=device),
+            cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
             graphs=GraphConfig(disable_cuda_graph=not graphs),
         )
         return ModelRunner(engine)
@@ -313,6 +317,7 @@ def main() -> None:
         choices=["none", "fp8", "block"],
         help="weights: bf16, online fp8 per channel, or block fp8 as in Qwen's -FP8 repos",
     )
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -325,6 +330,7 @@ def main() -> None:
         "on" in args.graphs,
         args.device,
         args.quantization,
+        args.kv_cache_dtype,
     )
     bandwidth = copy_bandwidth()
     captured = runner.graphs

@@ -179,7 +179,7 @@ def pools_with_runner(ckpt: Path, reserved: int, args, device: torch.device, pro
     if "free" not in seen:
         raise RuntimeError("ModelRunner did not size its pools from memory")
     models = [runner.model, *runner.draft_modules]
-    per_slot = max(1, sum(kv_bytes_per_slot(m, runner.dtype) for m in models))
+    per_slot = max(1, sum(kv_bytes_per_slot(m, runner.kv_dtype) for m in models))
     seqs = engine.scheduler.max_num_seqs
     state = state_bytes_per_slot(runner.model, runner.dtype, runner.mtp_step) * seqs
     expected = runner_formula(

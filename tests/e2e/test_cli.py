@@ -4,6 +4,7 @@ bad values are rejected naming the field."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -84,6 +85,10 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == "appliance serve: error: --transport carrier-pigeon: expected ipc or tcp\n"
     with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert err == "appliance serve: error: --kv-cache-dtype fp8: expected auto or fp8_e4m3\n"
+    with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--tp", "two"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --tp: invalid int value: 'two'" in err
@@ -94,6 +99,23 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path)])
     assert "not a checkpoint folder (no config.json)" in capsys.readouterr().err
+
+
+def test_unsupported_checkpoint_quantization_is_one_line_before_starting(capsys, tmp_path):
+    ckpt = tmp_path / "awq-model"
+    ckpt.mkdir()
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "quantization_config": {"quant_method": "awq"},
+    }
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "model.safetensors").write_bytes(b"")  # never read: the check comes first
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(ckpt), "--port", str(free_port())])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("appliance serve: error: awq-model: quant_method 'awq' is not supported")
+    assert err.count("\n") == 1 and "compressed-tensors" in err and "weight_block_size" in err
 
 
 def _run_cli(args: list[str], env: dict[str, str], cwd=ROOT) -> tuple[int, str, float]:

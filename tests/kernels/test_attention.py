@@ -10,12 +10,14 @@ from kernel_cases import DEVICE, generator, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
 from kernels.attention import (
+    KVScales,
     paged_attention,
     paged_attention_ref,
     paged_attention_triton,
     store_kv_ref,
     store_kv_triton,
 )
+from kernels.fp8 import FP8_DTYPE
 
 
 def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed, q_view=False):
@@ -150,3 +152,114 @@ def test_flashinfer_adapter_matches_reference(q_lens, seq_lens):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="flashinfer")
     again = paged_attention_flashinfer(*args, 256**-0.5)  # the cached plan is reused
     assert torch.equal(again, got)
+
+
+# ------------------------------------------------------------------ fp8 KV cache
+
+
+def fp8_cache(args, k_scale: float, v_scale: float, dtype: torch.dtype):
+    """make_batch's caches stored as e4m3 with per-layer scales (through the reference store), and
+    the scales as the [1] fp32 device tensors the kernels take."""
+    q, k_cache, v_cache, *meta = args
+    scales = [torch.tensor([s], dtype=torch.float32, device=DEVICE) for s in (k_scale, v_scale)]
+    slots = torch.arange(k_cache.shape[0], device=DEVICE)
+    caches = [torch.empty(k_cache.shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
+    store_kv_ref(k_cache, v_cache, *caches, slots, *scales)
+    return (q.to(dtype), *caches, *meta), scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp8_kv_attention_matches_dequantized_reference(case, dtype):
+    """e4m3 cache with scales != 1: Triton == the reference that dequantises the same cache, and
+    the reference equals plain attention over the dequantised values (what fp8 KV means)."""
+    q_lens, seq_lens, hq, hkv, d = CASES[case]
+    base = make_batch(q_lens, seq_lens, hq, hkv, d, torch.float32, seed=len(case) + 40)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.5, dtype)
+    scale = d**-0.5
+    expected = paged_attention_ref(*args, scale, k_scale, v_scale)
+    out = poison(torch.empty(args[0].shape, dtype=dtype, device=DEVICE))
+    got = paged_attention_triton(*args, scale, out=out, k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name=f"fp8 {case}")
+    deq = (args[1].float() * 0.02, args[2].float() * 0.5)
+    plain = paged_attention_ref(args[0].float(), *deq, *args[3:], scale)
+    assert_close(expected, plain, dtype, factor=ACCUMULATING, name=f"fp8 meaning {case}")
+
+
+def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
+    base = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=8)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.float32)
+    expected = paged_attention_ref(*args, 0.2, k_scale, v_scale)
+    for splits in (1, 4):
+        got = paged_attention_triton(
+            *args, 0.2, max_q_len=2, num_splits=splits, k_scale=k_scale, v_scale=v_scale
+        )
+        assert_close(got, expected, torch.float32, name=f"fp8 splits={splits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_fp8_divides_by_the_scale_and_saturates(dtype):
+    k = randn(6, 2, 24, dtype=dtype, seed=4) * 3
+    v = randn(6, 2, 24, dtype=dtype, seed=5)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 447.0 * 0.5, 0.0])  # saturates at +-448 (scale 0.5)
+    scales = [torch.tensor([s], device=DEVICE) for s in (0.5, 0.01)]
+    slots = torch.tensor([9, 2, 0, 5, 7, 3], device=DEVICE)
+    ref = [torch.zeros(10, 2, 24, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
+    got = [torch.zeros(10, 2, 24, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
+    store_kv_ref(k, v, *ref, slots, *scales)
+    store_kv_triton(k, v, *got, slots, *scales)
+    for r, g in zip(ref, got):
+        assert torch.equal(r.view(torch.uint8), g.view(torch.uint8))
+    row = got[0][9, 0, :4].float()
+    assert row.tolist()[:2] == [448.0, -448.0] and not torch.isnan(got[0].float()).any()
+    torch.testing.assert_close(
+        got[1][slots].float() * 0.01, v.float(), rtol=0.07, atol=0.01 * 2**-6
+    )
+    assert torch.equal(got[0][1].float(), torch.zeros(2, 24))  # untouched slot
+
+
+def test_fp8_cache_without_scales_is_refused():
+    args = make_batch([1], [5], 4, 2, 16, torch.float32, seed=2)
+    fp8_args, _ = fp8_cache(args, 1.0, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged_attention_triton(*fp8_args, 0.25)
+
+
+def test_dispatcher_passes_kv_scales_to_the_reference_on_cpu():
+    base = make_batch([2, 1], [5, 9], 4, 2, 16, torch.float32, seed=3)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.1, 2.0, torch.float32)
+    scales = KVScales(k_scale, v_scale, 0.1, 2.0)
+    got = paged_attention(*args, 0.25, kv_scales=scales)
+    assert_close(got, paged_attention_ref(*args, 0.25, k_scale, v_scale), torch.float32, name="d")
+
+
+@gpu
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([1] * 64, [4096] * 64), ([1], [32768]), ([4] * 16, [2048] * 16), ([2048, 5], [6144, 5])],
+    ids=["decode64x4k", "decode1x32k", "verify16", "prefill_prefix"],
+)
+def test_full_size_fp8_kv(q_lens, seq_lens):
+    base = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=13)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.02, torch.bfloat16)
+    expected = paged_attention_ref(*args, 256**-0.5, k_scale, v_scale)
+    got = paged_attention_triton(*args, 256**-0.5, k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="full fp8")
+
+
+@gpu
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None, reason="optional flashinfer not installed"
+)
+@pytest.mark.parametrize(
+    "q_lens,seq_lens", [([1] * 16, [4096] * 16), ([4] * 8, [1024] * 8), ([700, 5], [900, 5])]
+)
+def test_flashinfer_fp8_kv_matches_reference(q_lens, seq_lens):
+    """flashinfer with kv_data_type e4m3 and its k_scale / v_scale == our dequantising reference."""
+    from kernels.adapters import paged_attention_flashinfer
+
+    base = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=14)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.03, torch.bfloat16)
+    expected = paged_attention_ref(*args, 256**-0.5, k_scale, v_scale)
+    got = paged_attention_flashinfer(*args, 256**-0.5, kv_scales=(0.02, 0.03))
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="flashinfer fp8")

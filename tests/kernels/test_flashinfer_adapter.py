@@ -32,10 +32,15 @@ class _Wrapper:
             self.qo, indptr, indices, last, hq, hkv, d, page = args
         assert page == 1 and bool((last == 1).all())
         self.indptr, self.indices, self.scale = indptr.long(), indices.long(), kwargs["sm_scale"]
+        self.kv_dtype = kwargs["kv_data_type"]
         _Wrapper.plans.append(self)
 
-    def run(self, q, kv):
+    def run(self, q, kv, k_scale=None, v_scale=None):
+        """k_scale / v_scale: flashinfer's fp8 calibration scales (sm_scale *= k_scale, out *=
+        v_scale); the cache must have the dtype planned as kv_data_type."""
         k_cache, v_cache = (c[:, 0] for c in kv)  # [slots, 1, Hkv, D] -> [slots, Hkv, D]
+        assert k_cache.dtype == self.kv_dtype and v_cache.dtype == self.kv_dtype
+        self.run_scales = (k_scale, v_scale)
         out = torch.empty_like(q)
         group = q.shape[1] // k_cache.shape[1]
         for b in range(self.indptr.numel() - 1):
@@ -43,13 +48,12 @@ class _Wrapper:
             rows = q[self.qo[b] : self.qo[b + 1]].float()  # [n, Hq, D]
             k = k_cache[keys].float().repeat_interleave(group, 1)
             v = v_cache[keys].float().repeat_interleave(group, 1)
-            s = torch.einsum("nhd,lhd->hnl", rows, k) * self.scale
+            s = torch.einsum("nhd,lhd->hnl", rows, k) * self.scale * (k_scale or 1.0)
             n, length = rows.shape[0], keys.numel()
             visible = torch.arange(length)[None, :] <= torch.arange(length - n, length)[:, None]
             s = s.masked_fill(~visible, float("-inf"))
-            out[self.qo[b] : self.qo[b + 1]] = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v).to(
-                q.dtype
-            )
+            o = torch.einsum("hnl,lhd->nhd", s.softmax(-1), v) * (v_scale or 1.0)
+            out[self.qo[b] : self.qo[b + 1]] = o.to(q.dtype)
         return out
 
 
@@ -78,3 +82,22 @@ def test_one_plan_per_forward_and_reference_results(monkeypatch):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
             assert len(_Wrapper.plans) == before + 1
             assert _Wrapper.plans[-1].decode == (max(q_lens) == 1)
+
+
+def test_fp8_cache_plans_e4m3_and_passes_the_scales(monkeypatch):
+    """An fp8 cache: planned with kv_data_type e4m3, run with k_scale / v_scale as floats; the
+    result is the reference over the dequantised cache."""
+    from test_attention import fp8_cache
+
+    _install(monkeypatch)
+    from kernels.adapters import paged_attention_flashinfer
+
+    for q_lens, seq_lens in (([1, 1], [7, 30]), ([3, 2], [9, 30])):  # decode and prefill wrappers
+        base = make_batch(q_lens, seq_lens, 4, 2, 16, torch.float32, seed=5)
+        args, (k_scale, v_scale) = fp8_cache(base, 0.03, 0.7, torch.float32)
+        expected = paged_attention_ref(*args, 0.25, k_scale, v_scale)
+        with torch.inference_mode():
+            got = paged_attention_flashinfer(*args, 0.25, kv_scales=(0.03, 0.7))
+        assert _Wrapper.plans[-1].kv_dtype == torch.float8_e4m3fn
+        assert _Wrapper.plans[-1].run_scales == (0.03, 0.7)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

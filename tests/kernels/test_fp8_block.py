@@ -53,7 +53,12 @@ def operands(m, n, k, block, seed):
 
 @pytest.mark.parametrize(
     "m,n,k,block",
-    [(3, 48, 64, (16, 32)), (20, 40, 300, (32, 64)), (17, 130, 256, (128, 128))],
+    [
+        (3, 48, 64, (16, 32)),
+        (20, 40, 300, (32, 64)),
+        (17, 130, 256, (128, 128)),
+        (150, 200, 64, (32, 32)),  # several M tiles: the grouped tile order of the shared kernel
+    ],
 )
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_block_mm_matches_reference(m, n, k, block, out_dtype):

@@ -12,12 +12,15 @@ or routing flips amplify it; argmax flips only seen at gaps <= 0.38)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from fp8_cases import (
+    IDS,
     dequantized_params,
+    engine_logits,
     logits,
     runner,
     tp_rank_main,
@@ -27,7 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from appliance.models.layers.quant import ONLINE_IGNORE
 from appliance.models.loader import CheckpointMismatch
-from appliance.testing.fp8_checkpoint import write_fp8_checkpoint
+from appliance.testing.fp8_checkpoint import (
+    add_kv_cache_scales,
+    attention_prefixes,
+    write_fp8_checkpoint,
+)
 from appliance.testing.tiny import build_qwen3_5
 from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from kernels.fp8 import FP8_DTYPE
@@ -183,6 +190,15 @@ def _with_config(src, dst, edit) -> None:
     (dst / "config.json").write_text(json.dumps(cfg))
 
 
+def _ct_weights(**fields):
+    """A config edit setting compressed-tensors weight-scheme fields."""
+
+    def edit(config: dict) -> None:
+        config["quantization_config"]["config_groups"]["group_0"]["weights"].update(fields)
+
+    return edit
+
+
 @pytest.mark.parametrize(
     "name,edit,words",
     [
@@ -197,13 +213,7 @@ def _with_config(src, dst, edit) -> None:
             lambda c: c["quantization_config"].update(activation_scheme="static"),
             ["'static'", "dynamic"],
         ),
-        (
-            "dense-ct",
-            lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
-                strategy="group"
-            ),
-            ["'group'", "channel"],
-        ),
+        ("dense-ct", _ct_weights(strategy="group"), ["'group'", "channel"]),
         (
             "dense-ct",
             lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
@@ -215,6 +225,21 @@ def _with_config(src, dst, edit) -> None:
             "dense-fp8",
             lambda c: c["quantization_config"].update(weight_block_size=[64, 64]),
             ["block [64, 64]", "block_n"],
+        ),
+        ("dense-fp8", lambda c: c["quantization_config"].update(fmt="e5m2"), ["'e5m2'", "e4m3"]),
+        (
+            "dense-ct",
+            lambda c: c["quantization_config"].update(format="pack-quantized"),
+            ["'pack-quantized'", "float-quantized"],
+        ),
+        ("dense-ct", _ct_weights(type="int"), ["type='int'", "'float'"]),
+        ("dense-ct", _ct_weights(num_bits=4), ["num_bits=4", "8"]),
+        (
+            "dense-ct",
+            lambda c: c["quantization_config"]["config_groups"].update(
+                group_1=c["quantization_config"]["config_groups"]["group_0"]
+            ),
+            ["2 config_groups", "one"],
         ),
     ],
 )
@@ -267,3 +292,23 @@ def test_tp2_shards_scales_with_their_weights(name, written, monkeypatch, tmp_pa
         start_method="spawn",
     )
     torch.testing.assert_close(torch.load(out), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name,naming", [("dense-ct", "k_scale"), ("dense-fp8", "kv_scale")])
+def test_kv_cache_scales_load_with_the_fp8_checkpoint(name, naming, written, tmp_path):
+    """A quantised checkpoint with KV-cache scales (compressed-tensors kv_cache_scheme, AutoFP8's
+    kv_scale) loads; with --kv-cache-dtype fp8_e4m3 every attention layer (MTP included) uses
+    them, and the logits stay within the fp8 tolerance of the dequantised twin."""
+    q, d = written[name]
+    ckpt = shutil.copytree(q, tmp_path / "ckpt")
+    prefixes = attention_prefixes(ckpt)
+    expected = add_kv_cache_scales(ckpt, {p: (0.02, 0.015) for p in prefixes}, naming)
+    if name == "dense-ct":
+        scheme = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+        assert scheme["kv_cache_scheme"]["type"] == "float"
+    r = runner(ckpt, kv_cache_dtype="fp8_e4m3", mtp_step=1)
+    layers = [m for mod in (r.model, *r.draft_modules) for m in mod.modules()]
+    scales = [m.kv_scales_host for m in layers if hasattr(m, "kv_scales_host")]
+    assert scales == [pytest.approx(v) for _, v in sorted(expected.items())]
+    assert len(scales) == len(prefixes) == 3
+    _expect_close_real_path(engine_logits(r, [IDS], chunk=16)[0], logits(d))

@@ -1,6 +1,7 @@
 """Full-attention layer for Qwen3.5 (gated output, zero-centred q/k norms, partial rotary) and
 Qwen3-VL (no gate, ordinary norms, M-RoPE). Reads the step's ForwardContext; K/V live in the shared
-KV pool."""
+KV pool (bound by appliance/engine/pools.py), in the model dtype or fp8 e4m3 with this layer's
+k / v scales (1.0 unless the checkpoint has them; set by the loader through `set_kv_scales`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from kernels.attention import paged_attention, store_kv
+from kernels.attention import KVScales, paged_attention, store_kv
 from kernels.rotary import apply_rotary
 
 
@@ -65,6 +66,23 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.k_norm = RMSNorm(head_dim, eps, zero_centered_norm)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # bound by the runner
+        # fp8 KV dequantisation scales: device tensors updated in place (CUDA graphs read their
+        # addresses), host copies for flashinfer; used only when the pool is fp8
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.kv_scales_host = (1.0, 1.0)
+        self.kv_scales_source = "1.0 (default)"
+
+    def set_kv_scales(self, k_scale: float, v_scale: float, source: str) -> None:
+        with torch.no_grad():
+            self.k_scale.fill_(k_scale)
+            self.v_scale.fill_(v_scale)
+        self.kv_scales_host = (float(k_scale), float(v_scale))
+        self.kv_scales_source = source
+
+    @property
+    def kv_scales(self) -> KVScales:
+        return KVScales(self.k_scale, self.v_scale, *self.kv_scales_host)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -79,7 +97,8 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = self.kv_cache
-        store_kv(k, v, k_cache, v_cache, ctx.out_kv_slots)
+        scales = self.kv_scales
+        store_kv(k, v, k_cache, v_cache, ctx.out_kv_slots, scales)
         out = paged_attention(
             q,
             k_cache,
@@ -90,6 +109,7 @@ class Attention(nn.Module):
             ctx.seq_lens,
             self.scale,
             max_q_len=ctx.max_q_len,
+            kv_scales=scales,
         )
         out = out.reshape(num_tokens, -1)
         if self.gated:

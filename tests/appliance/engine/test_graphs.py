@@ -9,7 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-from appliance.config import EngineConfig, GraphConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from appliance.config import (
+    CacheConfig,
+    EngineConfig,
+    GraphConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from appliance.engine.graphs import (
     DecodeGraphs,
     graph_batch_sizes,
@@ -55,15 +62,16 @@ def test_plain_decode_rule():
     assert not is_plain_decode([ScheduledChunk(1, 7, 1, [10], False)])  # no sample
 
 
-def _runner(model_dir, graphs: bool) -> ModelRunner:
+def _runner(model_dir, graphs: bool, kv_cache_dtype: str = "auto") -> ModelRunner:
     config = EngineConfig(
         model=ModelConfig(model_dir=str(model_dir), max_model_len=128),
         scheduler=SchedulerConfig(max_num_seqs=8, num_kv_slots=1024),
+        cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
     )
     runner = ModelRunner(config)
     if graphs:  # what the runner does on CUDA: padded pools, then the graph step (uncaptured)
         sizes = dataclasses.replace(runner.pools.sizes, padding=True)
-        runner.pools = Pools([runner.model], sizes, runner.dtype, runner.device)
+        runner.pools = Pools([runner.model], sizes, runner.dtype, runner.device, runner.kv_dtype)
         runner.requests = RequestTable(sizes.num_req_rows, sizes.max_model_len, 0, runner.device)
         cfg = runner.text_config
         runner.graphs = DecodeGraphs(
@@ -98,14 +106,16 @@ def _generate(runner: ModelRunner, prompts, options, steps: int) -> list[list[in
     return [out[s] for s in slots]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_dense", "tiny_moe"])
-def test_graph_step_matches_eager_and_padding_stays_apart(fixture, request):
+@pytest.mark.parametrize(
+    "fixture,kv", [("tiny_dense", "auto"), ("tiny_moe", "auto"), ("tiny_dense", "fp8_e4m3")]
+)
+def test_graph_step_matches_eager_and_padding_stays_apart(fixture, kv, request):
     model_dir = request.getfixturevalue(fixture)
     prompts = [[11, 300, 42, 7, 99], list(range(100, 117)), [5, 6, 7]]  # 3 rows -> bucket 4
     options = [GREEDY, SEEDED, GREEDY]
-    eager = _generate(_runner(model_dir, graphs=False), prompts, options, steps=6)
+    eager = _generate(_runner(model_dir, graphs=False, kv_cache_dtype=kv), prompts, options, 6)
 
-    runner = _runner(model_dir, graphs=True)
+    runner = _runner(model_dir, graphs=True, kv_cache_dtype=kv)
     replays = []
     run = runner.graphs.run
     runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
@@ -121,17 +131,43 @@ def test_graph_step_matches_eager_and_padding_stays_apart(fixture, request):
     assert torch.equal(gdn.ssm_states[0], idle_state)
     assert torch.equal(k_cache[500:1024], unused_kv)
     pad_kv = runner.pools.sizes.pad_kv_slot
-    assert k_cache[pad_kv].abs().sum() > 0  # the padding row wrote its own slot
+    assert k_cache[pad_kv].float().abs().sum() > 0  # the padding row wrote its own slot
 
 
-def _gpu_runner(model_dir, graphs: bool) -> ModelRunner:
+def _gpu_runner(model_dir, graphs: bool, kv_cache_dtype: str = "auto") -> ModelRunner:
     config = EngineConfig(
         model=ModelConfig(model_dir=str(model_dir), max_model_len=256, dtype="bfloat16"),
         scheduler=SchedulerConfig(max_num_seqs=16, num_kv_slots=4096),
         parallel=ParallelConfig(device="cuda"),
+        cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
         graphs=GraphConfig(disable_cuda_graph=not graphs, cuda_graph_max_bs=8),
     )
     return ModelRunner(config)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graphs_with_fp8_kv_read_the_scales_at_replay(tmp_path):
+    """fp8 KV through captured decode graphs: the eager tokens; and scales set after capture
+    (as a checkpoint's are set before, through the same tensors) are what replays use."""
+    from appliance.models.layers.attention import Attention
+    from appliance.testing.tiny import build_qwen3_5
+
+    model_dir = build_qwen3_5(tmp_path / "dense", seed=3)
+    prompts = [list(range(7 * i + 3, 7 * i + 12)) for i in range(5)]  # padded to bucket 8
+    options = [GREEDY, SEEDED] * 2 + [GREEDY]
+    for scales in ((1.0, 1.0), (0.02, 0.03)):
+        results = []
+        for graphs in (False, True):
+            runner = _gpu_runner(model_dir, graphs, "fp8_e4m3")
+            assert runner.pools.kv[0][0].dtype == torch.float8_e4m3fn
+            for m in runner.model.modules():
+                if isinstance(m, Attention):
+                    m.set_kv_scales(*scales, "test")
+            results.append(_generate(runner, prompts, options, steps=12))
+        assert results[1] == results[0], scales
+        stored = runner.pools.kv[0][0][:200].float().abs().max()
+        assert (stored > 50) == (scales[0] < 1), stored  # k / 0.02 spreads over the e4m3 range
 
 
 @pytest.mark.gpu

@@ -214,6 +214,22 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_fused_step_is_lossless_on_fp8_kv(tiny_trained):
+    """The draft layer's fp8 KV pool and the verify rows through the captured MTP graphs."""
+    seqs = prompts(3, 200)
+    want = [
+        o.token_ids
+        for o in _gpu_llm(tiny_trained, 0, kv_cache_dtype="fp8_e4m3").generate(seqs, GREEDY)
+    ]
+    llm = _gpu_llm(tiny_trained, 2, kv_cache_dtype="fp8_e4m3")
+    assert all(k.dtype == torch.float8_e4m3fn for k, _ in llm.runner.pools.kv)
+    assert llm.runner.mtp_graphs is not None and llm.runner.mtp_graphs.graphs
+    assert [o.token_ids for o in llm.generate(seqs, GREEDY)] == want
+    assert llm.scheduler.stats().mtp_mean_accept_len > 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_fused_step_accepts_like_the_host_path(tiny_trained, monkeypatch):
     seqs = prompts(6, 64, seed=2)
     results = {}

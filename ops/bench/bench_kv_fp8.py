@@ -1,0 +1,184 @@
+"""fp8 KV cache benchmark: decode attention over an fp8 e4m3 KV cache against the same cache in
+bf16, in one run, at Qwen3.5-27B heads (24 q / 4 kv heads, head_dim 256): median µs, the KV bytes
+read per second, the fp8 output's error against bf16, and the ratio bf16 µs / fp8 µs (the issue's
+goal: >= 1.6x at 8k and 32k context).
+
+GPU (the H200 figures of docs/benchmarks.md; about a minute, most of it Triton compiling):
+    PYTHONPATH=. python ops/bench/bench_kv_fp8.py --contexts 8192,32768 --batches 1,16,64
+adds flashinfer's decode wrapper (both dtypes) when it imports; `--backends triton` leaves it out.
+CPU smoke (the torch reference, tiny shapes; checks the script and the fp8 plumbing):
+    PYTHONPATH=. python ops/bench/bench_kv_fp8.py --device cpu --contexts 64 --batches 2 \
+        --heads 4,2,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import (
+    paged_attention_ref,
+    paged_attention_triton,
+    quantize_kv_ref,
+)
+from kernels.fp8 import FP8_MAX
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    context: int
+    heads: tuple[int, int, int]  # q heads, kv heads, head_dim
+
+
+def make_inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
+    """One decode row per request over `context` cached tokens at scattered slots; the bf16 cache,
+    its e4m3 copy with per-tensor scales calibrated as amax / 448, and the [1] fp32 scales."""
+    hq, hkv, dim = case.heads
+    gen = torch.Generator(device=device).manual_seed(seed)
+    slots = case.batch * case.context
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    k = torch.randn(slots, hkv, dim, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(slots, hkv, dim, device=device, dtype=dtype, generator=gen)
+    perm = torch.randperm(slots, device=device, generator=gen)
+    scales = [(t.float().abs().amax() / FP8_MAX).reshape(1) for t in (k, v)]
+    return {
+        "q": torch.randn(case.batch, hq, dim, device=device, dtype=dtype, generator=gen),
+        "cache": (k, v),
+        "fp8": tuple(quantize_kv_ref(t, s) for t, s in zip((k, v), scales)),
+        "scales": scales,
+        "meta": (
+            perm.int().view(case.batch, case.context),  # req_to_token
+            torch.arange(case.batch, device=device, dtype=torch.int32),  # req_slots
+            torch.arange(case.batch + 1, device=device, dtype=torch.int32),  # cu_seqlens_q
+            torch.full((case.batch,), case.context, device=device, dtype=torch.int32),
+        ),
+    }
+
+
+def runners(inputs: dict, backends: list[str], device: torch.device) -> dict[str, Callable]:
+    """name -> zero-argument call, for each backend x (bf16, fp8)."""
+    q, meta, (k_scale, v_scale) = inputs["q"], inputs["meta"], inputs["scales"]
+    sm_scale = q.shape[-1] ** -0.5
+    out: dict[str, Callable] = {}
+    for backend in backends:
+        for kv in ("bf16", "fp8"):
+            caches = inputs["cache"] if kv == "bf16" else inputs["fp8"]
+            scales = (k_scale, v_scale) if kv == "fp8" else (None, None)
+            if backend == "triton":
+
+                def call(caches=caches, scales=scales):
+                    return paged_attention_triton(
+                        q,
+                        *caches,
+                        *meta,
+                        sm_scale,
+                        max_q_len=1,
+                        k_scale=scales[0],
+                        v_scale=scales[1],
+                    )
+            elif backend == "flashinfer":
+                from kernels.adapters import paged_attention_flashinfer
+
+                host = (float(k_scale), float(v_scale)) if kv == "fp8" else None
+
+                def call(caches=caches, host=host):
+                    return paged_attention_flashinfer(
+                        q, *caches, *meta, sm_scale, max_q_len=1, kv_scales=host
+                    )
+            else:  # torch reference (CPU smoke)
+
+                def call(caches=caches, scales=scales):
+                    return paged_attention_ref(q, *caches, *meta, sm_scale, *scales)
+
+            out[f"{backend}/{kv}"] = call
+    return out
+
+
+def time_us(fn: Callable, device: torch.device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        import triton.testing
+
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") * 1e3
+    times = []
+    for _ in range(max(3, reps // 10)):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def bench_case(case: Case, backends: list[str], device: torch.device, reps: int) -> list[str]:
+    inputs = make_inputs(case, device)
+    calls = runners(inputs, backends, device)
+    hq, hkv, dim = case.heads
+    tokens = case.batch * case.context * hkv * dim * 2  # k and v elements read
+    lines = []
+    for backend in backends:
+        ref = calls[f"{backend}/bf16"]()
+        got = calls[f"{backend}/fp8"]()
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        us = {kv: time_us(calls[f"{backend}/{kv}"], device, reps) for kv in ("bf16", "fp8")}
+        width = inputs["cache"][0].element_size()
+        gbs = {kv: tokens * (width if kv == "bf16" else 1) / (us[kv] * 1e3) for kv in us}
+        ratio = us["bf16"] / us["fp8"]
+        line = (
+            f"| {backend} | {case.batch} | {case.context} | {us['bf16']:.1f} | {gbs['bf16']:.0f} "
+            f"| {us['fp8']:.1f} | {gbs['fp8']:.0f} | **{ratio:.2f}x** | {err:.4f} |"
+        )
+        print(line, flush=True)
+        lines.append(line)
+    del inputs, calls
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="8192,32768", help="KV tokens per request")
+    parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
+    parser.add_argument("--heads", default="24,4,256", help="q heads, kv heads, head_dim")
+    parser.add_argument("--backends", default="auto", help="triton,flashinfer | auto")
+    parser.add_argument("--device", default="auto", help="auto | cuda | cpu (reference smoke)")
+    parser.add_argument("--reps", type=int, default=100, help="timing budget per call (ms on GPU)")
+    parser.add_argument("--out", default=None, help="also write the markdown table here")
+    args = parser.parse_args(argv)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    if device.type == "cuda":
+        backends = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+        if args.backends != "auto":
+            backends = args.backends.split(",")
+    else:
+        backends = ["torch"]
+    heads = tuple(int(x) for x in args.heads.split(","))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"device {name}, torch {torch.__version__}, heads (q, kv, dim) {heads}", flush=True)
+    lines = [
+        "| backend | batch | context | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | bf16/fp8 "
+        "| fp8 rel. error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for context in (int(x) for x in args.contexts.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            lines += bench_case(Case(batch, context, heads), backends, device, args.reps)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

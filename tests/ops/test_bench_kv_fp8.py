@@ -1,0 +1,21 @@
+"""ops/bench/bench_kv_fp8.py at a tiny size on CPU (the torch reference): one table row per case
+with both timings, their ratio, and the fp8 output within e4m3 error of the full-precision one."""
+
+from __future__ import annotations
+
+import re
+
+from ops.bench.bench_kv_fp8 import main
+
+
+def test_cpu_smoke_writes_the_table(tmp_path):
+    out = tmp_path / "kv.md"
+    args = ["--device", "cpu", "--contexts", "16,40", "--batches", "2", "--heads", "4,2,16"]
+    assert main([*args, "--reps", "10", "--out", str(out)]) == 0
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| torch |")]
+    assert len(rows) == 2
+    for row, context in zip(rows, (16, 40)):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1:3] == ["2", str(context)]
+        assert re.fullmatch(r"\*\*\d+\.\d\dx\*\*", cells[7])
+        assert 0 < float(cells[8]) < 0.08  # e4m3: ~3% relative error per element
