@@ -89,3 +89,17 @@ def save_checkpoint(
     side = images.SIDE
     write_preprocessor_config(out, min_pixels=32 * 32, max_pixels=side * side)
     return names
+
+
+def load_into(model: torch.nn.Module, folder: Path) -> None:
+    """Load a checkpoint folder written by `save_checkpoint` into a `Qwen3_5Trainable` (fp32)."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    renamed = {
+        (k.replace("linear_attn.norm.weight", "linear_attn.norm_weight")): v.float()
+        for k, v in state.items()
+    }
+    model.load_state_dict(renamed, strict=True)
