@@ -30,14 +30,14 @@ class ModelSize:
     """Text and vision sizes (the rest of config.json is fixed by `config_dict`)."""
 
     vocab_size: int = 2048
-    hidden_size: int = 256
+    hidden_size: int = 384
     num_layers: int = 8  # layer i is full attention when (i + 1) % 4 == 0 (the real pattern)
-    intermediate_size: int = 768
-    num_heads: int = 4
+    intermediate_size: int = 1024
+    num_heads: int = 6
     num_kv_heads: int = 2
     head_dim: int = 64
     linear_key_heads: int = 2
-    linear_value_heads: int = 4
+    linear_value_heads: int = 6
     linear_key_dim: int = 64
     linear_value_dim: int = 64
     conv_kernel: int = 4
@@ -149,7 +149,8 @@ class GatedDeltaNet(nn.Module):
             return t.reshape(length, batch * self.hv, *t.shape[3:])
 
         state = torch.zeros(batch * self.hv, self.dk, self.dv, device=x.device)
-        out, _ = _chunked_one(fold(q), fold(k), fold(v), fold(g), fold(beta), state)
+        with torch.autocast(x.device.type, enabled=False):  # the recurrence in fp32, as served
+            out, _ = _chunked_one(fold(q), fold(k), fold(v), fold(g), fold(beta), state)
         out = out.reshape(length, batch, self.hv, self.dv).transpose(0, 1)  # [B, L, Hv, Dv]
         z = self.in_proj_z(x).reshape(-1, self.dv)
         out = gated_rms_norm_ref(out.reshape(-1, self.dv).to(x.dtype), z, self.norm_weight, EPS)

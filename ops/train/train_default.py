@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=128, help="sequences per step")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--data-scale", type=float, default=1.0, help="x TRAIN_PER_FAMILY")
     p.add_argument("--heldout", type=int, default=40, help="held-out prompts per family and mode")
