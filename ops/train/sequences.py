@@ -28,11 +28,39 @@ class Sequence:
     image_pad: int
 
 
+def rendered(examples: list[Example]) -> list[tuple[Example, bool, str]]:
+    """(example, thinking, prompt text) for each example with thinking on and off."""
+    return [
+        (e, th, chat.render(e.messages, e.tools, enable_thinking=th))
+        for e in examples
+        for th in (True, False)
+    ]
+
+
+def encode_many(
+    tok: Tokenizer, items: list[tuple[Example, bool, str]], with_completion: bool = True
+) -> list[Sequence]:
+    """Batch tokenization (the tokenizer's threads) of `rendered` items."""
+    prompts = tok.encode_batch([p for _, _, p in items], add_special_tokens=False)
+    completions = [None] * len(items)
+    if with_completion:
+        texts = [e.completion(th) for e, th, _ in items]
+        completions = tok.encode_batch(texts, add_special_tokens=False)
+    return [
+        _sequence(tok, e, th, p.ids, c.ids if c is not None else None)
+        for (e, th, _), p, c in zip(items, prompts, completions)
+    ]
+
+
 def encode(
     tok: Tokenizer, example: Example, thinking: bool, with_completion: bool = True
 ) -> Sequence:
-    prompt = chat.render(example.messages, example.tools, enable_thinking=thinking)
-    ids = tok.encode(prompt, add_special_tokens=False).ids
+    return encode_many(tok, rendered([example])[0 if thinking else 1 :][:1], with_completion)[0]
+
+
+def _sequence(
+    tok: Tokenizer, example: Example, thinking: bool, ids: list[int], completion: list[int] | None
+) -> Sequence:
     image_pad = tok.token_to_id("<|image_pad|>")
     expanded: list[int] = []
     spans = []
@@ -47,10 +75,12 @@ def encode(
             f"{example.family}: {len(spans)} image slots, {len(example.pixels)} images"
         )
     prompt_len = len(expanded)
-    if with_completion:
-        completion = tok.encode(example.completion(thinking), add_special_tokens=False).ids
+    if completion is not None:
         expanded += completion + [tok.token_to_id("<|im_end|>")]
-    positions, delta = mrope_positions(len(expanded), spans, images.MERGE)
+    if spans:
+        positions, delta = mrope_positions(len(expanded), spans, images.MERGE)
+    else:
+        positions, delta = torch.arange(len(expanded)).expand(3, -1), 0
     return Sequence(
         example.family,
         thinking,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ops.train import chat, checkpoint, data, greedy
 from ops.train.model import ModelSize, Qwen3_5Trainable
-from ops.train.sequences import Sequence, collate, encode
+from ops.train.sequences import Sequence, collate, encode_many, rendered
 
 PRESETS = {
     "default": ModelSize(),
@@ -73,10 +73,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=64, help="held-out answer token limit")
     p.add_argument("--log-every", type=int, default=100)
     return p.parse_args(argv)
-
-
-def _sequences(tok, examples, with_completion=True) -> list[Sequence]:
-    return [encode(tok, e, th, with_completion) for e in examples for th in (True, False)]
 
 
 def _batches(seqs: list[Sequence], batch_size: int, rng: random.Random):
@@ -132,14 +128,11 @@ def build_data(args):
     scale = {f: max(1, round(n * args.data_scale)) for f, n in TRAIN_PER_FAMILY.items()}
     train = data.generate("train", args.seed, scale)
     heldout = data.generate("heldout", args.seed, {f: args.heldout for f in data.FAMILIES})
-    texts = [
-        chat.render(e.messages, e.tools, enable_thinking=th) + e.completion(th)
-        for e in train
-        for th in (True, False)
-    ]
-    size = PRESETS[args.preset]
-    tok = chat.train_tokenizer(texts, size.vocab_size)
-    return tok, _sequences(tok, train), _sequences(tok, heldout, with_completion=False)
+    items = rendered(train)
+    texts = [prompt + e.completion(th) for e, th, prompt in items]
+    tok = chat.train_tokenizer(texts, PRESETS[args.preset].vocab_size)
+    held = encode_many(tok, rendered(heldout), with_completion=False)
+    return tok, encode_many(tok, items), held
 
 
 def train(args) -> dict:
