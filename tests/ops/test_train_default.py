@@ -82,6 +82,39 @@ def test_training_model_matches_transformers(trained: Path) -> None:
     torch.testing.assert_close(ours_mtp, hf_mtp_logits(trained, ids), atol=2e-4, rtol=1e-3)
 
 
+def test_training_model_matches_transformers_on_image_prompts(trained: Path) -> None:
+    """Vision tower, image-embedding merge and M-RoPE positions against transformers' VLM."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    model = Qwen3_5Trainable(td.PRESETS["tiny"])
+    checkpoint.load_into(model, trained)
+    model.eval()
+    tok = Tokenizer.from_file(str(trained / "tokenizer.json"))
+    gen = data.Generator("heldout", 3)
+    seqs = [encode(tok, gen.text(), thinking=True), encode(tok, gen.position(), thinking=False)]
+    batch, _ = collate(seqs, torch.device("cpu"), 0)
+    with torch.no_grad():
+        hidden, _, _ = model(batch)
+        ours = model.lm_head(hidden)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(trained, dtype=torch.float32)
+    image_token = tok.token_to_id("<|image_pad|>")
+    for i, seq in enumerate(seqs):
+        ids = torch.tensor([seq.ids])
+        pixels = images.pixel_values(torch.from_numpy(np.stack(seq.pixels)))
+        with torch.no_grad():
+            theirs = hf.eval()(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=(ids == image_token).int(),
+                pixel_values=pixels,
+                image_grid_thw=torch.tensor([images.GRID]),
+                use_cache=False,
+            ).logits[0]
+        n = len(seq.ids)
+        torch.testing.assert_close(ours[i, :n], theirs, atol=3e-4, rtol=1e-3)
+
+
 def test_prompts_render_as_transformers_renders_them(trained: Path) -> None:
     from transformers import AutoTokenizer
 
