@@ -22,7 +22,7 @@ from kernels.gdn import _chunked_one, _prep
 from kernels.gdn_gate import gdn_gating_ref
 from kernels.norm import gated_rms_norm_ref, rms_norm_ref
 from kernels.rotary import apply_rotary_ref, inv_freq, mrope_channel_rows, rotary_cos_sin_ref
-from visual.qwen_vit import QwenVisionTransformer, VisionConfig
+from visual.qwen_vit import QwenVisionTransformer, VisionConfig, apply_vision_rotary
 
 
 @dataclass
@@ -315,11 +315,35 @@ class Qwen3_5Trainable(nn.Module):
         lm = self.model.language_model
         x = lm.embed_tokens(batch.ids)  # [B, L, H]
         if batch.pixel_values is not None and batch.image_index is not None:
-            vision, _ = self.model.visual(batch.pixel_values, batch.grids)  # [N, H]
+            vision = self.vision(batch.pixel_values, batch.grids)  # [N, H]
             flat = x.reshape(-1, x.shape[-1])
             flat = flat.index_copy(0, batch.image_index, vision.to(flat.dtype))
             x = flat.view_as(x)
         return x
+
+    def vision(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """`QwenVisionTransformer.forward` with its per-image attention batched when all images
+        share one grid (every generated picture does): same modules, same math, far fewer
+        kernel launches. Other grids take the module's own forward."""
+        vis = self.model.visual
+        if any(g != grids[0] for g in grids) or vis.config.deepstack_visual_indexes:
+            return vis(pixel_values, grids)[0]
+        n, per = len(grids), grids[0][0] * grids[0][1] * grids[0][2]
+        x = vis.patch_embed(pixel_values) + vis.position_embeddings(grids[:1]).repeat(n, 1)
+        cos, sin = vis.rotary(grids[:1])
+        cos, sin = cos.repeat(n, 1), sin.repeat(n, 1)
+        for block in vis.blocks:
+            attn = block.attn
+            qkv = attn.qkv(block.norm1(x)).view(n * per, 3, attn.num_heads, attn.head_dim)
+            q, k, v = qkv.unbind(1)
+            q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+            q, k, v = (
+                t.view(n, per, attn.num_heads, attn.head_dim).transpose(1, 2) for t in (q, k, v)
+            )
+            out = F.scaled_dot_product_attention(q, k, v)  # [n, heads, per, D]
+            x = x + attn.proj(out.transpose(1, 2).reshape(n * per, -1))
+            x = x + block.mlp(block.norm2(x))
+        return vis.merger(x)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """-> (post-norm hidden [B, L, H], input embeddings [B, L, H], rope/mask context)."""
