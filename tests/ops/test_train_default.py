@@ -7,6 +7,9 @@ visual server does, the held-out split is disjoint from training."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +23,24 @@ from ops.train import train_default as td
 from ops.train.model import Batch, Qwen3_5Trainable
 from ops.train.sequences import collate, encode
 
+SCRIPTS = Path(__file__).resolve().parents[2] / "ops" / "train"
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("default") / "model"
-    argv = ["--out", str(out), "--preset", "tiny", "--steps", "2", "--data-scale", "0.003"]
+    """The device command (ops/train/gpu_build.sh) at tiny scale, installed into a folder."""
+    root = tmp_path_factory.mktemp("default")
+    out, folder = root / "out", root / "model"
+    out.mkdir()
+    argv = ["--preset", "tiny", "--steps", "2", "--data-scale", "0.003", "--batch-size", "4"]
     argv += ["--heldout", "1", "--max-new", "3", "--shard-mib", "0.4", "--device", "cpu"]
-    argv += ["--batch-size", "4"]
-    td.main(argv)
-    return out
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(SCRIPTS / "gpu_build.sh"), *argv], env=env, check=True)
+    assert len(list(out.iterdir())) <= 8  # what the device tool returns
+    subprocess.run(
+        ["bash", str(SCRIPTS / "install_default.sh"), str(out), str(folder)], env=env, check=True
+    )
+    return folder
 
 
 def test_pipeline_writes_a_servable_sharded_checkpoint(trained: Path, monkeypatch) -> None:
