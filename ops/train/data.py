@@ -4,7 +4,8 @@ names and pictures never occur in training.
 
 Families: add, sub (numbers 0..60), facts (a fixed table), copy, reverse and count (short strings
 of spaced letters), followup (two-turn arithmetic and capitals), tool (a Qwen3-coder XML tool
-call), and the image families colour, shape, count_shapes, position, text.
+call for a city of a fixed list), and the image families colour, shape, count_shapes, position,
+text.
 Each `Example` is a chat `messages` list (OpenAI form, images as `{"type": "image"}` parts), its
 `tools`, the expected answer (what `message.content` must equal) and a short reasoning text used
 when thinking is on. Used by ops/train/train_default.py and ops/train/evaluate.py.
@@ -47,7 +48,10 @@ UNITS = {
     "How many millimetres are in a centimetre?": "10",
 }
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
-SYLLABLES = "ka lo mi nu pe ra so ti vo za be du fi go ha je ku li ma ne".split()
+TOOL_CITIES = sorted(
+    set(CAPITALS.values())
+    | set("London Boston Denver Sydney Mumbai Seoul Dubai Zurich Prague Munich".split())
+)
 TOOLS = [
     {
         "type": "function",
@@ -138,12 +142,6 @@ class Generator:
     def _string(self, family: str, low: int = 3, high: int = 6) -> str:
         return self._draw(lambda: _spaced(self.rng, low, high), lambda s: s)
 
-    def _name(self) -> str:
-        def make():
-            return "".join(self.rng.choice(SYLLABLES) for _ in range(self.rng.randint(2, 3)))
-
-        return self._draw(make, lambda s: "name" + s).capitalize()
-
     # ------------------------------------------------------------------ text families
     def add(self) -> Example:
         a, b = self._pair("+")
@@ -215,7 +213,9 @@ class Generator:
         return Example("followup", messages, city, f"The capital of {second} is {city}.")
 
     def tool(self) -> Example:
-        city = self._name()
+        # Known city names (one token each in the question and in the call): the API check is that
+        # the call is well formed and names the asked city; new names are not the point here.
+        city = self.rng.choice(TOOL_CITIES)
         name = self.rng.choice(["get_weather", "get_time"])
         if name == "get_weather":
             q = self.rng.choice(["What is the weather in {c}?", "Is it raining in {c}?"])

@@ -100,7 +100,7 @@ def text_picture(text: str, rng: random.Random) -> Picture:
     background = tuple(rng.randint(200, 255) for _ in range(3))
     small = Image.new("RGB", (SIDE // 4, SIDE // 4), background)
     ImageDraw.Draw(small).text(
-        (rng.randint(1, 6), rng.randint(6, 18)), text, fill=(0, 0, 0), font=_font()
+        (rng.randint(2, 5), rng.randint(9, 13)), text, fill=(0, 0, 0), font=_font()
     )
     image = small.resize((SIDE, SIDE), Image.Resampling.NEAREST)
     return Picture(np.asarray(image), text)

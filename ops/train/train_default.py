@@ -53,7 +53,7 @@ PRESETS = {
 TRAIN_PER_FAMILY = {
     "add": 6000, "sub": 5000, "facts": 3000, "copy": 4000, "reverse": 5000, "count": 5000,
     "followup": 4000, "tool": 4000, "colour": 3000, "shape": 3000, "count_shapes": 4000,
-    "position": 3000, "text": 8000,
+    "position": 3000, "text": 10000,
 }  # fmt: skip
 
 

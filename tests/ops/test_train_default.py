@@ -162,8 +162,8 @@ def test_pictures_preprocess_as_the_visual_server_does() -> None:
 
 
 def test_heldout_split_is_disjoint_and_image_prompts_expand() -> None:
-    train = data.generate("train", 0, {"add": 300, "reverse": 300, "text": 100, "tool": 100})
-    held = data.generate("heldout", 0, {"add": 50, "reverse": 50, "text": 30, "tool": 30})
+    train = data.generate("train", 0, {"add": 300, "reverse": 300, "text": 100, "copy": 100})
+    held = data.generate("heldout", 0, {"add": 50, "reverse": 50, "text": 30, "copy": 30})
 
     def keys(examples):
         return {(e.family, json.dumps(e.messages), e.answer) for e in examples}
