@@ -5,7 +5,8 @@ server, and the MTP accept length read from /metrics when the server runs with -
     appliance serve --mtp-step 2 --port 8000 &
     python -m ops.train.evaluate --base-url http://127.0.0.1:8000 --per-family 20
 
-`--dump FILE` writes every reply, so two runs (MTP on and off) can be compared for identical text.
+`--dump FILE` writes every reply; `--compare FILE` counts replies that differ from an earlier dump
+(MTP on against MTP off: the text must be identical).
 Exits 1 when an accuracy is under --min-accuracy (or the accept length under --min-accept).
 """
 
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-accuracy", type=float, default=0.0)
     p.add_argument("--min-accept", type=float, default=0.0)
-    p.add_argument("--dump", default="")
+    p.add_argument("--dump", default="", help="write every reply to this JSON file")
+    p.add_argument("--compare", default="", help="a --dump of another run: count differing replies")
     args = p.parse_args(argv)
 
     from openai import OpenAI
@@ -120,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump:
         with open(args.dump, "w") as out:
             json.dump(dump, out, indent=1)
+    if args.compare:
+        with open(args.compare) as f:
+            other = json.load(f)
+        differ = sum(a != b for a, b in zip(dump, other)) + abs(len(dump) - len(other))
+        print(f"replies differing from {args.compare}: {differ} of {len(dump)}")
+        failed |= differ > 0
     return 1 if failed else 0
 
 
