@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=0.0, help="stop training after s (0: off)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shard-mib", type=float, default=15.0, help="largest safetensors file")
+    p.add_argument("--eval-batch", type=int, default=128, help="held-out prompts per batch")
     p.add_argument("--max-new", type=int, default=64, help="held-out answer token limit")
     p.add_argument("--log-every", type=int, default=100)
     return p.parse_args(argv)
@@ -189,7 +190,9 @@ def train(args) -> dict:
     shard_bytes = int(args.shard_mib * 2**20)
     names = checkpoint.save_checkpoint(model.hub_state_dict(), size, special, args.out, shard_bytes)
     chat.save_tokenizer(tok, args.out)
-    report = greedy.score(model, tok, heldout_seqs, device, max_new=args.max_new)
+    report = greedy.score(
+        model, tok, heldout_seqs, device, batch_size=args.eval_batch, max_new=args.max_new
+    )
     report.update(
         steps=step + 1,
         train_seconds=round(train_s, 1),

@@ -34,6 +34,7 @@ def trained(tmp_path_factory) -> Path:
     out.mkdir()
     argv = ["--preset", "tiny", "--steps", "2", "--data-scale", "0.003", "--batch-size", "4"]
     argv += ["--heldout", "1", "--max-new", "3", "--shard-mib", "0.4", "--device", "cpu"]
+    argv += ["--eval-batch", "6"]  # short prompts batched apart from the long tool prompts
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     subprocess.run(["bash", str(SCRIPTS / "gpu_build.sh"), *argv], env=env, check=True)
     assert len(list(out.iterdir())) <= 8  # what the device tool returns
@@ -73,6 +74,27 @@ def test_engine_serves_it_with_mtp(trained: Path) -> None:
     with LLM(str(trained), mtp_step=2, num_kv_slots=2048, max_model_len=512) as llm:
         out = llm.generate([prompt], params)[0]
     assert len(out.token_ids) == 4
+
+
+def test_evaluator_through_the_http_api(trained: Path, tmp_path: Path) -> None:
+    """ops/train/evaluate.py against a live appliance serving the checkpoint with MTP k=2: image
+    parts, tool calls parsed by the server, thinking on and off, the accept length from /metrics.
+    (Accuracy is the trained build's business; this tiny run has learned nothing.)"""
+    from ops.train import evaluate
+    from tests.e2e.live import start_appliance
+
+    app = start_appliance(trained, tmp_path / "serve.log", "--mtp-step", "2")
+    try:
+        dump = tmp_path / "dump.json"
+        argv = ["--base-url", app.url, "--per-family", "1", "--families", "add,text,tool"]
+        code = evaluate.main([*argv, "--max-tokens", "6", "--dump", str(dump)])
+        assert code == 0
+        assert evaluate.main([*argv, "--max-tokens", "6", "--compare", str(dump)]) == 0
+    finally:
+        app.stop()
+    replies = json.loads(dump.read_text())
+    assert len(replies) == 6 and {r["family"] for r in replies} == {"add", "text", "tool"}
+    assert all(r["tool_calls"] is not None for r in replies if r["family"] == "tool")
 
 
 def test_training_model_matches_transformers(trained: Path) -> None:
