@@ -108,6 +108,7 @@ def mtp_accept_lengths(
             tokens = model.lm_head(y).float().argmax(-1)
             drafts.append(tokens)
             h = y
+    drafts = [d.tolist() for d in drafts]  # one device copy per step, not one per token
     ids = batch.ids.tolist()
     results = []
     for i, s in enumerate(full):
@@ -117,7 +118,7 @@ def mtp_accept_lengths(
             accepted = 0
             for j in range(k):
                 target = p + 2 + j
-                if target > end or drafts[j][i, p].item() != ids[i][target]:
+                if target > end or drafts[j][i][p] != ids[i][target]:
                     break
                 accepted += 1
             steps += 1

@@ -361,10 +361,10 @@ class Qwen3_5Trainable(nn.Module):
         return self.mtp(next_embeds, hidden, mask, cos, sin, attn_mask)
 
     def hub_state_dict(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors under their Hub names."""
+        """The checkpoint tensors under their Hub names, on the CPU (for safetensors)."""
         out = {}
         for name, value in self.state_dict().items():
             if name.endswith("linear_attn.norm_weight"):
                 name = name.replace("norm_weight", "norm.weight")
-            out[name] = value.detach().to(dtype).contiguous().clone()
+            out[name] = value.detach().to("cpu", dtype).contiguous().clone()
         return out
