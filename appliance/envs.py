@@ -96,6 +96,14 @@ _register(
 )
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 _register(
+    "APPLIANCE_DEFAULT_MODEL",
+    "auto",
+    str.lower,
+    "Model served when none is given: auto = the trained one shipped in appliance/assets/default "
+    "when its files are there, else the tiny random one; random = always the tiny random one.",
+    choices=("auto", "random"),
+)
+_register(
     "APPLIANCE_API_KEY",
     "",
     str,

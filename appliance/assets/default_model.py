@@ -1,12 +1,15 @@
-"""The embedded default model: a tiny random Qwen3.5 dense checkpoint with the test BPE tokenizer.
+"""The embedded default model, resolved by `resolve_model_dir` (assets/resolve.py; the CLI and the
+offline `LLM`) when no model is given, so the appliance starts without any download.
 
-Resolved by `resolve_model_dir` (assets/resolve.py; the CLI and the offline `LLM`) when no model
-is given, so the appliance starts (and CI runs end to end) without any download. Built once,
-deterministically, under APPLIANCE_HOME/default-model-v<N>.
+The trained one: a small Qwen3.5 VLM with MTP shipped as package data in appliance/assets/default/
+(built by `python -m ops.train.train_default`, see that folder's README.md), served in place when
+its files are all there. Otherwise the fallback: a tiny random Qwen3.5 dense checkpoint with the
+test BPE tokenizer, built once, deterministically, under APPLIANCE_HOME/default-model-v<N>.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -36,6 +39,30 @@ _REQUIRED = (
 )
 
 
+SHIPPED_DIR = pathlib.Path(__file__).parent / "default"
+_SHIPPED_REQUIRED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
+
+
+def shipped_model_dir(folder: pathlib.Path | None = None) -> pathlib.Path | None:
+    """The trained default model's folder (SHIPPED_DIR) when all its files are present (the shards
+    named by the index, or one model.safetensors), else None."""
+    folder = SHIPPED_DIR if folder is None else folder
+    if not all((folder / name).is_file() for name in _SHIPPED_REQUIRED):
+        return None
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return folder if all((folder / name).is_file() for name in shards) else None
+    return folder if (folder / "model.safetensors").is_file() else None
+
+
 def default_model_dir() -> pathlib.Path:
     home = pathlib.Path(os.path.expanduser(envs.APPLIANCE_HOME))
     return home / f"default-model-v{DEFAULT_MODEL_VERSION}"
@@ -46,7 +73,11 @@ def _complete(path: pathlib.Path) -> bool:
 
 
 def ensure_default_model() -> pathlib.Path:
-    """Path of the default model directory, building it first if it is missing (a few seconds)."""
+    """Path of the default model directory: the shipped trained model, else the random fallback
+    (built first if it is missing, a few seconds)."""
+    shipped = shipped_model_dir() if envs.APPLIANCE_DEFAULT_MODEL == "auto" else None
+    if shipped is not None:
+        return shipped
     target = default_model_dir()
     if _complete(target):
         return target

@@ -41,6 +41,7 @@ def test_fresh_default_start_is_clean(tmp_path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("APPLIANCE_", "HF_"))}
     env["APPLIANCE_HOME"] = str(tmp_path / "home")  # fresh: the default model is built here
+    env["APPLIANCE_DEFAULT_MODEL"] = "random"  # the build path, also once trained weights ship
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(

@@ -15,6 +15,7 @@ def test_default_model_builds_once(tmp_path, monkeypatch):
     tokenizer_cache.mkdir(parents=True, exist_ok=True)
     (tmp_path / "tokenizers").symlink_to(tokenizer_cache, target_is_directory=True)
     monkeypatch.setenv("APPLIANCE_HOME", str(tmp_path))
+    monkeypatch.setenv("APPLIANCE_DEFAULT_MODEL", "random")  # not the shipped trained one
     path = ensure_default_model()
     assert path == default_model_dir() and path.parent == tmp_path
     config = json.loads((path / "config.json").read_text())
