@@ -26,6 +26,7 @@ class PoolSizes:
     max_model_len: int
     mtp_step: int = 0  # draft tokens per step; adds candidates, conv windows and scratch KV slots
     padding: bool = False  # one more request row and KV slot for the padding rows of CUDA graphs
+    num_snapshot_slots: int = 0  # prefix-cache GDN state snapshots (the router allocates them)
 
     @property
     def num_req_rows(self) -> int:
@@ -103,13 +104,20 @@ class Pools:
             self._bind_states(sizes, dtype, device)
         self.states = [(m.conv_states, m.ssm_states) for m in self.gdn_layers]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
-        st_mib = sum(t.numel() * t.element_size() for t in self.stacked.values()) / 2**20
+        st_mib = sum(
+            t.numel() * t.element_size() for k, t in self.stacked.items() if "snap" not in k
+        )
+        snap_mib = sum(t.numel() * t.element_size() for k, t in self.stacked.items() if "snap" in k)
         log.info(
-            "pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB)",
+            "pools: %d KV slots (%.1f MiB), %d request/state slots (%.1f MiB), %d prefix-cache "
+            "state snapshots (%.1f MiB, %.2f MiB each)",
             sizes.num_kv_slots,
             kv_mib,
             sizes.num_req_slots,
-            st_mib,
+            st_mib / 2**20,
+            sizes.num_snapshot_slots,
+            snap_mib / 2**20,
+            snap_mib / 2**20 / max(1, sizes.num_snapshot_slots),
         )
 
     def _bind_states(self, sizes: PoolSizes, dtype: torch.dtype, device: torch.device) -> None:
@@ -127,11 +135,17 @@ class Pools:
             "conv_states": ((n, slots, first.conv_dim, width), dtype),
             "ssm_states": ((n, slots, *heads), torch.float32),
         }
+        if sizes.num_snapshot_slots:  # prefix-cache snapshots of the committed state
+            snaps = sizes.num_snapshot_slots
+            kinds["conv_snapshots"] = ((n, snaps, first.conv_dim, width), dtype)
+            kinds["ssm_snapshots"] = ((n, snaps, *heads), torch.float32)
         if sizes.mtp_step:  # one SSM state per verify row, and the wide conv working slot
             kinds["ssm_candidates"] = ((n, slots, rows, *heads), torch.float32)
             kinds["conv_windows"] = ((n, slots, first.conv_dim, width + rows), dtype)
         for name, (shape, kind) in kinds.items():
             self.stacked[name] = torch.zeros(shape, dtype=kind, device=device)
+            if "snapshots" in name:
+                continue  # the pool's own: layers never read snapshots
             for i, m in enumerate(self.gdn_layers):
                 setattr(m, name, self.stacked[name][i])
 
@@ -156,3 +170,24 @@ class Pools:
         picked = windows[:, slots]  # [L, B, C, K-1+rows]
         index = cols[None, :, None, :].expand(picked.shape[0], -1, picked.shape[2], -1)
         conv[:, slots] = picked.gather(3, index)
+
+    def save_snapshots(self, req_slots: list[int], snapshots: list[int]) -> None:
+        """Prefix cache: request req_slots[i]'s committed GDN state (every layer) into snapshot
+        slot snapshots[i]."""
+        if not req_slots or "ssm_snapshots" not in self.stacked:
+            return
+        st, dev = self.stacked, self.stacked["ssm_states"].device
+        src = torch.tensor(req_slots, dtype=torch.int64, device=dev)
+        dst = torch.tensor(snapshots, dtype=torch.int64, device=dev)
+        st["conv_snapshots"][:, dst] = st["conv_states"][:, src]
+        st["ssm_snapshots"][:, dst] = st["ssm_states"][:, src]
+
+    def restore_snapshots(self, snapshots: list[int], req_slots: list[int]) -> None:
+        """Prefix-cache hits: snapshot slot snapshots[i] becomes request req_slots[i]'s state."""
+        if not req_slots or "ssm_snapshots" not in self.stacked:
+            return
+        st, dev = self.stacked, self.stacked["ssm_states"].device
+        src = torch.tensor(snapshots, dtype=torch.int64, device=dev)
+        dst = torch.tensor(req_slots, dtype=torch.int64, device=dev)
+        st["conv_states"][:, dst] = st["conv_snapshots"][:, src]
+        st["ssm_states"][:, dst] = st["ssm_snapshots"][:, src]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class Request:
     num_prompt_counted: int = (
         0  # prompt positions already counted in stats (recompute not re-counted)
     )
+    num_cached_tokens: int = 0  # prompt positions found in the prefix cache at first admission
+    prefix_node: Any = None  # the prefix-tree node it holds locked (router/prefix_cache.py)
+    prefix_match: Any = None  # its cache match between _can_admit and _admit
     _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
     _num_kv: int = 0
 

@@ -126,7 +126,10 @@ def _virtual_device_memory(free: int):
     pool_sizes, mem_get_info = ModelRunner._pool_sizes, torch.cuda.mem_get_info
 
     def sizes_from_memory(self):
-        return dataclasses.replace(pool_sizes(self), num_kv_slots=self._slots_from_memory())
+        slots, snapshots = self._slots_from_memory()
+        return dataclasses.replace(
+            pool_sizes(self), num_kv_slots=slots, num_snapshot_slots=snapshots
+        )
 
     ModelRunner._pool_sizes = sizes_from_memory
     torch.cuda.mem_get_info = lambda device=None: (free, free)
