@@ -251,6 +251,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     error: str | None = None  # message when finish_reason == "error" (e.g. request rejected)
     error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.cached_tokens)
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -279,6 +280,10 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     prefix_cache_tokens: int = 0  # positions (KV slots) the prefix tree holds
     snapshots_used: int = 0  # linear-state snapshot slots in use
     snapshots_total: int = 0
+
+    @property
+    def snapshot_usage(self) -> float:
+        return self.snapshots_used / self.snapshots_total if self.snapshots_total else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -322,6 +327,7 @@ class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
     computed_tokens: int
     kv_slots: int
     preemptions: int
+    cached_tokens: int = 0  # prompt tokens it found in the prefix cache
 
 
 class RouterStatus(msgspec.Struct, tag="router_status", frozen=True):
@@ -359,6 +365,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None  # one entry per token of token_ids
     error: str | None = None
     error_status: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (as in TokenUpdate)
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):

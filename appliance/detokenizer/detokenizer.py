@@ -80,6 +80,7 @@ class Detokenizer:
             logprobs,
             error=update.error,
             error_status=update.error_status,
+            cached_tokens=update.cached_tokens,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:

@@ -143,7 +143,14 @@ class EngineCore:
             if reason is not None:
                 self._ended(out.req_id)
             self._updates.append(
-                TokenUpdate(out.req_id, out.new_token_ids, reason, out.logprobs, out.top_logprobs)
+                TokenUpdate(
+                    out.req_id,
+                    out.new_token_ids,
+                    reason,
+                    out.logprobs,
+                    out.top_logprobs,
+                    cached_tokens=out.cached_tokens,
+                )
             )
         self._forward_s.append(result.forward_s)
         self._router_s.append(planned + time.perf_counter() - start)
@@ -203,6 +210,7 @@ class EngineCore:
                 computed_tokens=r.num_computed,
                 kv_slots=r.num_kv,
                 preemptions=r.num_preemptions,
+                cached_tokens=r.num_cached_tokens,
             )
             for r in reqs
         ]

@@ -145,3 +145,4 @@ class RequestOutput:
     logprobs: list[float] | None = None  # one per new token, when requested
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     stop_token_id: int | None = None  # the eos/stop token id that ended the request, if any
+    cached_tokens: int = 0  # prompt tokens the request found in the prefix cache

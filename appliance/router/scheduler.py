@@ -501,6 +501,7 @@ class Scheduler:
             logprobs=logprobs,
             top_logprobs=top,
             stop_token_id=stop_token_id,
+            cached_tokens=req.num_cached_tokens,
         )
 
     # ------------------------------------------------------------------ slot bookkeeping
