@@ -404,6 +404,8 @@ class Scheduler:
         end = req.num_computed
         if self.cache is None or req.req_slot < 0 or not 0 < end <= req.num_tokens:
             return  # (an MTP run cut short by a stop token computed rows past the kept tokens)
+        if req.num_pending and self._uses_mtp(req):
+            return  # a verify step in flight: how many of its rows the state keeps is unknown
         slot = -1
         if self.cache.needs_snapshots:
             slot = self._snapshot_slot()
