@@ -174,20 +174,27 @@ class Pools:
     def save_snapshots(self, req_slots: list[int], snapshots: list[int]) -> None:
         """Prefix cache: request req_slots[i]'s committed GDN state (every layer) into snapshot
         slot snapshots[i]."""
-        if not req_slots or "ssm_snapshots" not in self.stacked:
-            return
-        st, dev = self.stacked, self.stacked["ssm_states"].device
-        src = torch.tensor(req_slots, dtype=torch.int64, device=dev)
-        dst = torch.tensor(snapshots, dtype=torch.int64, device=dev)
-        st["conv_snapshots"][:, dst] = st["conv_states"][:, src]
-        st["ssm_snapshots"][:, dst] = st["ssm_states"][:, src]
+        self._copy_states(req_slots, snapshots, ("conv_states", "ssm_states"), "_snapshots")
 
     def restore_snapshots(self, snapshots: list[int], req_slots: list[int]) -> None:
         """Prefix-cache hits: snapshot slot snapshots[i] becomes request req_slots[i]'s state."""
-        if not req_slots or "ssm_snapshots" not in self.stacked:
+        self._copy_states(snapshots, req_slots, ("conv_snapshots", "ssm_snapshots"), "_states")
+
+    def _copy_states(
+        self, src: list[int], dst: list[int], kinds: tuple[str, str], to_suffix: str
+    ) -> None:
+        """stacked[kind][:, dst[i]] = stacked[kind][:, src[i]] for conv and SSM, every layer."""
+        if not src or "ssm_snapshots" not in self.stacked:
             return
-        st, dev = self.stacked, self.stacked["ssm_states"].device
-        src = torch.tensor(snapshots, dtype=torch.int64, device=dev)
-        dst = torch.tensor(req_slots, dtype=torch.int64, device=dev)
-        st["conv_states"][:, dst] = st["conv_snapshots"][:, src]
-        st["ssm_states"][:, dst] = st["ssm_snapshots"][:, src]
+        device = self.stacked["ssm_states"].device
+        src_t = torch.tensor(src, dtype=torch.int64, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
+        for kind in kinds:
+            source, target = self.stacked[kind], self.stacked[kind.split("_")[0] + to_suffix]
+            # the gathered rows are a temporary: a few layers at a time keeps it near
+            # COMMIT_CHUNK_BYTES (one 27B SSM state is ~150 MB over its 48 layers)
+            per_layer = len(src) * source[0, 0].numel() * source.element_size()
+            step = max(1, COMMIT_CHUNK_BYTES // max(1, per_layer))
+            for first in range(0, source.shape[0], step):
+                layers = slice(first, first + step)
+                target[layers, dst_t] = source[layers, src_t]

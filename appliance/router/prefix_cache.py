@@ -184,6 +184,20 @@ class PrefixCache:
             if parent is not self.root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
 
+    def drop_snapshot(self) -> bool:
+        """Frees the least recently used snapshot of any node, locked ones included (their
+        requests run on their own state): for when every snapshot sits on a running request's
+        path. Safe against restores: the scheduler allocates snapshot slots for ended requests
+        (saved first in the next plan) only between plans, and a restore runs in the plan that
+        chose it, before any save of a later plan or any chunk save of its own."""
+        nodes = [n for n in self._nodes() if n.snapshot >= 0]
+        if not nodes:
+            return False
+        node = min(nodes, key=lambda n: n.last_used)
+        self.snapshots.free(node.snapshot)
+        node.snapshot = -1
+        return True
+
     def clear(self) -> None:
         """Drops every unlocked node (tests, shutdown accounting)."""
         self.evict(self.kv.num_total + 1, self.snapshots.num_total + 1)
@@ -198,13 +212,14 @@ class PrefixCache:
         self.num_evictable -= node.kv.size
 
     def _leaves(self) -> list[Node]:
+        return [node for node in self._nodes() if not node.children]
+
+    def _nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                out.append(node)
+            stack.extend(node.children.values())
+            out.append(node)
         return out
 
     @property

@@ -370,10 +370,14 @@ class Scheduler:
         self._cache_points.setdefault(self._step_id, []).append(point)
         return self._make_chunk(req, end - start, save_snapshot=slot)
 
-    def _snapshot_slot(self) -> int:
-        """A free snapshot slot (evicting an unused cache entry if none is free), or -1."""
+    def _snapshot_slot(self, steal: bool = False) -> int:
+        """A free snapshot slot (evicting an unused cache entry if none is free), or -1.
+        `steal` (a request's end, the next turn's prefix): else take the least recently used
+        snapshot even from a running request's path (only between plans: see drop_snapshot)."""
         if self.snapshots.num_free == 0:
             self.cache.evict(snapshots=1)
+        if self.snapshots.num_free == 0 and steal:
+            self.cache.drop_snapshot()
         return self.snapshots.alloc_one() if self.snapshots.num_free else -1
 
     def _keys(self, req: Request) -> np.ndarray:
@@ -408,7 +412,7 @@ class Scheduler:
             return  # a verify step in flight: how many of its rows the state keeps is unknown
         slot = -1
         if self.cache.needs_snapshots:
-            slot = self._snapshot_slot()
+            slot = self._snapshot_slot(steal=True)
             if slot < 0:
                 return
         if self._cache_prefix(req, end, slot):

@@ -195,7 +195,8 @@ def test_random_shared_prefixes_under_pressure_match_reference(seed):
                 assert tokens == expected.pop(rid)
     out = run(sched, worker)  # ends with every pool empty once the cache lets go
     assert dict(out.tokens) == expected
-    assert sched.stats().prefix_cache_hits > 0
+    if sched.snapshots.num_total >= 4:  # (one slot goes to each request's end: few hits)
+        assert sched.stats().prefix_cache_hits > 0
 
 
 def test_abort_mid_prefill_of_a_hit_frees_its_own_slots_only():
@@ -214,3 +215,20 @@ def test_abort_mid_prefill_of_a_hit_frees_its_own_slots_only():
     sched.add_request(req("c", base + reference_tokens(base, 3), max_tokens=2))
     out = run(sched, worker)
     assert out.tokens["c"] == reference_tokens(base + reference_tokens(base, 3), 2)
+
+
+def test_a_turn_end_takes_the_oldest_snapshot_even_from_a_running_path():
+    sched = make_scheduler(budget=64, max_num_seqs=2, linear_state=True, num_snapshot_slots=2)
+    worker = FakeWorker(1000)
+    other, convo = prompt_of(30, 6), prompt_of(20, 7)
+    sched.add_request(req("long", other, max_tokens=40))  # runs throughout, holds its snapshot
+    sched.add_request(req("turn1", convo, max_tokens=3))
+    for _ in range(6):  # both prompts are in the tree (2 snapshots); turn1 ends
+        sched.update(worker.execute(sched.schedule()))
+    assert sched.get_request("turn1") is None and sched.snapshots.num_free == 0
+    following = convo + reference_tokens(convo, 3) + [1, 2]
+    sched.add_request(req("turn2", following, max_tokens=2))
+    out = run(sched, worker)
+    assert out.tokens["turn2"] == reference_tokens(following, 2)
+    news = [n for p in worker.plans for n in p.new_requests if len(n.token_ids) == len(following)]
+    assert len(news[0].cached_kv_slots) == len(convo) + 2  # turn 1's end, not just its prompt
