@@ -81,7 +81,7 @@ class CacheConfig:
     # prefix-cache GDN state snapshot slots (one request's conv + SSM state each); 0 = auto:
     # 4 x max_num_seqs, on a GPU at most snapshot_mem_fraction of the pool memory
     snapshot_slots: int = 0
-    snapshot_mem_fraction: float = 0.1  # share of the pool memory the auto snapshot pool may use
+    snapshot_mem_fraction: float = 0.2  # share of the pool memory the auto snapshot pool may use
 
     def __post_init__(self) -> None:
         _check(self.snapshot_slots >= 0, "snapshot_slots", "an integer >= 0 (0: auto)")
