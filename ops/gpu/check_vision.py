@@ -111,9 +111,12 @@ class _Store:
 # ------------------------------------------------------------------------------ the pools
 
 
-def runner_formula(free, activation, reserved, mem_fraction, state, per_slot, seqs, mtp_step):
-    """ModelRunner._slots_from_memory's arithmetic (appliance/engine/runner.py), term by term."""
-    budget = (free - activation - reserved) * mem_fraction - state
+def runner_formula(
+    free, activation, reserved, mem_fraction, state, per_slot, seqs, mtp_step, snapshots=0
+):
+    """ModelRunner._slots_from_memory's arithmetic (appliance/engine/runner.py), term by term;
+    `snapshots`: bytes of the prefix-cache snapshot pool the runner chose."""
+    budget = (free - activation - reserved) * mem_fraction - state - snapshots
     return int(budget // per_slot) - seqs * mtp_step
 
 
@@ -194,6 +197,7 @@ def pools_with_runner(ckpt: Path, reserved: int, args, device: torch.device, pro
         per_slot,
         seqs,
         runner.mtp_step,
+        runner.num_snapshot_slots * state_bytes_per_slot(runner.model, runner.dtype),
     )
     how = "real ModelRunner (dummy weights): " + (
         "profile forward, _slots_from_memory, Pools"
