@@ -51,8 +51,14 @@ class SchedulerConfig:
     # drafts are proposed from the first N token ids only (0 = the whole vocabulary): BPE ids are
     # roughly ordered by frequency, and the draft's LM head read shrinks with N
     mtp_draft_vocab: int = 0
+    prefix_caching: bool = True  # reuse the KV and GDN state of cached prompt prefixes
+    # hybrid models: also snapshot the GDN state every N prompt tokens (prefill chunks end there),
+    # so a prompt sharing only a long head with a cached one still hits; 0 = only at prompt and
+    # generation ends. Each snapshot costs one snapshot slot (the startup log states its size).
+    snapshot_interval: int = 2048
 
     def __post_init__(self) -> None:
+        _check(self.snapshot_interval >= 0, "snapshot_interval", "an integer >= 0 (0: off)")
         _check(self.mtp_mode in ("vanilla", "eagle"), "mtp_mode", "vanilla or eagle")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")
@@ -75,8 +81,16 @@ class ParallelConfig:
 class CacheConfig:
     mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 (half the bytes per KV slot)
+    # prefix-cache GDN state snapshot slots (one request's conv + SSM state each); 0 = auto:
+    # 4 x max_num_seqs, on a GPU at most snapshot_mem_fraction of the pool memory
+    snapshot_slots: int = 0
+    snapshot_mem_fraction: float = 0.2  # share of the pool memory the auto snapshot pool may use
 
     def __post_init__(self) -> None:
+        _check(self.snapshot_slots >= 0, "snapshot_slots", "an integer >= 0 (0: auto)")
+        _check(
+            0.0 <= self.snapshot_mem_fraction < 1.0, "snapshot_mem_fraction", "a number in [0, 1)"
+        )
         _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " or ".join(KV_CACHE_DTYPES)

@@ -51,6 +51,7 @@ class ImageInput(msgspec.Struct, frozen=True):
     num_tokens: int  # image tokens: t*h*w / merge_size**2
     grid_thw: tuple[int, int, int]  # ViT patch grid (t, h, w) before the spatial merge
     handle: str  # key of its embeddings [1 + deepstack, num_tokens, hidden] in the image store
+    content_key: str = ""  # content hash of the image file (ImageData.key): the prefix-cache key
 
 
 class NewRequest(msgspec.Struct, frozen=True):
@@ -63,6 +64,19 @@ class NewRequest(msgspec.Struct, frozen=True):
     num_prompt_tokens: int = -1  # leading prompt tokens in token_ids (-1: all); for penalties
     num_draft: int = 0  # MTP draft tokens per step for this request (0 = MTP off for it)
     mm: list[ImageInput] = []  # images in token_ids, sorted by offset (empty for text-only)
+    # prefix-cache hit: KV slots of positions [0, len) already computed (shared with the router's
+    # prefix tree); the first chunk starts at len. The linear-attention state of those positions
+    # comes from snapshot slot `restore_snapshot` (-1: none, e.g. a model without GDN layers).
+    cached_kv_slots: list[int] = []
+    restore_snapshot: int = -1
+
+
+class SnapshotSave(msgspec.Struct, frozen=True, array_like=True):
+    """Copy a request slot's committed linear-attention state (GDN conv window + SSM state) into a
+    snapshot slot of the prefix cache. Written by router, read by worker."""
+
+    req_slot: int
+    snapshot: int
 
 
 class ScheduledChunk(msgspec.Struct, frozen=True):
@@ -80,6 +94,9 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     # start..start+num_draft (num_tokens == num_draft + 1). The worker returns the accepted tokens
     # (1..num_draft+1); KV slots of rows past the accepted ones go back to the router's pool.
     num_draft: int = 0
+    # after this chunk's forward, save the request's linear-attention state (covering positions
+    # [0, start + num_tokens)) into this prefix-cache snapshot slot (-1: none)
+    save_snapshot: int = -1
 
 
 class StepPlan(msgspec.Struct, frozen=True):
@@ -90,6 +107,9 @@ class StepPlan(msgspec.Struct, frozen=True):
     new_requests: list[NewRequest]
     chunks: list[ScheduledChunk]
     released_slots: list[int]  # req slots freed since the last step (finished, aborted, preempted)
+    # states of requests that ended (their prefix goes into the prefix cache): applied first,
+    # before `released_slots` frees their request slots
+    snapshot_saves: list[SnapshotSave] = []
 
 
 class SampledTokens(msgspec.Struct, frozen=True):
@@ -257,6 +277,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     error: str | None = None  # message when finish_reason == "error" (e.g. request rejected)
     error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's scores, in the first update
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.cached_tokens)
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -279,6 +300,22 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mtp_draft_tokens: int = 0  # draft tokens proposed
     mtp_accepted_tokens: int = 0  # draft tokens accepted
     mtp_accepted_per_position: list[int] = []  # accepted count per draft position
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests (first admission)
+    prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache (not computed)
+    prefix_cache_nodes: int = 0  # nodes of the prefix tree
+    prefix_cache_tokens: int = 0  # positions (KV slots) the prefix tree holds
+    snapshots_used: int = 0  # linear-state snapshot slots in use
+    snapshots_total: int = 0
+
+    @property
+    def snapshot_usage(self) -> float:
+        return self.snapshots_used / self.snapshots_total if self.snapshots_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
 
     @property
     def kv_usage(self) -> float:
@@ -316,6 +353,7 @@ class RequestProgress(msgspec.Struct, frozen=True, array_like=True):
     computed_tokens: int
     kv_slots: int
     preemptions: int
+    cached_tokens: int = 0  # prompt tokens it found in the prefix cache
 
 
 class RouterStatus(msgspec.Struct, tag="router_status", frozen=True):
@@ -354,6 +392,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     error: str | None = None
     error_status: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, in the first delta
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (as in TokenUpdate)
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):
@@ -375,6 +414,8 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     num_kv_slots: int
     max_model_len: int
     eos_token_ids: list[int]
+    num_snapshot_slots: int = 0  # prefix-cache linear-state snapshot slots (0: none)
+    linear_state: bool = False  # the model has GDN layers: a prefix hit must restore a snapshot
 
 
 class StartupProgress(msgspec.Struct, tag="progress", frozen=True):

@@ -99,14 +99,24 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
      None),
     ("preemptions", "counter", "appliance_preemptions",
      "Requests preempted (freed and re-queued) by the router.", (), None),
+    ("prefix_cache_queries", "counter", "appliance_prefix_cache_queries",
+     "Prompt tokens of admitted requests looked up in the prefix cache.", (), None),
+    ("prefix_cache_hits", "counter", "appliance_prefix_cache_hits",
+     "Prompt tokens found in the prefix cache (KV reused, GDN state restored).", (), None),
+    ("prefix_cache_tokens", "gauge", "appliance_prefix_cache_tokens",
+     "Token positions (KV slots) held by the prefix tree.", (), None),
+    ("snapshot_usage", "gauge", "appliance_prefix_cache_snapshot_usage_ratio",
+     "Used prefix-cache GDN state snapshot slots / all (0-1).", (), None),
 )
 
 # Keys of the router's report (RouterStats with its SchedulerStats flattened, or a flat mapping).
 # Counters are cumulative since router start.
-ROUTER_GAUGES = ("num_running", "num_waiting", "kv_usage", "state_usage")
+ROUTER_GAUGES = ("num_running", "num_waiting", "kv_usage", "state_usage", "prefix_cache_tokens",
+                 "snapshot_usage")
 ROUTER_COUNTERS = {  # snapshot key -> MetricsRecorder attribute
     "mtp_drafts": "mtp_drafts", "mtp_draft_tokens": "mtp_draft_tokens",
     "mtp_accepted_tokens": "mtp_accepted_tokens", "num_preemptions": "preemptions",
+    "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
 }
 # fmt: on
 
@@ -224,9 +234,11 @@ class MetricsRecorder:
         """Fold one router report (RouterStats, or a flat mapping of the same keys) into gauges and
         counters.
 
-        Gauges: num_running, num_waiting, kv_usage, state_usage (summed / maxed over sources).
+        Gauges: num_running, num_waiting, kv_usage, state_usage, prefix_cache_tokens,
+        snapshot_usage (summed / maxed over sources).
         Cumulative counters: mtp_drafts, mtp_draft_tokens, mtp_accepted_tokens, num_preemptions,
-        mtp_accepted_per_position (list, one per position).
+        prefix_cache_queries, prefix_cache_hits, mtp_accepted_per_position (list, one per
+        position).
         New observations since the last snapshot: queue_time_s (list of seconds)."""
         stats = flat_report(stats)
         with self._lock:
@@ -275,6 +287,10 @@ class MetricsRecorder:
         self.waiting.set(sum(g.get("num_waiting", 0.0) for g in per_source))
         self.kv_usage.set(max((g.get("kv_usage", 0.0) for g in per_source), default=0.0))
         self.state_usage.set(max((g.get("state_usage", 0.0) for g in per_source), default=0.0))
+        self.prefix_cache_tokens.set(sum(g.get("prefix_cache_tokens", 0.0) for g in per_source))
+        self.snapshot_usage.set(
+            max((g.get("snapshot_usage", 0.0) for g in per_source), default=0.0)
+        )
 
     # ------------------------------------------------------------------ exposition
     def render(self) -> tuple[bytes, str]:
@@ -309,4 +325,5 @@ def flat_report(stats: Any) -> Mapping[str, Any]:
     if inner is not None:
         flat.update(flat_report(inner))
         flat["kv_usage"], flat["state_usage"] = inner.kv_usage, inner.state_usage
+        flat["snapshot_usage"] = inner.snapshot_usage
     return flat

@@ -27,6 +27,8 @@ _WINDOW_COUNTERS = (
     "mtp_draft_tokens",
     "mtp_accepted_tokens",
     "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
 )
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
@@ -60,6 +62,14 @@ class WindowStats:
     mtp_draft_tokens: int = 0
     mtp_accepted_tokens: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in the window
+    prefix_cache_hits: int = 0  # of those, found cached
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        if self.prefix_cache_queries <= 0:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     @property
     def prompt_throughput(self) -> float:
@@ -186,6 +196,8 @@ def format_stats_line(stats: WindowStats) -> str:
         f"finished {stats.finished} (aborted {stats.aborted})",
         f"KV {_percent(stats.kv_usage)}, state {_percent(stats.state_usage)}",
     ]
+    if stats.prefix_cache_hit_rate is not None:
+        parts.append(f"prefix cache hit {_percent(stats.prefix_cache_hit_rate)}")
     if stats.mtp_accept_length is not None:
         parts.append(f"MTP accept len {stats.mtp_accept_length:.2f}")
     parts.append(f"preempted {stats.num_preemptions}")

@@ -85,6 +85,7 @@ class Detokenizer:
             error=update.error,
             error_status=update.error_status,
             prompt_logprobs=prompt_logprobs,
+            cached_tokens=update.cached_tokens,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:

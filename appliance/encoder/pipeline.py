@@ -128,7 +128,7 @@ class VisualPipeline:
         entry = self.cache.get(image.key)
         assert entry is not None and entry.pins, f"forwarding unpinned image {image.key}"
         num_tokens = t * h * w // self.merge_size**2
-        return ImageInput(image.offset, num_tokens, image.grid_thw, entry.handle)
+        return ImageInput(image.offset, num_tokens, image.grid_thw, entry.handle, image.key)
 
     def _reject(self, pending: _Pending, failure: FailedImage) -> None:
         req_id = pending.msg.req_id

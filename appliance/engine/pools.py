@@ -26,6 +26,7 @@ class PoolSizes:
     max_model_len: int
     mtp_step: int = 0  # draft tokens per step; adds candidates, conv windows and scratch KV slots
     padding: bool = False  # one more request row and KV slot for the padding rows of CUDA graphs
+    num_snapshot_slots: int = 0  # prefix-cache GDN state snapshots (the router allocates them)
 
     @property
     def num_req_rows(self) -> int:
@@ -119,14 +120,21 @@ class Pools:
             self._bind_states(sizes, dtype, device)
         self.states = [(m.conv_states, m.ssm_states) for m in self.gdn_layers]
         kv_mib = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv) / 2**20
-        st_mib = sum(t.numel() * t.element_size() for t in self.stacked.values()) / 2**20
+        st_mib = sum(
+            t.numel() * t.element_size() for k, t in self.stacked.items() if "snap" not in k
+        )
+        snap_mib = sum(t.numel() * t.element_size() for k, t in self.stacked.items() if "snap" in k)
         log.info(
-            "pools: %d KV slots (%s, %.1f MiB), %d request/state slots (%.1f MiB)",
+            "pools: %d KV slots (%s, %.1f MiB), %d request/state slots (%.1f MiB), %d prefix-cache "
+            "state snapshots (%.1f MiB, %.2f MiB each)",
             sizes.num_kv_slots,
             str(self.kv_dtype).removeprefix("torch."),
             kv_mib,
             sizes.num_req_slots,
-            st_mib,
+            st_mib / 2**20,
+            sizes.num_snapshot_slots,
+            snap_mib / 2**20,
+            snap_mib / 2**20 / max(1, sizes.num_snapshot_slots),
         )
 
     def log_kv_scales(self, models: list[nn.Module]) -> None:
@@ -158,11 +166,17 @@ class Pools:
             "conv_states": ((n, slots, first.conv_dim, width), dtype),
             "ssm_states": ((n, slots, *heads), torch.float32),
         }
+        if sizes.num_snapshot_slots:  # prefix-cache snapshots of the committed state
+            snaps = sizes.num_snapshot_slots
+            kinds["conv_snapshots"] = ((n, snaps, first.conv_dim, width), dtype)
+            kinds["ssm_snapshots"] = ((n, snaps, *heads), torch.float32)
         if sizes.mtp_step:  # one SSM state per verify row, and the wide conv working slot
             kinds["ssm_candidates"] = ((n, slots, rows, *heads), torch.float32)
             kinds["conv_windows"] = ((n, slots, first.conv_dim, width + rows), dtype)
         for name, (shape, kind) in kinds.items():
             self.stacked[name] = torch.zeros(shape, dtype=kind, device=device)
+            if "snapshots" in name:
+                continue  # the pool's own: layers never read snapshots
             for i, m in enumerate(self.gdn_layers):
                 setattr(m, name, self.stacked[name][i])
 
@@ -187,3 +201,31 @@ class Pools:
         picked = windows[:, slots]  # [L, B, C, K-1+rows]
         index = cols[None, :, None, :].expand(picked.shape[0], -1, picked.shape[2], -1)
         conv[:, slots] = picked.gather(3, index)
+
+    def save_snapshots(self, req_slots: list[int], snapshots: list[int]) -> None:
+        """Prefix cache: request req_slots[i]'s committed GDN state (every layer) into snapshot
+        slot snapshots[i]."""
+        self._copy_states(req_slots, snapshots, ("conv_states", "ssm_states"), "_snapshots")
+
+    def restore_snapshots(self, snapshots: list[int], req_slots: list[int]) -> None:
+        """Prefix-cache hits: snapshot slot snapshots[i] becomes request req_slots[i]'s state."""
+        self._copy_states(snapshots, req_slots, ("conv_snapshots", "ssm_snapshots"), "_states")
+
+    def _copy_states(
+        self, src: list[int], dst: list[int], kinds: tuple[str, str], to_suffix: str
+    ) -> None:
+        """stacked[kind][:, dst[i]] = stacked[kind][:, src[i]] for conv and SSM, every layer."""
+        if not src or "ssm_snapshots" not in self.stacked:
+            return
+        device = self.stacked["ssm_states"].device
+        src_t = torch.tensor(src, dtype=torch.int64, device=device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
+        for kind in kinds:
+            source, target = self.stacked[kind], self.stacked[kind.split("_")[0] + to_suffix]
+            # the gathered rows are a temporary: a few layers at a time keeps it near
+            # COMMIT_CHUNK_BYTES (one 27B SSM state is ~150 MB over its 48 layers)
+            per_layer = len(src) * source[0, 0].numel() * source.element_size()
+            step = max(1, COMMIT_CHUNK_BYTES // max(1, per_layer))
+            for first in range(0, source.shape[0], step):
+                layers = slice(first, first + step)
+                target[layers, dst_t] = source[layers, src_t]

@@ -76,6 +76,9 @@ class RequestTable:
             slot, n, opts = req.req_slot, len(req.token_ids), req.sampling
             prompt_len = req.num_prompt_tokens if req.num_prompt_tokens >= 0 else n
             self.token_ids[slot, :n] = to_device(req.token_ids, torch.int64, self.device)
+            if req.cached_kv_slots:  # a prefix-cache hit: these positions are computed already
+                cached = to_device(req.cached_kv_slots, torch.int32, self.device)
+                self.req_to_token[slot, : cached.numel()] = cached
             self.options[slot] = opts
             self.num_tokens_host[slot] = n
             self.prompt_len_host[slot] = prompt_len

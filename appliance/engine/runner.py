@@ -46,7 +46,14 @@ from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
 from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
-from appliance.messages import PromptScores, SampledTokens, ScheduledChunk, StepPlan, StepResult
+from appliance.messages import (
+    PromptScores,
+    SampledTokens,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+)
 from appliance.models.config import TextConfig, load_text_config
 from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
@@ -121,6 +128,8 @@ class ModelRunner:
             self.pools.log_kv_scales([self.model, *self.draft_modules])
         sizes = self.pools.sizes
         self.num_kv_slots = sizes.num_kv_slots
+        self.num_snapshot_slots = sizes.num_snapshot_slots
+        self.linear_state = bool(self.pools.gdn_layers)  # a prefix hit restores a GDN snapshot
         if self.max_model_len > self.num_kv_slots:
             # A context the KV pool cannot hold would be advertised and then refused (a request
             # without max_tokens asks for all of it): serve what one request can really use. Only
@@ -254,6 +263,16 @@ class ModelRunner:
             capture_logged("MTP verify + draft", graphs, reserve)
         return graphs
 
+    def info(self) -> WorkerInfo:
+        """What the router needs to know about this worker's pools (rank 0 reports it)."""
+        return WorkerInfo(
+            self.num_kv_slots,
+            self.max_model_len,
+            list(self.eos_token_ids),
+            self.num_snapshot_slots,
+            self.linear_state,
+        )
+
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.text_config.eos_token_ids)
         gen = self.model_dir / "generation_config.json"
@@ -267,12 +286,29 @@ class ModelRunner:
     def _pool_sizes(self) -> PoolSizes:
         sched = self.config.scheduler
         slots = sched.num_kv_slots
+        snapshots = self._num_snapshots(None)
         if not slots and self.device.type == "cuda":
-            slots = self._slots_from_memory()
+            slots, snapshots = self._slots_from_memory()
         elif not slots:
             slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
         padding = self.graph_max_bs > 0
-        return PoolSizes(slots, sched.max_num_seqs, self.max_model_len, self.mtp_step, padding)
+        return PoolSizes(
+            slots, sched.max_num_seqs, self.max_model_len, self.mtp_step, padding, snapshots
+        )
+
+    def _num_snapshots(self, pool_bytes: float | None) -> int:
+        """Prefix-cache state snapshot slots: none without prefix caching or GDN layers; the
+        configured count; else 4 x max_num_seqs, within snapshot_mem_fraction of `pool_bytes`."""
+        per = state_bytes_per_slot(self.model, self.dtype)
+        cache, sched = self.config.cache, self.config.scheduler
+        if not sched.prefix_caching or per == 0:
+            return 0
+        if cache.snapshot_slots:
+            return cache.snapshot_slots
+        count = 4 * sched.max_num_seqs
+        if pool_bytes is not None:
+            count = min(count, int(pool_bytes * cache.snapshot_mem_fraction // per))
+        return max(0, count)
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -302,7 +338,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _slots_from_memory(self) -> int:
+    def _slots_from_memory(self) -> tuple[int, int]:
         """Startup order: weights (loaded) -> worst-case profile forward -> hold back the ViT
         reservation -> `mem_fraction` of the rest, less the state pools, becomes the KV pool."""
         sched = self.config.scheduler
@@ -319,18 +355,22 @@ class ModelRunner:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
         held = activation + self.reserved_bytes + graphs
-        scratch = sched.max_num_seqs * self.mtp_step
         mem_fraction = self.config.cache.mem_fraction
-        slots = plan_kv_slots(free, held, mem_fraction, state, per_slot, scratch)
+        snapshots = self._num_snapshots((free - held) * mem_fraction - state)
+        snapshot_bytes = snapshots * state_bytes_per_slot(self.model, self.dtype)
+        scratch = sched.max_num_seqs * self.mtp_step
+        slots = plan_kv_slots(free, held, mem_fraction, state + snapshot_bytes, per_slot, scratch)
         log.info(
             "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
-            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools -> %d KV slots of %d B "
-            "(%s)",
+            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools, %.2f GiB for %d "
+            "prefix-cache state snapshots -> %d KV slots of %d B (%s)",
             free / 2**30,
             activation / 2**30,
             self.reserved_bytes / 2**30,
             graphs / 2**30,
             state / 2**30,
+            snapshot_bytes / 2**30,
+            snapshots,
             slots,
             per_slot,
             str(self.kv_dtype).removeprefix("torch."),
@@ -340,7 +380,7 @@ class ModelRunner:
                 f"not enough device memory for the KV pool: {slots} slots fit, "
                 f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
-        return slots
+        return slots, snapshots
 
     # ------------------------------------------------------------------ steps
     @property
@@ -349,12 +389,23 @@ class ModelRunner:
         return self.requests.num_tokens_host
 
     def _admit(self, plan: StepPlan) -> None:
+        saves = plan.snapshot_saves  # ended requests' states, before their slots are released
+        self.pools.save_snapshots([s.req_slot for s in saves], [s.snapshot for s in saves])
         self.requests.release(plan.released_slots)
         for slot in plan.released_slots:
             self.mm.release(slot)
         for req in plan.new_requests:
             self.mm.admit(req)
         self.requests.admit(plan.new_requests)
+        hits = [req for req in plan.new_requests if req.restore_snapshot >= 0]
+        self.pools.restore_snapshots(
+            [req.restore_snapshot for req in hits], [req.req_slot for req in hits]
+        )
+
+    def _save_chunk_snapshots(self, chunks: list[ScheduledChunk]) -> None:
+        """States the router asked to keep for its prefix cache, after the step's forward."""
+        saves = [c for c in chunks if c.save_snapshot >= 0]
+        self.pools.save_snapshots([c.req_slot for c in saves], [c.save_snapshot for c in saves])
 
     # The worker loop (and the offline engine) submit a plan and collect results in order; up to
     # two steps are in flight, so step N+1 is launched while the GPU still runs step N.
@@ -385,6 +436,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> PendingStep:
+        pending = self._launch_step(plan)
+        self._save_chunk_snapshots(plan.chunks)  # behind the step's device work, in order
+        return pending
+
+    def _launch_step(self, plan: StepPlan) -> PendingStep:
         start = time.perf_counter()
         self._admit(plan)
         if not plan.chunks:

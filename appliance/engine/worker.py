@@ -15,7 +15,7 @@ import zmq
 from appliance.config import EngineConfig
 from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
-from appliance.messages import StepPlan, WorkerInfo, decoder, encode
+from appliance.messages import StepPlan, decoder, encode
 
 logger = get_logger(__name__)
 
@@ -63,7 +63,7 @@ def run_worker(
     results = zmq_socket(ctx, zmq.PUSH, addrs.router_results, bind=False) if rank == 0 else None
     info = None
     if rank == 0:
-        info = WorkerInfo(runner.num_kv_slots, runner.max_model_len, list(runner.eos_token_ids))
+        info = runner.info()
     link.ready(info)
     serve_steps(runner, inbox, results)
 

@@ -66,20 +66,21 @@ class LLM:
         )
         if tp == 1:
             self.runner = ModelRunner(self.config)
-            num_kv, max_len, eos = (
-                self.runner.num_kv_slots,
-                self.runner.max_model_len,
-                self.runner.eos_token_ids,
-            )
+            info = self.runner.info()
         else:
             from appliance.offline.workers import WorkerGroup
 
             self.runner = WorkerGroup(self.config)
             info = self.runner.info
-            num_kv, max_len, eos = info.num_kv_slots, info.max_model_len, info.eos_token_ids
-        self.eos_token_ids = tuple(eos)
+        self.eos_token_ids = tuple(info.eos_token_ids)
         self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
-        self.scheduler = Scheduler(self.config.scheduler, num_kv, max_len)
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            info.num_kv_slots,
+            info.max_model_len,
+            num_snapshot_slots=info.num_snapshot_slots,
+            linear_state=info.linear_state,
+        )
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

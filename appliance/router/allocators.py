@@ -63,3 +63,37 @@ class SlotAllocator:
 
     def is_allocated(self, slot: int) -> bool:
         return bool(self._in_use[slot])
+
+
+class RefCountedSlots(SlotAllocator):
+    """A SlotAllocator whose slots carry reference counts: the KV pool, where a slot may be held by
+    several running requests and the prefix tree at once. `alloc` hands out slots with one
+    reference, `incref` adds one, and `free` drops one; a slot returns to the free list when its
+    last reference goes."""
+
+    def __init__(self, num_slots: int, name: str = "slots") -> None:
+        super().__init__(num_slots, name)
+        self._refs = np.zeros(num_slots, dtype=np.int32)
+
+    def alloc(self, n: int) -> np.ndarray:
+        slots = super().alloc(n)
+        self._refs[slots] = 1
+        return slots
+
+    def incref(self, slots: np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int32)
+        assert self._in_use[slots].all(), f"{self.name}: referencing a free slot"
+        np.add.at(self._refs, slots, 1)
+
+    def free(self, slots: np.ndarray | list[int] | int) -> None:
+        slots = np.atleast_1d(np.asarray(slots, dtype=np.int32))
+        if slots.size == 0:
+            return
+        assert (self._refs[slots] > 0).all(), f"{self.name}: freeing a slot that is not allocated"
+        np.subtract.at(self._refs, slots, 1)
+        dead = slots[self._refs[slots] == 0]
+        if dead.size:
+            super().free(np.unique(dead))
+
+    def refs(self, slot: int) -> int:
+        return int(self._refs[slot])

@@ -150,6 +150,7 @@ class EngineCore:
                     out.logprobs,
                     out.top_logprobs,
                     prompt_logprobs=out.prompt_logprobs,
+                    cached_tokens=out.cached_tokens,
                 )
             )
         self._forward_s.append(result.forward_s)
@@ -210,6 +211,7 @@ class EngineCore:
                 computed_tokens=r.num_computed,
                 kv_slots=r.num_kv,
                 preemptions=r.num_preemptions,
+                cached_tokens=r.num_cached_tokens,
             )
             for r in reqs
         ]

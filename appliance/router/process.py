@@ -138,7 +138,13 @@ def run_router(
 ) -> None:
     child_init("router")
     link = RoleLink(addrs.launcher, "router")
-    scheduler = Scheduler(config.scheduler, worker.num_kv_slots, worker.max_model_len)
+    scheduler = Scheduler(
+        config.scheduler,
+        worker.num_kv_slots,
+        worker.max_model_len,
+        num_snapshot_slots=worker.num_snapshot_slots,
+        linear_state=worker.linear_state,
+    )
     ctx = zmq.Context.instance()
     loop = RouterLoop(
         scheduler,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -75,6 +76,9 @@ class Request:
     )
     # prompt logprobs gathered until the first output carries them (sampling.prompt_logprobs)
     prompt_scores: PromptScoreBuffer | None = None
+    num_cached_tokens: int = 0  # prompt positions found in the prefix cache at first admission
+    prefix_node: Any = None  # the prefix-tree node it holds locked (router/prefix_cache.py)
+    prefix_match: Any = None  # its cache match between _can_admit and _admit
     _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
     _num_kv: int = 0
 
@@ -175,3 +179,4 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token: (id, logprob) pairs
     stop_token_id: int | None = None  # the eos/stop token id that ended the request, if any
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, with the first output
+    cached_tokens: int = 0  # prompt tokens the request found in the prefix cache

@@ -6,6 +6,12 @@ Per step: decodes of running requests first (oldest first), then prefill chunks 
 then admission of waiting requests (strict FIFO) while budget, request slots and KV remain. A decode
 that cannot get a KV slot preempts the most recently admitted request (its slots are freed, it goes
 back to the front of the queue and is recomputed from prompt + generated tokens when re-admitted).
+
+Prefix caching (router/prefix_cache.py): admission starts a request at its longest usable cached
+prefix (KV slots shared, the GDN state restored from a snapshot). Prompt prefill chunks end at
+every `snapshot_interval` tokens and at the prompt's end; the worker snapshots the state there and
+the prefix goes into the tree when the step's result arrives. A request that ends (stop/length)
+leaves its whole computed sequence in the tree, its state saved by the next plan.
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ from appliance.messages import (
     SampledTokens,
     ScheduledChunk,
     SchedulerStats,
+    SnapshotSave,
     StepPlan,
     StepResult,
     mtp_compatible,
 )
-from appliance.router.allocators import SlotAllocator
+from appliance.router.allocators import RefCountedSlots, SlotAllocator
+from appliance.router.prefix_cache import PrefixCache, cache_keys
 from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
 
 logger = get_logger(__name__)
@@ -70,6 +78,8 @@ class Scheduler:
         *,
         decode_reserve: int = DEFAULT_DECODE_RESERVE,
         rng_seed: int | None = None,  # seeds the draw of per-request sampling seeds (tests)
+        num_snapshot_slots: int = 0,  # the worker's prefix-cache snapshot pool (WorkerInfo)
+        linear_state: bool = False,  # the model has GDN layers: hits need snapshots
     ) -> None:
         if num_kv_slots < 1:
             raise ValueError(f"num_kv_slots: expected an integer >= 1, got {num_kv_slots}")
@@ -79,7 +89,15 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.decode_reserve = decode_reserve
         self.req_slots = SlotAllocator(config.max_num_seqs, "req_slots")
-        self.kv = SlotAllocator(num_kv_slots, "kv_slots")
+        self.kv = RefCountedSlots(num_kv_slots, "kv_slots")
+        self.snapshots = SlotAllocator(num_snapshot_slots, "snapshot_slots")
+        usable = config.prefix_caching and (num_snapshot_slots > 0 or not linear_state)
+        self.cache = PrefixCache(self.kv, self.snapshots, linear_state) if usable else None
+        self._snapshot_saves: list[SnapshotSave] = []  # ended requests' states, for the next plan
+        # step -> prefixes whose state a chunk of the step snapshots: (request, epoch, end, slot)
+        self._cache_points: dict[int, list[tuple[Request, int, int, int]]] = {}
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._requests: dict[str, Request] = {}  # every live (waiting or running) request
@@ -139,7 +157,8 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_used=self.kv.num_used,
+            # slots held by requests (the prefix tree's unused entries count as free: evictable)
+            kv_used=self.kv.num_used - (self.cache.num_evictable if self.cache else 0),
             kv_total=self.kv.num_total,
             state_used=self.req_slots.num_used,
             state_total=self.req_slots.num_total,
@@ -153,6 +172,12 @@ class Scheduler:
             mtp_draft_tokens=self._mtp_draft_tokens,
             mtp_accepted_tokens=self._mtp_accepted_tokens,
             mtp_accepted_per_position=list(self._mtp_accepted_per_position),
+            prefix_cache_queries=self._prefix_queries,
+            prefix_cache_hits=self._prefix_hits,
+            prefix_cache_nodes=self.cache.num_nodes if self.cache else 0,
+            prefix_cache_tokens=self.cache.num_tokens if self.cache else 0,
+            snapshots_used=self.snapshots.num_used,
+            snapshots_total=self.snapshots.num_total,
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -182,7 +207,10 @@ class Scheduler:
             # May preempt newer requests (not planned yet: this loop runs oldest first) or req.
             if not self._reserve_kv(req, req.num_computed + rows):
                 continue
-            chunks.append(self._make_chunk(req, rows, num_draft))
+            if req.num_computed < req.num_prompt_tokens:  # the prompt's last token: a cache point
+                chunks.append(self._prefill_chunk(req, rows))
+            else:
+                chunks.append(self._make_chunk(req, rows, num_draft))
             budget -= rows
         # 2. prefill chunks (including recompute after re-admission), oldest first
         for req in list(self.running):
@@ -194,8 +222,8 @@ class Scheduler:
             take = min(remaining, budget)
             # Admission allocated every known position, so a chunk never needs (or preempts for) KV.
             assert req.num_kv >= req.num_computed + take, "prefill chunk without KV slots"
-            chunks.append(self._make_chunk(req, take))
-            budget -= take
+            chunks.append(self._prefill_chunk(req, take))
+            budget -= chunks[-1].num_tokens
         # 3. admission, strict FIFO; none after a preemption (a victim must not come straight back)
         while (
             not self._preempted_this_step
@@ -205,9 +233,9 @@ class Scheduler:
         ):
             req = self.waiting.popleft()
             new_requests.append(self._admit(req))
-            take = min(req.num_tokens, budget)
-            chunks.append(self._make_chunk(req, take))
-            budget -= take
+            take = min(req.num_tokens - req.num_computed, budget)
+            chunks.append(self._prefill_chunk(req, take))
+            budget -= chunks[-1].num_tokens
         if not chunks:
             return None
         step_id = self._step_id
@@ -224,8 +252,8 @@ class Scheduler:
         }
         if scoring:
             self._scoring[step_id] = scoring
-        plan = StepPlan(step_id, new_requests, chunks, self._released)
-        self._released = []
+        plan = StepPlan(step_id, new_requests, chunks, self._released, self._snapshot_saves)
+        self._released, self._snapshot_saves = [], []
         return plan
 
     def _may_decode(self, req: Request) -> bool:
@@ -259,23 +287,52 @@ class Scheduler:
         return max(0, min(self.config.mtp_step, req.max_tokens - req.num_output_tokens - 1))
 
     def _can_admit(self, req: Request) -> bool:
+        """Room for the request's uncached positions (evicting unused cache entries if needed).
+        Its cache match is kept locked on `req.prefix_node` when it returns True."""
         if self.req_slots.num_free == 0:
             return False
-        need = min(req.num_tokens + self.decode_reserve, req.peak_kv_slots)
-        return self.kv.num_free >= need
+        hit, node = 0, None
+        # a prompt being scored (prompt logprobs) is computed whole: cached rows are not scored
+        if self.cache is not None and req.prompt_scores is None:
+            match = self.cache.match(self._keys(req), req.num_tokens - 1)
+            if match.length:
+                hit, node = match.length, match.node
+                self.cache.lock(node)
+            req.prefix_match = match
+        need = min(req.num_tokens + self.decode_reserve, req.peak_kv_slots) - hit
+        if self.kv.num_free < need and self.cache is not None:
+            self.cache.evict(kv_slots=need)
+        if self.kv.num_free >= need:
+            req.prefix_node = node
+            return True
+        if node is not None:
+            self.cache.unlock(node)
+        return False
 
     def _admit(self, req: Request) -> NewRequest:
         req.req_slot = self.req_slots.alloc_one()
-        req.append_kv(self.kv.alloc(req.num_tokens))  # every known position, so chunks never stall
-        req.num_computed = 0
+        match, req.prefix_match = req.prefix_match, None
+        hit = match.length if match is not None else 0
+        shared = match.kv_slots() if hit else np.empty(0, np.int32)
+        if hit:
+            self.kv.incref(shared)
+            req.append_kv(shared)
+        # every known position, so chunks never stall
+        req.append_kv(self.kv.alloc(req.num_tokens - hit))
+        req.num_computed = hit
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit
+            self._prefix_queries += req.num_prompt_tokens if self.cache is not None else 0
+            self._prefix_hits += hit
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._running_by_slot[req.req_slot] = req
         logger.debug(
-            "admit %s slot=%d tokens=%d preemptions=%d",
+            "admit %s slot=%d tokens=%d cached=%d preemptions=%d",
             req.req_id,
             req.req_slot,
             req.num_tokens,
+            hit,
             req.num_preemptions,
         )
         return NewRequest(
@@ -285,6 +342,8 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_draft=self.config.mtp_step if self._uses_mtp(req) else 0,
             mm=req.mm,  # sent again on re-admission: the visual server keeps them pinned
+            cached_kv_slots=shared.tolist(),
+            restore_snapshot=match.snapshot if hit else -1,
         )
 
     def _reserve_kv(self, req: Request, upto: int) -> bool:
@@ -292,6 +351,10 @@ class Scheduler:
         requests if the pool is short. False when `req` itself had to be preempted."""
         need = upto - req.num_kv
         while need > self.kv.num_free:
+            if self.cache is not None:  # unused cache entries go first (a victim's, too)
+                self.cache.evict(kv_slots=need)
+                if need <= self.kv.num_free:
+                    break
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -300,7 +363,79 @@ class Scheduler:
             req.append_kv(self.kv.alloc(need))
         return True
 
-    def _make_chunk(self, req: Request, num_tokens: int, num_draft: int = 0) -> ScheduledChunk:
+    def _prefill_chunk(self, req: Request, take: int) -> ScheduledChunk:
+        """A prefill chunk of at most `take` tokens, cut at the next snapshot interval; the chunk
+        ending there or at the last known token becomes a cache point (its prefix is inserted
+        into the tree when the step's result arrives, with a state snapshot on hybrid models)."""
+        if self.cache is None:
+            return self._make_chunk(req, take)
+        start, interval = req.num_computed, self.config.snapshot_interval
+        end = start + take
+        if interval and self.cache.needs_snapshots:
+            end = min(end, (start // interval + 1) * interval)
+        at_boundary = bool(interval) and end % interval == 0 and self.cache.needs_snapshots
+        if end != req.num_known and not at_boundary:
+            return self._make_chunk(req, end - start)
+        slot = self._snapshot_slot() if self.cache.needs_snapshots else -1
+        if self.cache.needs_snapshots and slot < 0:
+            return self._make_chunk(req, end - start)
+        point = (req, req.num_preemptions, end, slot)
+        self._cache_points.setdefault(self._step_id, []).append(point)
+        return self._make_chunk(req, end - start, save_snapshot=slot)
+
+    def _snapshot_slot(self, steal: bool = False) -> int:
+        """A free snapshot slot (evicting an unused cache entry if none is free), or -1.
+        `steal` (a request's end, the next turn's prefix): else take the least recently used
+        snapshot even from a running request's path (only between plans: see drop_snapshot)."""
+        if self.snapshots.num_free == 0:
+            self.cache.evict(snapshots=1)
+        if self.snapshots.num_free == 0 and steal:
+            self.cache.drop_snapshot()
+        return self.snapshots.alloc_one() if self.snapshots.num_free else -1
+
+    def _keys(self, req: Request) -> np.ndarray:
+        return cache_keys(req.all_token_ids, req.mm)
+
+    def _cache_prefix(self, req: Request, end: int, snapshot: int) -> bool:
+        """Puts the request's first `end` positions into the tree; its lock moves to the new node.
+        False when the snapshot was not kept (the tree has one there already)."""
+        node, kept = self.cache.insert(self._keys(req)[:end], req.kv_slots[:end], snapshot)
+        self.cache.lock(node)
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        req.prefix_node = node
+        return kept
+
+    def _cache_points_done(self, step_id: int) -> None:
+        """The snapshots planned in step `step_id` are written: their prefixes enter the tree."""
+        for req, epoch, end, slot in self._cache_points.pop(step_id, []):
+            if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
+                if self._cache_prefix(req, end, slot) or slot < 0:
+                    continue
+            if slot >= 0:
+                self.snapshots.free(slot)
+
+    def _cache_ended(self, req: Request) -> None:
+        """A request that stopped leaves its computed sequence in the tree (the next turn of a
+        conversation starts with it); its state is saved by the next plan."""
+        end = req.num_computed
+        if self.cache is None or req.req_slot < 0 or not 0 < end <= req.num_tokens:
+            return  # (an MTP run cut short by a stop token computed rows past the kept tokens)
+        if req.num_pending and self._uses_mtp(req):
+            return  # a verify step in flight: how many of its rows the state keeps is unknown
+        slot = -1
+        if self.cache.needs_snapshots:
+            slot = self._snapshot_slot(steal=True)
+            if slot < 0:
+                return
+        if self._cache_prefix(req, end, slot):
+            self._snapshot_saves.append(SnapshotSave(req.req_slot, slot))
+        elif slot >= 0:
+            self.snapshots.free(slot)
+
+    def _make_chunk(
+        self, req: Request, num_tokens: int, num_draft: int = 0, save_snapshot: int = -1
+    ) -> ScheduledChunk:
         start = req.num_computed
         end = start + num_tokens
         kv_slots = req.kv_slots[start:end].tolist()
@@ -319,6 +454,7 @@ class Scheduler:
             kv_slots=kv_slots,
             sample=sample,
             num_draft=num_draft,
+            save_snapshot=save_snapshot,
         )
 
     # ------------------------------------------------------------------ results
@@ -335,6 +471,8 @@ class Scheduler:
             # kept even when the step is stale: a prompt's scores do not depend on the epoch
             if req is not None and req.prompt_scores is not None:
                 req.prompt_scores.add(part.scores)
+        if self.cache is not None:
+            self._cache_points_done(result.step_id)
         outputs: list[RequestOutput] = []
         for sampled in result.sampled:
             entry = inflight.pop(sampled.req_slot, None)
@@ -349,12 +487,11 @@ class Scheduler:
             req.num_pending -= 1
             if num_draft:
                 self._count_mtp(num_draft, len(sampled.token_ids))
-            outputs.append(self._append_tokens(req, sampled))
-            if num_draft and req.status is RequestStatus.RUNNING:
                 # rows past the accepted ones were computed for rejected drafts: give back their KV
                 rejected = num_draft + 1 - len(sampled.token_ids)
                 req.num_computed -= rejected
                 self.kv.free(req.pop_kv(rejected))
+            outputs.append(self._append_tokens(req, sampled))
         for req, epoch, _ in inflight.values():
             if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
                 raise SchedulerError(
@@ -392,11 +529,17 @@ class Scheduler:
             top_logprobs=top,
             stop_token_id=stop_token_id,
             prompt_logprobs=req.take_prompt_scores(),
+            cached_tokens=req.num_cached_tokens,
         )
 
     # ------------------------------------------------------------------ slot bookkeeping
 
     def _release(self, req: Request) -> None:
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        if req.prefix_match is not None:
+            req.prefix_match = None
         if req.req_slot >= 0:
             self.req_slots.free(req.req_slot)
             self._released.append(req.req_slot)
@@ -420,6 +563,8 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:
             return
         if req.status is RequestStatus.RUNNING:
+            if reason is not FinishReason.ABORT:
+                self._cache_ended(req)
             self.running.remove(req)
         else:
             self.waiting.remove(req)

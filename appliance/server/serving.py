@@ -202,11 +202,14 @@ def choice_requests(
     return requests
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage; `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix
+    cache (summed over the choices, as prompt_tokens is)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -215,11 +218,12 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
     finish = ["stop"] * n
-    tokens = [0] * n
+    tokens, cached = [0] * n, [0] * n
     async for index, delta in iterate_deltas(answer.group):
         texts[index].append(delta.text)
         if delta.prompt_logprobs is not None:  # first: the prompt's entries lead the choice's
             logprobs[index] = delta.prompt_logprobs + (logprobs[index] or [])
+        cached[index] = max(cached[index], delta.cached_tokens)
         if delta.logprobs is not None:
             logprobs[index] = (logprobs[index] or []) + delta.logprobs
         tokens[index] = delta.num_output_tokens
@@ -230,7 +234,7 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
         **answer.head,
         "object": answer.endpoint.object_name,
         "choices": [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)],
-        "usage": usage(answer.num_prompt_tokens, sum(tokens)),
+        "usage": usage(answer.num_prompt_tokens, sum(tokens), sum(cached)),
     }
 
 
@@ -267,7 +271,7 @@ async def _stream(
             usage_ = usage(answer.num_prompt_tokens, sum(tokens))
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
-    tokens = [0] * answer.num_choices
+    tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
     async with abort_on_disconnect(request, state.client, answer.group):
         try:
             for index in range(answer.num_choices):
@@ -276,11 +280,12 @@ async def _stream(
                     yield chunk([opening])
             async for index, delta in iterate_deltas(answer.group, first):
                 tokens[index] = delta.num_output_tokens
+                cached[index] = max(cached[index], delta.cached_tokens)
                 choice = answer.formatter.delta_choice(index, delta)
                 if choice is not None:
                     yield chunk([choice])
             if include_usage:
-                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens)))
+                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens), sum(cached)))
         except APIError as err:
             yield sse_error(err)
         yield "data: [DONE]\n\n"

@@ -36,6 +36,7 @@ class RequestResult:
     error: str = ""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix cache)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -128,6 +129,8 @@ async def run_request(
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     piece = (

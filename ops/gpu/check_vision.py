@@ -111,9 +111,12 @@ class _Store:
 # ------------------------------------------------------------------------------ the pools
 
 
-def runner_formula(free, activation, reserved, mem_fraction, state, per_slot, seqs, mtp_step):
-    """ModelRunner._slots_from_memory's arithmetic (appliance/engine/runner.py), term by term."""
-    budget = (free - activation - reserved) * mem_fraction - state
+def runner_formula(
+    free, activation, reserved, mem_fraction, state, per_slot, seqs, mtp_step, snapshots=0
+):
+    """ModelRunner._slots_from_memory's arithmetic (appliance/engine/runner.py), term by term;
+    `snapshots`: bytes of the prefix-cache snapshot pool the runner chose."""
+    budget = (free - activation - reserved) * mem_fraction - state - snapshots
     return int(budget // per_slot) - seqs * mtp_step
 
 
@@ -126,7 +129,10 @@ def _virtual_device_memory(free: int):
     pool_sizes, mem_get_info = ModelRunner._pool_sizes, torch.cuda.mem_get_info
 
     def sizes_from_memory(self):
-        return dataclasses.replace(pool_sizes(self), num_kv_slots=self._slots_from_memory())
+        slots, snapshots = self._slots_from_memory()
+        return dataclasses.replace(
+            pool_sizes(self), num_kv_slots=slots, num_snapshot_slots=snapshots
+        )
 
     ModelRunner._pool_sizes = sizes_from_memory
     torch.cuda.mem_get_info = lambda device=None: (free, free)
@@ -191,6 +197,7 @@ def pools_with_runner(ckpt: Path, reserved: int, args, device: torch.device, pro
         per_slot,
         seqs,
         runner.mtp_step,
+        runner.num_snapshot_slots * state_bytes_per_slot(runner.model, runner.dtype),
     )
     how = "real ModelRunner (dummy weights): " + (
         "profile forward, _slots_from_memory, Pools"

@@ -7,7 +7,7 @@
 # Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
-# GRAPHS_S PROFILE_S;
+# GRAPHS_S PROFILE_S PREFIX_S;
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
@@ -69,6 +69,8 @@ for s in ${STEPS:-probe tests bench}; do
       --mtp ${STATIC_MTP:-0} --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 ${STATIC_ARGS:-} --json "$OUT/static_moe.json" ;;
     graphs) step graphs "${GRAPHS_S:-200}" python3 -m pytest tests/appliance/engine/test_graphs.py \
       tests/appliance/engine/test_mtp_graphs.py -q -s -p no:cacheprovider -m gpu -rfE ;;
+    prefix) step prefix "${PREFIX_S:-580}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
+      bash ops/gpu/prefix_bench.sh ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
     *) echo "unknown step $s" ;;

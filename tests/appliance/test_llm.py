@@ -62,3 +62,11 @@ def test_tp2_worker_processes_match_tp1(tiny_moe):
     tp1 = [o.token_ids for o in LLM(str(tiny_moe), **OPTS).generate(prompts, params)]
     with LLM(str(tiny_moe), tp=2, **OPTS) as tp2:
         assert [o.token_ids for o in tp2.generate(prompts, params)] == tp1
+        # a second turn hits the first (KV and every rank's GDN state snapshot) and matches TP=1
+        # without caching
+        turn2 = prompts[0] + tp1[0] + [11, 12, 13]
+        hits = tp2.scheduler.stats().prefix_cache_hits
+        got = tp2.generate(turn2, params)[0].token_ids
+        assert tp2.scheduler.stats().prefix_cache_hits - hits == len(prompts[0]) + 9
+    plain = LLM(str(tiny_moe), prefix_caching=False, **OPTS)
+    assert got == plain.generate(turn2, params)[0].token_ids

@@ -40,6 +40,12 @@ SCHED = m.SchedulerStats(
     mtp_draft_tokens=6,
     mtp_accepted_tokens=5,
     mtp_accepted_per_position=[3, 2],
+    prefix_cache_queries=40,
+    prefix_cache_hits=30,
+    prefix_cache_nodes=3,
+    prefix_cache_tokens=50,
+    snapshots_used=2,
+    snapshots_total=8,
 )
 STATS = m.RouterStats(
     scheduler=SCHED, queue_time_s=[0.01, 0.2], step_overhead_ms=0.3, step_forward_ms=4.5
@@ -62,11 +68,29 @@ LOGPROB = m.TokenLogprob(
 )
 FIRST = m.TokenLogprob("a", None, [97])
 DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB])
-WORKER = m.WorkerInfo(num_kv_slots=1024, max_model_len=512, eos_token_ids=[2, 7])
+WORKER = m.WorkerInfo(
+    num_kv_slots=1024,
+    max_model_len=512,
+    eos_token_ids=[2, 7],
+    num_snapshot_slots=8,
+    linear_state=True,
+)
 
-IMAGE = m.ImageInput(offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="sha256:ab12")
-NEW = m.NewRequest(3, [1, 2, 3, 4, 5, 6], OPTS, num_prompt_tokens=5, num_draft=2, mm=[IMAGE])
-CHUNK = m.ScheduledChunk(3, 5, 3, [10, 11, 12], True, num_draft=2)
+IMAGE = m.ImageInput(
+    offset=1, num_tokens=4, grid_thw=(1, 4, 4), handle="shm-ab12", content_key="sha256:ab12"
+)
+NEW = m.NewRequest(
+    3,
+    [1, 2, 3, 4, 5, 6],
+    OPTS,
+    num_prompt_tokens=5,
+    num_draft=2,
+    mm=[IMAGE],
+    cached_kv_slots=[7, 8],
+    restore_snapshot=4,
+)
+CHUNK = m.ScheduledChunk(3, 5, 3, [10, 11, 12], True, num_draft=2, save_snapshot=6)
+SAVE = m.SnapshotSave(req_slot=3, snapshot=6)
 IMAGE_DATA = m.ImageData("ab12cd", b"\x89PNG\r\n", 3, (1, 4, 4))
 VISUAL_STATS = m.VisualStats(3, 1, 4096, 5, 2, [0.01], [0.02, 0.03])
 VISUAL_INFO = m.VisualInfo("cuda:0", 2**30, 900_000_000, (1, 64, 64), 8)
@@ -76,7 +100,8 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.ImageInput: IMAGE,
     m.NewRequest: NEW,
     m.ScheduledChunk: CHUNK,
-    m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2]),
+    m.SnapshotSave: SAVE,
+    m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2], [SAVE]),
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
     m.PromptLogprobs: PROMPT_LP,
     m.PromptScores: m.PromptScores(3, m.PromptLogprobs(4, [8], [-1.5], [[(8, -1.5)]])),

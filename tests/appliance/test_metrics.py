@@ -128,6 +128,10 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             "mtp_accepted_per_position": [11, 7, 4],
             "num_preemptions": 1,
             "queue_time_s": [0.3],
+            "prefix_cache_queries": 500,
+            "prefix_cache_hits": 300,
+            "prefix_cache_tokens": 4096,
+            "snapshot_usage": 0.5,
         }
     )
     s = scrape(rec)
@@ -144,6 +148,10 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             == expected
         )
     assert value(s, "appliance_preemptions_total") == 1
+    assert value(s, "appliance_prefix_cache_queries_total") == 500
+    assert value(s, "appliance_prefix_cache_hits_total") == 300
+    assert value(s, "appliance_prefix_cache_tokens") == 4096
+    assert value(s, "appliance_prefix_cache_snapshot_usage_ratio") == pytest.approx(0.5)
     assert value(s, "appliance_request_queue_time_seconds_count") == 3
     assert value(s, "appliance_request_queue_time_seconds_sum") == pytest.approx(0.6)
 

@@ -119,10 +119,13 @@ def test_format_stats_line() -> None:
         mtp_drafts=100,
         mtp_accepted_tokens=171,
         num_preemptions=1,
+        prefix_cache_queries=2000,
+        prefix_cache_hits=1500,
     )
     assert format_stats_line(stats) == (
         "window 10.0s | running 3, waiting 2 | prompt 1234.5 tok/s, gen 456.7 tok/s | "
-        "finished 5 (aborted 1) | KV 12.3%, state 4.0% | MTP accept len 2.71 | preempted 1"
+        "finished 5 (aborted 1) | KV 12.3%, state 4.0% | prefix cache hit 75.0% | "
+        "MTP accept len 2.71 | preempted 1"
     )
     empty = WindowStats(duration_s=5.0, prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
     assert format_stats_line(empty) == (

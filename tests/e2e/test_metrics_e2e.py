@@ -172,6 +172,7 @@ def test_debug_status_has_progress_but_no_prompt_text(load):
         "computed_tokens",
         "kv_slots",
         "preemptions",
+        "cached_tokens",
     }
     assert req["status"] == "running" and req["prompt_tokens"] > 0 and req["output_tokens"] >= 1
     assert status["router"]["num_running"] == 1 and status["router"]["kv_used"] > 0

@@ -286,3 +286,23 @@ def test_non_stream_disconnect_frees_slots(appliance, model):
         httpx.post(f"{appliance.url}/v1/chat/completions", json=body, timeout=1.5)
     router = appliance.wait_idle(timeout_s=5)["router"]
     assert (router["kv_used"], router["state_used"], router["num_running"]) == (0, 0, 0)
+
+
+def test_a_shared_prefix_is_reported_as_cached_tokens(sdk, model):
+    """Prefix caching (on by default): a prompt that extends an earlier one reuses its prefix, and
+    usage.prompt_tokens_details.cached_tokens says how much (streamed usage too)."""
+    first = [(7 * i + 3) % 1500 + 100 for i in range(40)]
+    args = dict(model=model, temperature=0, max_tokens=4, extra_body={"ignore_eos": True})
+    out = sdk.completions.create(prompt=first, **args)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    second = first + [11, 12, 13]
+    out = sdk.completions.create(prompt=second, **args)
+    assert out.usage.prompt_tokens_details.cached_tokens == len(first)  # the prompt-end snapshot
+    stream = sdk.completions.create(
+        prompt=second, stream=True, stream_options={"include_usage": True}, **args
+    )
+    usage = list(stream)[-1].usage
+    # the same prompt again: its last token must be computed (for the logits), and the GDN state
+    # has snapshots at 40, 43 (prompt end) and 46 (generation end), so the hit is at 40 again
+    assert usage.prompt_tokens == len(second)
+    assert usage.prompt_tokens_details.cached_tokens == len(first)

@@ -58,3 +58,13 @@ def check_prompt_logprobs(tiny_dense, options: dict, abs_tol: float) -> None:
     # without the option nothing is scored
     plain = llm.generate(prompts[0], SamplingParams(max_tokens=2, temperature=0))[0]
     assert plain.prompt_logprobs is None
+    # a prompt the prefix cache holds (the plain run above saved prompts[0]'s end) is still
+    # scored whole: a scored prompt takes no cache hit
+    longer = prompts[0] + [5, 6, 7]
+    hits = llm.scheduler.stats().prefix_cache_hits
+    llm.generate(longer, SamplingParams(max_tokens=2, temperature=0))
+    assert llm.scheduler.stats().prefix_cache_hits > hits  # a plain request hits
+    scored = llm.generate(longer, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
+    assert scored[0].prompt_logprobs[1:] == pytest.approx(
+        hf_prompt_logprobs(tiny_dense, longer), abs=abs_tol
+    )

@@ -4,7 +4,9 @@ pipelined like the engine loop); imported by the scheduler tests in this folder 
 
 The fake worker checks the seam contract on every step: chunk starts follow the worker's own
 progress, `sample` is set exactly when a chunk reaches the last known token, no KV slot is written
-while another live position owns it, and every position a chunk "attends" to holds its own token.
+while a live request reads it, and every position a chunk "attends" to holds its own token. Prefix
+hits: the cached KV slots must hold the request's tokens, and the restored snapshot (the fake
+"linear state" is the token sequence it covers) must cover exactly the cached positions.
 """
 
 from __future__ import annotations
@@ -36,16 +38,21 @@ class FakeWorker:
         self.tokens: dict[int, list[int]] = {}  # req_slot -> every known token
         self.computed: dict[int, int] = {}  # req_slot -> positions computed
         self.req_to_token: dict[int, list[int]] = {}  # req_slot -> kv slot per computed position
-        self.kv_owner: list[tuple[int, int] | None] = [None] * num_kv_slots  # kv -> (req_slot, pos)
+        self.kv_readers = [0] * num_kv_slots  # kv -> live requests whose positions use it
         self.kv_value: list[int | None] = [None] * num_kv_slots  # kv -> token written there
+        self.snapshots: dict[int, tuple[int, ...]] = {}  # snapshot slot -> tokens it covers
         self.plans: list[StepPlan] = []
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        for save in plan.snapshot_saves:
+            assert save.req_slot in self.tokens, f"snapshot of slot {save.req_slot}: not live"
+            covered = self.computed[save.req_slot]
+            self.snapshots[save.snapshot] = tuple(self.tokens[save.req_slot][:covered])
         for slot in plan.released_slots:
             assert slot in self.tokens, f"released slot {slot} was not live"
             for kv in self.req_to_token.pop(slot):
-                self.kv_owner[kv] = None
+                self.kv_readers[kv] -= 1
             del self.tokens[slot], self.computed[slot]
         for new in plan.new_requests:
             assert new.req_slot not in self.tokens, f"slot {new.req_slot} reused before release"
@@ -54,8 +61,17 @@ class FakeWorker:
             self.sampling[new.req_slot] = new.sampling
             assert 1 <= new.num_prompt_tokens <= len(new.token_ids)
             self.num_prompt[new.req_slot] = new.num_prompt_tokens
-            self.computed[new.req_slot] = 0
-            self.req_to_token[new.req_slot] = []
+            cached = list(new.cached_kv_slots)
+            for pos, kv in enumerate(cached):
+                assert self.kv_value[kv] == new.token_ids[pos], (
+                    f"cached kv {kv} holds another token"
+                )
+                self.kv_readers[kv] += 1
+            if new.restore_snapshot >= 0:
+                restored = self.snapshots[new.restore_snapshot]
+                assert restored == tuple(new.token_ids[: len(cached)]), "snapshot of another prefix"
+            self.computed[new.req_slot] = len(cached)
+            self.req_to_token[new.req_slot] = cached
         assert len({c.req_slot for c in plan.chunks}) == len(plan.chunks), "slot twice in one step"
         sampled = []
         for chunk in plan.chunks:
@@ -74,15 +90,15 @@ class FakeWorker:
         assert start + n <= len(tokens), "chunk past the known tokens"
         assert chunk.sample == (start + n == len(tokens))
         for i, kv in enumerate(chunk.kv_slots):
-            assert self.kv_owner[kv] is None, f"kv slot {kv} double-used ({self.kv_owner[kv]})"
-            self.kv_owner[kv] = (slot, start + i)
+            assert self.kv_readers[kv] == 0, f"kv slot {kv} written while a live request reads it"
+            self.kv_readers[kv] += 1
             self.kv_value[kv] = tokens[start + i]
             self.req_to_token[slot].append(kv)
         self.computed[slot] = start + n
-        for pos, kv in enumerate(
-            self.req_to_token[slot]
-        ):  # "attention" reads every earlier position
-            assert self.kv_owner[kv] == (slot, pos) and self.kv_value[kv] == tokens[pos]
+        if chunk.save_snapshot >= 0:
+            self.snapshots[chunk.save_snapshot] = tuple(tokens[: start + n])
+        for pos, kv in enumerate(self.req_to_token[slot]):  # "attention" reads every position
+            assert self.kv_value[kv] == tokens[pos]
         if not chunk.sample:
             return None
         token = self.sample_fn(tokens, self.sampling[slot], self.num_prompt[slot])
@@ -110,8 +126,11 @@ def make_scheduler(
     return Scheduler(config, num_kv_slots, max_model_len, rng_seed=0, **kwargs)
 
 
-def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunResult:
-    """Drives schedule -> execute -> update until no work is left; checks the budget per step."""
+def run(
+    sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000, keep_cache: bool = False
+) -> RunResult:
+    """Drives schedule -> execute -> update until no work is left; checks the budget per step and
+    (unless `keep_cache`: later requests should hit it) that no slot leaked."""
     result = RunResult()
     budget = sched.config.max_num_batched_tokens
     while sched.has_work():
@@ -127,11 +146,14 @@ def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunRes
                 result.reasons[out.req_id] = out.finish_reason
                 result.finish_order.append(out.req_id)
         result.steps += 1
-    assert_pools_empty(sched)
+    if not keep_cache:
+        assert_pools_empty(sched)
     return result
 
 
-def run_pipelined(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000) -> RunResult:
+def run_pipelined(
+    sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000, keep_cache: bool = False
+) -> RunResult:
     """Like `run`, but as the engine loop drives the workers: step N+1 is planned (and executed by
     the fake worker) before step N's result is applied; the oldest result is applied once two
     steps are out or nothing new could be planned."""
@@ -152,11 +174,17 @@ def run_pipelined(sched: Scheduler, worker: FakeWorker, max_steps: int = 10_000)
                 if out.finished:
                     result.reasons[out.req_id] = out.finish_reason
                     result.finish_order.append(out.req_id)
-    assert_pools_empty(sched)
+    if not keep_cache:
+        assert_pools_empty(sched)
     return result
 
 
 def assert_pools_empty(sched: Scheduler) -> None:
+    """No slot leaked: once the prefix cache lets go of everything, every pool is free."""
+    if sched.cache is not None:
+        sched.cache.clear()
+        assert sched.cache.num_nodes == 0 and sched.cache.num_tokens == 0
+    assert sched.snapshots.num_used == 0
     assert sched.kv.num_used == 0 and sched.kv.num_free == sched.kv.num_total
     assert sched.req_slots.num_used == 0
     assert not sched.running and not sched.waiting

@@ -59,7 +59,7 @@ def test_no_decode_planned_past_max_tokens() -> None:
     assert sched.schedule() is None  # the pending token is the last one
     outs = [o for r in results for o in sched.update(r)]
     assert [len(o.new_token_ids) for o in outs] == [1, 1] and outs[-1].finished
-    assert sched.kv.num_used == 0 and sched.req_slots.num_used == 0
+    assert sched.stats().kv_used == 0 and sched.req_slots.num_used == 0
 
 
 def test_eos_while_the_next_step_is_out_leaks_nothing() -> None:
@@ -71,7 +71,7 @@ def test_eos_while_the_next_step_is_out_leaks_nothing() -> None:
     result1 = worker.execute(sched.schedule())  # planned before eos is seen
     (out,) = sched.update(result0)
     assert out.finished and out.finish_reason is FinishReason.STOP and out.new_token_ids == [eos]
-    assert sched.kv.num_used == 0 and sched.req_slots.num_used == 0  # freed at once
+    assert sched.stats().kv_used == 0 and sched.req_slots.num_used == 0  # freed at once
     assert sched.update(result1) == []  # the extra step's token is dropped
     plan = sched.schedule()
     assert plan is None and not sched.has_work()

@@ -94,7 +94,7 @@ def test_abort_mid_prefill_frees_slots_at_once() -> None:
     a_slot = sched.get_request("a").req_slot
     assert sched.kv.num_used == 20
     sched.abort("a")
-    assert sched.kv.num_used == 0 and sched.req_slots.num_used == 0
+    assert sched.stats().kv_used == 0 and sched.req_slots.num_used == 0
     assert sched.schedule() is None and not sched.has_work()
     sched.add_request(req("b", prompt_of(3, 1), max_tokens=2))
     plan = sched.schedule()

@@ -224,7 +224,7 @@ def test_finish_ends_request_early_and_stats_count_tokens() -> None:
     # steps: a 0-4 | a 4-8 | a 8-10 + b 0-2 | a dec + b 2-3 | a dec + b dec (b done, max_tokens 2)
     assert sched.get_request("a").num_output_tokens == 3 and sched.get_request("b") is None
     sched.finish("a", FinishReason.STOP)
-    assert sched.get_request("a") is None and sched.kv.num_used == 0
+    assert sched.get_request("a") is None and sched.stats().kv_used == 0
     out = run(sched, worker)
     generated += sum(len(t) for t in out.tokens.values())
     stats = sched.stats()

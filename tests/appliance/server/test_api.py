@@ -54,6 +54,7 @@ def test_chat_non_stream(make_server, tokenizer):
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": len(reply_ids) + 1,  # + eos
         "total_tokens": len(prompt_ids) + len(reply_ids) + 1,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # The whole context is left for generation when max_tokens is not given.
     assert engine.received[0].max_tokens == 256 - len(prompt_ids)

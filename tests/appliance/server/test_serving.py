@@ -22,14 +22,20 @@ def stream(client, path: str, body: dict) -> list[dict]:
     return [json.loads(e) for e in events[:-1]]
 
 
-def test_usage_has_no_cached_tokens(make_server):
+def test_usage_reports_cached_tokens(make_server):
     client, _, _ = make_server()
     for path, body in [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "hi"}),
     ]:
         usage = client.post(path, json=body).json()["usage"]
-        assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        assert set(usage) == {
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "prompt_tokens_details",
+        }
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}  # the fake engine caches none
         chunks = stream(client, path, {**body, "stream_options": {"include_usage": True}})
         assert chunks[-1]["usage"] == usage
 
