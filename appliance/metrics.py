@@ -97,6 +97,10 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
     ("mtp_accepted_per_position", "counter", "appliance_mtp_accepted_tokens_per_position",
      "MTP draft tokens accepted at each draft position (0 = first draft token).", ("position",),
      None),
+    ("grammar_compile", "histogram", "appliance_grammar_compile_seconds",
+     "Structured-output grammar compile time in the server (cache misses).", (), STAGE_BUCKETS),
+    ("grammar_cache_hits", "counter", "appliance_grammar_cache_hits",
+     "Structured-output guides whose compiled grammar the server had cached.", (), None),
     ("preemptions", "counter", "appliance_preemptions",
      "Requests preempted (freed and re-queued) by the router.", (), None),
 )
