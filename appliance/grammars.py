@@ -96,8 +96,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def tokenizer_info(self) -> Any:
-        return self._xgr_compiler().tokenizer_info
+    def warm_up(self) -> None:
+        """Builds the tokenizer info now (seconds on a 248k vocabulary) instead of on first use."""
+        self._xgr_compiler()
 
     def _xgr_compiler(self) -> Any:
         with self._lock:

@@ -47,9 +47,10 @@ class GuidedDecoding:
         load_tokenizer: Callable[[], Any],
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        compiler: GrammarCompiler | None = None,  # a shared one (benchmarks); else its own
     ) -> None:
         self.vocab_size = vocab_size
-        self._compiler = GrammarCompiler(load_tokenizer, vocab_size, stop_token_ids)
+        self._compiler = compiler or GrammarCompiler(load_tokenizer, vocab_size, stop_token_ids)
         self._stop_ids = list(stop_token_ids)
         self._slots: dict[int, _Matcher] = {}
 
@@ -124,6 +125,10 @@ class GuidedDecoding:
                 mask[row, token // 32] |= _bit(token % 32)
             return
         matcher.fill_next_token_bitmask(mask, row)
+
+    def terminated(self, slot: int) -> bool:
+        """The slot's grammar has accepted its stop token."""
+        return self._ready(slot).matcher.is_terminated()
 
     def advance(self, slot: int, tokens: Sequence[int]) -> None:
         """The tokens the slot's request committed this step (after acceptance)."""

@@ -18,6 +18,7 @@ from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
 from appliance.messages import Guide
 from appliance.parsers import prompt_opens_reasoning
 from appliance.server.errors import BadRequest
+from appliance.server.tool_grammar import tool_call_tag
 
 THINK_END = "</think>"
 # JSON-schema keywords the grammar engine would silently ignore: refused rather than not enforced
@@ -125,24 +126,15 @@ def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, An
     """One Qwen3-coder XML tool call of the named function (or of any tool, for "required"),
     its parameters following the function's schema."""
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    tags = []
+    functions = []
     for tool in tools:
         function = tool.get("function", {})
         name = function.get("name")
-        if named is not None and name != named:
-            continue
-        params = function.get("parameters") or {"type": "object", "properties": {}}
-        check_schema(params, f"#/tools/{name}")
-        tags.append(
-            {
-                "type": "tag",
-                "begin": f"<tool_call>\n<function={name}>\n",
-                "content": {"type": "json_schema", "json_schema": params, "style": "qwen_xml"},
-                "end": "\n</function>\n</tool_call>",
-            }
-        )
-    fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
-    return Guide("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+        if named is None or name == named:
+            params = function.get("parameters")
+            check_schema(params or {}, f"#/tools/{name}/parameters")
+            functions.append((name, params))
+    return Guide("structural_tag", tool_call_tag(functions))
 
 
 def _sources(body: Any) -> list[tuple[str, Guide | None]]:
