@@ -11,6 +11,7 @@ own copy on admission and keeps one matcher per request). xgrammar is an optiona
 from __future__ import annotations
 
 import collections
+import json
 import re
 import threading
 import time
@@ -131,16 +132,43 @@ class GrammarCompiler:
         return compiled
 
 
+# xgrammar 0.2.9 writes a length-bounded JSON string's characters as [^"\\\r\n], which lets raw
+# control characters (invalid in JSON: json.loads refuses them) into the string; its unbounded
+# strings exclude them. Patched in the EBNF text until the library does it.
+_BOUNDED_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_ebnf(schema: Any) -> str:
+    """The EBNF of compact JSON (no free whitespace: a model cannot pad its answer with endless
+    blanks) following `schema` (JSON text or a parsed schema), without raw control characters."""
+    xgr = xgrammar()
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+    return str(grammar).replace(_BOUNDED_CHARS, _JSON_CHARS)
+
+
+def _json_formats_as_grammars(node: Any) -> Any:
+    """A structural tag with every JSON-style `json_schema` format replaced by its EBNF."""
+    if isinstance(node, list):
+        return [_json_formats_as_grammars(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": json_schema_ebnf(node["json_schema"])}
+    return {key: _json_formats_as_grammars(value) for key, value in node.items()}
+
+
 def _compile_with(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "json_schema":
-        # compact JSON (no free whitespace): a model cannot pad its answer with endless blanks
-        return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+        return compiler.compile_grammar(json_schema_ebnf(spec))
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "grammar":
         return compiler.compile_grammar(spec)
     if kind == "structural_tag":
-        return compiler.compile_structural_tag(spec)
+        tag = _json_formats_as_grammars(json.loads(spec))
+        return compiler.compile_structural_tag(json.dumps(tag))
     raise GrammarError(f"guide: unknown kind {kind!r}, expected one of {', '.join(GUIDE_KINDS)}")
 
 

@@ -143,7 +143,7 @@ def _sources(body: Any) -> list[tuple[str, Guide | None]]:
     if fmt:
         found.append(("response_format", _response_format_guide(fmt)))
     extras = getattr(body, "structured_outputs", None)
-    if extras:
+    if extras is not None:
         keys = [k for k in _EXTRA_KEYS if extras.get(k) not in (None, False)]
         if len(keys) != 1:
             raise BadRequest(

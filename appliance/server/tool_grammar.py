@@ -51,12 +51,8 @@ def _raw_string(schema: dict[str, Any]) -> Format:
 def _value(schema: Any) -> Format:
     if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
         return _raw_string(schema)
-    # at most one blank in a row inside the JSON (a model cannot pad its answer endlessly)
-    return {
-        "type": "json_schema",
-        "json_schema": schema if schema is not None else True,
-        "max_whitespace_cnt": 1,
-    }
+    # compact JSON: appliance/grammars.py compiles it as such
+    return {"type": "json_schema", "json_schema": schema if schema is not None else True}
 
 
 def _parameter(name: str, schema: Any) -> Format:

@@ -118,3 +118,15 @@ def test_sampler_never_picks_a_forbidden_token(tokenizer):
     out = Sampler().sample(logits, rows, None, [10] * 4, token_bitmask=mask)
     for row, token in enumerate(out.token_ids.tolist()):
         assert token in _allowed(mask, row)
+
+
+def test_bounded_json_strings_refuse_control_characters(tokenizer):
+    """xgrammar 0.2.9 lets raw control characters into length-bounded strings; ours do not."""
+    schema = '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}}'
+    guided = _guided(tokenizer)
+    guided.admit(0, Guide("json_schema", schema + "\n"), [])
+    guided.advance(0, tokenizer.encode('{"a": "'))  # compact JSON keeps one blank after :
+    allowed = _allowed(guided.bitmask([(0, [])]), 0)
+    control = tokenizer.convert_tokens_to_ids("Ć")  # the byte-level token of b"\x06"
+    assert tokenizer.convert_tokens_to_ids("a") in allowed
+    assert control not in allowed
