@@ -50,26 +50,27 @@ _LEGACY = {
 }
 
 
-def check_schema(schema: Any, path: str = "#") -> None:
-    """400 for a JSON schema using a feature the grammar cannot enforce (named with its path)."""
+def check_schema(schema: Any, param: str, path: str = "#") -> None:
+    """400 (against request field `param`) for a JSON schema using a feature the grammar cannot
+    enforce, named with its path in the schema."""
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
-        raise BadRequest(f"json_schema: expected an object at {path}, got {schema!r:.80}")
+        raise BadRequest(f"{param}: expected a schema object at {path}, got {schema!r:.80}", param)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in UNSUPPORTED_KEYWORDS:
-            raise BadRequest(f"json_schema: {key!r} at {where} is not supported")
+            raise BadRequest(f"{param}: schema keyword {key!r} at {where} is not supported", param)
         if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
-            raise BadRequest(f"json_schema: only local $ref (#/...) is supported, got {value!r}")
+            raise BadRequest(f"{param}: only local $ref (#/...) is supported, got {value!r}", param)
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                check_schema(sub, f"{where}/{name}")
+                check_schema(sub, param, f"{where}/{name}")
         elif key in ("items", "additionalProperties") and isinstance(value, dict | bool):
-            check_schema(value, where)
+            check_schema(value, param, where)
         elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
             for i, sub in enumerate(value):
-                check_schema(sub, f"{where}/{i}")
+                check_schema(sub, param, f"{where}/{i}")
 
 
 def _schema_guide(schema: Any, param: str) -> Guide:
@@ -80,7 +81,7 @@ def _schema_guide(schema: Any, param: str) -> Guide:
             raise BadRequest(f"{param}: the schema is not valid JSON: {exc}", param) from None
     if not isinstance(schema, dict | bool):
         raise BadRequest(f"{param}: expected a JSON schema object", param)
-    check_schema(schema)
+    check_schema(schema, param)
     return Guide("json_schema", json.dumps(schema))
 
 
@@ -132,7 +133,7 @@ def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, An
         name = function.get("name")
         if named is None or name == named:
             params = function.get("parameters")
-            check_schema(params or {}, f"#/tools/{name}/parameters")
+            check_schema(params or {}, "tools", f"#/tools/{name}/parameters")
             functions.append((name, params))
     return Guide("structural_tag", tool_call_tag(functions))
 

@@ -299,33 +299,38 @@ def test_tool_choice_required_and_named(apps, stream):
         }
         assert calls["plain"] == calls["mtp"]
         return
-    for client in _clients(apps).values():
-        model = client.models.list().data[0].id
-        for request, function in zip(requests, expected, strict=True):
-            chunks = client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "Call a tool."}],
-                stream=True,
-                extra_body=NO_THINK,
-                **request,
-            )
-            args: dict[int, str] = {}
-            names: dict[int, str] = {}
-            finish: dict[int, str] = {}
-            for chunk in chunks:
-                for choice in chunk.choices:
-                    for delta in choice.delta.tool_calls or []:
-                        assert delta.index == 0
-                        names[choice.index] = delta.function.name or names.get(choice.index)
-                        args[choice.index] = args.get(choice.index, "") + (
-                            delta.function.arguments or ""
-                        )
-                    if choice.finish_reason:
-                        finish[choice.index] = choice.finish_reason
-            assert finish == {0: "tool_calls", 1: "tool_calls"}
-            for index in (0, 1):
-                assert function is None or names[index] == function
-                jsonschema.validate(json.loads(args[index]), PARAMETERS[names[index]])
+    clients = list(_clients(apps).values())
+    model = clients[0].models.list().data[0].id
+
+    def streamed(args) -> tuple[dict, dict, dict]:
+        client, request = args
+        chunks = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Call a tool."}],
+            stream=True,
+            extra_body=NO_THINK,
+            **request,
+        )
+        names, args_text, finish = {}, {}, {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                for delta in choice.delta.tool_calls or []:
+                    assert delta.index == 0
+                    names[choice.index] = delta.function.name or names.get(choice.index)
+                    text = args_text.get(choice.index, "") + (delta.function.arguments or "")
+                    args_text[choice.index] = text
+                if choice.finish_reason:
+                    finish[choice.index] = choice.finish_reason
+        return names, args_text, finish
+
+    work = [(client, request) for client in clients for request in requests]
+    with ThreadPoolExecutor(len(work)) as pool:
+        results = list(pool.map(streamed, work))
+    for (names, args_text, finish), function in zip(results, expected * len(clients)):
+        assert finish == {0: "tool_calls", 1: "tool_calls"}
+        for index in (0, 1):
+            assert function is None or names[index] == function
+            jsonschema.validate(json.loads(args_text[index]), PARAMETERS[names[index]])
 
 
 def test_length_ends_a_grammar_that_cannot_finish(apps):
@@ -336,7 +341,7 @@ def test_length_ends_a_grammar_that_cannot_finish(apps):
     for (response,) in out.values():
         choice = response.choices[0]
         assert choice.finish_reason == "length"
-        assert choice.message.content.startswith('{"a":"')
+        assert choice.message.content.startswith('{"a": "')  # compact JSON: ", " and ": "
         assert response.usage.completion_tokens == 6
 
 
