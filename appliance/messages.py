@@ -12,6 +12,15 @@ import msgspec
 # ---------------------------------------------------------------- router -> worker (the seam)
 
 
+class Guide(msgspec.Struct, frozen=True):
+    """A structured-output constraint (issue 18): the grammar every sampled token must keep
+    satisfiable. Written by server (server/guides.py), read by worker (engine/guided.py)."""
+
+    kind: str  # "json_schema" | "regex" | "grammar" (EBNF) | "structural_tag" (xgrammar JSON)
+    spec: str  # the JSON schema, regex, EBNF grammar or structural tag, as text
+    after_token: int = -1  # the grammar starts after this token is sampled (</think>); -1: at once
+
+
 class SamplingOptions(msgspec.Struct, frozen=True):
     """Per-request sampling knobs the worker's sampler needs. Written by server, read by worker."""
 
@@ -27,6 +36,7 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     # score the prompt (completions echo + logprobs): top alternatives per prompt token; None = off
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling (OpenAI)
+    guide: Guide | None = None  # structured output: the sampled tokens must follow its grammar
 
 
 def mtp_compatible(options: SamplingOptions) -> bool:

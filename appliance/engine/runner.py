@@ -25,6 +25,7 @@ from appliance.engine.graphs import (
     graph_max_bs,
     graph_reserve_bytes,
 )
+from appliance.engine.guided import GuidedDecoding
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
 from appliance.engine.mtp_graphs import (
@@ -158,6 +159,10 @@ class ModelRunner:
                 config.scheduler.mtp_draft_vocab,
             )
         self.sampler = Sampler()
+        # structured outputs: grammar matchers of guided requests (xgrammar loaded on first use)
+        self.guided = GuidedDecoding(
+            self._load_tokenizer, self.text_config.vocab_size, self.eos_token_ids
+        )
         # image inputs (M-RoPE layout, embeddings to splice); tests may swap `self.mm.store`
         self.mm = MultimodalInputs(
             self.text_config,
@@ -272,6 +277,11 @@ class ModelRunner:
             self.num_snapshot_slots,
             self.linear_state,
         )
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.text_config.eos_token_ids)
@@ -392,10 +402,15 @@ class ModelRunner:
         saves = plan.snapshot_saves  # ended requests' states, before their slots are released
         self.pools.save_snapshots([s.req_slot for s in saves], [s.snapshot for s in saves])
         self.requests.release(plan.released_slots)
+        self.guided.release(plan.released_slots)
         for slot in plan.released_slots:
             self.mm.release(slot)
         for req in plan.new_requests:
             self.mm.admit(req)
+            if req.sampling.guide is not None:
+                prompt_len = req.num_prompt_tokens if req.num_prompt_tokens >= 0 else None
+                outputs = req.token_ids[prompt_len:] if prompt_len is not None else []
+                self.guided.admit(req.req_slot, req.sampling.guide, outputs)
         self.requests.admit(plan.new_requests)
         hits = [req for req in plan.new_requests if req.restore_snapshot >= 0]
         self.pools.restore_snapshots(
@@ -490,6 +505,9 @@ class ModelRunner:
         sampled: list[SampledTokens] = []
         if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
+            if self.guided:
+                for tokens in sampled:
+                    self.guided.advance(tokens.req_slot, tokens.token_ids)
         if self.drafter is not None:
             accepted = {  # req slot -> rows committed this step (verify chunks)
                 tokens.req_slot: len(tokens.token_ids)
@@ -502,9 +520,10 @@ class ModelRunner:
     def _device_resident(self, batch: StepBatch) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with
         one non-blocking copy to the host: no MTP request in it (their drafts follow on the host
-        path) and no logprobs."""
+        path), no logprobs, no guided request (its matcher reads every token before the next
+        step's mask)."""
         table = self.requests
-        if any(table.uses_mtp(c.req_slot) for c in batch.chunks):
+        if any(table.uses_mtp(c.req_slot) or c.req_slot in self.guided for c in batch.chunks):
             return False
         return all(table.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
 
@@ -530,12 +549,16 @@ class ModelRunner:
     def _fused_mtp_part(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The step's chunks that the fused MTP step takes (engine/mtp_graphs.py): verify chunks
         of requests decoding with all k drafts, none with images; none if they are more than its
-        largest batch."""
+        largest batch. Guided requests stay on the host path (their masks depend on the drafts)."""
         if self.mtp_graphs is None:
             return []
         k = self.mtp_graphs.k
         picked = [
-            c for c in chunks if is_full_verify([c], k) and c.req_slot not in self.mm.requests
+            c
+            for c in chunks
+            if is_full_verify([c], k)
+            and c.req_slot not in self.mm.requests
+            and c.req_slot not in self.guided
         ]
         return picked if len(picked) <= self.mtp_graphs.max_bs else []
 
@@ -604,7 +627,21 @@ class ModelRunner:
                 histories.append(table.token_ids[slot, :known])
                 offsets.append(known + j)  # index of the token being sampled
                 prompt_lens.append(table.prompt_len_host[slot])
-        return self.sampler.sample(logits, rows, histories, offsets, prompt_lens)
+        bitmask = self._grammar_bitmask(batch) if self.guided else None
+        return self.sampler.sample(logits, rows, histories, offsets, prompt_lens, bitmask)
+
+    def _grammar_bitmask(self, batch: StepBatch) -> torch.Tensor | None:
+        """The guided rows' token masks [S, ceil(V / 32)] (host), verify rows after their drafts."""
+        chunks = batch.sample_chunks
+        verify = [c.req_slot for c in chunks if c.num_draft and c.req_slot in self.guided]
+        drafts: dict[int, list[int]] = {}
+        if verify:
+            index = to_device(verify, torch.int64, self.device)
+            drafts = dict(zip(verify, self.requests.draft_tokens[index].tolist()))
+        rows = [
+            (c.req_slot, drafts.get(c.req_slot, [0] * c.num_draft)[: c.num_draft]) for c in chunks
+        ]
+        return self.guided.bitmask(rows)
 
     def _commit(self, batch: StepBatch, out: SamplerOutput) -> list[SampledTokens]:
         """The tokens each sampling chunk gained, written into the request table: a plain chunk's

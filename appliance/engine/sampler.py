@@ -12,6 +12,8 @@ Choices, documented here once:
   frequency * count + presence * [count > 0]).
 - Logit bias (OpenAI `logit_bias`): added to the penalised logits of the named token ids, on every
   row of the request; ids past the logits' vocabulary are ignored (the server refuses them).
+- Structured outputs: the grammar's token bitmask (engine/guided.py) sets forbidden tokens to -inf
+  after penalties and bias; logprobs are then those of the masked distribution.
 - Logprobs are those of the post-penalty, post-bias, pre-temperature distribution (log_softmax of
   the edited logits): what the request's penalties and bias leave, independent of how it is sampled.
 """
@@ -27,6 +29,7 @@ from torch.nn.utils.rnn import pad_sequence
 from appliance.engine.transfer import to_device
 from appliance.messages import SamplingOptions
 from kernels.sampling import SAMPLING_EPS, sample
+from kernels.token_bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Sampler:
         token_history: Sequence[torch.Tensor] | None,  # per row [L_i]; needed for penalties
         offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
         prompt_lens: Sequence[int] | None = None,  # per row; needed for presence/frequency
+        token_bitmask: torch.Tensor | None = None,  # [B, ceil(V / 32)] int32 grammar masks
     ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected [{len(rows)}, V], got {tuple(logits.shape)}")
@@ -174,6 +178,8 @@ class Sampler:
         if token_history is not None:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
         logits = apply_logit_bias(logits, rows)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask.to(device, non_blocking=True))
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
             # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)

@@ -190,6 +190,7 @@ def build_app(
                     "ready": state.ready,
                     "draining": state.draining,
                 },
+                "grammar": state.grammar_status(),
             }
         )
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.messages import SamplingOptions
+from appliance.messages import Guide, SamplingOptions
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
 
@@ -98,6 +98,12 @@ class _SamplingFields(_Schema):
     stream_options: StreamOptions | None = None
     # token id (a decimal string, as JSON keys are) -> bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # structured outputs, vLLM's extra_body spellings (appliance/server/guides.py reads them)
+    structured_outputs: dict[str, Any] | None = None  # one of json/regex/choice/grammar/json_object
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -248,9 +254,13 @@ def sampling_params(
         raise BadRequest(message, message.split(":", 1)[0]) from None
 
 
-def choice_options(params: SamplingParams, choice: int) -> SamplingOptions:
+def choice_options(
+    params: SamplingParams, choice: int, guide: Guide | None = None
+) -> SamplingOptions:
     """The worker's knobs for choice `choice` of n: a given seed is offset so choices differ."""
     options = params.to_options()
+    if guide is not None:
+        options = msgspec.structs.replace(options, guide=guide)
     if options.seed is not None and choice:
         seed = (options.seed + choice + 2**63) % 2**64 - 2**63  # wraps, stays a 64-bit integer
         options = msgspec.structs.replace(options, seed=seed)

@@ -16,10 +16,11 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from appliance.messages import TextDelta, TokenizedRequest, TokenLogprob
+from appliance.messages import Guide, TextDelta, TokenizedRequest, TokenLogprob
 from appliance.sampling_params import SamplingParams
 from appliance.server.engine_client import EngineClient, RequestGroup
 from appliance.server.errors import APIError, BadRequest, sse_error
+from appliance.server.guides import compile_guide, request_guide
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import (
     ChatCompletionRequest,
@@ -121,8 +122,12 @@ async def _admit(
     vocab_size = state.prompts.vocab_size
     params = sampling_params(body, body.num_logprobs(), vocab_size, body.num_prompt_logprobs())
     prompts = await endpoint.prompts(state, body)
+    guide = None
+    if found := request_guide(body, prompts[0].text, state.prompts.tokenizer):
+        param, guide = found
+        await compile_guide(state.grammars, guide, param)  # 400 for a grammar that fails
     group_id = new_request_id(endpoint.id_prefix)
-    requests = choice_requests(state, group_id, prompts, params, body)
+    requests = choice_requests(state, group_id, prompts, params, body, guide)
     formatter = endpoint.formatter(state, body, prompts)
     head = {"id": group_id, "created": int(time.time()), "model": model}
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -176,6 +181,7 @@ def choice_requests(
     prompts: list[Prompt],
     params: SamplingParams,
     body: ChatCompletionRequest | CompletionRequest,
+    guide: Guide | None = None,
 ) -> list[TokenizedRequest]:
     """n choices per prompt; choice index = prompt index x n + choice number, as OpenAI numbers
     them. Raises the max_tokens 400 of the first prompt that leaves too little room."""
@@ -190,7 +196,7 @@ def choice_requests(
             request = TokenizedRequest(
                 req_id=f"{group_id}-{len(requests)}",
                 prompt_token_ids=prompt.token_ids,
-                sampling=choice_options(params, choice),
+                sampling=choice_options(params, choice, guide),
                 max_tokens=max_tokens,
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=params.stop_token_ids,

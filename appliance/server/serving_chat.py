@@ -12,7 +12,6 @@ from typing import Any
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
 from appliance.server.chat_checks import check_messages, check_tool_choice, check_tools
-from appliance.server.errors import BadRequest
 from appliance.server.images import image_support, load_images
 from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest
@@ -131,11 +130,6 @@ class ChatEndpoint:
         check_messages(body.messages)
         check_tools(body.tools)
         check_tool_choice(body.tool_choice, body.tools)
-        fmt = (body.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise BadRequest(
-                f"response_format: type {fmt!r} is not supported (only 'text').", "response_format"
-            )
 
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
         num_chars = message_chars(body.messages)

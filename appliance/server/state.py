@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from appliance.config import ServerConfig
+from appliance.grammars import GrammarCompiler
 from appliance.messages import TextDelta
 from appliance.metrics import MetricsRecorder
 from appliance.server.engine_client import EngineClient, RequestGroup
@@ -65,6 +67,22 @@ class ServerState:
     draining: bool = False  # Drain received: refusing new requests
     prompt_lanes: PromptLanes = field(default_factory=PromptLanes)  # where prompts are tokenized
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output guides (xgrammar loaded on the first guided request)."""
+        return GrammarCompiler(
+            lambda: self.prompts.tokenizer,
+            self.prompts.vocab_size,
+            on_compiled=self.metrics.grammar_compile.observe,
+            on_cache_hit=self.metrics.grammar_cache_hits.inc,
+        )
+
+    def grammar_status(self) -> dict:
+        """/debug/status: the structured-output compiler's cumulative counts."""
+        if "grammars" not in self.__dict__:  # no guided request yet: nothing loaded
+            return {"compiled": 0, "cache_hits": 0, "errors": 0, "compile_seconds": 0.0}
+        return dataclasses.asdict(self.grammars.stats)
 
     @property
     def max_model_len(self) -> int:

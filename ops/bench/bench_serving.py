@@ -3,6 +3,12 @@ and token throughput, printed as a table and optionally written as JSON.
   python ops/bench/bench_serving.py --base-url http://127.0.0.1:8000 --concurrency 16 \
       --num-prompts 160 --input-len 256 --output-len 128 --ignore-eos --json out.json
   python ops/bench/bench_serving.py --request-rate 4 --dataset file --prompt-file prompts.jsonl
+  python ops/bench/bench_serving.py --concurrency 16 --response-format json_schema --ignore-eos
+
+`--response-format json_object|json_schema` constrains every request (structured outputs): chat
+requests send OpenAI's `response_format` (thinking off, so the grammar applies from the first
+token), completions send `structured_outputs`; `--json-schema FILE` replaces the built-in schema
+(an open-ended list of records, so a long output stays inside the grammar).
 
 Metric definitions follow `vllm bench serve`: TTFT = send -> first streamed content; ITL = every gap
 between streamed content chunks, pooled over requests; TPOT = (E2E - TTFT) / (output tokens - 1) per
@@ -28,6 +34,43 @@ WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week "
     "case point number group problem fact system program question government company"
 ).split()
+
+
+# Open-ended on purpose: a record list never has to end, so --output-len tokens stay constrained.
+BUILTIN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "score": {"type": "number", "minimum": 0, "maximum": 100},
+                    "kind": {"enum": ["alpha", "beta", "gamma"]},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["name", "score", "kind", "tags"],
+            },
+        }
+    },
+    "required": ["records"],
+}
+
+
+def constraint_fields(args) -> dict:
+    """The request-body fields of --response-format (none for text)."""
+    if args.response_format == "text":
+        return {}
+    schema = json.loads(args.json_schema.read_text()) if args.json_schema else BUILTIN_SCHEMA
+    if args.endpoint == "chat":
+        fmt: dict = {"type": args.response_format}
+        if args.response_format == "json_schema":
+            fmt["json_schema"] = {"name": "bench", "schema": schema}
+        return {"response_format": fmt, "chat_template_kwargs": {"enable_thinking": False}}
+    if args.response_format == "json_object":
+        return {"structured_outputs": {"json_object": True}}
+    return {"structured_outputs": {"json": schema}}
 
 
 @dataclass
@@ -104,6 +147,7 @@ async def run_request(
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(constraint_fields(args))
     if args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         body["messages"] = [{"role": "user", "content": text}]
@@ -255,6 +299,13 @@ def main() -> None:
         help="random token-id prompts of exact length (completions endpoint)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--response-format",
+        choices=("text", "json_object", "json_schema"),
+        default="text",
+        help="constrain every request (structured outputs)",
+    )
+    p.add_argument("--json-schema", type=Path, help="schema file for json_schema (else built in)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and ignored) first")
     p.add_argument("--percentiles", default="50,90,99")

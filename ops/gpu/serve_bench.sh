@@ -4,6 +4,9 @@
 #   MODEL_DIR=.cache/serve27b CONCURRENCY="1 16 64" TTFT_LENS="1024 8192" TAG=27b \
 #     bash ops/gpu/serve_bench.sh
 # MODEL_DIR holds config.json, the tokenizer and generation_config.json; SERVE_ARGS pass through.
+# Structured outputs (issue 18): FORMATS="text json_schema" runs every concurrency once per format
+# (bench_serving --response-format; json files get a _json_schema suffix), then the grammar compile
+# benchmark (ops/bench/bench_grammar.py) on MODEL_DIR's tokenizer.
 set -u
 OUT=${OUT:-./gpu-out}
 TAG=${TAG:-serve}
@@ -20,12 +23,16 @@ until healthy; do
   sleep 1
 done
 echo "ready in $((SECONDS - t0)) s"; grep -E "memory:|CUDA graphs:|ready in" "$log" | cut -c1-200
-for c in ${CONCURRENCY:-1 16}; do
-  n=$(( c < 4 ? 4 : 2 * c ))
-  [ "$c" -ge 64 ] && n=$c
-  python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency "$c" \
-    --num-prompts "$n" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" \
-    --vocab-size 240000 --ignore-eos --warmup 1 --json "$OUT/serving_${TAG}_c$c.json" 2>&1 | tail -16
+for fmt in ${FORMATS:-text}; do
+  sfx=""; [ "$fmt" != text ] && sfx="_$fmt"
+  for c in ${CONCURRENCY:-1 16}; do
+    n=$(( c < 4 ? 4 : 2 * c ))
+    [ "$c" -ge 64 ] && n=$c
+    python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency "$c" \
+      --num-prompts "$n" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" \
+      --vocab-size 240000 --ignore-eos --warmup 1 --response-format "$fmt" \
+      --json "$OUT/serving_${TAG}${sfx}_c$c.json" 2>&1 | tail -16
+  done
 done
 for len in ${TTFT_LENS:-}; do  # prefill-bound: TTFT of one long prompt at a time
   python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency 1 \
@@ -34,3 +41,7 @@ for len in ${TTFT_LENS:-}; do  # prefill-bound: TTFT of one long prompt at a tim
 done
 kill -TERM $pid; wait $pid
 echo "server exit $?"
+case " ${FORMATS:-text} " in *" json"*)
+  PYTHONPATH=. python3 ops/bench/bench_grammar.py --tokenizer "$MODEL_DIR" --fields 500 \
+    --json "$OUT/grammar_compile_$TAG.json" ;;
+esac

@@ -19,6 +19,7 @@ OPTS = m.SamplingOptions(
     repetition_penalty=1.1,
     logprobs=3,
     prompt_logprobs=2,
+    guide=m.Guide("json_schema", '{"type": "object"}', after_token=11),
 )
 DETOK = m.DetokParams(
     stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True
@@ -97,6 +98,7 @@ VISUAL_INFO = m.VisualInfo("cuda:0", 2**30, 900_000_000, (1, 64, 64), 8)
 
 SAMPLES: dict[type, msgspec.Struct] = {
     m.SamplingOptions: OPTS,
+    m.Guide: OPTS.guide,
     m.ImageInput: IMAGE,
     m.NewRequest: NEW,
     m.ScheduledChunk: CHUNK,

@@ -37,6 +37,7 @@ KERNEL_MODULES = (
     "kernels.moe_triton",
     "kernels.sampling_triton",
     "kernels.sampling",  # after sampling_triton: it binds sample_triton at import
+    "kernels.token_bitmask",
 )
 INTERPRET = not torch.cuda.is_available()
 

@@ -1,0 +1,189 @@
+"""Structured outputs in the server (issue 18): a request's constraint -> a `Guide` for the worker,
+compiled once here before submitting (a bad schema, regex or grammar is a 400 naming the problem).
+
+Sources, at most one per request: OpenAI `response_format` (`json_object`, `json_schema`), vLLM's
+`structured_outputs` {json | regex | choice | grammar | json_object} and its older `guided_json` /
+`guided_regex` / `guided_choice` / `guided_grammar`, and `tool_choice` "required" or a named
+function (a grammar over the Qwen3-coder XML tool-call format built from `tools`, so the tool-call
+parser produces the calls as it does for free output). Called by serving.py's `_admit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
+from appliance.messages import Guide
+from appliance.parsers import prompt_opens_reasoning
+from appliance.server.errors import BadRequest
+from appliance.server.tool_grammar import tool_call_tag
+
+THINK_END = "</think>"
+# JSON-schema keywords the grammar engine would silently ignore: refused rather than not enforced
+UNSUPPORTED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_EXTRA_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_LEGACY = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def check_schema(schema: Any, param: str, path: str = "#") -> None:
+    """400 (against request field `param`) for a JSON schema using a feature the grammar cannot
+    enforce, named with its path in the schema."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{param}: expected a schema object at {path}, got {schema!r:.80}", param)
+    for key, value in schema.items():
+        where = f"{path}/{key}"
+        if key in UNSUPPORTED_KEYWORDS:
+            raise BadRequest(f"{param}: schema keyword {key!r} at {where} is not supported", param)
+        if key == "$ref" and not (isinstance(value, str) and value.startswith("#")):
+            raise BadRequest(f"{param}: only local $ref (#/...) is supported, got {value!r}", param)
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema(sub, param, f"{where}/{name}")
+        elif key in ("items", "additionalProperties") and isinstance(value, dict | bool):
+            check_schema(value, param, where)
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems") and isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_schema(sub, param, f"{where}/{i}")
+
+
+def _schema_guide(schema: Any, param: str) -> Guide:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise BadRequest(f"{param}: the schema is not valid JSON: {exc}", param) from None
+    if not isinstance(schema, dict | bool):
+        raise BadRequest(f"{param}: expected a JSON schema object", param)
+    check_schema(schema, param)
+    return Guide("json_schema", json.dumps(schema))
+
+
+def _choice_guide(choices: Any, param: str) -> Guide:
+    if not (isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)):
+        raise BadRequest(f"{param}: expected a non-empty list of strings", param)
+    # EBNF string literals take JSON's escapes
+    return Guide("grammar", "root ::= " + " | ".join(json.dumps(c) for c in choices))
+
+
+def _extra_guide(kind: str, value: Any, param: str) -> Guide:
+    if kind == "json":
+        return _schema_guide(value, param)
+    if kind == "json_object":
+        return Guide("json_schema", json.dumps({"type": "object"}))
+    if kind == "choice":
+        return _choice_guide(value, param)
+    if not (isinstance(value, str) and value):
+        raise BadRequest(f"{param}: expected a non-empty string", param)
+    return Guide("regex" if kind == "regex" else "grammar", value)
+
+
+def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guide("json_schema", json.dumps({"type": "object"}))
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise BadRequest(
+                "response_format: json_schema needs {'name', 'schema'}.", "response_format"
+            )
+        return _schema_guide(spec["schema"], "response_format")
+    raise BadRequest(
+        f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'.",
+        "response_format",
+    )
+
+
+def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]) -> Guide:
+    """One Qwen3-coder XML tool call of the named function (or of any tool, for "required"),
+    its parameters following the function's schema."""
+    named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    functions = []
+    for tool in tools:
+        function = tool.get("function", {})
+        name = function.get("name")
+        if named is None or name == named:
+            params = function.get("parameters")
+            check_schema(params or {}, "tools", f"#/tools/{name}/parameters")
+            functions.append((name, params))
+    return Guide("structural_tag", tool_call_tag(functions))
+
+
+def _sources(body: Any) -> list[tuple[str, Guide | None]]:
+    found: list[tuple[str, Guide | None]] = []
+    fmt = getattr(body, "response_format", None)
+    if fmt:
+        found.append(("response_format", _response_format_guide(fmt)))
+    extras = getattr(body, "structured_outputs", None)
+    if extras is not None:
+        keys = [k for k in _EXTRA_KEYS if extras.get(k) not in (None, False)]
+        if len(keys) != 1:
+            raise BadRequest(
+                f"structured_outputs: expected exactly one of {', '.join(_EXTRA_KEYS)}.",
+                "structured_outputs",
+            )
+        found.append(("structured_outputs", _extra_guide(keys[0], extras[keys[0]], keys[0])))
+    for field, kind in _LEGACY.items():
+        value = getattr(body, field, None)
+        if value is not None:
+            found.append((field, _extra_guide(kind, value, field)))
+    choice = getattr(body, "tool_choice", None)
+    tools = getattr(body, "tools", None)
+    if tools and (choice == "required" or isinstance(choice, dict)):
+        found.append(("tool_choice", tool_call_guide(tools, choice)))
+    return [(name, guide) for name, guide in found if guide is not None]
+
+
+def request_guide(body: Any, prompt_text: str | None, tokenizer: Any) -> tuple[str, Guide] | None:
+    """The request field that asks for structure and its guide, or None when the output is free.
+    When the prompt opens a reasoning block, the grammar starts after the `</think>` token."""
+    found = _sources(body)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = " and ".join(name for name, _ in found)
+        raise BadRequest(f"{names}: only one output constraint per request.", found[1][0])
+    param, guide = found[0]
+    if prompt_text and prompt_opens_reasoning(prompt_text):
+        think_end = tokenizer.convert_tokens_to_ids(THINK_END)
+        if isinstance(think_end, int) and think_end >= 0:
+            guide = Guide(guide.kind, guide.spec, after_token=think_end)
+    return param, guide
+
+
+async def compile_guide(compiler: GrammarCompiler, guide: Guide, param: str) -> None:
+    """Waits for the guide's compiled grammar (cached, or compiled on the compiler's threads):
+    the request reaches the queue only with a grammar that compiles."""
+    try:
+        await asyncio.wrap_future(compiler.submit(guide))
+    except (GrammarError, GrammarUnavailable) as exc:
+        raise BadRequest(str(exc), param) from None

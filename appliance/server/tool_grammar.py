@@ -1,0 +1,86 @@
+"""The grammar of one enforced tool call (`tool_choice` "required" or a named function) in the
+Qwen3-coder XML format that appliance/parsers/qwen3_coder.py parses, as an xgrammar structural tag:
+
+    <tool_call>\\n<function=NAME>\\n
+    <parameter=KEY>\\nVALUE\\n</parameter>\\n     (per property, in schema order; optional ones may
+    ...                                          be left out)
+    </function>\\n</tool_call>
+
+A VALUE whose schema type is string (or string/null) is raw text, as the parser keeps it: one of
+its `enum` values, its `pattern`, or text without `<` within its length bounds. Any other VALUE is
+compact JSON following the property's schema (the parser converts it by type). No free whitespace
+anywhere: the parser would keep it inside a string value. Called by appliance/server/guides.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from appliance.parsers.schema import schema_types, streams_as_string
+from appliance.server.errors import BadRequest
+
+Format = dict[str, Any]
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}/")
+
+
+def _const(text: str) -> Format:
+    return {"type": "const_string", "value": text}
+
+
+def _regex_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
+
+
+def _raw_string(schema: dict[str, Any]) -> Format:
+    """A string parameter's raw text (no quotes, no JSON escapes)."""
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if values is not None:
+        texts = [v for v in values if isinstance(v, str)]
+        if not texts:
+            raise BadRequest("tools: a string parameter's enum has no string value.", "tools")
+        return {"type": "or", "elements": [_const(t) for t in texts]}
+    if isinstance(schema.get("pattern"), str):
+        return {"type": "regex", "pattern": schema["pattern"]}
+    low = int(schema.get("minLength", 0))
+    high = schema.get("maxLength")
+    bounds = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
+    return {"type": "regex", "pattern": f"[^<]{bounds}"}
+
+
+def _value(schema: Any) -> Format:
+    if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
+        return _raw_string(schema)
+    # compact JSON: appliance/grammars.py compiles it as such
+    return {"type": "json_schema", "json_schema": schema if schema is not None else True}
+
+
+def _parameter(name: str, schema: Any) -> Format:
+    return {
+        "type": "sequence",
+        "elements": [
+            _const(f"<parameter={name}>\n"),
+            _value(schema),
+            _const("\n</parameter>\n"),
+        ],
+    }
+
+
+def function_call_format(name: str, parameters: dict[str, Any] | None) -> Format:
+    """One call of function `name` whose arguments follow `parameters` (an object schema)."""
+    parameters = parameters or {}
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    elements: list[Format] = [_const(f"<tool_call>\n<function={name}>\n")]
+    for key, schema in properties.items():
+        param = _parameter(key, schema)
+        elements.append(param if key in required else {"type": "optional", "content": param})
+    elements.append(_const("</function>\n</tool_call>"))
+    return {"type": "sequence", "elements": elements}
+
+
+def tool_call_tag(functions: list[tuple[str, dict[str, Any] | None]]) -> str:
+    """The structural tag (JSON text) of one call of any of `functions` (name, parameters)."""
+    calls = [function_call_format(name, params) for name, params in functions]
+    fmt = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    return json.dumps({"type": "structural_tag", "format": fmt})

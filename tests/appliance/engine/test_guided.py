@@ -1,0 +1,132 @@
+"""The worker's grammar matchers (engine/guided.py) on the tiny checkpoint's tokenizer: a verify
+chunk's row masks equal the masks of decoding its drafts one by one, rows past a rejected draft are
+free, the matcher is left where it was, `after_token` keeps the reasoning free, and the sampler
+never picks a forbidden token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from appliance.engine.guided import GuidedDecoding
+from appliance.engine.sampler import Sampler
+from appliance.messages import Guide, SamplingOptions
+from kernels.token_bitmask import unpack_bitmask
+
+GUIDE = Guide("regex", r"(ab|cd)+[0-9]{2,4}")
+VOCAB = 2000
+EOS = 1992
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dense):
+    return AutoTokenizer.from_pretrained(str(tiny_dense))
+
+
+def _guided(tokenizer) -> GuidedDecoding:
+    return GuidedDecoding(lambda: tokenizer, VOCAB, [EOS])
+
+
+def _allowed(mask: torch.Tensor, row: int) -> list[int]:
+    return torch.nonzero(unpack_bitmask(mask[row : row + 1], VOCAB)[0]).flatten().tolist()
+
+
+def _walk(guided: GuidedDecoding, slot: int, steps: int) -> tuple[list[int], list[list[int]]]:
+    """Greedy-lowest valid tokens and each step's allowed set, decoding one token per step."""
+    tokens, allowed = [], []
+    for _ in range(steps):
+        ok = _allowed(guided.bitmask([(slot, [])]), 0)
+        allowed.append(ok)
+        token = ok[len(ok) // 2]
+        tokens.append(token)
+        guided.advance(slot, [token])
+    return tokens, allowed
+
+
+def test_verify_rows_follow_their_drafts(tokenizer):
+    reference = _guided(tokenizer)
+    reference.admit(0, GUIDE, [])
+    tokens, allowed = _walk(reference, 0, 4)
+
+    guided = _guided(tokenizer)
+    guided.admit(3, GUIDE, [])
+    mask = guided.bitmask([(3, tokens[:3])])  # drafts all valid: rows 0..3 follow them
+    assert [_allowed(mask, j) for j in range(4)] == allowed
+    bad = next(t for t in range(VOCAB) if t not in allowed[1])
+    mask = guided.bitmask([(3, [tokens[0], bad, tokens[2]])])  # draft 1 rejected
+    assert _allowed(mask, 0) == allowed[0] and _allowed(mask, 1) == allowed[1]
+    assert _allowed(mask, 2) == list(range(VOCAB))  # never kept: left free
+    assert _allowed(guided.bitmask([(3, [])]), 0) == allowed[0]  # the matcher did not move
+    guided.advance(3, tokens[:2])
+    assert _allowed(guided.bitmask([(3, [])]), 0) == allowed[2]
+
+
+def test_unguided_rows_are_free_and_none_without_guides(tokenizer):
+    guided = _guided(tokenizer)
+    assert guided.bitmask([(1, []), (2, [5, 6])]) is None
+    guided.admit(2, GUIDE, [])
+    mask = guided.bitmask([(1, []), (2, [])])
+    assert mask.shape == (2, VOCAB // 32 + (VOCAB % 32 > 0))
+    assert _allowed(mask, 0) == list(range(VOCAB))
+    assert len(_allowed(mask, 1)) < 20
+
+
+def test_after_token_leaves_reasoning_free(tokenizer):
+    think_end = tokenizer.convert_tokens_to_ids("</think>")
+    guided = _guided(tokenizer)
+    guided.admit(0, Guide(GUIDE.kind, GUIDE.spec, after_token=think_end), [])
+    free = list(range(VOCAB))
+    assert _allowed(guided.bitmask([(0, [])]), 0) == free
+    mask = guided.bitmask([(0, [7, think_end])])  # drafts: a thought, then </think>
+    assert _allowed(mask, 0) == free and _allowed(mask, 1) == free
+    assert len(_allowed(mask, 2)) < 20  # the grammar starts after </think>
+    guided.advance(0, [7, 8])
+    assert _allowed(guided.bitmask([(0, [])]), 0) == free
+    guided.advance(0, [think_end])
+    assert len(_allowed(guided.bitmask([(0, [])]), 0)) < 20
+
+
+def test_recomputed_request_replays_its_output(tokenizer):
+    reference = _guided(tokenizer)
+    reference.admit(0, GUIDE, [])
+    tokens, allowed = _walk(reference, 0, 3)
+    guided = _guided(tokenizer)
+    guided.admit(5, GUIDE, tokens[:2])  # preempted after two tokens, admitted again
+    assert _allowed(guided.bitmask([(5, [])]), 0) == allowed[2]
+
+
+def test_finished_grammar_allows_only_the_stop_token(tokenizer):
+    guided = _guided(tokenizer)
+    guided.admit(0, Guide("grammar", 'root ::= "ab"'), [])
+    token = _allowed(guided.bitmask([(0, [])]), 0)
+    ids = tokenizer.encode("ab")
+    guided.advance(0, ids)
+    assert _allowed(guided.bitmask([(0, [])]), 0) == [EOS]
+    guided.advance(0, [EOS])
+    assert _allowed(guided.bitmask([(0, [])]), 0) == [EOS]
+    assert token  # the first step allowed something
+
+
+def test_sampler_never_picks_a_forbidden_token(tokenizer):
+    guided = _guided(tokenizer)
+    for slot in range(4):
+        guided.admit(slot, GUIDE, [])
+    mask = guided.bitmask([(slot, []) for slot in range(4)])
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
+    rows = [SamplingOptions(temperature=t, seed=s) for t, s in [(0, None), (1, 1), (2, 2), (1, 3)]]
+    out = Sampler().sample(logits, rows, None, [10] * 4, token_bitmask=mask)
+    for row, token in enumerate(out.token_ids.tolist()):
+        assert token in _allowed(mask, row)
+
+
+def test_bounded_json_strings_refuse_control_characters(tokenizer):
+    """xgrammar 0.2.9 lets raw control characters into length-bounded strings; ours do not."""
+    schema = '{"type": "object", "properties": {"a": {"type": "string", "maxLength": 4}}}'
+    guided = _guided(tokenizer)
+    guided.admit(0, Guide("json_schema", schema + "\n"), [])
+    guided.advance(0, tokenizer.encode('{"a": "'))  # compact JSON keeps one blank after :
+    allowed = _allowed(guided.bitmask([(0, [])]), 0)
+    control = tokenizer.convert_tokens_to_ids("Ć")  # the byte-level token of b"\x06"
+    assert tokenizer.convert_tokens_to_ids("a") in allowed
+    assert control not in allowed

@@ -1,0 +1,140 @@
+"""Request fields -> guides (appliance/server/guides.py), and the enforced tool-call grammar
+(tool_grammar.py) against the real Qwen3-coder parser: random walks through the grammar on the tiny
+checkpoint's tokenizer always parse into one call whose arguments validate."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from appliance.engine.guided import GuidedDecoding
+from appliance.parsers.qwen3_coder import parse_tool_calls
+from appliance.server.errors import BadRequest
+from appliance.server.guides import request_guide, tool_call_guide
+from kernels.token_bitmask import apply_token_bitmask
+
+EOS = 1992  # <|im_end|> of the tiny BPE tokenizer
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Oslo <north>", 'Rome "old"']},
+                    "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "code": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{2}"},
+                    "note": {"type": "string", "minLength": 1, "maxLength": 6},
+                    "budget": {"type": "number", "minimum": 0, "maximum": 5},
+                    "extras": {"type": "array", "items": {"enum": ["wifi", "pool"]}, "maxItems": 2},
+                    "flags": {
+                        "type": "object",
+                        "properties": {"pets": {"type": "boolean"}},
+                        "required": ["pets"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["city", "nights", "code"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}},
+]
+
+
+def _body(**fields) -> types.SimpleNamespace:
+    defaults = dict.fromkeys(
+        (
+            "response_format",
+            "structured_outputs",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "tools",
+            "tool_choice",
+        )
+    )
+    return types.SimpleNamespace(**{**defaults, **fields})
+
+
+class _Tok:
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return 77 if token == "</think>" else -1
+
+
+def test_sources_map_to_guides():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    param, guide = request_guide(_body(response_format=fmt), None, _Tok())
+    assert (param, guide.kind, json.loads(guide.spec)) == ("response_format", "json_schema", schema)
+    assert request_guide(_body(response_format={"type": "text"}), None, _Tok()) is None
+    _, guide = request_guide(_body(guided_choice=["a", 'b"c']), None, _Tok())
+    assert guide.spec == 'root ::= "a" | "b\\"c"'
+    _, guide = request_guide(_body(structured_outputs={"regex": "[0-9]+"}), None, _Tok())
+    assert (guide.kind, guide.spec, guide.after_token) == ("regex", "[0-9]+", -1)
+    _, guide = request_guide(_body(guided_json=json.dumps(schema)), None, _Tok())
+    assert json.loads(guide.spec) == schema
+    # thinking on: the grammar starts after </think>
+    _, guide = request_guide(_body(guided_regex="a"), "<|im_start|>assistant\n<think>\n", _Tok())
+    assert guide.after_token == 77
+    # tool_choice auto / none constrain nothing
+    assert request_guide(_body(tools=TOOLS, tool_choice="auto"), None, _Tok()) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"guided_json": {"type": "object", "properties": {"a": {"not": {}}}}}, "'not' at"),
+        ({"guided_json": {"$ref": "https://example.com/s.json"}}, "local $ref"),
+        ({"guided_json": "{not json"}, "not valid JSON"),
+        ({"structured_outputs": {}}, "exactly one"),
+        ({"guided_choice": ["a", 1]}, "list of strings"),
+        ({"guided_regex": "a", "guided_grammar": "root ::= x"}, "only one"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs"),
+    ],
+)
+def test_bad_sources_are_400s(fields, words):
+    with pytest.raises(BadRequest) as err:
+        request_guide(_body(**fields), None, _Tok())
+    assert words in err.value.message
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dense):
+    return AutoTokenizer.from_pretrained(str(tiny_dense))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer, choice):
+    guide = tool_call_guide(TOOLS, choice)
+    guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
+    gen = torch.Generator().manual_seed(0)
+    names = set()
+    for walk in range(12):
+        guided.admit(walk, guide, [])
+        tokens = []
+        while not guided.terminated(walk):
+            logits = apply_token_bitmask(
+                torch.randn(1, 2000, generator=gen), guided.bitmask([(walk, [])])
+            )
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1))
+            tokens.append(token)
+            guided.advance(walk, [token])
+            assert len(tokens) < 400
+        text = tokenizer.decode(tokens[:-1])  # the stop token ends it
+        assert tokens[-1] == EOS
+        result = parse_tool_calls(text, TOOLS)
+        (call,) = result.tool_calls
+        name = call["function"]["name"]
+        names.add(name)
+        params = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    assert names == ({"book", "ping"} if choice == "required" else {"book"})
