@@ -5,16 +5,18 @@ At batch 1 the grouped-GEMM path (kernels/moe_triton.py) launches its grids for 
 (every expert padded to a 16-row block: 241 row blocks for 8 rows of Qwen3.5-35B-A3B, nearly all
 of them empty) after a dozen small sorting kernels, while the work is a read of 8 experts'
 weights. Here the gate_up kernel computes silu(gate) * up for each pair as a matrix-vector product
-over its expert's weight rows, the down kernel multiplies by the routing weight, and the sum kernel
-of moe_triton adds the top-k rows and the gated shared expert: three launches, each sized by the
-T * k pairs. fp8 weights are dequantised as they are read (per-channel or per-tensor scales), the
-math of kernels.moe.fused_moe_fp8_ref. Called by fused_moe_triton for at most GEMV_MAX_ROWS pairs.
+over its expert's weight rows, the down kernel multiplies by the routing weight, and
+kernels/moe_sum.py adds the top-k rows and the gated shared expert: three launches, each sized by
+the T * k pairs. fp8 weights are dequantised as they are read (per-channel or per-tensor
+scales), the math of kernels.moe.fused_moe_fp8_ref. Called by fused_moe_triton for at most
+GEMV_MAX_ROWS pairs.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.moe_sum import moe_sum
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 GEMV_MAX_ROWS = 16  # T * k pairs; 2 tokens of Qwen3.5-35B-A3B (top 8)
@@ -123,8 +125,6 @@ def fused_moe_gemv(
     shared_gate: torch.Tensor | None = None,  # [T, 1] logits (sigmoid applied)
 ) -> torch.Tensor:
     """Same result as fused_moe_ref / fused_moe_fp8_ref (+ the gated shared expert)."""
-    from kernels.moe_triton import moe_sum  # moe_triton imports this file
-
     check_last_dim_contiguous("x", x)
     num_tokens, hidden = x.shape
     inter = w_gate_up.shape[1] // 2

@@ -33,6 +33,7 @@ KERNEL_MODULES = (
     "kernels.fp8",
     "kernels.fp8_block",
     "kernels.moe",
+    "kernels.moe_sum",
     "kernels.moe_gemv",  # before moe_triton: it binds fused_moe_gemv at import
     "kernels.moe_triton",
     "kernels.sampling_triton",
