@@ -164,26 +164,40 @@ def test_full_queue_gets_429_and_unfittable_request_400_then_nothing_is_held(app
                 return asyncio.create_task(http.send(request, stream=True))
 
             streams = [stream() for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
-            refused_streams: set[asyncio.Task] = set()
-            deadline = time.monotonic() + 180  # a loaded 2-core CI box admits them slowly
-            while True:
-                router = (await http.get("/debug/status")).json()["router"]
-                if router["num_waiting"] >= MAX_WAITING:
-                    break
-                done = [t for t in streams if t.done()]
-                assert not [t.exception() for t in done if t.exception()], done
-                early = [t.result() for t in done if t.result().status_code not in (200, 429)]
-                assert not early, [(r.status_code, (await r.aread())[:200]) for r in early]
-                # a burst reaches the router before it admits the first 16, so the waiting places
-                # can fill (and refuse some) before the running ones leave them: send those again
-                for task in done:
-                    if task.result().status_code == 429 and task not in refused_streams:
-                        refused_streams.add(task)
+
+            async def fill() -> None:
+                """Wait until the waiting places are full. A waiting stream has no headers yet;
+                keep MAX_WAITING of them in flight: a burst reaches the router before it admits
+                the first 16, so some are refused (429) before the running ones leave the
+                waiting places, and on a slow box a long stream can finish and let one in."""
+                deadline = time.monotonic() + 180  # a loaded 2-core CI box admits them slowly
+                while True:
+                    router = (await http.get("/debug/status")).json()["router"]
+                    if router["num_waiting"] >= MAX_WAITING:
+                        return
+                    done = [t for t in streams if t.done()]
+                    assert not [t.exception() for t in done if t.exception()], done
+                    early = [t.result() for t in done if t.result().status_code not in (200, 429)]
+                    assert not early, [(r.status_code, (await r.aread())[:200]) for r in early]
+                    for _ in range(MAX_WAITING - (len(streams) - len(done))):
                         streams.append(stream())
-                assert time.monotonic() < deadline, (router["num_waiting"], router)
-                await asyncio.sleep(0.1)
+                    assert time.monotonic() < deadline, (router["num_waiting"], router)
+                    await asyncio.sleep(0.1)
+
             plain = dict(_body(2, max_tokens=4), stream=False)
-            refused = [await http.post("/v1/chat/completions", json=plain) for _ in range(4)]
+            refused: list[httpx.Response] = []
+            took_a_place = 0
+            while len(refused) < 4:
+                await fill()
+                try:
+                    refused.append(
+                        await http.post("/v1/chat/completions", json=plain, timeout=60)
+                    )
+                except httpx.ReadTimeout:
+                    # on a slow box a long stream can finish between fill() and this post, so
+                    # this request took the freed waiting place; dropping it aborts it there
+                    took_a_place += 1
+                    assert took_a_place <= 4, "the full queue kept admitting requests"
             never = await http.post(
                 "/v1/chat/completions", json=dict(plain, max_tokens=MAX_MODEL_LEN)
             )
