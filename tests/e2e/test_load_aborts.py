@@ -190,9 +190,7 @@ def test_full_queue_gets_429_and_unfittable_request_400_then_nothing_is_held(app
             while len(refused) < 4:
                 await fill()
                 try:
-                    refused.append(
-                        await http.post("/v1/chat/completions", json=plain, timeout=60)
-                    )
+                    refused.append(await http.post("/v1/chat/completions", json=plain, timeout=60))
                 except httpx.ReadTimeout:
                     # on a slow box a long stream can finish between fill() and this post, so
                     # this request took the freed waiting place; dropping it aborts it there
