@@ -68,15 +68,11 @@ def _gemv_kernel(
         if GATE_UP:
             acc2 += tl.sum(tl.load(w2 + k0, mask=mask, other=0.0).to(tl.float32) * a[None, :], 1)
     if SCALED:
-        if W_PER_CHANNEL:
-            scales = w_scale_ptr + expert * stride_se + n
-            acc1 = acc1 * tl.load(scales, mask=n_ok, other=0.0)
-            if GATE_UP:
-                acc2 = acc2 * tl.load(scales + n_size, mask=n_ok, other=0.0)
-        else:
-            ws = tl.load(w_scale_ptr + expert * stride_se)
-            acc1 = acc1 * ws
-            acc2 = acc2 * ws
+        s1, s2 = expert_weight_scales(
+            w_scale_ptr, expert, stride_se, n, n_ok, n_size, GATE_UP, W_PER_CHANNEL
+        )
+        acc1 = acc1 * s1
+        acc2 = acc2 * s2
     if GATE_UP:
         result = acc1 / (1.0 + tl.exp(-acc1)) * acc2
     else:
@@ -84,9 +80,43 @@ def _gemv_kernel(
     tl.store(out_ptr + pair * stride_ot + n, result.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@jit
+def expert_weight_scales(
+    w_scale_ptr,
+    expert,
+    stride_se,
+    n,
+    n_ok,
+    n_size,
+    GATE_UP: tl.constexpr,
+    W_PER_CHANNEL: tl.constexpr,
+):
+    """The fp8 dequantisation scales of an expert's output columns `n` [BLOCK_N]: per channel
+    ([E, N], the up rows' scales after the gate rows' when GATE_UP) or one per expert ([E])."""
+    base = w_scale_ptr + expert * stride_se
+    if W_PER_CHANNEL:
+        s1 = tl.load(base + n, mask=n_ok, other=0.0)
+        s2 = s1
+        if GATE_UP:
+            s2 = tl.load(base + n_size + n, mask=n_ok, other=0.0)
+    else:
+        s1 = tl.load(base + n * 0, mask=n_ok, other=0.0)  # the expert's scale, per column
+        s2 = s1
+    return s1, s2
+
+
+def scale_args(scale: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """Kernel arguments for optional expert weight scales: the fp32 tensor (`dummy` when there
+    are none: never read), its expert stride and whether it is per channel."""
+    if scale is None:
+        return dummy, 0, False
+    scale = scale.float()
+    return scale, scale.stride(0), scale.dim() == 2
+
+
 def _launch(a, w, out, ids, scale, route_w, n, k, top_k, gate_up):
     scaled = scale is not None
-    scale = scale.float() if scaled else route_w
+    scale, stride_se, per_channel = scale_args(scale, route_w)
     block_n = min(next_pow2(n), BLOCK_N)
     _gemv_kernel[(ids.numel(), -(-n // block_n))](
         a,
@@ -102,10 +132,10 @@ def _launch(a, w, out, ids, scale, route_w, n, k, top_k, gate_up):
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        scale.stride(0) if scaled else 0,
+        stride_se,
         GATE_UP=gate_up,
         SCALED=scaled,
-        W_PER_CHANNEL=scaled and scale.dim() == 2,
+        W_PER_CHANNEL=per_channel,
         BLOCK_N=block_n,
         BLOCK_K=min(next_pow2(k), BLOCK_K),
         num_warps=4,

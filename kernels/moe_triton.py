@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, per_token_quant_triton
-from kernels.moe_gemv import GEMV_MAX_ROWS, fused_moe_gemv
+from kernels.moe_gemv import GEMV_MAX_ROWS, expert_weight_scales, fused_moe_gemv, scale_args
 from kernels.moe_sum import moe_sum
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
@@ -108,15 +108,11 @@ def _moe_gemm_kernel(
         b2_ptrs += BLOCK_K
     if FP8:
         sa = tl.load(a_scale_ptr + a_rows, mask=valid, other=0.0)[:, None]
-        if W_PER_CHANNEL:
-            scales = w_scale_ptr + expert * stride_se + n
-            acc1 = acc1 * sa * tl.load(scales, mask=n_ok, other=0.0)[None, :]
-            if GATE_UP:
-                acc2 = acc2 * sa * tl.load(scales + n_size, mask=n_ok, other=0.0)[None, :]
-        else:
-            ws = tl.load(w_scale_ptr + expert * stride_se)
-            acc1 = acc1 * sa * ws
-            acc2 = acc2 * sa * ws
+        s1, s2 = expert_weight_scales(
+            w_scale_ptr, expert, stride_se, n, n_ok, n_size, GATE_UP, W_PER_CHANNEL
+        )
+        acc1 = acc1 * sa * s1[None, :]
+        acc2 = acc2 * sa * s2[None, :]
     if GATE_UP:
         result = acc1 / (1.0 + tl.exp(-acc1)) * acc2
     else:
@@ -194,7 +190,7 @@ def fused_moe_grouped(
     block_n = min(next_pow2(inter), 64 if block_m <= 32 else 128)
     block_k = 128 if fp8 else 64
     grid = (block_expert.shape[0], -(-inter // block_n))
-    w1_scale = w_gate_up_scale.float() if fp8 else route_w
+    w1_scale, stride_s1, per_channel1 = scale_args(w_gate_up_scale if fp8 else None, route_w)
     _moe_gemm_kernel[grid](
         a,
         w_gate_up,
@@ -212,10 +208,10 @@ def fused_moe_grouped(
         w_gate_up.stride(0),
         w_gate_up.stride(1),
         h.stride(0),
-        w1_scale.stride(0) if fp8 else 0,
+        stride_s1,
         GATE_UP=True,
         FP8=fp8,
-        W_PER_CHANNEL=fp8 and w1_scale.dim() == 2,
+        W_PER_CHANNEL=per_channel1,
         ROUTE_WEIGHT=False,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m,
@@ -228,7 +224,7 @@ def fused_moe_grouped(
     h_scale = h_scale.reshape(-1)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     block_n2 = min(next_pow2(hidden), 64 if block_m <= 32 else 128)
-    w2_scale = w_down_scale.float() if fp8 else route_w
+    w2_scale, stride_s2, per_channel2 = scale_args(w_down_scale if fp8 else None, route_w)
     _moe_gemm_kernel[(block_expert.shape[0], -(-hidden // block_n2))](
         h_in,
         w_down,
@@ -246,10 +242,10 @@ def fused_moe_grouped(
         w_down.stride(0),
         w_down.stride(1),
         rows_out.stride(0),
-        w2_scale.stride(0) if fp8 else 0,
+        stride_s2,
         GATE_UP=False,
         FP8=fp8,
-        W_PER_CHANNEL=fp8 and w2_scale.dim() == 2,
+        W_PER_CHANNEL=per_channel2,
         ROUTE_WEIGHT=True,
         IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m,

@@ -331,13 +331,11 @@ def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
 # ---------------------------------------------- fp8 ----------------------------------------------
 
 
-def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
-    """Our Triton kernel, and the auto backend (the dispatcher), against the same peers."""
+def _fp8_channel_peers(x, a_q, w_q, a_s, w_s, w_bf16) -> dict:
+    """The per-channel fp8 GEMM's peers on the same operands: cuBLASLt (`torch._scaled_mm`), a
+    bf16 GEMM (twice the weight bytes) and sglang-kernel when importable."""
     from kernels import adapters
 
-    n, k = w_q.shape
-    x = torch.randn(m, k, device=DEV, dtype=BF16)
-    a_q, a_s = fp8.per_token_quant_ref(x)
     peers = {
         "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external(
             "torch", a_q, w_q, a_s, w_s, BF16
@@ -348,6 +346,15 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
         peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external(
             "sgl", a_q, w_q, a_s, w_s, BF16
         )
+    return peers
+
+
+def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
+    """Our Triton kernel, and the auto backend (the dispatcher), against the same peers."""
+    n, k = w_q.shape
+    x = torch.randn(m, k, device=DEV, dtype=BF16)
+    a_q, a_s = fp8.per_token_quant_ref(x)
+    peers = _fp8_channel_peers(x, a_q, w_q, a_s, w_s, w_bf16)
     shape = f"M={m} N={n} K={k}"
     triton_case = (
         "fp8_gemm",
@@ -399,7 +406,7 @@ def _fp8_block_case(m: int, w, block=(128, 128)) -> tuple:
 
 
 def _fp8_decode_case(m: int, w_q, w_s, b_q, b_s, w_bf16) -> tuple[tuple, tuple]:
-    from kernels import adapters, fp8_block, fp8_splitk
+    from kernels import fp8_block, fp8_splitk
 
     n, k = w_q.shape
     x = torch.randn(m, k, device=DEV, dtype=BF16)
@@ -407,15 +414,8 @@ def _fp8_decode_case(m: int, w_q, w_s, b_q, b_s, w_bf16) -> tuple[tuple, tuple]:
     g_q, g_s = fp8_block.per_token_group_quant(x, 128)
     peers = {
         "tiled triton": lambda: fp8.fp8_scaled_mm_triton(a_q, w_q, a_s, w_s, BF16),
-        "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external(
-            "torch", a_q, w_q, a_s, w_s, BF16
-        ),
-        "bf16 mm (not fp8)": lambda: x @ w_bf16.t(),
+        **_fp8_channel_peers(x, a_q, w_q, a_s, w_s, w_bf16),
     }
-    if has("sgl_kernel"):
-        peers["sgl_kernel"] = lambda: adapters.fp8_scaled_mm_external(
-            "sgl", a_q, w_q, a_s, w_s, BF16
-        )
     shape = f"M={m} N={n} K={k}"
     channel = (
         "fp8_splitk",
