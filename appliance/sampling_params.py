@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from appliance.messages import DetokParams, SamplingOptions
+from appliance.messages import DetokParams, Guide, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_TOKEN_ID = 2**31  # token ids travel as int32 on the worker
@@ -50,6 +50,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # detokenizer: drop special tokens from the text
     include_stop_str_in_output: bool = False  # detokenizer: keep the matched stop string
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
+    guide: Guide | None = None  # structured output: Guide("json_schema" / "regex" / "grammar", ..)
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -144,6 +145,7 @@ class SamplingParams:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items() if b},
+            guide=self.guide,
         )
 
     def to_detok(self) -> DetokParams:

@@ -10,7 +10,10 @@ eagerly elsewhere (CPU, before capture, `--disable-cuda-graph`):
   causal attention keeps them out of the kept rows), then the chain of k greedy drafts from the last
   accepted row, written into the request table for the next step.
 
-Nothing is read back by the host inside the step: its inputs are one `[2 + k + 1, bs]` int64 tensor
+Guided requests (structured outputs) join the step: the host fills their rows' grammar masks
+(after the drafts, engine/guided.py) into a persistent buffer the verify program applies before
+sampling, and advances their matchers when the step's result arrives. Nothing is read back by the
+host inside the step: its inputs are one `[2 + k + 1, bs]` int64 tensor
 (request slot, first position, KV slot of each row) staged in one transfer, and its result (the
 k + 1 samples and the accepted count per request) goes back in one non-blocking copy. The same
 acceptance as the host path in appliance/engine/mtp.py, so either is lossless against MTP off; steps
@@ -31,6 +34,7 @@ from appliance.engine.requests import RequestTable
 from appliance.messages import ScheduledChunk
 from appliance.models.context import ForwardContext, forward_context
 from kernels.sampling import sample
+from kernels.token_bitmask import apply_token_bitmask, bitmask_words
 
 
 def is_full_verify(chunks: list[ScheduledChunk], k: int) -> bool:
@@ -72,6 +76,7 @@ class MtpGraphs:
         k: int = 0,  # drafts per step; 0: the pools' mtp_step (benchmarks try smaller ones)
         batch_sizes: list[int] | None = None,  # buckets; None: graph_batch_sizes(max_bs)
         draft_vocab: int = 0,  # drafts from the first N ids (0: all; SchedulerConfig)
+        vocab_size: int = 0,  # > 0: verify rows take grammar masks (structured outputs)
     ) -> None:
         self.draft_vocab = draft_vocab
         self.model, self.pools = model, pools
@@ -95,6 +100,12 @@ class MtpGraphs:
         # persistent outputs: verify's hidden states (the draft graph's input) and the result
         self.hidden = torch.zeros(max_bs * rows, hidden_size, dtype=dtype, device=device)
         self.out = torch.zeros(max_bs, rows + 1, dtype=torch.int64, device=device)
+        # the grammar masks of the verify rows (engine/guided.py; all ones: no constraint), read
+        # by every step: a mask costs one pass over the logits, which a step without guided
+        # requests pays too rather than capturing every bucket twice
+        words = bitmask_words(vocab_size) if vocab_size else 0
+        self.bitmask = torch.full((max_bs * rows, words), -1, dtype=torch.int32, device=device)
+        self._masked_rows = 0  # rows of `bitmask` the last step set (reset before the next)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -139,6 +150,8 @@ class MtpGraphs:
             hidden = self.model(ids, positions)
         self.hidden[: bs * rows].copy_(hidden)
         logits = self.model.compute_logits(hidden)
+        if self.bitmask.shape[1]:
+            logits = apply_token_bitmask(logits, self.bitmask[: bs * rows])
         samples = sample(  # the offset of row j's token is start + 1 + j, as in plain decoding
             logits,
             table.temperature[row_slots],
@@ -225,9 +238,14 @@ class MtpGraphs:
         return len(chunks) <= self.max_bs and is_full_verify(chunks, self.k)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def run(
+        self, chunks: list[ScheduledChunk], bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`bitmask`: the grammar masks of the chunks' k + 1 rows each [n * (k + 1), words]
+        (host; engine/guided.py), or None when no request of the step is guided."""
         n = len(chunks)
         bs = next(b for b in self.batch_sizes if b >= n) if self.padded else n
+        self._stage_bitmask(bitmask)
         self.inputs.stage(
             [
                 [c.req_slot for c in chunks],
@@ -248,6 +266,20 @@ class MtpGraphs:
         if self.timing:
             self._marks = (*marks, self._mark())
         return self.out[:n]
+
+    def _stage_bitmask(self, bitmask: torch.Tensor | None) -> None:
+        """Copies the step's masks in (stream-ordered after the previous step's reads) and resets
+        the rows the previous step masked beyond them."""
+        rows = 0 if bitmask is None else bitmask.shape[0]
+        if rows and not self.bitmask.shape[1]:
+            raise ValueError("MtpGraphs: grammar masks need vocab_size (built without)")
+        if rows:
+            if self.bitmask.is_cuda:  # pinned staging: a pageable copy would wait for the stream
+                bitmask = bitmask.pin_memory()
+            self.bitmask[:rows].copy_(bitmask, non_blocking=True)
+        if self._masked_rows > rows:
+            self.bitmask[rows : self._masked_rows].fill_(-1)
+        self._masked_rows = rows
 
     def _mark(self) -> torch.cuda.Event | float:
         if self.device.type != "cuda":

@@ -27,6 +27,7 @@ class PendingStep:
     starts: list[int] = field(default_factory=list)  # MTP: each request's first verify position
     known: list[SampledTokens] = field(default_factory=list)  # results the host already has
     scores: list[PromptScores] = field(default_factory=list)  # prompt logprobs (host lists)
+    committed: Callable[[list[SampledTokens]], None] | None = None  # told the copied runs
 
     @classmethod
     def ready(cls, result: StepResult) -> PendingStep:
@@ -62,6 +63,9 @@ class PendingStep:
             tokens = [row[: row[-1]] for row in rows]
             if self.lengths is not None:
                 self.lengths([s + 1 + len(run) for s, run in zip(self.starts, tokens)])
-        sampled = self.known + [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
+        copied = [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
+        if self.committed is not None:
+            self.committed(copied)
+        sampled = self.known + copied
         elapsed = time.perf_counter() - self.start
         return StepResult(self.step_id, sampled, elapsed, self.scores)

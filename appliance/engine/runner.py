@@ -262,6 +262,7 @@ class ModelRunner:
             self.dtype,
             self.device,
             draft_vocab=self.config.scheduler.mtp_draft_vocab,
+            vocab_size=self.text_config.vocab_size,
         )
         if self.graph_max_bs:
             reserve = mtp_graph_reserve_bytes(max_bs, self.mtp_step, self.text_config.vocab_size)
@@ -506,8 +507,7 @@ class ModelRunner:
         if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
             if self.guided:
-                for tokens in sampled:
-                    self.guided.advance(tokens.req_slot, tokens.token_ids)
+                self._advance_guided(sampled)
         if self.drafter is not None:
             accepted = {  # req slot -> rows committed this step (verify chunks)
                 tokens.req_slot: len(tokens.token_ids)
@@ -549,7 +549,9 @@ class ModelRunner:
     def _fused_mtp_part(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The step's chunks that the fused MTP step takes (engine/mtp_graphs.py): verify chunks
         of requests decoding with all k drafts, none with images; none if they are more than its
-        largest batch. Guided requests stay on the host path (their masks depend on the drafts)."""
+        largest batch. Guided requests join when no step is in flight (their masks are filled from
+        matchers that have read every committed token; the router plans nothing while an MTP
+        decode is in flight, so this is the usual case)."""
         if self.mtp_graphs is None:
             return []
         k = self.mtp_graphs.k
@@ -558,7 +560,7 @@ class ModelRunner:
             for c in chunks
             if is_full_verify([c], k)
             and c.req_slot not in self.mm.requests
-            and c.req_slot not in self.guided
+            and (c.req_slot not in self.guided or not self._pending)
         ]
         return picked if len(picked) <= self.mtp_graphs.max_bs else []
 
@@ -570,7 +572,8 @@ class ModelRunner:
         known: list[SampledTokens],
         scores: list[PromptScores],
     ) -> PendingStep:
-        out = self.mtp_graphs.run(chunks)  # [n, k + 2] on the device
+        bitmask = self._grammar_bitmask(chunks) if self.guided else None
+        out = self.mtp_graphs.run(chunks, bitmask)  # [n, k + 2] on the device
         slots = [c.req_slot for c in chunks]
         return PendingStep.copying(
             step_id,
@@ -581,7 +584,13 @@ class ModelRunner:
             starts=[c.start for c in chunks],
             known=known,
             scores=scores,
+            committed=self._advance_guided if bitmask is not None else None,
         )
+
+    def _advance_guided(self, sampled: list[SampledTokens]) -> None:
+        """Guided requests' matchers read the tokens their requests committed this step."""
+        for tokens in sampled:
+            self.guided.advance(tokens.req_slot, tokens.token_ids)
 
     def _graph_step(self, chunks: list[ScheduledChunk]) -> bool:
         """A step the decode graphs can replay: plain one-token decodes, none with images."""
@@ -627,12 +636,12 @@ class ModelRunner:
                 histories.append(table.token_ids[slot, :known])
                 offsets.append(known + j)  # index of the token being sampled
                 prompt_lens.append(table.prompt_len_host[slot])
-        bitmask = self._grammar_bitmask(batch) if self.guided else None
+        bitmask = self._grammar_bitmask(batch.sample_chunks) if self.guided else None
         return self.sampler.sample(logits, rows, histories, offsets, prompt_lens, bitmask)
 
-    def _grammar_bitmask(self, batch: StepBatch) -> torch.Tensor | None:
-        """The guided rows' token masks [S, ceil(V / 32)] (host), verify rows after their drafts."""
-        chunks = batch.sample_chunks
+    def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """The token masks [S, ceil(V / 32)] (host) of the sampling chunks' rows, verify rows
+        after their drafts; None when none of them is guided."""
         verify = [c.req_slot for c in chunks if c.num_draft and c.req_slot in self.guided]
         drafts: dict[int, list[int]] = {}
         if verify:

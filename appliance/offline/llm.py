@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from appliance.config import EngineConfig
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
-from appliance.messages import TextDelta, TokenizedRequest
+from appliance.messages import Guide, TextDelta, TokenizedRequest
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler, SchedulerError
 from appliance.sampling_params import SamplingParams
@@ -84,6 +84,7 @@ class LLM:
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        self._compiler = None  # checks guides (structured outputs) on first use
 
     def close(self) -> None:
         """Stops the worker processes (tp > 1); a no-op in process."""
@@ -98,6 +99,8 @@ class LLM:
         self.close()
 
     def _request(self, prompt: str | list[int], params: SamplingParams) -> TokenizedRequest:
+        if params.guide is not None:
+            self._check_guide(params.guide)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
@@ -108,6 +111,18 @@ class LLM:
             stop_token_ids=list(params.stop_token_ids),
             detok=params.to_detok(),
         )
+
+    def _check_guide(self, guide: Guide) -> None:
+        """Raises GrammarError (a ValueError naming the problem) for a guide that does not
+        compile, before the request reaches the workers (which compile it again, cached)."""
+        if self._compiler is None:
+            from transformers import AutoTokenizer
+
+            from appliance.grammars import GrammarCompiler
+
+            hf = AutoTokenizer.from_pretrained(str(self.model_dir))
+            self._compiler = GrammarCompiler(lambda: hf, len(hf), list(self.eos_token_ids))
+        self._compiler.submit(guide).result()
 
     def generate(
         self,
@@ -122,10 +137,10 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, CompletionOutput] = {}
         for prompt, sp in zip(prompts, params_list):
-            req = self._request(prompt, sp)
             try:
+                req = self._request(prompt, sp)
                 self.engine.enqueue(req)
-            except (SchedulerError, ValueError):
+            except (SchedulerError, ValueError, RuntimeError):  # RuntimeError: no xgrammar
                 self._abort(list(outputs))
                 raise
             outputs[req.req_id] = CompletionOutput(

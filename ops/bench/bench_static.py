@@ -183,6 +183,7 @@ def fused_step(runner: ModelRunner, k: int, batch: int, graphs: bool) -> MtpGrap
         k=k,
         batch_sizes=[batch],
         draft_vocab=runner.drafter.draft_vocab,
+        vocab_size=runner.text_config.vocab_size,  # the grammar-mask pass, as served
     )
     if graphs:
         fused.capture()

@@ -6,6 +6,7 @@ capture and replay are checked on the GPU (tests marked gpu)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def test_padded_fused_step_is_lossless_and_keeps_padding_apart(fixture, k, reque
     graphs = padded(llm.runner, max_bs=4)
     runs = []
     run = graphs.run
-    graphs.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+    graphs.run = lambda chunks, mask=None: runs.append(len(chunks)) or run(chunks, mask)
     sizes = llm.runner.pools.sizes
     gdn = llm.runner.pools.gdn_layers[0]
     idle = 7  # a request slot the three requests never get
@@ -205,7 +206,7 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
     assert graphs is not None and graphs.graphs and graphs.max_bs == 16 // (k + 1)
     runs = []
     run = graphs.run
-    graphs.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+    graphs.run = lambda chunks, mask=None: runs.append(len(chunks)) or run(chunks, mask)
     assert [o.token_ids for o in llm.generate(seqs, params)] == want
     assert 3 in runs  # the three requests decoded together through the captured graphs
     stats = llm.scheduler.stats()
@@ -258,3 +259,52 @@ def test_a_pending_mtp_step_joins_what_the_host_path_already_sampled():
     result = pending.result()
     assert [(s.req_slot, s.token_ids) for s in result.sampled] == [(2, [9]), (4, [5, 6]), (1, [8])]
     assert lengths == [13, 22]
+
+
+def test_guided_requests_take_the_fused_step_losslessly(tiny_trained, monkeypatch):
+    """Structured-output requests join the fused step (their grammar masks staged into the verify
+    program): the same tokens as MTP off and as the host path, every output matches its regex,
+    and drafts the grammar allows are still accepted."""
+    from appliance.messages import Guide
+
+    llm_off = LLM(str(tiny_trained), **OPTS)
+    tok = llm_off.tokenizer
+    guide = Guide("regex", r"[!-/0-9A-Za-z]{1,60}")
+    pattern = re.compile(guide.spec)
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, guide=guide),
+        SamplingParams(max_tokens=24, temperature=0.8, top_k=30, seed=7, guide=guide),
+        GREEDY,  # an unguided request in the same steps
+    ]
+    seqs = prompts(3, 64, seed=2)
+    want = [o.token_ids for o in llm_off.generate(seqs, params)]
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if fused else "1")
+        llm = LLM(str(tiny_trained), mtp_step=3, **OPTS)
+        masked = []
+        if fused:
+            run = llm.runner.mtp_graphs.run
+            llm.runner.mtp_graphs.run = lambda c, m=None: masked.append(m is not None) or run(c, m)
+        tokens = [o.token_ids for o in llm.generate(seqs, params)]
+        stats = llm.scheduler.stats()
+        results[fused] = (tokens, stats.mtp_accepted_per_position, stats.mtp_drafts)
+        if fused:
+            assert any(masked)  # guided requests took the fused step
+        assert tokens == want
+    assert results[True] == results[False]
+    assert sum(results[True][1]) > 0  # drafts were accepted under the grammar
+    for ids in want[:2]:
+        text = tok.decode([t for t in ids if t not in llm_off.eos_token_ids])
+        assert pattern.fullmatch(text), text
+
+
+def test_offline_guide_that_does_not_compile_is_a_value_error(tiny_dense):
+    from appliance.messages import Guide
+
+    llm = LLM(str(tiny_dense), **OPTS)
+    bad = SamplingParams(max_tokens=4, guide=Guide("regex", "(unclosed"))
+    with pytest.raises(ValueError, match="regex|parenthes|unclosed|Unclosed"):
+        llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=4), bad])
+    stats = llm.scheduler.stats()
+    assert (stats.num_waiting, stats.num_running, stats.kv_used) == (0, 0, 0)
