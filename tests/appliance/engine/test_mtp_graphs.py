@@ -284,8 +284,8 @@ def test_guided_requests_take_the_fused_step_losslessly(tiny_trained, monkeypatc
         llm = LLM(str(tiny_trained), mtp_step=3, **OPTS)
         masked = []
         if fused:
-            run = llm.runner.mtp_graphs.run
-            llm.runner.mtp_graphs.run = lambda c, m=None: masked.append(m is not None) or run(c, m)
+            graphs, run = llm.runner.mtp_graphs, llm.runner.mtp_graphs.run
+            graphs.run = lambda c, m=None, f=run, seen=masked: seen.append(m is not None) or f(c, m)
         tokens = [o.token_ids for o in llm.generate(seqs, params)]
         stats = llm.scheduler.stats()
         results[fused] = (tokens, stats.mtp_accepted_per_position, stats.mtp_drafts)
