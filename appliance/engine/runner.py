@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -584,8 +585,21 @@ class ModelRunner:
             starts=[c.start for c in chunks],
             known=known,
             scores=scores,
-            committed=self._advance_guided if bitmask is not None else None,
+            committed=self._guided_on_collect(slots) if bitmask is not None else None,
         )
+
+    def _guided_on_collect(self, slots: list[int]) -> Callable[[list[SampledTokens]], None]:
+        """Advances the matchers by a launched step's runs when its result arrives, skipping
+        slots released (or given to another request) since the launch."""
+        admitted = [self.requests.admissions[slot] for slot in slots]
+
+        def advance(sampled: list[SampledTokens]) -> None:
+            table = self.requests
+            self._advance_guided(
+                [t for t, epoch in zip(sampled, admitted) if table.admissions[t.req_slot] == epoch]
+            )
+
+        return advance
 
     def _advance_guided(self, sampled: list[SampledTokens]) -> None:
         """Guided requests' matchers read the tokens their requests committed this step."""

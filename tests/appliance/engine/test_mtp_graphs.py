@@ -308,3 +308,32 @@ def test_offline_guide_that_does_not_compile_is_a_value_error(tiny_dense):
         llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=4), bad])
     stats = llm.scheduler.stats()
     assert (stats.num_waiting, stats.num_running, stats.kv_used) == (0, 0, 0)
+
+
+def test_guided_matchers_advance_only_for_the_same_admission(tiny_dense):
+    """A fused step's runs reach the grammar matchers when its result arrives, but not a matcher
+    of a request admitted into the slot since the launch."""
+    from appliance.messages import Guide, NewRequest, SampledTokens, SamplingOptions
+
+    runner = LLM(str(tiny_dense), mtp_step=2, **OPTS).runner
+    guide = Guide("regex", r"(ab|cd)x")
+    token_a = runner._load_tokenizer().convert_tokens_to_ids("a")
+    options = SamplingOptions(guide=guide)
+
+    def admit() -> None:
+        runner.requests.admit([NewRequest(1, [1, 2, 3], options, num_draft=2)])
+        runner.guided.admit(1, guide, [])
+
+    def mask() -> torch.Tensor:
+        return runner.guided.bitmask([(1, [])])
+
+    admit()
+    fresh = mask()
+    runner._guided_on_collect([1])([SampledTokens(1, [token_a])])
+    assert not torch.equal(mask(), fresh)  # the same admission: the matcher read "a"
+    advance = runner._guided_on_collect([1])
+    runner.requests.release([1])
+    runner.guided.release([1])
+    admit()  # the slot's next request, before the old step's result arrives
+    advance([SampledTokens(1, [token_a])])
+    assert torch.equal(mask(), fresh)
