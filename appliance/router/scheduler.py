@@ -93,6 +93,11 @@ class Scheduler:
         self.snapshots = SlotAllocator(num_snapshot_slots, "snapshot_slots")
         usable = config.prefix_caching and (num_snapshot_slots > 0 or not linear_state)
         self.cache = PrefixCache(self.kv, self.snapshots, linear_state) if usable else None
+        if config.prefix_caching and not usable:
+            logger.warning(
+                "prefix caching is off: the model has Gated-DeltaNet layers and the worker has no "
+                "state snapshot slots (raise --snapshot-slots or --snapshot-mem-fraction)"
+            )
         self._snapshot_saves: list[SnapshotSave] = []  # ended requests' states, for the next plan
         # step -> prefixes whose state a chunk of the step snapshots: (request, epoch, end, slot)
         self._cache_points: dict[int, list[tuple[Request, int, int, int]]] = {}
