@@ -62,6 +62,7 @@ class Request:
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     mm: list[ImageInput] = field(default_factory=list)  # prompt images (by cache handle), by offset
+    turn_start: int = -1  # chat: where the generation prompt starts (a prefix-cache point)
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)

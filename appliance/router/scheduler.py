@@ -369,16 +369,21 @@ class Scheduler:
         return True
 
     def _prefill_chunk(self, req: Request, take: int) -> ScheduledChunk:
-        """A prefill chunk of at most `take` tokens, cut at the next snapshot interval; the chunk
-        ending there or at the last known token becomes a cache point (its prefix is inserted
-        into the tree when the step's result arrives, with a state snapshot on hybrid models)."""
+        """A prefill chunk of at most `take` tokens, cut at the next snapshot interval and (chat)
+        at the generation prompt's start; the chunk ending there or at the last known token
+        becomes a cache point (its prefix is inserted into the tree when the step's result
+        arrives, with a state snapshot on hybrid models)."""
         if self.cache is None:
             return self._make_chunk(req, take)
         start, interval = req.num_computed, self.config.snapshot_interval
         end = start + take
-        if interval and self.cache.needs_snapshots:
-            end = min(end, (start // interval + 1) * interval)
-        at_boundary = bool(interval) and end % interval == 0 and self.cache.needs_snapshots
+        at_boundary = False
+        if self.cache.needs_snapshots:
+            if interval:
+                end = min(end, (start // interval + 1) * interval)
+            if start < req.turn_start < end:
+                end = req.turn_start
+            at_boundary = (bool(interval) and end % interval == 0) or end == req.turn_start
         if end != req.num_known and not at_boundary:
             return self._make_chunk(req, end - start)
         slot = self._snapshot_slot() if self.cache.needs_snapshots else -1

@@ -204,6 +204,7 @@ def choice_requests(
                 detok=detok,
                 arrival_time=arrival_time,
                 images=prompt.images,  # the visual server encodes them (deduped across choices)
+                turn_start=prompt.turn_start,
             )
             requests.append(request)
     return requests

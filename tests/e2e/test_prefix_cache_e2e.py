@@ -173,23 +173,40 @@ def test_n_choices_report_each_prompt_once(apps):
     assert usage.prompt_tokens_details.cached_tokens == 2 * 2 * INTERVAL
 
 
+def chat(app, turns: int = 3) -> tuple[list, list[str], list[dict]]:
+    """A conversation that re-sends every earlier turn: its usages, the replies' texts and the
+    messages of the next turn."""
+    sdk = sdk_of(app)
+    model = sdk.models.list().data[0].id
+    messages = [{"role": "user", "content": "tell me about the sea " * 3}]
+    usages, replies = [], []
+    for turn in range(turns):
+        out = sdk.chat.completions.create(model=model, messages=messages, max_tokens=5, **ARGS)
+        usages.append(out.usage)
+        replies.append(out.choices[0].message.content)
+        messages += [
+            {"role": "assistant", "content": replies[-1]},  # re-rendered without its <think>
+            {"role": "user", "content": f"and then {turn}?"},
+        ]
+    return usages, replies, messages
+
+
 def test_usage_agrees_with_metrics_and_the_stats_line(apps):
     on = apps[0]
     sdk = sdk_of(on)
     model = sdk.models.list().data[0].id
     on.wait_idle()
     queries, hits = (metric(on, f"appliance_prefix_cache_{k}_total") for k in ("queries", "hits"))
-    prompt_tokens = cached = 0
-    messages = [{"role": "user", "content": "tell me about the sea " * 3}]
-    for turn in range(3):  # a chat: each turn re-sends the last one's prompt and answer
-        out = sdk.chat.completions.create(model=model, messages=messages, max_tokens=5, **ARGS)
-        prompt_tokens += out.usage.prompt_tokens
-        cached += out.usage.prompt_tokens_details.cached_tokens
-        messages += [
-            {"role": "assistant", "content": out.choices[0].message.content},
-            {"role": "user", "content": f"and then {turn}?"},
-        ]
-    assert cached > 0
+    usages, replies, messages = chat(on)
+    assert replies == chat(apps[1])[1]
+    # each turn restores the state kept where the last turn's generation prompt started
+    generation_prompt = 8  # "<|im_start|>assistant\n<think>\n" in the tiny BPE
+    for previous, usage in zip(usages, usages[1:]):
+        assert (
+            usage.prompt_tokens_details.cached_tokens >= previous.prompt_tokens - generation_prompt
+        )
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
     stream = sdk.chat.completions.create(
         model=model,
         messages=messages,
