@@ -283,7 +283,9 @@ async def _stream(
     def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
         name = answer.endpoint.chunk_object_name
         if continuous and usage_ is None:
-            usage_ = usage(answer.num_prompt_tokens, sum(tokens))
+            usage_ = usage(
+                answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)
+            )
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
