@@ -404,7 +404,11 @@ class Scheduler:
         return self.snapshots.alloc_one() if self.snapshots.num_free else -1
 
     def _keys(self, req: Request) -> np.ndarray:
-        return cache_keys(req.all_token_ids, req.mm)
+        """The tree keys of the request's known tokens, kept on it while no token is added (a
+        128k prompt's take ~10 ms: once, not at each cache point or admission attempt)."""
+        if req.cache_keys is None or req.cache_keys.size != req.num_tokens:
+            req.cache_keys = cache_keys(req.all_token_ids, req.mm)
+        return req.cache_keys
 
     def _cache_prefix(self, req: Request, end: int, snapshot: int) -> bool:
         """Puts the request's first `end` positions into the tree; its lock moves to the new node.

@@ -250,3 +250,24 @@ def test_a_turn_end_takes_the_oldest_snapshot_even_from_a_running_path():
     assert out.tokens["turn2"] == reference_tokens(following, 2)
     news = [n for p in worker.plans for n in p.new_requests if len(n.token_ids) == len(following)]
     assert len(news[0].cached_kv_slots) == len(convo) + 2  # turn 1's end, not just its prompt
+
+
+def test_a_prompts_keys_are_built_once(monkeypatch):
+    """The keys of a long prompt (~10 ms at 128k tokens) are built once, not at every cache point
+    or admission attempt; a token added builds them again."""
+    import appliance.router.scheduler as scheduler_module
+
+    calls = []
+
+    def counted(token_ids, mm):
+        calls.append(len(token_ids))
+        return cache_keys(token_ids, mm)
+
+    monkeypatch.setattr(scheduler_module, "cache_keys", counted)
+    sched = make_scheduler(budget=16, **HYBRID)
+    sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
+    sched.add_request(req("a", prompt_of(80, 9), max_tokens=3))
+    out = run(sched, FakeWorker(1000), keep_cache=True)
+    assert out.tokens["a"] == reference_tokens(prompt_of(80, 9), 3)
+    assert calls == [80, 83]  # admission and the 5 cache points; the end (every known token)
+    assert_pools_empty(sched)
