@@ -2,8 +2,10 @@
 official SDK: a small KV pool and few snapshot slots under concurrent requests sharing a system
 prompt, with disconnects, give the same greedy tokens as an appliance started with
 `--no-prefix-caching` and leave nothing held but evictable cache entries; a burst needing the whole
-pool then evicts the cache; usage.cached_tokens (n > 1 included) agrees with the metrics and the
-stats line; with caching off everything reports 0 and the metric families still exist."""
+pool then evicts the cache; a chat's turns (the template re-renders past replies) restore the
+state kept where the previous turn's generation prompt started; usage.cached_tokens (n > 1
+included) agrees with the metrics and the stats line; with caching off everything reports 0 and the
+metric families still exist. About 1 min on a quiet 2-core box (two appliance starts)."""
 
 from __future__ import annotations
 
