@@ -26,13 +26,24 @@ _POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """`name: type = default  # comment` lines of a dataclass's source -> {name: comment}."""
+    """`name: type = default  # comment` lines of a dataclass's source -> {name: comment}; a field
+    without one takes the `# ...` lines just above it (a comment too long for one line)."""
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
         return {}
-    found = re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE)
-    return dict(found)
+    found: dict[str, str] = {}
+    above: list[str] = []
+    for line in source.splitlines():
+        if comment := re.match(r"^\s+#\s*(.+)$", line):
+            above.append(comment.group(1))
+            continue
+        if field := re.match(r"^\s+(\w+):[^#\n]*?(?:#\s*(.+))?$", line):
+            text = field.group(2) or " ".join(above)
+            if text:
+                found[field.group(1)] = text
+        above = []
+    return found
 
 
 def _nested(cls: type) -> dict[str, type]:

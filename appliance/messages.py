@@ -211,6 +211,10 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived (queue-time metrics)
     images: list[ImageData] = []  # images to encode (server -> visual); empty once encoded
     mm: list[ImageInput] = []  # encoded images by cache handle, sorted by offset (visual -> router)
+    # chat: where the generation prompt starts (its `<|im_start|>`), -1: none. The next turn's
+    # re-rendered conversation (its past replies without their <think> block) first differs after
+    # it, so on a hybrid model the router snapshots the state there (a prefix-cache point)
+    turn_start: int = -1
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

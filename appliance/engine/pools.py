@@ -75,6 +75,26 @@ def plan_kv_slots(
     return int(budget // max(1, per_slot)) - scratch
 
 
+def plan_snapshot_slots(
+    configured: int,
+    max_num_seqs: int,
+    per_snapshot: int,
+    pool_bytes: float | None,
+    fraction: float,
+    kv_bytes: int = 0,
+) -> int:
+    """Prefix-cache state snapshot slots: `configured` when set; else 4 x max_num_seqs, on a GPU
+    (`pool_bytes` known) at most `fraction` of the pool memory, and at most what a KV pool of a
+    fixed size (`kv_bytes`, --num-kv-slots) leaves of it."""
+    if configured:
+        return configured
+    count = 4 * max_num_seqs
+    if pool_bytes is not None:
+        room = min(pool_bytes * fraction, pool_bytes - kv_bytes)
+        count = min(count, int(room // max(1, per_snapshot)))
+    return max(0, count)
+
+
 def state_bytes_per_slot(model: nn.Module, dtype: torch.dtype, mtp_step: int = 0) -> int:
     per = 0
     for m in model.modules():

@@ -41,6 +41,7 @@ from appliance.engine.pools import (
     PoolSizes,
     kv_bytes_per_slot,
     plan_kv_slots,
+    plan_snapshot_slots,
     state_bytes_per_slot,
 )
 from appliance.engine.prompt_logprobs import score_prompts
@@ -301,6 +302,11 @@ class ModelRunner:
         snapshots = self._num_snapshots(None)
         if not slots and self.device.type == "cuda":
             slots, snapshots = self._slots_from_memory()
+        elif self.device.type == "cuda":  # a fixed KV pool: the auto snapshot pool fits beside it
+            state, per_slot = self._state_and_kv_slot_bytes()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            pool = free * self.config.cache.mem_fraction - state
+            snapshots = self._num_snapshots(pool, slots * per_slot)
         elif not slots:
             slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
         padding = self.graph_max_bs > 0
@@ -308,19 +314,30 @@ class ModelRunner:
             slots, sched.max_num_seqs, self.max_model_len, self.mtp_step, padding, snapshots
         )
 
-    def _num_snapshots(self, pool_bytes: float | None) -> int:
-        """Prefix-cache state snapshot slots: none without prefix caching or GDN layers; the
-        configured count; else 4 x max_num_seqs, within snapshot_mem_fraction of `pool_bytes`."""
+    def _num_snapshots(self, pool_bytes: float | None, kv_bytes: int = 0) -> int:
+        """Prefix-cache state snapshot slots: none without prefix caching or GDN layers; else
+        plan_snapshot_slots over `pool_bytes` (None: no memory bound, CPU)."""
         per = state_bytes_per_slot(self.model, self.dtype)
         cache, sched = self.config.cache, self.config.scheduler
         if not sched.prefix_caching or per == 0:
             return 0
-        if cache.snapshot_slots:
-            return cache.snapshot_slots
-        count = 4 * sched.max_num_seqs
-        if pool_bytes is not None:
-            count = min(count, int(pool_bytes * cache.snapshot_mem_fraction // per))
-        return max(0, count)
+        return plan_snapshot_slots(
+            cache.snapshot_slots,
+            sched.max_num_seqs,
+            per,
+            pool_bytes,
+            cache.snapshot_mem_fraction,
+            kv_bytes,
+        )
+
+    def _state_and_kv_slot_bytes(self) -> tuple[int, int]:
+        """Bytes of the request state pools (every request row) and of one KV slot (all models)."""
+        rows = self.config.scheduler.max_num_seqs + (1 if self.graph_max_bs else 0)  # + padding
+        state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * rows
+        per_slot = sum(
+            kv_bytes_per_slot(m, self.kv_dtype) for m in [self.model, *self.draft_modules]
+        )
+        return state, per_slot
 
     @torch.inference_mode()
     def _profile_activation_bytes(self) -> int:
@@ -356,11 +373,7 @@ class ModelRunner:
         sched = self.config.scheduler
         activation = self._profile_activation_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
-        rows = sched.max_num_seqs + (1 if self.graph_max_bs else 0)  # + the padding slot
-        state = state_bytes_per_slot(self.model, self.dtype, self.mtp_step) * rows
-        per_slot = sum(
-            kv_bytes_per_slot(m, self.kv_dtype) for m in [self.model, *self.draft_modules]
-        )
+        state, per_slot = self._state_and_kv_slot_bytes()
         vocab = self.text_config.vocab_size
         graphs = graph_reserve_bytes(self.graph_max_bs, vocab)
         if self.mtp_step and not envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:

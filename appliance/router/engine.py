@@ -83,6 +83,7 @@ class EngineCore:
             stop_token_ids=frozenset(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             mm=list(msg.mm),
+            turn_start=msg.turn_start,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)

@@ -62,6 +62,7 @@ class Request:
     ignore_eos: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     mm: list[ImageInput] = field(default_factory=list)  # prompt images (by cache handle), by offset
+    turn_start: int = -1  # chat: where the generation prompt starts (a prefix-cache point)
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)
@@ -79,6 +80,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt positions found in the prefix cache at first admission
     prefix_node: Any = None  # the prefix-tree node it holds locked (router/prefix_cache.py)
     prefix_match: Any = None  # its cache match between _can_admit and _admit
+    cache_keys: np.ndarray | None = field(default=None, repr=False)  # tree keys of its tokens
     _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
     _num_kv: int = 0
 

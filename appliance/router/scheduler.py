@@ -93,6 +93,11 @@ class Scheduler:
         self.snapshots = SlotAllocator(num_snapshot_slots, "snapshot_slots")
         usable = config.prefix_caching and (num_snapshot_slots > 0 or not linear_state)
         self.cache = PrefixCache(self.kv, self.snapshots, linear_state) if usable else None
+        if config.prefix_caching and not usable:
+            logger.warning(
+                "prefix caching is off: the model has Gated-DeltaNet layers and the worker has no "
+                "state snapshot slots (raise --snapshot-slots or --snapshot-mem-fraction)"
+            )
         self._snapshot_saves: list[SnapshotSave] = []  # ended requests' states, for the next plan
         # step -> prefixes whose state a chunk of the step snapshots: (request, epoch, end, slot)
         self._cache_points: dict[int, list[tuple[Request, int, int, int]]] = {}
@@ -364,16 +369,21 @@ class Scheduler:
         return True
 
     def _prefill_chunk(self, req: Request, take: int) -> ScheduledChunk:
-        """A prefill chunk of at most `take` tokens, cut at the next snapshot interval; the chunk
-        ending there or at the last known token becomes a cache point (its prefix is inserted
-        into the tree when the step's result arrives, with a state snapshot on hybrid models)."""
+        """A prefill chunk of at most `take` tokens, cut at the next snapshot interval and (chat)
+        at the generation prompt's start; the chunk ending there or at the last known token
+        becomes a cache point (its prefix is inserted into the tree when the step's result
+        arrives, with a state snapshot on hybrid models)."""
         if self.cache is None:
             return self._make_chunk(req, take)
         start, interval = req.num_computed, self.config.snapshot_interval
         end = start + take
-        if interval and self.cache.needs_snapshots:
-            end = min(end, (start // interval + 1) * interval)
-        at_boundary = bool(interval) and end % interval == 0 and self.cache.needs_snapshots
+        at_boundary = False
+        if self.cache.needs_snapshots:
+            if interval:
+                end = min(end, (start // interval + 1) * interval)
+            if start < req.turn_start < end:
+                end = req.turn_start
+            at_boundary = (bool(interval) and end % interval == 0) or end == req.turn_start
         if end != req.num_known and not at_boundary:
             return self._make_chunk(req, end - start)
         slot = self._snapshot_slot() if self.cache.needs_snapshots else -1
@@ -394,7 +404,11 @@ class Scheduler:
         return self.snapshots.alloc_one() if self.snapshots.num_free else -1
 
     def _keys(self, req: Request) -> np.ndarray:
-        return cache_keys(req.all_token_ids, req.mm)
+        """The tree keys of the request's known tokens, kept on it while no token is added (a
+        128k prompt's take ~10 ms: once, not at each cache point or admission attempt)."""
+        if req.cache_keys is None or req.cache_keys.size != req.num_tokens:
+            req.cache_keys = cache_keys(req.all_token_ids, req.mm)
+        return req.cache_keys
 
     def _cache_prefix(self, req: Request, end: int, snapshot: int) -> bool:
         """Puts the request's first `end` positions into the tree; its lock moves to the new node.

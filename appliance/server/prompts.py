@@ -22,6 +22,7 @@ from appliance.server.protocol import ChatMessage, ImagePart
 # English text (~4 per token), and ~4 s of tokenizing for a 256k context on one core
 CHARS_PER_TOKEN_LIMIT = 8
 DOCUMENT_SEPARATOR = "<|endoftext|>"  # Qwen's end of a pretraining document (it has no BOS)
+IM_START = "<|im_start|>"  # ChatML turn opener; the last one in a chat prompt opens the reply
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Prompt:
     token_ids: list[int]
     text: str | None  # rendered prompt text (None for token-id prompts)
     images: list[ImageData] = field(default_factory=list)  # with offsets into the expanded ids
+    turn_start: int = -1  # chat: index of the generation prompt's <|im_start|> (-1: none)
 
 
 def context_error(max_model_len: int, num_tokens: int, param: str) -> ContextLengthExceeded:
@@ -125,7 +127,21 @@ class PromptBuilder:
         if images:
             ids, data = expand_image_tokens(ids, image_token_id, images)
         self.check_tokens(len(ids), "messages")
-        return Prompt(ids, text, data)
+        return Prompt(ids, text, data, self._turn_start(ids) if add_generation_prompt else -1)
+
+    def _turn_start(self, ids: list[int]) -> int:
+        """Index of the last `<|im_start|>` (ChatML: the generation prompt's), or -1."""
+        marker = self._im_start_id
+        if marker is None:
+            return -1
+        return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] == marker), -1)
+
+    @functools.cached_property
+    def _im_start_id(self) -> int | None:
+        marker = self.tokenizer.convert_tokens_to_ids(IM_START)
+        if isinstance(marker, int) and self.tokenizer.convert_ids_to_tokens(marker) == IM_START:
+            return marker
+        return None
 
     # ------------------------------------------------------------------ completions
     def completion(self, prompt: str | list[int]) -> Prompt:

@@ -84,6 +84,7 @@ class _Answer:
     head: dict[str, Any]  # id, created, model: the first keys of every body and chunk
     num_choices: int
     num_prompt_tokens: int  # over all prompts (usage.prompt_tokens)
+    choices_per_prompt: int  # n: choice index = prompt index x n + choice number
 
 
 def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -135,7 +136,7 @@ async def _admit(
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
         group.timeout_s = state.config.request_timeout
-    return _Answer(endpoint, group, formatter, head, len(requests), num_prompt_tokens)
+    return _Answer(endpoint, group, formatter, head, len(requests), num_prompt_tokens, body.n)
 
 
 async def _respond(
@@ -203,6 +204,7 @@ def choice_requests(
                 detok=detok,
                 arrival_time=arrival_time,
                 images=prompt.images,  # the visual server encodes them (deduped across choices)
+                turn_start=prompt.turn_start,
             )
             requests.append(request)
     return requests
@@ -210,13 +212,20 @@ def choice_requests(
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI usage; `prompt_tokens_details.cached_tokens`: prompt tokens served from the prefix
-    cache (summed over the choices, as prompt_tokens is)."""
+    cache (a part of prompt_tokens: see `cached_prompt_tokens`)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_prompt_tokens(answer: _Answer, cached: list[int]) -> int:
+    """Per prompt the most any of its n choices found cached, summed over the prompts: like
+    prompt_tokens, each prompt counts once, so cached_tokens never exceeds it."""
+    n = answer.choices_per_prompt
+    return sum(max(cached[first : first + n]) for first in range(0, len(cached), n))
 
 
 async def _collect(answer: _Answer) -> dict[str, Any]:
@@ -240,7 +249,7 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
         **answer.head,
         "object": answer.endpoint.object_name,
         "choices": [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)],
-        "usage": usage(answer.num_prompt_tokens, sum(tokens), sum(cached)),
+        "usage": usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
     }
 
 
@@ -274,7 +283,9 @@ async def _stream(
     def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
         name = answer.endpoint.chunk_object_name
         if continuous and usage_ is None:
-            usage_ = usage(answer.num_prompt_tokens, sum(tokens))
+            usage_ = usage(
+                answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)
+            )
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
@@ -291,7 +302,8 @@ async def _stream(
                 if choice is not None:
                     yield chunk([choice])
             if include_usage:
-                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens), sum(cached)))
+                cached_tokens = cached_prompt_tokens(answer, cached)
+                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens), cached_tokens))
         except APIError as err:
             yield sse_error(err)
         yield "data: [DONE]\n\n"

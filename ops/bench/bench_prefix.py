@@ -7,6 +7,8 @@
     (cached / prompt tokens, from usage.prompt_tokens_details.cached_tokens), TTFT and TPOT. Run it
     once against a server with prefix caching and once with --no-prefix-caching:
       python ops/bench/bench_prefix.py replay --conversations 32 --turns 5 --turn-len 1024
+    With --chat the turns go through /v1/chat/completions as message lists (random words, about
+    one token each), so the chat template re-renders each earlier answer as clients cause it to.
 
 Answers are not fed back as generated (the endpoint returns text, not token ids): each turn
 appends a stand-in answer of --output-len random ids, so a turn hits the previous turn's prompt, not
@@ -29,6 +31,13 @@ from bench_serving import RequestResult, percentiles, run_request
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+WORDS = "river stone cloud market window orange thunder garden pencil silver harbor candle".split()
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -67,10 +76,19 @@ async def replay(args, client: httpx.AsyncClient, model: str) -> dict:
 
     async def conversation(index: int) -> None:
         rng = random.Random(args.seed * 1000 + index)
-        prompt = _ids(rng, args.first_len, args.vocab_size)
+        if args.chat:
+            prompt = [{"role": "user", "content": f"{index} " + _words(rng, args.first_len)}]
+        else:
+            prompt = _ids(rng, args.first_len, args.vocab_size)
         for turn in range(args.turns):
             result = await run_request(client, args, model, prompt, args.output_len)
             results[turn].append(result)
+            if args.chat:  # a stand-in answer, as the template renders a past reply
+                prompt = prompt + [
+                    {"role": "assistant", "content": _words(rng, args.output_len)},
+                    {"role": "user", "content": _words(rng, args.turn_len)},
+                ]
+                continue
             answer = _ids(rng, args.output_len, args.vocab_size)  # the stand-in answer
             prompt = prompt + answer + _ids(rng, args.turn_len, args.vocab_size)
 
@@ -144,12 +162,14 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5, help="replay: turns per conversation")
     p.add_argument("--first-len", type=int, default=1024, help="replay: first prompt's tokens")
     p.add_argument("--turn-len", type=int, default=1024, help="replay: new tokens per turn")
+    p.add_argument("--chat", action="store_true", help="replay: through /v1/chat/completions")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", type=Path, help="write the summary and the arguments here")
     args = p.parse_args()
-    args.ignore_eos, args.endpoint = True, "completions"  # what run_request reads
+    args.ignore_eos, args.response_format = True, "text"  # what run_request reads
+    args.endpoint = "chat" if args.chat else "completions"
     summary = asyncio.run(main_async(args))
     sys.stdout.write(render(args.mode, summary) + "\n")
     if args.json:

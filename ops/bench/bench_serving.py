@@ -148,7 +148,10 @@ async def run_request(
     if args.ignore_eos:
         body["ignore_eos"] = True
     body.update(constraint_fields(args))
-    if args.endpoint == "chat":
+    if args.endpoint == "chat" and isinstance(prompt, list) and isinstance(prompt[0], dict):
+        body["messages"] = prompt  # a whole conversation (bench_prefix.py replay --chat)
+        path = "/v1/chat/completions"
+    elif args.endpoint == "chat":
         text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         body["messages"] = [{"role": "user", "content": text}]
         path = "/v1/chat/completions"

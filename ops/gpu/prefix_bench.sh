@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prefix caching on the GPU (issue 16): `appliance serve MODEL_DIR --load-format dummy` with prefix
 # caching, then ops/bench/bench_prefix.py hitmiss (TTFT of an 8k shared prefix + 128 new tokens,
-# hit vs miss) and replay (32 conversations x 5 turns, ~1k new tokens per turn); then the same
-# replay (and the misses) against a server started with --no-prefix-caching.
+# hit vs miss) and replay (32 conversations x 5 turns, ~1k new tokens per turn; token ids through
+# /v1/completions, then messages through /v1/chat/completions); then the token-id replay (and the
+# misses) against a server started with --no-prefix-caching.
 #   MODEL_DIR=.cache/serve27b TAG=27b bash ops/gpu/prefix_bench.sh
 # MODEL_DIR holds config.json, the tokenizer and generation_config.json; SERVE_ARGS pass through.
 # CPU smoke (tiny sizes): MODEL_DIR=<tiny ckpt> PREFIX_LEN=256 NEW_LEN=16 CONVERSATIONS=2 TURNS=2 \
@@ -37,6 +38,8 @@ HITMISS="--prefix-len ${PREFIX_LEN:-8192} --new-len ${NEW_LEN:-128} ${BENCH_ARGS
 serve on && {
   bench hitmiss $HITMISS --repeats 5 --json "$OUT/prefix_${TAG}_hitmiss.json"
   bench replay $REPLAY --json "$OUT/prefix_${TAG}_replay_on.json"
+  # the same through /v1/chat/completions: the template re-renders each past answer
+  bench replay $REPLAY --chat --json "$OUT/prefix_${TAG}_replay_chat_on.json"
   stop
 }
 serve off --no-prefix-caching && {

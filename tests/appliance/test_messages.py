@@ -115,7 +115,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
-        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE]
+        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1
     ),
     m.AbortRequest: m.AbortRequest("cmpl-1-0"),
     m.ImageData: IMAGE_DATA,

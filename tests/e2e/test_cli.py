@@ -101,6 +101,31 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     assert "not a checkpoint folder (no config.json)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--snapshot-slots", "-1", "expected an integer >= 0 (0: auto)"),
+        ("--snapshot-mem-fraction", "1.5", "expected a number in [0, 1)"),
+        ("--snapshot-interval", "-16", "expected an integer >= 0 (0: off)"),
+    ],
+)
+def test_bad_snapshot_flags_are_one_line_before_starting(capsys, tmp_path, flag, value, expected):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(tmp_path), flag, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == f"appliance serve: error: {flag} {value}: {expected}\n"
+
+
+def test_help_of_a_field_commented_above_it():
+    """A field whose comment is too long for its line (the lines above it) still gets help."""
+    parser, _ = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    helps = {a.option_strings[0]: a.help for a in serve._actions if a.option_strings}
+    assert helps["--snapshot-interval"].startswith("hybrid models: also snapshot the GDN state")
+    assert helps["--snapshot-slots"].startswith("prefix-cache GDN state snapshot slots")
+    assert helps["--max-num-seqs"] == "running requests at most (request slots) (default: 64)"
+
+
 def test_unsupported_checkpoint_quantization_is_one_line_before_starting(capsys, tmp_path):
     ckpt = tmp_path / "awq-model"
     ckpt.mkdir()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from appliance.engine.mm_inputs import InProcessImageStore
+from appliance.engine.pools import plan_snapshot_slots
 from appliance.engine.runner import ModelRunner
 from appliance.messages import SamplingOptions, TokenizedRequest
 from appliance.offline.llm import build_engine_config
@@ -209,3 +210,14 @@ def test_abort_in_the_middle_of_a_hits_prefill(tiny_dense):
     ref.add("c", long)
     assert got == ref.run()["c"]
     engine.assert_nothing_leaked()
+
+
+def test_snapshot_pool_plan():
+    """--snapshot-slots wins; auto is 4 x max_num_seqs, on a GPU within snapshot_mem_fraction of
+    the pool memory, and beside a fixed --num-kv-slots pool within what it leaves."""
+    mib = 2**20
+    assert plan_snapshot_slots(5, 64, 150 * mib, 1000 * mib, 0.2) == 5
+    assert plan_snapshot_slots(0, 64, 150 * mib, None, 0.2) == 256  # CPU: no memory bound
+    assert plan_snapshot_slots(0, 64, 150 * mib, 60_000 * mib, 0.2) == 80
+    assert plan_snapshot_slots(0, 64, 150 * mib, 60_000 * mib, 0.2, 58_500 * mib) == 10
+    assert plan_snapshot_slots(0, 64, 150 * mib, 60_000 * mib, 0.2, 70_000 * mib) == 0

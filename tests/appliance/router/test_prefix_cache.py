@@ -146,6 +146,24 @@ def test_periodic_snapshots_let_a_shared_head_hit():
     assert_pools_empty(short)
 
 
+@pytest.mark.parametrize("driver", [run, run_pipelined])
+def test_a_chat_turn_start_is_a_cache_point(driver):
+    """A chat's next turn re-renders the last reply (without its <think> block), so it first
+    differs from this turn's prompt inside the generation prompt: the state is kept at
+    `turn_start` (where that prompt starts) and the next turn restores it."""
+    sched = make_scheduler(budget=64, **HYBRID)  # snapshot_interval 2048: past these prompts
+    worker = FakeWorker(1000)
+    history, generation_prompt = prompt_of(45, 5), [7, 8, 9]
+    sched.add_request(req("a", history + generation_prompt, max_tokens=4, turn_start=45))
+    assert driver(sched, worker, keep_cache=True).max_step_tokens == 45  # cut at the turn start
+    again = history + [1, 2] + prompt_of(6, 6)  # the reply as re-rendered, a new user turn
+    sched.add_request(req("b", again, max_tokens=4))
+    out = driver(sched, worker, keep_cache=True)
+    assert sched.stats().prefix_cache_hits == 45  # without the cut: 0 (no snapshot below 48)
+    assert out.tokens["b"] == reference_tokens(again, 4)
+    assert_pools_empty(sched)
+
+
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_concurrent_requests_share_a_system_prompt(hybrid):
     sched = make_scheduler(budget=64, max_num_seqs=8, **(HYBRID if hybrid else {}))
@@ -232,3 +250,24 @@ def test_a_turn_end_takes_the_oldest_snapshot_even_from_a_running_path():
     assert out.tokens["turn2"] == reference_tokens(following, 2)
     news = [n for p in worker.plans for n in p.new_requests if len(n.token_ids) == len(following)]
     assert len(news[0].cached_kv_slots) == len(convo) + 2  # turn 1's end, not just its prompt
+
+
+def test_a_prompts_keys_are_built_once(monkeypatch):
+    """The keys of a long prompt (~10 ms at 128k tokens) are built once, not at every cache point
+    or admission attempt; a token added builds them again."""
+    import appliance.router.scheduler as scheduler_module
+
+    calls = []
+
+    def counted(token_ids, mm):
+        calls.append(len(token_ids))
+        return cache_keys(token_ids, mm)
+
+    monkeypatch.setattr(scheduler_module, "cache_keys", counted)
+    sched = make_scheduler(budget=16, **HYBRID)
+    sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
+    sched.add_request(req("a", prompt_of(80, 9), max_tokens=3))
+    out = run(sched, FakeWorker(1000), keep_cache=True)
+    assert out.tokens["a"] == reference_tokens(prompt_of(80, 9), 3)
+    assert calls == [80, 83]  # admission and the 5 cache points; the end (every known token)
+    assert_pools_empty(sched)

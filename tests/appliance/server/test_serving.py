@@ -85,6 +85,13 @@ def test_submitted_requests(make_server, tokenizer):
     assert a.max_tokens == b.max_tokens == 5 and a.stop_token_ids == [7]
     assert a.detok.stop == ["zz"] and not a.detok.logprobs
     assert a.images == [] and a.arrival_time > 0
+    # the generation prompt's <|im_start|>: the state there is a prefix-cache point (router)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert a.turn_start > 0 and a.prompt_token_ids[a.turn_start] == im_start
+    assert im_start not in a.prompt_token_ids[a.turn_start + 1 :]
+    assert tokenizer.decode(a.prompt_token_ids[a.turn_start :]).startswith("<|im_start|>assistant")
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert engine.received[-1].turn_start == -1
 
 
 def entry(token: str) -> TokenLogprob:
