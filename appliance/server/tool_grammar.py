@@ -48,19 +48,25 @@ def _raw_string(schema: dict[str, Any]) -> Format:
     return {"type": "regex", "pattern": f"[^<]{bounds}"}
 
 
-def _value(schema: Any) -> Format:
+def _value(schema: Any, definitions: dict[str, Any]) -> Format:
     if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
         return _raw_string(schema)
+    if schema is None:
+        schema = True
+    elif isinstance(schema, dict) and definitions:
+        # a property compiles as its own schema: its local $refs (#/$defs/X, as pydantic writes
+        # nested models and enums) need the root's definitions beside it
+        schema = {**definitions, **schema}
     # compact JSON: appliance/grammars.py compiles it as such
-    return {"type": "json_schema", "json_schema": schema if schema is not None else True}
+    return {"type": "json_schema", "json_schema": schema}
 
 
-def _parameter(name: str, schema: Any) -> Format:
+def _parameter(name: str, schema: Any, definitions: dict[str, Any]) -> Format:
     return {
         "type": "sequence",
         "elements": [
             _const(f"<parameter={name}>\n"),
-            _value(schema),
+            _value(schema, definitions),
             _const("\n</parameter>\n"),
         ],
     }
@@ -71,9 +77,10 @@ def function_call_format(name: str, parameters: dict[str, Any] | None) -> Format
     parameters = parameters or {}
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
+    definitions = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
     elements: list[Format] = [_const(f"<tool_call>\n<function={name}>\n")]
     for key, schema in properties.items():
-        param = _parameter(key, schema)
+        param = _parameter(key, schema, definitions)
         elements.append(param if key in required else {"type": "optional", "content": param})
     elements.append(_const("</function>\n</tool_call>"))
     return {"type": "sequence", "elements": elements}
