@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
@@ -40,6 +42,20 @@ UNSUPPORTED_KEYWORDS = frozenset(
         "unevaluatedItems",
     }
 )
+# string formats xgrammar enforces; the others of the JSON-Schema standard it would leave unenforced
+# (refused); formats outside the standard's list are annotations, as the standard says (pydantic's
+# "path", "password", "binary", ...: plain strings)
+ENFORCED_FORMATS = frozenset(
+    {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"}
+    | {"uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+)
+UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+_MAY_BE_EMPTY = frozenset({"uri-reference", "uri-template", "json-pointer"})
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"}
+    | {"writeOnly", "$defs", "definitions", "$schema", "$id"}
+)
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _EXTRA_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _LEGACY = {
@@ -50,6 +66,55 @@ _LEGACY = {
 }
 
 
+def check_regex(pattern: str, param: str, where: str = "") -> None:
+    """400 for a regex lookaround, which xgrammar would drop (lookbehind it refuses itself)."""
+    if _LOOKAROUND.search(pattern):
+        where = f" at {where}" if where else ""
+        message = f"{param}: regex lookahead (?=...) / (?!...){where} is not supported"
+        raise BadRequest(message, param)
+
+
+def _check_string_shape(schema: dict[str, Any], refuse: Callable[[str], None]) -> None:
+    """xgrammar keeps one of pattern / format / length bounds and drops the others. A format's
+    own minLength of 1 (pydantic's AnyUrl) holds anyway: its strings are never empty."""
+    fmt = schema.get("format")
+    fmt = fmt if fmt in ENFORCED_FORMATS else None
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    if fmt and lengths == ["minLength"] and fmt not in _MAY_BE_EMPTY:
+        if isinstance(schema["minLength"], int) and schema["minLength"] <= 1:
+            lengths = []
+    shapes = (["pattern"] if "pattern" in schema else []) + ([f"format {fmt!r}"] if fmt else [])
+    if shapes and len(shapes + lengths) > 1:
+        first, *rest = shapes + lengths
+        refuse(f"{first} together with {', '.join(rest)}")
+
+
+def _check_node(schema: dict[str, Any], param: str, path: str) -> None:
+    """400 for combinations xgrammar 0.2.9 accepts but would not enforce (it only warns)."""
+
+    def refuse(what: str) -> None:
+        raise BadRequest(f"{param}: {what} at {path} is not supported", param)
+
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        refuse("allOf with more than one schema")
+    if "$ref" in schema and set(schema) - _ANNOTATIONS - {"$ref"}:
+        refuse(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS - {'$ref'}))}")
+    if schema.get("format") in UNENFORCED_FORMATS:
+        refuse(f"format {schema['format']!r}")
+    if isinstance(schema.get("pattern"), str):
+        check_regex(schema["pattern"], param, f"{path}/pattern")
+    _check_string_shape(schema, refuse)
+    if "multipleOf" in schema:
+        types = schema.get("type")
+        types = set(types) if isinstance(types, list) else {types}
+        if "integer" not in types or "number" in types:
+            refuse("multipleOf on a non-integer type")
+        lower = {"minimum", "exclusiveMinimum"} & set(schema)
+        upper = {"maximum", "exclusiveMaximum"} & set(schema)
+        if bool(lower) != bool(upper):
+            refuse("multipleOf with a one-sided range")
+
+
 def check_schema(schema: Any, param: str, path: str = "#") -> None:
     """400 (against request field `param`) for a JSON schema using a feature the grammar cannot
     enforce, named with its path in the schema."""
@@ -57,6 +122,7 @@ def check_schema(schema: Any, param: str, path: str = "#") -> None:
         return
     if not isinstance(schema, dict):
         raise BadRequest(f"{param}: expected a schema object at {path}, got {schema!r:.80}", param)
+    _check_node(schema, param, path)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in UNSUPPORTED_KEYWORDS:
@@ -101,6 +167,8 @@ def _extra_guide(kind: str, value: Any, param: str) -> Guide:
         return _choice_guide(value, param)
     if not (isinstance(value, str) and value):
         raise BadRequest(f"{param}: expected a non-empty string", param)
+    if kind == "regex":
+        check_regex(value, param)
     return Guide("regex" if kind == "regex" else "grammar", value)
 
 
