@@ -165,6 +165,8 @@ def _compile_with(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "grammar":
+        if "::=" not in spec:  # no EBNF rule: Lark (vLLM takes both), its rules open at `start`
+            return compiler.compile_lark(spec)
         return compiler.compile_grammar(spec)
     if kind == "structural_tag":
         tag = _json_formats_as_grammars(json.loads(spec))

@@ -97,6 +97,12 @@ def _check_node(schema: dict[str, Any], param: str, path: str) -> None:
 
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         refuse("allOf with more than one schema")
+    required = schema.get("required")
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    missing = [name for name in required or [] if name not in properties]
+    if isinstance(required, list) and missing:
+        refuse(f"required {missing[0]!r} without a property of that name")
     if "$ref" in schema and set(schema) - _ANNOTATIONS - {"$ref"}:
         refuse(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS - {'$ref'}))}")
     if schema.get("format") in UNENFORCED_FORMATS:
@@ -173,7 +179,7 @@ def _extra_guide(kind: str, value: Any, param: str) -> Guide:
 
 
 def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
-    kind = fmt.get("type", "text")
+    kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -186,7 +192,9 @@ def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
             )
         return _schema_guide(spec["schema"], "response_format")
     raise BadRequest(
-        f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'.",
+        f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'."
+        if kind is not None
+        else "response_format: missing 'type' ('text', 'json_object' or 'json_schema').",
         "response_format",
     )
 
