@@ -99,12 +99,43 @@ def test_sources_map_to_guides():
         ({"guided_choice": ["a", 1]}, "list of strings"),
         ({"guided_regex": "a", "guided_grammar": "root ::= x"}, "only one"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs"),
+        ({"response_format": {"json_schema": {"schema": {}}}}, "missing 'type'"),
+        # accepted by xgrammar 0.2.9 but left unenforced (it only logs a warning): refused
+        ({"guided_json": {"allOf": [{"type": "object"}, {"required": []}]}}, "allOf with more"),
+        (
+            {"guided_json": {"$defs": {"A": {}}, "$ref": "#/$defs/A", "minimum": 3}},
+            "beside minimum",
+        ),
+        ({"guided_json": {"type": "string", "pattern": "a+", "maxLength": 3}}, "with maxLength"),
+        ({"guided_json": {"type": "string", "format": "uri", "maxLength": 9}}, "'uri' together"),
+        ({"guided_json": {"type": "string", "pattern": "a", "format": "email"}}, "pattern togeth"),
+        ({"guided_json": {"type": "string", "format": "idn-email"}}, "format 'idn-email'"),
+        ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "non-integer"),
+        ({"guided_json": {"type": "integer", "multipleOf": 5, "minimum": 1}}, "one-sided"),
+        ({"guided_json": {"type": "string", "pattern": "a(?!b)"}}, "lookahead"),
+        ({"guided_regex": "\\d(?=x)"}, "lookahead"),
+        ({"guided_json": {"type": "object", "required": ["a"]}}, "required 'a' without"),
     ],
 )
 def test_bad_sources_are_400s(fields, words):
     with pytest.raises(BadRequest) as err:
         request_guide(_body(**fields), None, _Tok())
     assert words in err.value.message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [{"type": "integer"}]},  # one schema: inlined by xgrammar
+        {"$defs": {"A": {}}, "$ref": "#/$defs/A", "description": "annotations may sit beside"},
+        {"type": "string", "format": "uri", "minLength": 1},  # pydantic's AnyUrl
+        {"type": "string", "format": "password", "maxLength": 4},  # not a standard format
+        {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50},
+        {"type": "string", "pattern": "a\\(?=b"},  # an escaped parenthesis, no lookahead
+    ],
+)
+def test_enforced_schemas_pass(schema):
+    request_guide(_body(guided_json=schema), None, _Tok())
 
 
 @pytest.fixture(scope="module")
