@@ -20,6 +20,7 @@ from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
 from appliance.messages import Guide
 from appliance.parsers import prompt_opens_reasoning
 from appliance.server.errors import BadRequest
+from appliance.server.limits import MAX_JSON_DEPTH, json_depth_exceeds
 from appliance.server.tool_grammar import tool_call_tag
 
 THINK_END = "</think>"
@@ -146,11 +147,17 @@ def check_schema(schema: Any, param: str, path: str = "#") -> None:
 
 
 def _schema_guide(schema: Any, param: str) -> Guide:
-    if isinstance(schema, str):
+    if isinstance(schema, str):  # JSON text: the body's depth limit has not seen inside it
         try:
             schema = json.loads(schema)
+            deep = json_depth_exceeds(schema, MAX_JSON_DEPTH)
+        except RecursionError:
+            deep = True
         except ValueError as exc:
             raise BadRequest(f"{param}: the schema is not valid JSON: {exc}", param) from None
+        if deep:
+            message = f"{param}: the schema nests deeper than {MAX_JSON_DEPTH} levels"
+            raise BadRequest(message, param)
     if not isinstance(schema, dict | bool):
         raise BadRequest(f"{param}: expected a JSON schema object", param)
     check_schema(schema, param)

@@ -49,6 +49,11 @@ TOOLS = [
 ]
 
 
+def _nested(depth: int) -> str:
+    """An object schema nested `depth` times, as JSON text (built without recursion)."""
+    return '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
+
+
 def _body(**fields) -> types.SimpleNamespace:
     defaults = dict.fromkeys(
         (
@@ -115,6 +120,9 @@ def test_sources_map_to_guides():
         ({"guided_json": {"type": "string", "pattern": "a(?!b)"}}, "lookahead"),
         ({"guided_regex": "\\d(?=x)"}, "lookahead"),
         ({"guided_json": {"type": "object", "required": ["a"]}}, "required 'a' without"),
+        # JSON text skips the body's depth limit: the same limit, and no RecursionError (a 500)
+        ({"guided_json": _nested(40)}, "nests deeper than 64"),
+        ({"structured_outputs": {"json": _nested(5000)}}, "nests deeper than 64"),
     ],
 )
 def test_bad_sources_are_400s(fields, words):
