@@ -16,7 +16,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
+from appliance.grammars import (
+    ENFORCED_FORMATS,
+    GrammarCompiler,
+    GrammarError,
+    GrammarUnavailable,
+)
 from appliance.messages import Guide
 from appliance.parsers import prompt_opens_reasoning
 from appliance.server.errors import BadRequest
@@ -43,13 +48,9 @@ UNSUPPORTED_KEYWORDS = frozenset(
         "unevaluatedItems",
     }
 )
-# string formats xgrammar enforces; the others of the JSON-Schema standard it would leave unenforced
-# (refused); formats outside the standard's list are annotations, as the standard says (pydantic's
-# "path", "password", "binary", ...: plain strings)
-ENFORCED_FORMATS = frozenset(
-    {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"}
-    | {"uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
-)
+# the JSON-Schema standard's formats xgrammar would leave unenforced (refused; the enforced ones:
+# grammars.ENFORCED_FORMATS); formats outside the standard's list are annotations, as the standard
+# says (pydantic's "path", "password", "binary", ...: plain strings)
 UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
 _MAY_BE_EMPTY = frozenset({"uri-reference", "uri-template", "json-pointer"})
 _ANNOTATIONS = frozenset(

@@ -5,6 +5,7 @@ checkpoint's tokenizer always parse into one call whose arguments validate."""
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import jsonschema
@@ -177,3 +178,48 @@ def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer,
         params = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), params)
     assert names == ({"book", "ping"} if choice == "required" else {"book"})
+
+
+OPTIONAL_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "plan",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "day": {"type": "string", "format": "date"},
+                    "ref": {"anyOf": [{"type": "string", "format": "uuid"}, {"type": "null"}]},
+                    "code": {
+                        "anyOf": [{"type": "string", "pattern": "[a-c]{2}"}, {"type": "null"}]
+                    },
+                    "kind": {"anyOf": [{"enum": ["x", "y"], "type": "string"}, {"type": "null"}]},
+                },
+                "required": ["day", "ref", "code", "kind"],
+            },
+        },
+    }
+]
+
+
+def test_tool_string_formats_and_optional_branches_are_enforced(tokenizer):
+    # a string parameter's format, and the constraints inside Optional[...] (anyOf with null, as
+    # pydantic writes it), hold in the raw XML text too (they were free text)
+    guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
+    guide = tool_call_guide(OPTIONAL_TOOLS, "required")
+    gen = torch.Generator().manual_seed(1)
+    for walk in range(6):
+        guided.admit(walk, guide, [])
+        tokens = []
+        while not guided.terminated(walk):
+            mask = guided.bitmask([(walk, [])])
+            logits = apply_token_bitmask(torch.randn(1, 2000, generator=gen), mask)
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
+            guided.advance(walk, tokens[-1:])
+            assert len(tokens) < 400
+        (call,) = parse_tool_calls(tokenizer.decode(tokens[:-1]), OPTIONAL_TOOLS).tool_calls
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, OPTIONAL_TOOLS[0]["function"]["parameters"])
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["day"])
+        hexes = r"[0-9a-fA-F]{8}-" + r"[0-9a-fA-F]{4}-" * 3 + r"[0-9a-fA-F]{12}"
+        assert args["ref"] is None or re.fullmatch(hexes, args["ref"])
