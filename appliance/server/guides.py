@@ -55,7 +55,7 @@ UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-referen
 _MAY_BE_EMPTY = frozenset({"uri-reference", "uri-template", "json-pointer"})
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"}
-    | {"writeOnly", "$defs", "definitions", "$schema", "$id"}
+    | {"writeOnly", "$defs", "definitions", "$schema", "$id", "nullable"}  # OpenAPI's: ignored
 )
 _LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
