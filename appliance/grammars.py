@@ -26,6 +26,12 @@ CACHE_SIZE = 512  # compiled grammars kept per process (least recently used evic
 COMPILE_THREADS = 2
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 GUIDE_KINDS = ("json_schema", "regex", "grammar", "structural_tag")
+# string formats xgrammar enforces (the standard's others it leaves unenforced: the server refuses
+# them, appliance/server/guides.py)
+ENFORCED_FORMATS = frozenset(
+    {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"}
+    | {"uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+)
 
 
 class GrammarUnavailable(RuntimeError):
@@ -148,12 +154,28 @@ def json_schema_ebnf(schema: Any) -> str:
     return str(grammar).replace(_BOUNDED_CHARS, _JSON_CHARS)
 
 
+# a structural tag's `json_schema` of this style (the appliance's own) is a string schema's text
+# without its quotes: a tool-call string parameter with a `format`, raw as the XML format has it
+RAW_STRING_STYLE = "appliance_raw_string"
+_QUOTED_ROOT = 'root ::= (("\\"" root_1 "\\""))'
+
+
+def raw_string_ebnf(schema: Any) -> str:
+    """The EBNF of a string schema's (a `format`'s) characters, without the JSON quotes."""
+    ebnf = json_schema_ebnf(schema)
+    if _QUOTED_ROOT not in ebnf.splitlines():
+        raise GrammarError(f"tools: cannot write {json.dumps(schema)[:200]} as raw text")
+    return ebnf.replace(_QUOTED_ROOT, "root ::= ((root_1))", 1)
+
+
 def _json_formats_as_grammars(node: Any) -> Any:
     """A structural tag with every JSON-style `json_schema` format replaced by its EBNF."""
     if isinstance(node, list):
         return [_json_formats_as_grammars(item) for item in node]
     if not isinstance(node, dict):
         return node
+    if node.get("type") == "json_schema" and node.get("style") == RAW_STRING_STYLE:
+        return {"type": "grammar", "grammar": raw_string_ebnf(node["json_schema"])}
     if node.get("type") == "json_schema" and node.get("style", "json") == "json":
         return {"type": "grammar", "grammar": json_schema_ebnf(node["json_schema"])}
     return {key: _json_formats_as_grammars(value) for key, value in node.items()}
@@ -165,6 +187,8 @@ def _compile_with(compiler: Any, kind: str, spec: str) -> Any:
     if kind == "regex":
         return compiler.compile_regex(spec)
     if kind == "grammar":
+        if "::=" not in spec:  # no EBNF rule: Lark (vLLM takes both), its rules open at `start`
+            return compiler.compile_lark(spec)
         return compiler.compile_grammar(spec)
     if kind == "structural_tag":
         tag = _json_formats_as_grammars(json.loads(spec))

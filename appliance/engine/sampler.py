@@ -13,7 +13,9 @@ Choices, documented here once:
 - Logit bias (OpenAI `logit_bias`): added to the penalised logits of the named token ids, on every
   row of the request; ids past the logits' vocabulary are ignored (the server refuses them).
 - Structured outputs: the grammar's token bitmask (engine/guided.py) sets forbidden tokens to -inf
-  after penalties and bias; logprobs are then those of the masked distribution.
+  after penalties and bias; logprobs are then those of the masked distribution. A forbidden token
+  among the top logprobs (fewer allowed tokens than asked for) reads LOGPROB_FLOOR, as in vLLM:
+  JSON has no -inf.
 - Logprobs are those of the post-penalty, post-bias, pre-temperature distribution (log_softmax of
   the edited logits): what the request's penalties and bias leave, independent of how it is sampled.
 """
@@ -30,6 +32,8 @@ from appliance.engine.transfer import to_device
 from appliance.messages import SamplingOptions
 from kernels.sampling import SAMPLING_EPS, sample
 from kernels.token_bitmask import apply_token_bitmask
+
+LOGPROB_FLOOR = -9999.0  # the logprob reported for a token the grammar forbids (-inf)
 
 
 @dataclass
@@ -145,7 +149,7 @@ def gather_logprobs(
     if not picked:
         return logprobs, tops
     index = torch.tensor(picked, device=logits.device)
-    lp = torch.log_softmax(logits[index].float(), dim=-1)  # [R, V]
+    lp = torch.log_softmax(logits[index].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)  # [R, V]
     chosen = lp.gather(1, token_ids[index][:, None])[:, 0].tolist()
     k_max = max(rows[i].logprobs for i in picked)
     top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())

@@ -12,12 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
-from appliance.grammars import GrammarCompiler, GrammarError, GrammarUnavailable
+from appliance.grammars import (
+    ENFORCED_FORMATS,
+    GrammarCompiler,
+    GrammarError,
+    GrammarUnavailable,
+)
 from appliance.messages import Guide
 from appliance.parsers import prompt_opens_reasoning
 from appliance.server.errors import BadRequest
+from appliance.server.limits import MAX_JSON_DEPTH, json_depth_exceeds
 from appliance.server.tool_grammar import tool_call_tag
 
 THINK_END = "</think>"
@@ -40,6 +48,16 @@ UNSUPPORTED_KEYWORDS = frozenset(
         "unevaluatedItems",
     }
 )
+# the JSON-Schema standard's formats xgrammar would leave unenforced (refused; the enforced ones:
+# grammars.ENFORCED_FORMATS); formats outside the standard's list are annotations, as the standard
+# says (pydantic's "path", "password", "binary", ...: plain strings)
+UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+_MAY_BE_EMPTY = frozenset({"uri-reference", "uri-template", "json-pointer"})
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly"}
+    | {"writeOnly", "$defs", "definitions", "$schema", "$id", "nullable"}  # OpenAPI's: ignored
+)
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _EXTRA_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _LEGACY = {
@@ -50,6 +68,61 @@ _LEGACY = {
 }
 
 
+def check_regex(pattern: str, param: str, where: str = "") -> None:
+    """400 for a regex lookaround, which xgrammar would drop (lookbehind it refuses itself)."""
+    if _LOOKAROUND.search(pattern):
+        where = f" at {where}" if where else ""
+        message = f"{param}: regex lookahead (?=...) / (?!...){where} is not supported"
+        raise BadRequest(message, param)
+
+
+def _check_string_shape(schema: dict[str, Any], refuse: Callable[[str], None]) -> None:
+    """xgrammar keeps one of pattern / format / length bounds and drops the others. A format's
+    own minLength of 1 (pydantic's AnyUrl) holds anyway: its strings are never empty."""
+    fmt = schema.get("format")
+    fmt = fmt if fmt in ENFORCED_FORMATS else None
+    lengths = [k for k in ("minLength", "maxLength") if k in schema]
+    if fmt and lengths == ["minLength"] and fmt not in _MAY_BE_EMPTY:
+        if isinstance(schema["minLength"], int) and schema["minLength"] <= 1:
+            lengths = []
+    shapes = (["pattern"] if "pattern" in schema else []) + ([f"format {fmt!r}"] if fmt else [])
+    if shapes and len(shapes + lengths) > 1:
+        first, *rest = shapes + lengths
+        refuse(f"{first} together with {', '.join(rest)}")
+
+
+def _check_node(schema: dict[str, Any], param: str, path: str) -> None:
+    """400 for combinations xgrammar 0.2.9 accepts but would not enforce (it only warns)."""
+
+    def refuse(what: str) -> None:
+        raise BadRequest(f"{param}: {what} at {path} is not supported", param)
+
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        refuse("allOf with more than one schema")
+    required = schema.get("required")
+    properties = schema.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    missing = [name for name in required or [] if name not in properties]
+    if isinstance(required, list) and missing:
+        refuse(f"required {missing[0]!r} without a property of that name")
+    if "$ref" in schema and set(schema) - _ANNOTATIONS - {"$ref"}:
+        refuse(f"$ref beside {', '.join(sorted(set(schema) - _ANNOTATIONS - {'$ref'}))}")
+    if schema.get("format") in UNENFORCED_FORMATS:
+        refuse(f"format {schema['format']!r}")
+    if isinstance(schema.get("pattern"), str):
+        check_regex(schema["pattern"], param, f"{path}/pattern")
+    _check_string_shape(schema, refuse)
+    if "multipleOf" in schema:
+        types = schema.get("type")
+        types = set(types) if isinstance(types, list) else {types}
+        if "integer" not in types or "number" in types:
+            refuse("multipleOf on a non-integer type")
+        lower = {"minimum", "exclusiveMinimum"} & set(schema)
+        upper = {"maximum", "exclusiveMaximum"} & set(schema)
+        if bool(lower) != bool(upper):
+            refuse("multipleOf with a one-sided range")
+
+
 def check_schema(schema: Any, param: str, path: str = "#") -> None:
     """400 (against request field `param`) for a JSON schema using a feature the grammar cannot
     enforce, named with its path in the schema."""
@@ -57,6 +130,7 @@ def check_schema(schema: Any, param: str, path: str = "#") -> None:
         return
     if not isinstance(schema, dict):
         raise BadRequest(f"{param}: expected a schema object at {path}, got {schema!r:.80}", param)
+    _check_node(schema, param, path)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in UNSUPPORTED_KEYWORDS:
@@ -74,11 +148,17 @@ def check_schema(schema: Any, param: str, path: str = "#") -> None:
 
 
 def _schema_guide(schema: Any, param: str) -> Guide:
-    if isinstance(schema, str):
+    if isinstance(schema, str):  # JSON text: the body's depth limit has not seen inside it
         try:
             schema = json.loads(schema)
+            deep = json_depth_exceeds(schema, MAX_JSON_DEPTH)
+        except RecursionError:
+            deep = True
         except ValueError as exc:
             raise BadRequest(f"{param}: the schema is not valid JSON: {exc}", param) from None
+        if deep:
+            message = f"{param}: the schema nests deeper than {MAX_JSON_DEPTH} levels"
+            raise BadRequest(message, param)
     if not isinstance(schema, dict | bool):
         raise BadRequest(f"{param}: expected a JSON schema object", param)
     check_schema(schema, param)
@@ -101,11 +181,13 @@ def _extra_guide(kind: str, value: Any, param: str) -> Guide:
         return _choice_guide(value, param)
     if not (isinstance(value, str) and value):
         raise BadRequest(f"{param}: expected a non-empty string", param)
+    if kind == "regex":
+        check_regex(value, param)
     return Guide("regex" if kind == "regex" else "grammar", value)
 
 
 def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
-    kind = fmt.get("type", "text")
+    kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -118,7 +200,9 @@ def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
             )
         return _schema_guide(spec["schema"], "response_format")
     raise BadRequest(
-        f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'.",
+        f"response_format: type {kind!r} is not one of 'text', 'json_object', 'json_schema'."
+        if kind is not None
+        else "response_format: missing 'type' ('text', 'json_object' or 'json_schema').",
         "response_format",
     )
 

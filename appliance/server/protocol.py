@@ -98,7 +98,9 @@ class _SamplingFields(_Schema):
     stream_options: StreamOptions | None = None
     # token id (a decimal string, as JSON keys are) -> bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
-    # structured outputs, vLLM's extra_body spellings (appliance/server/guides.py reads them)
+    # structured outputs (appliance/server/guides.py reads them): OpenAI's response_format (also
+    # on /v1/completions, as vLLM takes it), then vLLM's extra_body spellings
+    response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # one of json/regex/choice/grammar/json_object
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -117,7 +119,6 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         # Both spellings are accepted; max_tokens wins when both are set.

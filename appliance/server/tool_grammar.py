@@ -7,9 +7,10 @@ Qwen3-coder XML format that appliance/parsers/qwen3_coder.py parses, as an xgram
     </function>\\n</tool_call>
 
 A VALUE whose schema type is string (or string/null) is raw text, as the parser keeps it: one of
-its `enum` values, its `pattern`, or text without `<` within its length bounds. Any other VALUE is
-compact JSON following the property's schema (the parser converts it by type). No free whitespace
-anywhere: the parser would keep it inside a string value. Called by appliance/server/guides.py.
+its `enum` values, its `pattern`, its `format`, or text without `<` within its length bounds. Any
+other VALUE is compact JSON following the property's schema (the parser converts it by type). No
+free whitespace anywhere: the parser would keep it inside a string value. Called by
+appliance/server/guides.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from appliance.grammars import ENFORCED_FORMATS, RAW_STRING_STYLE
 from appliance.parsers.schema import schema_types, streams_as_string
 from appliance.server.errors import BadRequest
 
@@ -32,35 +34,55 @@ def _regex_escape(text: str) -> str:
     return "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in text)
 
 
+def _one_of(formats: list[Format]) -> Format:
+    return formats[0] if len(formats) == 1 else {"type": "or", "elements": formats}
+
+
 def _raw_string(schema: dict[str, Any]) -> Format:
-    """A string parameter's raw text (no quotes, no JSON escapes)."""
+    """A string parameter's raw text (no quotes, no JSON escapes); `null` where the schema allows
+    null (the parser reads that text as None)."""
+    branches = [b for key in ("anyOf", "oneOf") for b in schema.get(key) or []]
+    if branches:  # Optional[str] as pydantic writes it: each branch keeps its own constraints
+        formats = [_raw_string(b) for b in branches if "string" in schema_types(b)]
+        if any("null" in schema_types(b) for b in branches):
+            formats.append(_const("null"))
+        return _one_of(formats)
     values = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if values is not None:
-        texts = [v for v in values if isinstance(v, str)]
+        texts = [v for v in values if isinstance(v, str)] + ["null"] * (None in values)
         if not texts:
             raise BadRequest("tools: a string parameter's enum has no string value.", "tools")
-        return {"type": "or", "elements": [_const(t) for t in texts]}
+        return _one_of([_const(t) for t in texts])
     if isinstance(schema.get("pattern"), str):
         return {"type": "regex", "pattern": schema["pattern"]}
+    if schema.get("format") in ENFORCED_FORMATS:  # compiled in appliance/grammars.py
+        string = {"type": "string", "format": schema["format"]}
+        return {"type": "json_schema", "json_schema": string, "style": RAW_STRING_STYLE}
     low = int(schema.get("minLength", 0))
     high = schema.get("maxLength")
     bounds = f"{{{low},{int(high)}}}" if high is not None else f"{{{low},}}"
     return {"type": "regex", "pattern": f"[^<]{bounds}"}
 
 
-def _value(schema: Any) -> Format:
+def _value(schema: Any, definitions: dict[str, Any]) -> Format:
     if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
         return _raw_string(schema)
+    if schema is None:
+        schema = True
+    elif isinstance(schema, dict) and definitions:
+        # a property compiles as its own schema: its local $refs (#/$defs/X, as pydantic writes
+        # nested models and enums) need the root's definitions beside it
+        schema = {**definitions, **schema}
     # compact JSON: appliance/grammars.py compiles it as such
-    return {"type": "json_schema", "json_schema": schema if schema is not None else True}
+    return {"type": "json_schema", "json_schema": schema}
 
 
-def _parameter(name: str, schema: Any) -> Format:
+def _parameter(name: str, schema: Any, definitions: dict[str, Any]) -> Format:
     return {
         "type": "sequence",
         "elements": [
             _const(f"<parameter={name}>\n"),
-            _value(schema),
+            _value(schema, definitions),
             _const("\n</parameter>\n"),
         ],
     }
@@ -71,9 +93,10 @@ def function_call_format(name: str, parameters: dict[str, Any] | None) -> Format
     parameters = parameters or {}
     properties = parameters.get("properties") or {}
     required = set(parameters.get("required") or [])
+    definitions = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
     elements: list[Format] = [_const(f"<tool_call>\n<function={name}>\n")]
     for key, schema in properties.items():
-        param = _parameter(key, schema)
+        param = _parameter(key, schema, definitions)
         elements.append(param if key in required else {"type": "optional", "content": param})
     elements.append(_const("</function>\n</tool_call>"))
     return {"type": "sequence", "elements": elements}

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, apply_penalties
+from appliance.engine.sampler import LOGPROB_FLOOR, Sampler, apply_penalties, gather_logprobs
 from appliance.messages import SamplingOptions
 from appliance.sampling_params import SamplingParams
 
@@ -188,3 +188,13 @@ def test_sampling_params_defaults_and_to_options() -> None:
 def test_sampling_params_validation_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         SamplingParams(**{field: value})
+
+
+def test_top_logprobs_of_masked_tokens_are_finite() -> None:
+    # a grammar mask leaves 2 tokens; 4 alternatives asked: the forbidden ones read the floor
+    # (JSON has no -inf), the sampled token keeps its true logprob
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 2], logits[0, 5] = 1.0, 1.0
+    lp, tops = gather_logprobs(logits, torch.tensor([5]), [SamplingOptions(logprobs=4)])
+    assert lp[0] == pytest.approx(math.log(0.5))
+    assert [round(v, 4) for _, v in tops[0]] == [-0.6931, -0.6931, LOGPROB_FLOOR, LOGPROB_FLOOR]

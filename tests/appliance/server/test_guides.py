@@ -5,6 +5,7 @@ checkpoint's tokenizer always parse into one call whose arguments validate."""
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import jsonschema
@@ -47,6 +48,11 @@ TOOLS = [
     },
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}},
 ]
+
+
+def _nested(depth: int) -> str:
+    """An object schema nested `depth` times, as JSON text (built without recursion)."""
+    return '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
 
 
 def _body(**fields) -> types.SimpleNamespace:
@@ -99,12 +105,46 @@ def test_sources_map_to_guides():
         ({"guided_choice": ["a", 1]}, "list of strings"),
         ({"guided_regex": "a", "guided_grammar": "root ::= x"}, "only one"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs"),
+        ({"response_format": {"json_schema": {"schema": {}}}}, "missing 'type'"),
+        # accepted by xgrammar 0.2.9 but left unenforced (it only logs a warning): refused
+        ({"guided_json": {"allOf": [{"type": "object"}, {"required": []}]}}, "allOf with more"),
+        (
+            {"guided_json": {"$defs": {"A": {}}, "$ref": "#/$defs/A", "minimum": 3}},
+            "beside minimum",
+        ),
+        ({"guided_json": {"type": "string", "pattern": "a+", "maxLength": 3}}, "with maxLength"),
+        ({"guided_json": {"type": "string", "format": "uri", "maxLength": 9}}, "'uri' together"),
+        ({"guided_json": {"type": "string", "pattern": "a", "format": "email"}}, "pattern togeth"),
+        ({"guided_json": {"type": "string", "format": "idn-email"}}, "format 'idn-email'"),
+        ({"guided_json": {"type": "number", "multipleOf": 0.5}}, "non-integer"),
+        ({"guided_json": {"type": "integer", "multipleOf": 5, "minimum": 1}}, "one-sided"),
+        ({"guided_json": {"type": "string", "pattern": "a(?!b)"}}, "lookahead"),
+        ({"guided_regex": "\\d(?=x)"}, "lookahead"),
+        ({"guided_json": {"type": "object", "required": ["a"]}}, "required 'a' without"),
+        # JSON text skips the body's depth limit: the same limit, and no RecursionError (a 500)
+        ({"guided_json": _nested(40)}, "nests deeper than 64"),
+        ({"structured_outputs": {"json": _nested(5000)}}, "nests deeper than 64"),
     ],
 )
 def test_bad_sources_are_400s(fields, words):
     with pytest.raises(BadRequest) as err:
         request_guide(_body(**fields), None, _Tok())
     assert words in err.value.message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [{"type": "integer"}]},  # one schema: inlined by xgrammar
+        {"$defs": {"A": {}}, "$ref": "#/$defs/A", "description": "annotations may sit beside"},
+        {"type": "string", "format": "uri", "minLength": 1},  # pydantic's AnyUrl
+        {"type": "string", "format": "password", "maxLength": 4},  # not a standard format
+        {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50},
+        {"type": "string", "pattern": "a\\(?=b"},  # an escaped parenthesis, no lookahead
+    ],
+)
+def test_enforced_schemas_pass(schema):
+    request_guide(_body(guided_json=schema), None, _Tok())
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +178,48 @@ def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer,
         params = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
         jsonschema.validate(json.loads(call["function"]["arguments"]), params)
     assert names == ({"book", "ping"} if choice == "required" else {"book"})
+
+
+OPTIONAL_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "plan",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "day": {"type": "string", "format": "date"},
+                    "ref": {"anyOf": [{"type": "string", "format": "uuid"}, {"type": "null"}]},
+                    "code": {
+                        "anyOf": [{"type": "string", "pattern": "[a-c]{2}"}, {"type": "null"}]
+                    },
+                    "kind": {"anyOf": [{"enum": ["x", "y"], "type": "string"}, {"type": "null"}]},
+                },
+                "required": ["day", "ref", "code", "kind"],
+            },
+        },
+    }
+]
+
+
+def test_tool_string_formats_and_optional_branches_are_enforced(tokenizer):
+    # a string parameter's format, and the constraints inside Optional[...] (anyOf with null, as
+    # pydantic writes it), hold in the raw XML text too (they were free text)
+    guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
+    guide = tool_call_guide(OPTIONAL_TOOLS, "required")
+    gen = torch.Generator().manual_seed(1)
+    for walk in range(6):
+        guided.admit(walk, guide, [])
+        tokens = []
+        while not guided.terminated(walk):
+            mask = guided.bitmask([(walk, [])])
+            logits = apply_token_bitmask(torch.randn(1, 2000, generator=gen), mask)
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
+            guided.advance(walk, tokens[-1:])
+            assert len(tokens) < 400
+        (call,) = parse_tool_calls(tokenizer.decode(tokens[:-1]), OPTIONAL_TOOLS).tool_calls
+        args = json.loads(call["function"]["arguments"])
+        jsonschema.validate(args, OPTIONAL_TOOLS[0]["function"]["parameters"])
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["day"])
+        hexes = r"[0-9a-fA-F]{8}-" + r"[0-9a-fA-F]{4}-" * 3 + r"[0-9a-fA-F]{12}"
+        assert args["ref"] is None or re.fullmatch(hexes, args["ref"])
