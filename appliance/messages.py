@@ -158,6 +158,9 @@ class StepResult(msgspec.Struct, frozen=True):
     sampled: list[SampledTokens]
     forward_s: float = 0.0  # worker time spent in the step
     prompt_scores: list[PromptScores] = []  # prompt logprobs computed by the step's chunks
+    # structured outputs: request slots whose grammar the worker compiled since its last result
+    # (the router plans no sampling row of a guided request before it is listed here)
+    guides_ready: list[int] = []
 
 
 _ENCODER = msgspec.msgpack.Encoder()

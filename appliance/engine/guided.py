@@ -16,7 +16,7 @@ unmasked until that token is sampled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ class _Matcher:
     matcher: Any = None
     waiting: bool = False  # still before after_token
     broken: bool = False  # a committed token the grammar rejected (logged once; unmasked after)
+    reported: bool = False  # the router was told the grammar is compiled
 
 
 class GuidedDecoding:
@@ -71,6 +72,20 @@ class GuidedDecoding:
     def release(self, slots: Sequence[int]) -> None:
         for slot in slots:
             self._slots.pop(slot, None)
+
+    def newly_compiled(self) -> list[int]:
+        """Slots whose grammar finished compiling since the last call (the router plans their
+        first sample only then, so no step waits on a compile)."""
+        done = [slot for slot, st in self._slots.items() if not st.reported and st.compiled.done()]
+        for slot in done:
+            self._slots[slot].reported = True
+        return done
+
+    def wait_compiling(self, timeout_s: float) -> None:
+        """Blocks until a grammar not yet reported finishes compiling, or `timeout_s`."""
+        pending = [st.compiled for st in self._slots.values() if not st.reported]
+        if pending:
+            wait(pending, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def _ready(self, slot: int) -> _Matcher:
         """The slot's matcher; waits for its compile if it is still running (the server compiled

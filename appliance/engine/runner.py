@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import torch
 
 from appliance import envs
@@ -70,6 +71,7 @@ log = get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_KV_SLOTS = 32768
+GUIDE_POLL_S = 0.02  # an empty plan (the router waits for grammars) is answered within this
 
 
 def resolve_device(name: str) -> torch.device:
@@ -462,7 +464,8 @@ class ModelRunner:
         """The oldest submitted step's result (waits for its device work)."""
         result = self._pending.popleft().result()
         self.busy.collected()
-        return result
+        ready = self.guided.newly_compiled() if self.guided else []
+        return msgspec.structs.replace(result, guides_ready=ready) if ready else result
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> PendingStep:
@@ -473,7 +476,8 @@ class ModelRunner:
     def _launch_step(self, plan: StepPlan) -> PendingStep:
         start = time.perf_counter()
         self._admit(plan)
-        if not plan.chunks:
+        if not plan.chunks:  # the router waits for grammars: answer when one is compiled
+            self.guided.wait_compiling(GUIDE_POLL_S)
             return PendingStep.ready(StepResult(plan.step_id, [], 0.0))
         chunks = plan.chunks
         fused = self._fused_mtp_part(chunks)

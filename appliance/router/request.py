@@ -72,6 +72,7 @@ class Request:
     num_computed: int = 0  # positions whose KV/state the worker has (or is computing this step)
     num_pending: int = 0  # tokens sampled by steps in flight whose result has not arrived yet
     num_preemptions: int = 0
+    guide_ready: bool = True  # False while the worker compiles the request's grammar (guided)
     num_prompt_counted: int = (
         0  # prompt positions already counted in stats (recompute not re-counted)
     )
@@ -90,6 +91,7 @@ class Request:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.sampling.prompt_logprobs is not None:
             self.prompt_scores = PromptScoreBuffer(self.prompt_token_ids)
+        self.guide_ready = self.sampling.guide is None
 
     def take_prompt_scores(self) -> PromptLogprobs | None:
         """The whole prompt's logprobs, once (the first output); a recompute after a later

@@ -205,6 +205,8 @@ class Scheduler:
                 continue
             if req.num_known - req.num_computed != 1 or not self._may_decode(req):
                 continue
+            if not req.guide_ready:  # its first sample waits for the worker's grammar
+                continue
             num_draft = self._num_draft(req)
             rows = 1 + num_draft
             if rows > budget:
@@ -224,7 +226,7 @@ class Scheduler:
             remaining = req.num_known - req.num_computed
             if req.status is not RequestStatus.RUNNING or remaining <= 1:
                 continue
-            take = min(remaining, budget)
+            take = min(remaining - (not req.guide_ready), budget)
             # Admission allocated every known position, so a chunk never needs (or preempts for) KV.
             assert req.num_kv >= req.num_computed + take, "prefill chunk without KV slots"
             chunks.append(self._prefill_chunk(req, take))
@@ -238,10 +240,12 @@ class Scheduler:
         ):
             req = self.waiting.popleft()
             new_requests.append(self._admit(req))
-            take = min(req.num_tokens - req.num_computed, budget)
-            chunks.append(self._prefill_chunk(req, take))
-            budget -= chunks[-1].num_tokens
-        if not chunks:
+            # a guided request's last prompt token (its first sample) waits for its grammar
+            take = min(req.num_tokens - req.num_computed - (not req.guide_ready), budget)
+            if take:
+                chunks.append(self._prefill_chunk(req, take))
+                budget -= chunks[-1].num_tokens
+        if not chunks and not new_requests and not self._awaiting_guides():
             return None
         step_id = self._step_id
         self._step_id += 1
@@ -260,6 +264,11 @@ class Scheduler:
         plan = StepPlan(step_id, new_requests, chunks, self._released, self._snapshot_saves)
         self._released, self._snapshot_saves = [], []
         return plan
+
+    def _awaiting_guides(self) -> bool:
+        """A running request waits for its grammar: an empty plan lets the worker report it
+        (the worker waits a few ms for a compile to finish before answering it)."""
+        return any(not r.guide_ready for r in self.running)
 
     def _may_decode(self, req: Request) -> bool:
         """A decode may be planned while the previous step of the request is in flight (its token
@@ -487,6 +496,9 @@ class Scheduler:
                 req.prompt_scores.add(part.scores)
         if self.cache is not None:
             self._cache_points_done(result.step_id)
+        for slot in result.guides_ready:
+            if (req := self._running_by_slot.get(slot)) is not None:
+                req.guide_ready = True
         outputs: list[RequestOutput] = []
         for sampled in result.sampled:
             entry = inflight.pop(sampled.req_slot, None)

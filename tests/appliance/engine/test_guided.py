@@ -130,3 +130,56 @@ def test_bounded_json_strings_refuse_control_characters(tokenizer):
     control = tokenizer.convert_tokens_to_ids("Ć")  # the byte-level token of b"\x06"
     assert tokenizer.convert_tokens_to_ids("a") in allowed
     assert control not in allowed
+
+
+def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
+    """While the worker compiles a guided request's grammar (slowed to 1.5 s here), the router
+    plans everything but that request's first sample: other requests keep decoding, no step
+    waits for the compile, and the guided output still follows its grammar."""
+    import re
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from appliance.offline.llm import LLM
+    from appliance.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_dense), max_num_seqs=4, max_num_batched_tokens=64, num_kv_slots=2048)
+    runner = llm.runner
+    compiler = runner.guided._compiler
+    submit = compiler.submit
+
+    def slow_submit(guide: Guide) -> Future:
+        late: Future = Future()
+
+        def finish() -> None:
+            time.sleep(1.5)
+            late.set_result(submit(guide).result())
+
+        threading.Thread(target=finish, daemon=True).start()
+        return late
+
+    compiler.submit = slow_submit
+    steps: list[tuple[float, int]] = []  # (seconds since the previous result, sampled rows)
+    collect, last = runner.collect, [time.perf_counter()]
+
+    def timed_collect():
+        result = collect()  # (a step that waited for a compile did so in its submit)
+        now = time.perf_counter()
+        steps.append((now - last[0], len(result.sampled)))
+        last[0] = now
+        return result
+
+    runner.collect = timed_collect
+    plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    guided = SamplingParams(max_tokens=6, temperature=0, guide=GUIDE)
+    t0 = time.perf_counter()
+    out = llm.generate([[5, 6, 7, 8], [9, 10, 11]], [plain, guided])
+    took = time.perf_counter() - t0
+    assert took >= 1.5  # the guided request waited for its grammar
+    assert max(s for s, _ in steps) < 1.0, steps  # no step waited for it
+    assert sum(n for _, n in steps) >= 40  # the plain request decoded meanwhile
+    text = llm.tokenizer.decode(out[1].token_ids)
+    assert re.fullmatch(r"(ab|cd)+[0-9]{0,4}", text.removesuffix("<|im_end|>")), text
+    stats = llm.scheduler.stats()
+    assert (stats.num_running, stats.kv_used) == (0, 0)
