@@ -8,8 +8,11 @@
 set -euo pipefail
 OUT=${OUT:?set OUT}
 build=$(mktemp -d)
-"${PYTHON:-python3}" -m ops.train.train_default --out "$build/default" --seed 0 --steps 4000 --batch-size 128 \
-    --time-budget "${TIME_BUDGET:-330}" "$@" 2>&1 | tee "$OUT/train.log"
+# BUILD_LIMIT kills a run whose held-out evaluation outlasts the call; the checkpoint is written
+# before the evaluation, so its files still come back (evaluate them with ops/train/evaluate.py).
+timeout "${BUILD_LIMIT:-560}" "${PYTHON:-python3}" -m ops.train.train_default --out "$build/default" \
+    --seed 0 --steps 4000 --batch-size 128 --time-budget "${TIME_BUDGET:-330}" "$@" 2>&1 \
+    | tee "$OUT/train.log" || echo "train_default ended early (exit $?)" | tee -a "$OUT/train.log"
 cp "$build"/default/*.safetensors "$OUT"/
 tar -C "$build/default" -cf "$OUT/meta.tar" --exclude='*.safetensors' .
 ls -l "$OUT"
