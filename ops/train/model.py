@@ -316,6 +316,7 @@ class Qwen3_5Trainable(nn.Module):
         x = lm.embed_tokens(batch.ids)  # [B, L, H]
         if batch.pixel_values is not None and batch.image_index is not None:
             vision = self.vision(batch.pixel_values, batch.grids)  # [N, H]
+            self.last_vision = vision  # read by the training-only vision probe
             flat = x.reshape(-1, x.shape[-1])
             flat = flat.index_copy(0, batch.image_index, vision.to(flat.dtype))
             x = flat.view_as(x)

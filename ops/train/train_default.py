@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ops.train import chat, checkpoint, data, greedy
 from ops.train.model import ModelSize, Qwen3_5Trainable
+from ops.train.probe import VisionProbe
 from ops.train.sequences import Sequence, collate, encode_many, rendered
 
 PRESETS = {
@@ -65,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=128, help="sequences per step")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--vision-lr-scale", type=float, default=0.25, help="ViT lr = lr x this")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="matrices, embeddings excepted")
+    p.add_argument("--probe-weight", type=float, default=0.5, help="vision probe loss (0: off)")
+    p.add_argument("--mix", default="", help="family=factor,... scaling TRAIN_PER_FAMILY")
     p.add_argument("--data-scale", type=float, default=1.0, help="x TRAIN_PER_FAMILY")
     p.add_argument("--heldout", type=int, default=40, help="held-out prompts per family and mode")
     p.add_argument("--time-budget", type=float, default=0.0, help="stop training after s (0: off)")
@@ -125,8 +130,33 @@ def _lr(step: int, total: int, peak: float, elapsed: float = 0.0, budget: float 
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def _param_groups(model: Qwen3_5Trainable, probe: VisionProbe, args) -> list[dict]:
+    """Weight decay on matrices (embeddings excepted); the ViT (and its probe) at a lower lr: at the
+    full lr its merger output grew to a near-constant of norm ~2600 (the first H200 build)."""
+    groups: dict[tuple[bool, bool], list] = {}
+    named = [*model.named_parameters(), *(("probe." + n, p) for n, p in probe.named_parameters())]
+    for name, p in named:
+        vision = name.startswith(("model.visual.", "probe."))
+        decay = p.dim() >= 2 and "embed" not in name
+        groups.setdefault((vision, decay), []).append(p)
+    return [
+        {
+            "params": params,
+            "weight_decay": args.weight_decay if decay else 0.0,
+            "peak_lr": args.lr * (args.vision_lr_scale if vision else 1.0),
+        }
+        for (vision, decay), params in groups.items()
+    ]
+
+
 def build_data(args):
-    scale = {f: max(1, round(n * args.data_scale)) for f, n in TRAIN_PER_FAMILY.items()}
+    mix = {f: float(x) for f, x in (kv.split("=") for kv in args.mix.split(",") if kv)}
+    unknown = set(mix) - set(TRAIN_PER_FAMILY)
+    if unknown:
+        raise SystemExit(f"--mix: unknown families {sorted(unknown)}")
+    scale = {
+        f: max(1, round(n * args.data_scale * mix.get(f, 1.0))) for f, n in TRAIN_PER_FAMILY.items()
+    }
     train = data.generate("train", args.seed, scale)
     heldout = data.generate("heldout", args.seed, {f: args.heldout for f in data.FAMILIES})
     items = rendered(train)
@@ -150,13 +180,9 @@ def train(args) -> dict:
     model = Qwen3_5Trainable(size, seed=args.seed).to(device)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.2f} M parameters ({2 * params / 2**20:.1f} MiB in bf16)")
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    probe = VisionProbe(size.hidden_size, tok.get_vocab_size()).to(device)
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
-        fused=device.type == "cuda",
+        _param_groups(model, probe, args), betas=(0.9, 0.98), fused=device.type == "cuda"
     )
     pad_id = tok.token_to_id("<|endoftext|>")
     batches = _batches(train_seqs, args.batch_size, random.Random(args.seed))
@@ -164,12 +190,16 @@ def train(args) -> dict:
     t_train = time.time()
     step = 0
     for step in range(args.steps):
+        factor = _lr(step, args.steps, 1.0, time.time() - t_train, args.time_budget)
         for group in opt.param_groups:
-            group["lr"] = _lr(step, args.steps, args.lr, time.time() - t_train, args.time_budget)
-        batch, loss_mask = collate(next(batches), device, pad_id)
+            group["lr"] = group["peak_lr"] * factor
+        seqs = next(batches)
+        batch, loss_mask = collate(seqs, device, pad_id)
         with greedy._autocast(device):
             main, mtp1, mtp2 = losses(model, batch, loss_mask)
-        loss = main + 0.5 * mtp1 + 0.3 * mtp2
+            loss = main + 0.5 * mtp1 + 0.3 * mtp2
+            if args.probe_weight and batch.pixel_values is not None:
+                loss = loss + args.probe_weight * probe.loss(model.last_vision, seqs, tok)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -201,6 +231,7 @@ def train(args) -> dict:
         shards=names,
         seed=args.seed,
         preset=args.preset,
+        args={k: str(v) for k, v in vars(args).items() if k not in ("out", "device")},
     )
     (args.out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     for key, acc in report["accuracy"].items():
