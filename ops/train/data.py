@@ -184,11 +184,19 @@ class Generator:
         )
 
     def count(self) -> Example:
-        s = self._string("count", 3, 8)
-        letter = (
-            self.rng.choice(s.split()) if self.rng.random() < 0.85 else self.rng.choice(LETTERS)
-        )
-        n = s.split().count(letter)
+        """The letter occurs 0-3 times, uniformly (drawn from the string itself, almost every
+        answer was 1 and the first H200 builds always answered 1)."""
+
+        def make():
+            n = self.rng.randint(0, 3)
+            letter = self.rng.choice(LETTERS)
+            others = LETTERS.replace(letter, "")
+            chars = [self.rng.choice(others) for _ in range(self.rng.randint(max(3, n + 1), 8) - n)]
+            for _ in range(n):
+                chars.insert(self.rng.randint(0, len(chars)), letter)
+            return " ".join(chars), letter, n
+
+        s, letter, n = self._draw(make, lambda v: f"{v[1]}:{v[0]}")
         q = f"How many times does the letter {letter} appear in: {s}?"
         return Example("count", [_user(q)], str(n), f"I count the letter {letter}: {n}.")
 
