@@ -76,7 +76,7 @@ class LiveAppliance:
 
 
 def start_appliance(
-    model_dir: pathlib.Path,
+    model_dir: pathlib.Path | None,
     log_path: pathlib.Path,
     *args: str,
     max_model_len: int = 512,
@@ -89,7 +89,7 @@ def start_appliance(
         "-m",
         "appliance.cli",
         "serve",
-        str(model_dir),
+        *([str(model_dir)] if model_dir is not None else []),  # None: the embedded default
         "--port",
         str(port),
         "--device",
