@@ -162,7 +162,10 @@ def build_data(args):
     train = data.generate("train", args.seed, scale)
     heldout = data.generate("heldout", args.seed, {f: args.heldout for f in data.FAMILIES})
     items = rendered(train)
-    texts = [prompt + e.completion(th) for e, th, prompt in items]
+    # The text family's answers stay out of the BPE corpus: otherwise it merges character pairs
+    # ("SSP" -> "SS" "P"), and reading a picture would have to emit pair tokens instead of one
+    # token per character (one per image-token column). The shipped build (T3) had that: 25 %.
+    texts = [prompt + (e.completion(th) if e.family != "text" else "") for e, th, prompt in items]
     tok = chat.train_tokenizer(texts, PRESETS[args.preset].vocab_size)
     held = encode_many(tok, rendered(heldout), with_completion=False)
     return tok, encode_many(tok, items), held

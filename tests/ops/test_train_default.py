@@ -205,3 +205,14 @@ def test_heldout_split_is_disjoint_and_image_prompts_expand() -> None:
     assert batch.pixel_values.shape == (64, 1536) and batch.image_index.numel() == 16
     assert loss_mask.sum() == len(seq.ids) - seq.prompt_len
     assert tok.decode(seq.ids[seq.prompt_len :], skip_special_tokens=False).endswith("<|im_end|>")
+
+
+def test_text_answers_tokenize_one_token_per_character() -> None:
+    """Reading a picture emits one token per character (one per image-token column): the BPE
+    corpus leaves the text family's answers out, so it learns no merges of their characters."""
+    args = td.parse_args(["--out", "unused", "--data-scale", "0.05", "--heldout", "20"])
+    tok, _, held = td.build_data(args)
+    answers = {s.example.answer for s in held if s.family == "text"}
+    assert len(answers) == 20
+    for answer in answers:
+        assert len(tok.encode(answer, add_special_tokens=False).ids) == len(answer), answer
