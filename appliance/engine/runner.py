@@ -179,6 +179,7 @@ class ModelRunner:
         self.graphs = self._decode_graphs() if self.graph_max_bs else None
         self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
         self._pending: collections.deque[PendingStep] = collections.deque()
+        self._metered: collections.deque[bool] = collections.deque()  # busy meter, per pending
         self.busy = BusyMeter(envs.APPLIANCE_GPU_BUSY_LOG if rank == 0 else 0.0, self.device)
 
     # ------------------------------------------------------------------ startup
@@ -452,9 +453,13 @@ class ModelRunner:
         return self.collect()
 
     def submit(self, plan: StepPlan) -> None:
-        self.busy.begin()
+        metered = bool(plan.chunks)  # an empty plan (grammars compiling) is no device step
+        if metered:
+            self.busy.begin()
         self._pending.append(self._launch(plan))
-        self.busy.end()
+        self._metered.append(metered)
+        if metered:
+            self.busy.end()
 
     def oldest_done(self) -> bool:
         """The oldest submitted step's result is ready (its device work has finished)."""
@@ -463,7 +468,8 @@ class ModelRunner:
     def collect(self) -> StepResult:
         """The oldest submitted step's result (waits for its device work)."""
         result = self._pending.popleft().result()
-        self.busy.collected()
+        if self._metered.popleft():
+            self.busy.collected()
         ready = self.guided.newly_compiled() if self.guided else []
         return msgspec.structs.replace(result, guides_ready=ready) if ready else result
 

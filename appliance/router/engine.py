@@ -58,7 +58,9 @@ class EngineCore:
         self._queue_times: list[float] = []
         self._router_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
         self._forward_s: collections.deque[float] = collections.deque(maxlen=TIMING_WINDOW)
-        self._in_flight: collections.deque[tuple[int, float]] = collections.deque()  # (step, s)
+        # (step id, planning seconds, ran chunks): empty plans (answered when a grammar compiles)
+        # stay out of the step timings
+        self._in_flight: collections.deque[tuple[int, float, bool]] = collections.deque()
         self._mm_live: set[str] = set()  # live requests whose images the visual server pins
         self._mm_ended: list[str] = []  # ended since the last take: unpin after the step
 
@@ -127,14 +129,14 @@ class EngineCore:
             self.executor.submit(plan)
         planned = time.perf_counter() - start
         if plan is not None:
-            self._in_flight.append((plan.step_id, planned))
+            self._in_flight.append((plan.step_id, planned, bool(plan.chunks)))
         if self._in_flight and (plan is None or len(self._in_flight) >= MAX_IN_FLIGHT):
             self._collect()
             return True
         return plan is not None
 
     def _collect(self) -> None:
-        step_id, planned = self._in_flight.popleft()
+        step_id, planned, timed = self._in_flight.popleft()
         result = self.executor.collect()
         if result.step_id != step_id:
             raise SchedulerError(f"expected the result of step {step_id}, got {result.step_id}")
@@ -154,8 +156,9 @@ class EngineCore:
                     cached_tokens=out.cached_tokens,
                 )
             )
-        self._forward_s.append(result.forward_s)
-        self._router_s.append(planned + time.perf_counter() - start)
+        if timed:
+            self._forward_s.append(result.forward_s)
+            self._router_s.append(planned + time.perf_counter() - start)
 
     def _ended(self, req_id: str) -> None:
         """A request is gone; if the visual server pinned images for it, they are unpinned after

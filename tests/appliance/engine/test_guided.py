@@ -161,14 +161,24 @@ def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
 
     compiler.submit = slow_submit
     steps: list[tuple[float, int]] = []  # (seconds since the previous result, sampled rows)
+    forward_s: list[float] = []  # of the steps that ran chunks
     collect, last = runner.collect, [time.perf_counter()]
+    submit_plan, planned = runner.submit, []
+
+    def counted_submit(plan):
+        planned.append(bool(plan.chunks))
+        submit_plan(plan)
 
     def timed_collect():
         result = collect()  # (a step that waited for a compile did so in its submit)
         now = time.perf_counter()
         steps.append((now - last[0], len(result.sampled)))
+        if planned.pop(0):
+            forward_s.append(result.forward_s)
         last[0] = now
         return result
+
+    runner.submit = counted_submit
 
     runner.collect = timed_collect
     plain = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -183,3 +193,7 @@ def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
     assert re.fullmatch(r"(ab|cd)+[0-9]{0,4}", text.removesuffix("<|im_end|>")), text
     stats = llm.scheduler.stats()
     assert (stats.num_running, stats.kv_used) == (0, 0)
+    # the empty plans sent while the grammar compiled are no steps in the router's step timings
+    assert len(forward_s) < len(steps)
+    mean_ms = 1000 * sum(forward_s) / len(forward_s)
+    assert llm.engine.stats().step_forward_ms == pytest.approx(mean_ms, rel=1e-6)
