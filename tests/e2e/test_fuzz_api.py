@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -113,18 +114,24 @@ def test_bodies_that_fit_the_schema(http, openapi, path):
 
     fuzz()
     assert 200 in statuses, sorted(statuses)
+    print(f"{path}: {len(statuses)} fitting bodies, statuses {sorted(Counter(statuses).items())}")
 
 
 @pytest.mark.parametrize("path", POST_ROUTES)
 def test_bodies_that_break_the_schema(http, openapi, path):
     strategies = SchemaStrategies(openapi)
 
+    statuses: list[int] = []
+
     @FUZZ_SETTINGS
     @given(body=strategies.breaking(body_schema(openapi, path)))
     def fuzz(body):
-        check_answer(send(http, path, body, AUTH), body)
+        r = send(http, path, body, AUTH)
+        check_answer(r, body)
+        statuses.append(r.status_code)
 
     fuzz()
+    print(f"{path}: {len(statuses)} breaking bodies, statuses {sorted(Counter(statuses).items())}")
 
 
 def test_afterwards_the_pools_are_empty_and_the_server_serves(http, live):
