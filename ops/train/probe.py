@@ -29,6 +29,7 @@ class VisionProbe(nn.Module):
         self.vocab = vocab_size
         self.proj = nn.Linear(hidden_size * images.NUM_TOKENS, width)
         self.heads = nn.Linear(width, len(IMAGE_FAMILIES) * SLOTS * vocab_size)
+        self._answer_ids: dict[str, list[int]] = {}  # answer text -> its first SLOTS token ids
 
     def forward(self, vision: torch.Tensor) -> torch.Tensor:
         """vision [images * NUM_TOKENS, H] -> logits [images, families, SLOTS, vocab]."""
@@ -45,7 +46,10 @@ class VisionProbe(nn.Module):
         family = torch.tensor([IMAGE_FAMILIES.index(s.family) for s in with_images])
         targets = torch.full((len(with_images), SLOTS), -100, dtype=torch.long)
         for i, s in enumerate(with_images):
-            ids = tok.encode(s.example.answer, add_special_tokens=False).ids[:SLOTS]
+            answer = s.example.answer
+            if answer not in self._answer_ids:  # tokenized once, not at every step
+                self._answer_ids[answer] = tok.encode(answer, add_special_tokens=False).ids[:SLOTS]
+            ids = self._answer_ids[answer]
             targets[i, : len(ids)] = torch.tensor(ids)
         logits = self(vision)  # [N, F, S, V]
         picked = logits[torch.arange(len(with_images)), family.to(logits.device)]  # [N, S, V]
