@@ -1,8 +1,10 @@
 """A step the worker has launched but not reported yet: either its result is already known (steps
 that finish on the host: logprobs, mixed MTP steps) or its sampled tokens are on their way to the
 host in one non-blocking copy: one token per request (plain decode), or per request its k + 1 MTP
-samples followed by how many of them were accepted. Created by the model runner's submit(), read by
-its collect()."""
+samples followed by how many of them were accepted. A step with grammar-guided rows launched behind
+another one holds its sampling back (`deferred`): the masks need the matchers to have read the
+earlier step's tokens, so the runner launches it when that step is collected, while this step's
+forward runs. Created by the model runner's submit(), read by its collect()."""
 
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class PendingStep:
     known: list[SampledTokens] = field(default_factory=list)  # results the host already has
     scores: list[PromptScores] = field(default_factory=list)  # prompt logprobs (host lists)
     committed: Callable[[list[SampledTokens]], None] | None = None  # told the copied runs
+    # the step's sampling, not launched yet: called once, it launches it and calls start_copy
+    deferred: Callable[[PendingStep], None] | None = None
 
     @classmethod
     def ready(cls, result: StepResult) -> PendingStep:
@@ -39,21 +43,36 @@ class PendingStep:
     ) -> PendingStep:
         """Starts the device-to-host copy of the step's sampled ids [S] (or MTP rows [S, k + 2],
         with `lengths` and `starts`) (stream-ordered); `scores`: the step's prompt logprobs."""
+        pending = cls(step_id, start, slots=slots, **extra)
+        pending.start_copy(token_ids)
+        return pending
+
+    def start_copy(self, token_ids: torch.Tensor) -> None:
         if not token_ids.is_cuda:
-            return cls(step_id, start, slots=slots, host_ids=token_ids.clone(), **extra)
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(step_id, start, slots=slots, host_ids=host, copied=event, **extra)
+            self.host_ids = token_ids.clone()
+            return
+        self.host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        self.host_ids.copy_(token_ids, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def launch_deferred(self) -> None:
+        """Launches the held-back sampling (the steps before this one must be collected)."""
+        if self.deferred is not None:
+            launch, self.deferred = self.deferred, None
+            launch(self)
 
     def is_done(self) -> bool:
         """The result can be read without waiting for the device."""
+        if self.deferred is not None:
+            return False
         return self.done is not None or self.copied is None or self.copied.query()
 
     def result(self) -> StepResult:
+        """The step's result (computed once: waits for the copy, tells `committed`)."""
         if self.done is not None:
             return self.done
+        self.launch_deferred()
         if self.copied is not None:
             self.copied.synchronize()
         rows = self.host_ids.tolist()
@@ -68,4 +87,5 @@ class PendingStep:
             self.committed(copied)
         sampled = self.known + copied
         elapsed = time.perf_counter() - self.start
-        return StepResult(self.step_id, sampled, elapsed, self.scores)
+        self.done = StepResult(self.step_id, sampled, elapsed, self.scores)
+        return self.done

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.gdn import GatedDeltaNet
@@ -238,8 +239,8 @@ class Pools:
         if not src or "ssm_snapshots" not in self.stacked:
             return
         device = self.stacked["ssm_states"].device
-        src_t = torch.tensor(src, dtype=torch.int64, device=device)
-        dst_t = torch.tensor(dst, dtype=torch.int64, device=device)
+        src_t = to_device(src, torch.int64, device)  # no stream sync: steps may be in flight
+        dst_t = to_device(dst, torch.int64, device)
         for kind in kinds:
             source, target = self.stacked[kind], self.stacked[kind.split("_")[0] + to_suffix]
             # the gathered rows are a temporary: a few layers at a time keeps it near

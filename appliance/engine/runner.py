@@ -454,6 +454,12 @@ class ModelRunner:
 
     def submit(self, plan: StepPlan) -> None:
         metered = bool(plan.chunks)  # an empty plan (grammars compiling) is no device step
+        if self._pending and self._pending[-1].deferred is not None:
+            # (the worker collects before it submits again; other callers may not) the held-back
+            # sampling writes tokens this plan's forward reads: finish the steps before it first
+            for pending in list(self._pending)[:-1]:
+                pending.result()
+            self._pending[-1].launch_deferred()
         if metered:
             self.busy.begin()
         self._pending.append(self._launch(plan))
@@ -468,6 +474,8 @@ class ModelRunner:
     def collect(self) -> StepResult:
         """The oldest submitted step's result (waits for its device work)."""
         result = self._pending.popleft().result()
+        if self._pending:  # a guided step's sampling waited for this result: behind its forward
+            self._pending[0].launch_deferred()
         if self._metered.popleft():
             self.busy.collected()
         ready = self.guided.newly_compiled() if self.guided else []
@@ -544,10 +552,10 @@ class ModelRunner:
     def _device_resident(self, batch: StepBatch) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with
         one non-blocking copy to the host: no MTP request in it (their drafts follow on the host
-        path), no logprobs, no guided request (its matcher reads every token before the next
-        step's mask)."""
+        path), no logprobs. Guided requests' matchers read their tokens when the result is
+        collected (_launch_sampling)."""
         table = self.requests
-        if any(table.uses_mtp(c.req_slot) or c.req_slot in self.guided for c in batch.chunks):
+        if any(table.uses_mtp(c.req_slot) for c in batch.chunks):
             return False
         return all(table.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
 
@@ -559,11 +567,24 @@ class ModelRunner:
         logits: torch.Tensor,
         scores: list[PromptScores],
     ) -> PendingStep:
-        out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
         chunks = batch.sample_chunks
         slots = [c.req_slot for c in chunks]
-        self._write_plain(chunks, out.token_ids)
-        return PendingStep.copying(step_id, start, slots, out.token_ids, scores=scores)
+        guided = bool(self.guided) and any(slot in self.guided for slot in slots)
+        committed = self._guided_on_collect(slots) if guided else None
+
+        def launch(pending: PendingStep) -> None:
+            out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
+            self._write_plain(chunks, out.token_ids)
+            pending.start_copy(out.token_ids)
+
+        pending = PendingStep(step_id, start, slots=slots, scores=scores, committed=committed)
+        if guided and any(p.done is None for p in self._pending):
+            # the masks need the matchers past the step in flight: sampling is launched when
+            # that step is collected (collect()), while this step's forward runs
+            pending.deferred = launch
+        else:
+            launch(pending)
+        return pending
 
     def _write_plain(self, chunks: list[ScheduledChunk], token_ids: torch.Tensor) -> None:
         """The token each plain sampling chunk sampled [len(chunks)] goes after its last row."""

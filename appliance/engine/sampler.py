@@ -183,6 +183,8 @@ class Sampler:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
         logits = apply_logit_bias(logits, rows)
         if token_bitmask is not None:
+            if device.type == "cuda":  # pageable host memory would wait for the whole stream
+                token_bitmask = token_bitmask.pin_memory()
             logits = apply_token_bitmask(logits, token_bitmask.to(device, non_blocking=True))
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a

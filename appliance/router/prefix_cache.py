@@ -44,8 +44,15 @@ def cache_keys(token_ids: Sequence[int], mm: Sequence[ImageInput]) -> np.ndarray
     return keys
 
 
+# what a snapshot was taken at, from the first to drop to the last: a periodic point inside a
+# prompt; a completion's prompt end; a request's end; a chat turn's start (generation prompt)
+SNAPSHOT_KINDS = ("interval", "prompt", "end", "turn")
+
+
 class Node:
-    __slots__ = ("key", "kv", "children", "parent", "lock", "last_used", "snapshot", "end")
+    __slots__ = (
+        "key", "kv", "children", "parent", "lock", "last_used", "snapshot", "kind", "end"
+    )  # fmt: skip
 
     def __init__(self, key: np.ndarray, kv: np.ndarray, parent: Node | None, end: int) -> None:
         self.key = key  # int64 [n] keys of the edge from the parent
@@ -55,6 +62,7 @@ class Node:
         self.lock = 0  # live requests whose cached prefix ends at or below this node
         self.last_used = 0
         self.snapshot = -1  # snapshot slot of the state after position end - 1 (-1: none)
+        self.kind = ""  # what the snapshot is at: one of SNAPSHOT_KINDS
         self.end = end  # prefix length at the end of this node
 
 
@@ -113,11 +121,13 @@ class PrefixCache:
         return best
 
     # ------------------------------------------------------------------ insertion
-    def insert(self, keys: np.ndarray, kv: np.ndarray, snapshot: int = -1) -> tuple[Node, bool]:
+    def insert(
+        self, keys: np.ndarray, kv: np.ndarray, snapshot: int = -1, kind: str = "end"
+    ) -> tuple[Node, bool]:
         """Caches positions [0, len(keys)) with their KV slots (the tree takes a reference on the
-        slots of positions it did not hold); `snapshot`: the state after the last one. Returns the
-        node ending at len(keys) and whether the snapshot was kept (False: the caller frees it, the
-        tree has one there already)."""
+        slots of positions it did not hold); `snapshot`: the state after the last one, taken at a
+        point of `kind` (SNAPSHOT_KINDS). Returns the node ending at len(keys) and whether the
+        snapshot was kept (False: the caller frees it, the tree has one there already)."""
         node, pos, now = self.root, 0, next(self._clock)
         total = keys.size
         while pos < total:
@@ -140,7 +150,9 @@ class PrefixCache:
             node, pos = child, pos + same
         kept = False
         if snapshot >= 0 and node is not self.root and node.snapshot < 0:
-            node.snapshot, kept = snapshot, True
+            node.snapshot, node.kind, kept = snapshot, kind, True
+        elif node.snapshot >= 0 and snapshot >= 0:  # the point of the two that keeps it longest
+            node.kind = max(node.kind, kind, key=SNAPSHOT_KINDS.index)
         return node, kept
 
     def _split(self, node: Node, at: int) -> Node:
@@ -183,6 +195,30 @@ class PrefixCache:
             self._drop(node)
             if parent is not self.root and not parent.children and parent.lock == 0:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
+
+    def drop_covered_snapshot(self, kinds: tuple[str, ...] = ("interval",)) -> bool:
+        """Frees the least recently used snapshot of one of `kinds` that a deeper one covers: on a
+        node with a single child whose subtree holds a snapshot (a long prompt's interval points
+        once its end is cached; a completion's prompt end once its generation's end is; a turn's
+        end once the next turn is). A request matching through it reaches the deeper snapshot
+        unless it diverges in between, so these go before whole cached entries (evict) and
+        before the LRU snapshot of any path (drop_snapshot); a branch point (a shared system
+        prompt) stays, and so do chat turn starts (a chat client's next turn re-renders the
+        answer after it). Locked nodes too, safe for the reason given there."""
+        best: Node | None = None
+        below: dict[int, bool] = {}  # id(node) -> a snapshot strictly below it
+        for node in reversed(self._nodes()):  # children before their parents
+            below[id(node)] = any(
+                child.snapshot >= 0 or below[id(child)] for child in node.children.values()
+            )
+            covered = node.kind in kinds and len(node.children) == 1 and below[id(node)]
+            if covered and node.snapshot >= 0 and (best is None or node.last_used < best.last_used):
+                best = node
+        if best is None:
+            return False
+        self.snapshots.free(best.snapshot)
+        best.snapshot = -1
+        return True
 
     def drop_snapshot(self) -> bool:
         """Frees the least recently used snapshot of any node, locked ones included (their

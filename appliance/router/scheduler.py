@@ -100,7 +100,7 @@ class Scheduler:
             )
         self._snapshot_saves: list[SnapshotSave] = []  # ended requests' states, for the next plan
         # step -> prefixes whose state a chunk of the step snapshots: (request, epoch, end, slot)
-        self._cache_points: dict[int, list[tuple[Request, int, int, int]]] = {}
+        self._cache_points: dict[int, list[tuple[Request, int, int, int, str]]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
         self.waiting: collections.deque[Request] = collections.deque()
@@ -395,21 +395,30 @@ class Scheduler:
             at_boundary = (bool(interval) and end % interval == 0) or end == req.turn_start
         if end != req.num_known and not at_boundary:
             return self._make_chunk(req, end - start)
-        slot = self._snapshot_slot() if self.cache.needs_snapshots else -1
+        kind = "turn" if end == req.turn_start else "prompt" if end == req.num_known else "interval"
+        slot = self._snapshot_slot(kind)
         if self.cache.needs_snapshots and slot < 0:
             return self._make_chunk(req, end - start)
-        point = (req, req.num_preemptions, end, slot)
+        point = (req, req.num_preemptions, end, slot, kind)
         self._cache_points.setdefault(self._step_id, []).append(point)
         return self._make_chunk(req, end - start, save_snapshot=slot)
 
-    def _snapshot_slot(self, steal: bool = False) -> int:
-        """A free snapshot slot (evicting an unused cache entry if none is free), or -1.
-        `steal` (a request's end, the next turn's prefix): else take the least recently used
-        snapshot even from a running request's path (only between plans: see drop_snapshot)."""
-        if self.snapshots.num_free == 0:
-            self.cache.evict(snapshots=1)
-        if self.snapshots.num_free == 0 and steal:
-            self.cache.drop_snapshot()
+    def _snapshot_slot(self, kind: str) -> int:
+        """A snapshot slot for a cache point of `kind` (prefix_cache.SNAPSHOT_KINDS), or -1 (also
+        on a model without linear state). None free: a covered interval snapshot goes; a periodic
+        point takes nothing more. For the others, then a covered prompt end or request end, then an
+        unused cache entry (LRU); for a request's end (the next turn's prefix), last, the least
+        recently used snapshot even from a running request's path (only between plans: see
+        drop_snapshot)."""
+        cache = self.cache
+        if not cache.needs_snapshots:
+            return -1
+        free = self.snapshots.num_free or cache.drop_covered_snapshot()
+        if not free and kind != "interval":
+            if not cache.drop_covered_snapshot(("prompt", "end")):
+                cache.evict(snapshots=1)
+            if self.snapshots.num_free == 0 and kind == "end":
+                cache.drop_snapshot()
         return self.snapshots.alloc_one() if self.snapshots.num_free else -1
 
     def _keys(self, req: Request) -> np.ndarray:
@@ -419,10 +428,11 @@ class Scheduler:
             req.cache_keys = cache_keys(req.all_token_ids, req.mm)
         return req.cache_keys
 
-    def _cache_prefix(self, req: Request, end: int, snapshot: int) -> bool:
+    def _cache_prefix(self, req: Request, end: int, snapshot: int, kind: str = "end") -> bool:
         """Puts the request's first `end` positions into the tree; its lock moves to the new node.
         False when the snapshot was not kept (the tree has one there already)."""
-        node, kept = self.cache.insert(self._keys(req)[:end], req.kv_slots[:end], snapshot)
+        keys, kv = self._keys(req)[:end], req.kv_slots[:end]
+        node, kept = self.cache.insert(keys, kv, snapshot, kind)
         self.cache.lock(node)
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
@@ -431,9 +441,9 @@ class Scheduler:
 
     def _cache_points_done(self, step_id: int) -> None:
         """The snapshots planned in step `step_id` are written: their prefixes enter the tree."""
-        for req, epoch, end, slot in self._cache_points.pop(step_id, []):
+        for req, epoch, end, slot, kind in self._cache_points.pop(step_id, []):
             if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
-                if self._cache_prefix(req, end, slot) or slot < 0:
+                if self._cache_prefix(req, end, slot, kind) or slot < 0:
                     continue
             if slot >= 0:
                 self.snapshots.free(slot)
@@ -446,11 +456,9 @@ class Scheduler:
             return  # (an MTP run cut short by a stop token computed rows past the kept tokens)
         if req.num_pending and self._uses_mtp(req):
             return  # a verify step in flight: how many of its rows the state keeps is unknown
-        slot = -1
-        if self.cache.needs_snapshots:
-            slot = self._snapshot_slot(steal=True)
-            if slot < 0:
-                return
+        slot = self._snapshot_slot("end")
+        if self.cache.needs_snapshots and slot < 0:
+            return
         if self._cache_prefix(req, end, slot):
             self._snapshot_saves.append(SnapshotSave(req.req_slot, slot))
         elif slot >= 0:

@@ -242,6 +242,7 @@ def build_runner(
     device: str = "auto",
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
+    max_model_len: int = 4096,
 ) -> ModelRunner:
     """A runner on dummy weights from a real config.json, with pools sized for the benchmark;
     `quantization`: none, fp8 (online, per channel) or block (the official -FP8 repos' layout)."""
@@ -255,7 +256,7 @@ def build_runner(
             model=ModelConfig(
                 model_dir=tmp,
                 load_format="dummy",
-                max_model_len=4096,
+                max_model_len=max_model_len,
                 quantization="fp8" if quantization == "fp8" else "",
             ),
             scheduler=SchedulerConfig(

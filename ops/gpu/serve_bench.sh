@@ -42,6 +42,6 @@ done
 kill -TERM $pid; wait $pid
 echo "server exit $?"
 case " ${FORMATS:-text} " in *" json"*)
-  PYTHONPATH=. python3 ops/bench/bench_grammar.py --tokenizer "$MODEL_DIR" --fields 500 \
+  PYTHONPATH=".:${PYTHONPATH:-}" python3 ops/bench/bench_grammar.py --tokenizer "$MODEL_DIR" --fields 500 \
     --json "$OUT/grammar_compile_$TAG.json" ;;
 esac

@@ -197,3 +197,38 @@ def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
     assert len(forward_s) < len(steps)
     mean_ms = 1000 * sum(forward_s) / len(forward_s)
     assert llm.engine.stats().step_forward_ms == pytest.approx(mean_ms, rel=1e-6)
+
+
+def test_guided_sampling_behind_a_step_in_flight_waits_for_its_result(tiny_dense, monkeypatch):
+    """With a step in flight the next step's forward is launched at once and its guided rows'
+    sampling when the earlier result is collected (the masks need the matchers past it): the
+    tokens equal those of steps run one at a time, and every guided output follows its grammar."""
+    import re
+
+    import appliance.router.engine as engine_module
+    from appliance.engine.pending import PendingStep
+    from appliance.offline.llm import LLM
+    from appliance.sampling_params import SamplingParams
+
+    launched = []
+    original = PendingStep.launch_deferred
+
+    def counting(self):
+        launched.append(self.deferred is not None)
+        original(self)
+
+    monkeypatch.setattr(PendingStep, "launch_deferred", counting)
+    llm = LLM(str(tiny_dense), max_num_seqs=4, max_num_batched_tokens=64, num_kv_slots=2048)
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)] + [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=seed, guide=GUIDE) for seed in (1, 2)
+    ]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13]]
+    overlapped = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(launched) >= 5  # the guided steps' sampling was held back and launched later
+    monkeypatch.setattr(engine_module, "MAX_IN_FLIGHT", 1)
+    launched.clear()
+    alone = [o.token_ids for o in llm.generate(prompts, params)]
+    assert sum(launched) == 0 and overlapped == alone
+    for tokens in overlapped[1:]:
+        text = llm.tokenizer.decode(tokens).removesuffix("<|im_end|>")
+        assert re.fullmatch(r"(ab|cd)+[0-9]{0,4}", text), text
