@@ -197,22 +197,32 @@ class PrefixCache:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
 
     def drop_covered_snapshot(self, kinds: tuple[str, ...] = ("interval",)) -> bool:
-        """Frees the least recently used snapshot of one of `kinds` that a deeper one covers: on a
-        node with a single child whose subtree holds a snapshot (a long prompt's interval points
-        once its end is cached; a completion's prompt end once its generation's end is; a turn's
-        end once the next turn is). A request matching through it reaches the deeper snapshot
-        unless it diverges in between, so these go before whole cached entries (evict) and
-        before the LRU snapshot of any path (drop_snapshot); a branch point (a shared system
-        prompt) stays, and so do chat turn starts (a chat client's next turn re-renders the
-        answer after it). Locked nodes too, safe for the reason given there."""
+        """Frees the least recently used snapshot of one of `kinds` that a deeper one supersedes:
+        on a node with a single child, below which a snapshot is cached. For an interval point
+        any deeper snapshot will do (a long prompt's periodic points once its end is cached);
+        for a prompt's or a request's end it must not be a request's end at a leaf, since the
+        next turn may start at either of the two (a client re-sending the generated answer hits
+        the end, one re-sending other text only the prompt's end): they go once that turn has
+        gone past them. A request matching through a superseded snapshot reaches the deeper one
+        unless it diverges in between, so these go before whole cached entries (evict) and before
+        the LRU snapshot of any path (drop_snapshot); a branch point (a shared system prompt)
+        stays, and so do chat turn starts (a chat client's next turn re-renders the answer after
+        them). Locked nodes too, safe for the reason given there."""
         best: Node | None = None
-        below: dict[int, bool] = {}  # id(node) -> a snapshot strictly below it
+        below: dict[int, tuple[bool, bool]] = {}  # id(node) -> a snapshot below, one not at an end
         for node in reversed(self._nodes()):  # children before their parents
-            below[id(node)] = any(
-                child.snapshot >= 0 or below[id(child)] for child in node.children.values()
-            )
-            covered = node.kind in kinds and len(node.children) == 1 and below[id(node)]
-            if covered and node.snapshot >= 0 and (best is None or node.last_used < best.last_used):
+            any_below = live_below = False
+            for child in node.children.values():
+                child_any, child_live = below[id(child)]
+                snap = child.snapshot >= 0
+                any_below |= snap or child_any
+                live_below |= (snap and (child.kind != "end" or bool(child.children))) or child_live
+            below[id(node)] = any_below, live_below
+            if node.snapshot < 0 or node.kind not in kinds or len(node.children) != 1:
+                continue
+            if (any_below if node.kind == "interval" else live_below) and (
+                best is None or node.last_used < best.last_used
+            ):
                 best = node
         if best is None:
             return False

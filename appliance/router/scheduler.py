@@ -395,7 +395,13 @@ class Scheduler:
             at_boundary = (bool(interval) and end % interval == 0) or end == req.turn_start
         if end != req.num_known and not at_boundary:
             return self._make_chunk(req, end - start)
-        kind = "turn" if end == req.turn_start else "prompt" if end == req.num_known else "interval"
+        # (a chat prompt's end is a few template tokens past its turn start, and the client's
+        # next turn re-renders what follows: no more use than a periodic point)
+        kind = "interval"
+        if end == req.turn_start:
+            kind = "turn"
+        elif end == req.num_known and req.turn_start < 0:
+            kind = "prompt"
         slot = self._snapshot_slot(kind)
         if self.cache.needs_snapshots and slot < 0:
             return self._make_chunk(req, end - start)

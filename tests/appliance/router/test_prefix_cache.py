@@ -86,34 +86,42 @@ def test_eviction_is_least_recently_used_first():
 
 
 def test_covered_snapshots_go_by_kind_and_branch_points_stay():
-    cache, kv, snaps = tree(num_snapshots=6)
-    slots = kv.alloc(14)
+    cache, kv, snaps = tree(num_snapshots=8)
+    slots = kv.alloc(16)
     cache.insert(keys(1, 2, 3), slots[:3], snaps.alloc_one(), "interval")  # 0: covered below
-    cache.insert(keys(1, 2, 3, 4, 5, 6), slots[:6], snaps.alloc_one(), "prompt")  # 1: covered
-    cache.insert(keys(1, 2, 3, 4, 5, 6, 7), slots[:7], snaps.alloc_one())  # 2: an end, a leaf
+    cache.insert(keys(1, 2, 3, 4, 5, 6), slots[:6], snaps.alloc_one(), "prompt")  # 1
+    cache.insert(keys(1, 2, 3, 4, 5, 6, 7), slots[:7], snaps.alloc_one())  # 2: its end, a leaf
     cache.insert(keys(8, 8), slots[7:9], snaps.alloc_one(), "turn")  # 3: a chat turn's start
     cache.insert(keys(8, 8, 8), slots[7:10], snaps.alloc_one())  # 4: its end
     cache.insert(keys(9, 9), slots[10:12], snaps.alloc_one(), "interval")  # 5: a branch point
     cache.insert(keys(9, 9, 1), np.append(slots[10:12], slots[12]), -1)
     cache.insert(keys(9, 9, 2), np.append(slots[10:12], slots[13]), -1)
-    cache.match(keys(1, 2, 3, 4, 5, 6, 7, 0), limit=8)  # touched after the rest
-    assert cache.drop_covered_snapshot() and snaps.num_free == 1  # the interval point
+    assert cache.drop_covered_snapshot() and snaps.num_free == 3  # the interval point
     assert cache.match(keys(1, 2, 3, 9), limit=4).length == 0  # diverging above the next: lost
     assert cache.match(keys(1, 2, 3, 4, 5, 6, 7, 0), limit=8).length == 7
     assert not cache.drop_covered_snapshot()  # the branch point stays
-    assert cache.drop_covered_snapshot(("prompt", "end")) and snaps.num_free == 2
-    assert not cache.drop_covered_snapshot(("prompt", "end"))  # the chat turn start stays
+    # a prompt's end under its generation's end: the next turn may start at either; the turn
+    # start stays whatever is below it
+    assert not cache.drop_covered_snapshot(("prompt", "end"))
+    cache.insert(keys(1, 2, 3, 4, 5, 6, 7, 8, 9), slots[:9], snaps.alloc_one(), "prompt")  # 6
+    cache.match(keys(1, 2, 3, 4, 5, 6), limit=6)  # the prompt's end is used last
+    assert cache.drop_covered_snapshot(("prompt", "end"))  # the next turn went past: the end
+    assert cache.match(keys(1, 2, 3, 4, 5, 6, 7, 0), limit=8).length == 6
+    assert cache.drop_covered_snapshot(("prompt", "end"))  # and then the prompt's end
+    assert not cache.drop_covered_snapshot(("prompt", "end", "interval"))
     assert cache.match(keys(8, 8, 5), limit=3).length == 2
     assert cache.match(keys(9, 9, 5), limit=3).length == 2
     node, kept = cache.insert(keys(8, 8), slots[7:9], snaps.alloc_one(), "interval")
     assert not kept and node.kind == "turn"  # a point of two kinds keeps the stronger
 
 
-def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots():
+@pytest.mark.parametrize("resend", ["answer", "other"])
+def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots(resend):
     """Rounds of turns of several conversations at once, interval snapshots on, fewer snapshot
-    slots than the snapshots a round takes: the superseded ones (earlier turns, interval points)
-    make room, so every turn still hits its conversation's previous turn."""
-    sched = make_scheduler(budget=48, max_num_seqs=4, linear_state=True, num_snapshot_slots=6)
+    slots than a round takes (about two per waiting conversation): superseded snapshots
+    (earlier turns, interval points) make room, so every turn still hits its conversation's
+    previous turn: its end when the client re-sends the generated answer, else its prompt."""
+    sched = make_scheduler(budget=48, max_num_seqs=4, linear_state=True, num_snapshot_slots=9)
     sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
     worker = FakeWorker(2000)
     prompts = {c: prompt_of(24, 20 + c) for c in range(4)}
@@ -127,8 +135,9 @@ def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots():
             new = [n for p in worker.plans for n in p.new_requests if n.token_ids == prompt]
             if turn:
                 assert len(new[-1].cached_kv_slots) >= previous[c] - 1, (turn, c)
-            previous[c] = len(prompt) + 5
-            prompts[c] = prompt + out.tokens[f"c{c}t{turn}"] + prompt_of(9, 40 + turn)
+            answer = out.tokens[f"c{c}t{turn}"] if resend == "answer" else prompt_of(5, 60 + c)
+            previous[c] = len(prompt) + (5 if resend == "answer" else 1)
+            prompts[c] = prompt + answer + prompt_of(9, 40 + turn)
     sched.cache.clear()
     assert_pools_empty(sched)
 
