@@ -7,8 +7,9 @@
 # Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
-# GRAPHS_S PROFILE_S PREFIX_S VERIFY_S (verify: the GPU tests of code not yet run on the GPU;
-# static_fp8: the 27B step with QUANT=fp8|block weights);
+# GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S (prefill: a prefix hit's step, profiled;
+# verify: the GPU tests of code not yet run on the GPU; static_fp8: the 27B step with
+# QUANT=fp8|block weights);
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
@@ -80,6 +81,8 @@ for s in ${STEPS:-probe tests bench}; do
       --quantization "${QUANT:-fp8}" ${STATIC_ARGS:-} --json "$OUT/static_fp8.json" ;;
     prefix) step prefix "${PREFIX_S:-580}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
       bash ops/gpu/prefix_bench.sh ;;
+    prefill) step prefill "${PREFILL_S:-200}" python3 ops/gpu/profile_prefill.py \
+      --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
     *) echo "unknown step $s" ;;
