@@ -45,8 +45,9 @@ def cache_keys(token_ids: Sequence[int], mm: Sequence[ImageInput]) -> np.ndarray
 
 
 # what a snapshot was taken at, from the first to drop to the last: a periodic point inside a
-# prompt; a completion's prompt end; a request's end; a chat turn's start (generation prompt)
-SNAPSHOT_KINDS = ("interval", "prompt", "end", "turn")
+# prompt; a chat request's end (a chat client's next turn re-renders the answer before it); a
+# completion's prompt end; a completion's end; a chat turn's start (its generation prompt)
+SNAPSHOT_KINDS = ("interval", "chat_end", "prompt", "end", "turn")
 
 
 class Node:
@@ -198,31 +199,37 @@ class PrefixCache:
 
     def drop_covered_snapshot(self, kinds: tuple[str, ...] = ("interval",)) -> bool:
         """Frees the least recently used snapshot of one of `kinds` that a deeper one supersedes:
-        on a node with a single child, below which a snapshot is cached. For an interval point
+        on a node with a single child holding snapshots below it (a child without any, a dead
+        branch, hits nothing past this node on a hybrid model). For an interval point
         any deeper snapshot will do (a long prompt's periodic points once its end is cached);
         for a prompt's or a request's end it must not be a request's end at a leaf, since the
         next turn may start at either of the two (a client re-sending the generated answer hits
         the end, one re-sending other text only the prompt's end): they go once that turn has
-        gone past them. A request matching through a superseded snapshot reaches the deeper one
-        unless it diverges in between, so these go before whole cached entries (evict) and before
-        the LRU snapshot of any path (drop_snapshot); a branch point (a shared system prompt)
-        stays, and so do chat turn starts (a chat client's next turn re-renders the answer after
-        them). Locked nodes too, safe for the reason given there."""
+        gone past them; a chat turn start goes once a later turn start is cached below it (a
+        chat client re-renders the answers, so a conversation resumes at its latest one). A
+        request matching through a superseded snapshot reaches the deeper one unless it diverges
+        in between, so these go before whole cached entries (evict) and before the LRU snapshot
+        of any path (drop_snapshot); a branch point (a shared system prompt) stays. Locked nodes
+        too, safe for the reason given there."""
         best: Node | None = None
-        below: dict[int, tuple[bool, bool]] = {}  # id(node) -> a snapshot below, one not at an end
+        # id(node) -> a snapshot below it: any, one not at a request's end leaf, a turn start
+        below: dict[int, tuple[bool, bool, bool]] = {}
         for node in reversed(self._nodes()):  # children before their parents
-            any_below = live_below = False
+            any_below = live_below = turn_below = False
+            branches = 0  # children with a snapshot in their subtree (the others hit nothing)
             for child in node.children.values():
-                child_any, child_live = below[id(child)]
+                child_any, child_live, child_turn = below[id(child)]
                 snap = child.snapshot >= 0
+                end_leaf = child.kind in ("end", "chat_end") and not child.children
                 any_below |= snap or child_any
-                live_below |= (snap and (child.kind != "end" or bool(child.children))) or child_live
-            below[id(node)] = any_below, live_below
-            if node.snapshot < 0 or node.kind not in kinds or len(node.children) != 1:
+                live_below |= (snap and not end_leaf) or child_live
+                turn_below |= (snap and child.kind == "turn") or child_turn
+                branches += snap or child_any
+            below[id(node)] = any_below, live_below, turn_below
+            if node.snapshot < 0 or node.kind not in kinds or branches != 1:
                 continue
-            if (any_below if node.kind == "interval" else live_below) and (
-                best is None or node.last_used < best.last_used
-            ):
+            superseded = {"interval": any_below, "turn": turn_below}.get(node.kind, live_below)
+            if superseded and (best is None or node.last_used < best.last_used):
                 best = node
         if best is None:
             return False
@@ -230,13 +237,13 @@ class PrefixCache:
         best.snapshot = -1
         return True
 
-    def drop_snapshot(self) -> bool:
-        """Frees the least recently used snapshot of any node, locked ones included (their
-        requests run on their own state): for when every snapshot sits on a running request's
-        path. Safe against restores: the scheduler allocates snapshot slots for ended requests
-        (saved first in the next plan) only between plans, and a restore runs in the plan that
-        chose it, before any save of a later plan or any chunk save of its own."""
-        nodes = [n for n in self._nodes() if n.snapshot >= 0]
+    def drop_snapshot(self, kinds: tuple[str, ...] = SNAPSHOT_KINDS) -> bool:
+        """Frees the least recently used snapshot of one of `kinds`, on any node, locked ones
+        included (their requests run on their own state): for when every snapshot sits on a
+        running request's path. Safe against restores: a restore runs in the plan that chose
+        it, before that plan's chunk saves and any save of a later plan (ended requests' slots
+        are allocated between plans and saved first in the next one)."""
+        nodes = [n for n in self._nodes() if n.snapshot >= 0 and n.kind in kinds]
         if not nodes:
             return False
         node = min(nodes, key=lambda n: n.last_used)

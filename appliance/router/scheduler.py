@@ -412,8 +412,8 @@ class Scheduler:
     def _snapshot_slot(self, kind: str) -> int:
         """A snapshot slot for a cache point of `kind` (prefix_cache.SNAPSHOT_KINDS), or -1 (also
         on a model without linear state). None free: a covered interval snapshot goes; a periodic
-        point takes nothing more. For the others, then a covered prompt end or request end, then an
-        unused cache entry (LRU); for a request's end (the next turn's prefix), last, the least
+        point takes nothing more. For the others, then any other superseded snapshot, then a
+        chat request's end, then an unused cache entry (LRU); for a request's end, last, the least
         recently used snapshot even from a running request's path (only between plans: see
         drop_snapshot)."""
         cache = self.cache
@@ -421,8 +421,9 @@ class Scheduler:
             return -1
         free = self.snapshots.num_free or cache.drop_covered_snapshot()
         if not free and kind != "interval":
-            if not cache.drop_covered_snapshot(("prompt", "end")):
-                cache.evict(snapshots=1)
+            if not cache.drop_covered_snapshot(("chat_end", "prompt", "end", "turn")):
+                if not cache.drop_snapshot(("chat_end",)):
+                    cache.evict(snapshots=1)
             if self.snapshots.num_free == 0 and kind == "end":
                 cache.drop_snapshot()
         return self.snapshots.alloc_one() if self.snapshots.num_free else -1
@@ -465,7 +466,7 @@ class Scheduler:
         slot = self._snapshot_slot("end")
         if self.cache.needs_snapshots and slot < 0:
             return
-        if self._cache_prefix(req, end, slot):
+        if self._cache_prefix(req, end, slot, "chat_end" if req.turn_start >= 0 else "end"):
             self._snapshot_saves.append(SnapshotSave(req.req_slot, slot))
         elif slot >= 0:
             self.snapshots.free(slot)

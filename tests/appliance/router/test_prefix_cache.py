@@ -115,12 +115,13 @@ def test_covered_snapshots_go_by_kind_and_branch_points_stay():
     assert not kept and node.kind == "turn"  # a point of two kinds keeps the stronger
 
 
-@pytest.mark.parametrize("resend", ["answer", "other"])
+@pytest.mark.parametrize("resend", ["answer", "other", "chat"])
 def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots(resend):
     """Rounds of turns of several conversations at once, interval snapshots on, fewer snapshot
     slots than a round takes (about two per waiting conversation): superseded snapshots
-    (earlier turns, interval points) make room, so every turn still hits its conversation's
-    previous turn: its end when the client re-sends the generated answer, else its prompt."""
+    (earlier turns, interval points, chat requests' ends) make room, so every turn still hits
+    its conversation's previous turn: its end when the client re-sends the generated answer,
+    else its prompt; a chat client, which re-renders the answer, its turn start."""
     sched = make_scheduler(budget=48, max_num_seqs=4, linear_state=True, num_snapshot_slots=9)
     sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
     worker = FakeWorker(2000)
@@ -128,15 +129,19 @@ def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots(resend):
     previous: dict[int, int] = {}
     for turn in range(4):
         for c, prompt in prompts.items():
-            sched.add_request(req(f"c{c}t{turn}", prompt, max_tokens=5))
+            chat = {"turn_start": len(prompt) - 3} if resend == "chat" else {}
+            sched.add_request(req(f"c{c}t{turn}", prompt, max_tokens=5, **chat))
         out = run(sched, worker, keep_cache=True)
         for c, prompt in prompts.items():
             assert out.tokens[f"c{c}t{turn}"] == reference_tokens(prompt, 5)
             new = [n for p in worker.plans for n in p.new_requests if n.token_ids == prompt]
             if turn:
-                assert len(new[-1].cached_kv_slots) >= previous[c] - 1, (turn, c)
+                assert len(new[-1].cached_kv_slots) >= previous[c], (turn, c)
             answer = out.tokens[f"c{c}t{turn}"] if resend == "answer" else prompt_of(5, 60 + c)
-            previous[c] = len(prompt) + (5 if resend == "answer" else 1)
+            previous[c] = len(prompt) + 4 if resend == "answer" else len(prompt)
+            if resend == "chat":  # the template re-renders the answer after the turn start
+                previous[c] = len(prompt) - 3
+                prompt = prompt[:-3] + prompt_of(3, 70 + c)
             prompts[c] = prompt + answer + prompt_of(9, 40 + turn)
     sched.cache.clear()
     assert_pools_empty(sched)
