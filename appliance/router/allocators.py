@@ -26,6 +26,7 @@ class SlotAllocator:
         self._stack = np.arange(num_slots - 1, -1, -1, dtype=np.int32)  # top of stack = end
         self._top = num_slots  # number of free slots = live part of the stack
         self._in_use = np.zeros(num_slots, dtype=bool)
+        self._stamp = np.zeros(num_slots, dtype=np.int32)  # scratch of `distinct`
 
     @property
     def num_free(self) -> int:
@@ -47,6 +48,13 @@ class SlotAllocator:
         self._in_use[slots] = True
         return slots
 
+    def distinct(self, slots: np.ndarray) -> bool:
+        """No slot twice in `slots` (O(n), no sort: an 8k-slot request's free took ~3 ms with
+        np.unique and ufunc.at on the CI box)."""
+        order = np.arange(slots.size, dtype=np.int32)
+        self._stamp[slots] = order  # a repeated slot keeps its last index only
+        return bool((self._stamp[slots] == order).all())
+
     def alloc_one(self) -> int:
         return int(self.alloc(1)[0])
 
@@ -55,7 +63,7 @@ class SlotAllocator:
         if slots.size == 0:
             return
         assert self._in_use[slots].all(), f"{self.name}: freeing a slot that is not allocated"
-        assert np.unique(slots).size == slots.size, f"{self.name}: duplicate slots in one free"
+        assert self.distinct(slots), f"{self.name}: duplicate slots in one free"
         self._in_use[slots] = False
         # Push in reverse so that alloc(n) right after free(x) returns x in its original order.
         self._stack[self._top : self._top + slots.size] = slots[::-1]
@@ -83,17 +91,24 @@ class RefCountedSlots(SlotAllocator):
     def incref(self, slots: np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int32)
         assert self._in_use[slots].all(), f"{self.name}: referencing a free slot"
-        np.add.at(self._refs, slots, 1)
+        if self.distinct(slots):
+            self._refs[slots] += 1
+        else:
+            np.add.at(self._refs, slots, 1)
 
     def free(self, slots: np.ndarray | list[int] | int) -> None:
         slots = np.atleast_1d(np.asarray(slots, dtype=np.int32))
         if slots.size == 0:
             return
         assert (self._refs[slots] > 0).all(), f"{self.name}: freeing a slot that is not allocated"
-        np.subtract.at(self._refs, slots, 1)
-        dead = slots[self._refs[slots] == 0]
+        if self.distinct(slots):
+            self._refs[slots] -= 1
+            dead = slots[self._refs[slots] == 0]
+        else:
+            np.subtract.at(self._refs, slots, 1)
+            dead = np.unique(slots[self._refs[slots] == 0])
         if dead.size:
-            super().free(np.unique(dead))
+            super().free(dead)
 
     def refs(self, slot: int) -> int:
         return int(self._refs[slot])

@@ -209,8 +209,9 @@ class PrefixCache:
         chat client re-renders the answers, so a conversation resumes at its latest one). A
         request matching through a superseded snapshot reaches the deeper one unless it diverges
         in between, so these go before whole cached entries (evict) and before the LRU snapshot
-        of any path (drop_snapshot); a branch point (a shared system prompt) stays. Locked nodes
-        too, safe for the reason given there."""
+        of any path (drop_snapshot); a branch point (a shared system prompt) stays, and so does
+        any but an interval point on a running request's path (other requests sharing that
+        prefix may follow it). Dropping a locked one is safe for the reason given there."""
         best: Node | None = None
         # id(node) -> a snapshot below it: any, one not at a request's end leaf, a turn start
         below: dict[int, tuple[bool, bool, bool]] = {}
@@ -229,6 +230,8 @@ class PrefixCache:
             if node.snapshot < 0 or node.kind not in kinds or branches != 1:
                 continue
             superseded = {"interval": any_below, "turn": turn_below}.get(node.kind, live_below)
+            if node.kind != "interval" and node.lock:
+                continue  # (a running request read it: others sharing that prefix may follow)
             if superseded and (best is None or node.last_used < best.last_used):
                 best = node
         if best is None:

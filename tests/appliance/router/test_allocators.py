@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from appliance.router import OutOfSlots, SlotAllocator
+from appliance.router.allocators import RefCountedSlots
 
 
 def test_alloc_free_reuse_and_accounting() -> None:
@@ -46,3 +47,20 @@ def test_double_free_is_caught() -> None:
         pool.free(slots)
     with pytest.raises(AssertionError):
         pool.free([3])  # never allocated
+
+
+def test_reference_counts_with_repeated_slots_in_one_call() -> None:
+    """A slot named twice in one incref / free counts twice (the no-duplicate fast path must not
+    lose one), and `distinct` tells the two cases apart."""
+    pool = RefCountedSlots(16, "kv")
+    a, b = (int(x) for x in pool.alloc(2))
+    assert pool.distinct(np.array([a, b], dtype=np.int32))
+    assert not pool.distinct(np.array([a, b, a], dtype=np.int32))
+    pool.incref(np.array([a, a, b], dtype=np.int32))
+    assert (pool.refs(a), pool.refs(b)) == (3, 2)
+    pool.free(np.array([a, a], dtype=np.int32))
+    assert pool.refs(a) == 1 and pool.num_free == 14
+    pool.free(np.array([a, b], dtype=np.int32))
+    assert pool.refs(b) == 1 and pool.num_free == 15
+    pool.free(np.array([b], dtype=np.int32))
+    assert pool.num_free == 16

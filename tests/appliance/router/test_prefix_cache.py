@@ -118,11 +118,11 @@ def test_covered_snapshots_go_by_kind_and_branch_points_stay():
 @pytest.mark.parametrize("resend", ["answer", "other", "chat"])
 def test_concurrent_conversations_keep_hitting_with_few_snapshot_slots(resend):
     """Rounds of turns of several conversations at once, interval snapshots on, fewer snapshot
-    slots than a round takes (about two per waiting conversation): superseded snapshots
+    slots than a round takes (about two per waiting conversation, 11 for 4): superseded snapshots
     (earlier turns, interval points, chat requests' ends) make room, so every turn still hits
     its conversation's previous turn: its end when the client re-sends the generated answer,
     else its prompt; a chat client, which re-renders the answer, its turn start."""
-    sched = make_scheduler(budget=48, max_num_seqs=4, linear_state=True, num_snapshot_slots=9)
+    sched = make_scheduler(budget=48, max_num_seqs=4, linear_state=True, num_snapshot_slots=11)
     sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
     worker = FakeWorker(2000)
     prompts = {c: prompt_of(24, 20 + c) for c in range(4)}
