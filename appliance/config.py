@@ -113,9 +113,17 @@ class KernelConfig:
 class GraphConfig:
     disable_cuda_graph: bool = False  # run every step eagerly (no CUDA graphs; CPU never uses them)
     cuda_graph_max_bs: int = 0  # largest decode batch run as a CUDA graph; 0 = max_num_seqs, <= 256
+    # a step that is one request's prefill chunk of fewer rows than this runs as a CUDA graph
+    # (buckets 32..512; 0 = never)
+    cuda_graph_max_prefill_tokens: int = 512
 
     def __post_init__(self) -> None:
         _check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0")
+        _check(
+            self.cuda_graph_max_prefill_tokens >= 0,
+            "cuda_graph_max_prefill_tokens",
+            "an integer >= 0",
+        )
 
 
 @dataclass(frozen=True)

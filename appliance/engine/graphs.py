@@ -61,9 +61,10 @@ def capture_logged(name: str, graphs, reserved: int) -> None:
     log.info("capturing %s CUDA graphs for %d batch sizes", name, total)
     graphs.capture(lambda done, _, bs: log.info("%s graph %d/%d (batch %d)", name, done, total, bs))
     log.info(
-        "%s CUDA graphs: %d batch sizes (1..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
+        "%s CUDA graphs: %d batch sizes (%d..%d) in %.1fs, %.2f GiB (%.2f GiB reserved)",
         name,
         total,
+        min(graphs.batch_sizes),
         graphs.max_bs,
         graphs.capture_s,
         graphs.pool_bytes / 2**30,
@@ -77,17 +78,21 @@ def capture_buckets(
     steps: list[Callable[[int], None]],
     device: torch.device,
     progress: Callable[[int, int, int], None] | None = None,
+    prepare: Callable[[int], None] | None = None,
 ) -> tuple[dict[int, list[torch.cuda.CUDAGraph]], float, int]:
     """Captures `steps` (each a function of the bucket size, run in order) as one graph each per
     bucket, largest bucket first so smaller ones reuse its memory; one memory pool for all. Each
-    bucket is warmed up eagerly first (Triton compiles and autotunes outside the capture). Returns
-    the graphs per bucket, the seconds it took and the device memory the pool holds."""
+    bucket is warmed up eagerly first (Triton compiles and autotunes outside the capture), after
+    `prepare(bucket)` (inputs the warm-up can run on). Returns the graphs per bucket, the seconds
+    it took and the device memory the pool holds."""
     start = time.perf_counter()
     torch.cuda.synchronize(device)
     free_before, _ = torch.cuda.mem_get_info(device)
     pool = torch.cuda.graph_pool_handle()
     graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
     for i, bs in enumerate(sorted(batch_sizes, reverse=True)):
+        if prepare is not None:
+            prepare(bs)
         for step in steps:
             step(bs)
         torch.cuda.synchronize(device)

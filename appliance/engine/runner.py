@@ -45,6 +45,11 @@ from appliance.engine.pools import (
     plan_snapshot_slots,
     state_bytes_per_slot,
 )
+from appliance.engine.prefill_graphs import (
+    PrefillGraphs,
+    prefill_buckets,
+    prefill_graph_reserve_bytes,
+)
 from appliance.engine.prompt_logprobs import score_prompts
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
@@ -117,6 +122,11 @@ class ModelRunner:
             self.device,
             self.backends.get("attention", ""),
         )
+        # short prefill steps as graphs: with the decode graphs, a Triton GDN prefill (the
+        # external backends pack and sync on the host) and a context that holds a bucket
+        self.prefill_graph_tokens = 0
+        if self.graph_max_bs and self.backends.get("gdn_prefill", "triton") == "triton":
+            self.prefill_graph_tokens = config.graphs.cuda_graph_max_prefill_tokens
         self.model = self._build_model()
         self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
@@ -177,6 +187,7 @@ class ModelRunner:
         )
         # last: the pools and the table must exist
         self.graphs = self._decode_graphs() if self.graph_max_bs else None
+        self.prefill_graphs = self._prefill_graphs() if self.prefill_graph_tokens else None
         self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
         self._pending: collections.deque[PendingStep] = collections.deque()
         self._metered: collections.deque[bool] = collections.deque()  # busy meter, per pending
@@ -247,6 +258,24 @@ class ModelRunner:
             self.device,
         )
         capture_logged("decode", graphs, graph_reserve_bytes(self.graph_max_bs, cfg.vocab_size))
+        return graphs
+
+    def _prefill_graphs(self) -> PrefillGraphs | None:
+        """Short prefill steps as CUDA graphs; a capture that fails leaves them eager."""
+        cfg, sizes = self.text_config, self.pools.sizes
+        tokens = min(self.prefill_graph_tokens, self.max_model_len)
+        if not prefill_buckets(tokens):
+            return None
+        graphs = PrefillGraphs(
+            self.model, self.requests, sizes, tokens, cfg.vocab_size, self.device
+        )
+        reserve = prefill_graph_reserve_bytes(tokens, cfg.hidden_size, cfg.vocab_size)
+        try:
+            capture_logged("prefill", graphs, reserve)
+        except RuntimeError as exc:  # (an op that cannot be captured: report, run eagerly)
+            log.warning("prefill CUDA graphs off, their capture failed: %s", exc)
+            torch.cuda.synchronize(self.device)
+            return None
         return graphs
 
     def _mtp_graphs(self) -> MtpGraphs | None:
@@ -379,6 +408,9 @@ class ModelRunner:
         state, per_slot = self._state_and_kv_slot_bytes()
         vocab = self.text_config.vocab_size
         graphs = graph_reserve_bytes(self.graph_max_bs, vocab)
+        graphs += prefill_graph_reserve_bytes(
+            min(self.prefill_graph_tokens, self.max_model_len), self.text_config.hidden_size, vocab
+        )
         if self.mtp_step and not envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
@@ -508,6 +540,8 @@ class ModelRunner:
             return self._launch_mtp(plan.step_id, start, fused, known, scores)
         if self._graph_step(chunks):
             batch, hidden, logits = self._replay(chunks)
+        elif self._prefill_graph_step(chunks):
+            batch, hidden, logits = self._replay_prefill(chunks[0])
         else:
             batch, hidden, logits = self._forward_eager(chunks)
             scores = self._score_prompts(batch, hidden)
@@ -655,6 +689,33 @@ class ModelRunner:
         if self.graphs is None or not self.graphs.can_run(chunks):
             return False
         return not any(c.req_slot in self.mm.requests for c in chunks)
+
+    def _prefill_graph_step(self, chunks: list[ScheduledChunk]) -> bool:
+        """A step the prefill graphs can replay: one short chunk of a request with no images,
+        no MTP (the drafter reads every row's hidden state) and no prompt logprobs."""
+        if self.prefill_graphs is None or len(chunks) != 1:
+            return False
+        chunk, table = chunks[0], self.requests
+        options = table.options[chunk.req_slot]
+        return (
+            self.prefill_graphs.can_run(chunk)
+            and not table.uses_mtp(chunk.req_slot)
+            and chunk.req_slot not in self.mm.requests
+            and (options is None or options.prompt_logprobs is None)
+        )
+
+    def _replay_prefill(self, chunk: ScheduledChunk) -> tuple[StepBatch, None, torch.Tensor | None]:
+        """Replays a prefill graph; the batch describes the chunk for sampling (its last row)."""
+        rows, logits = self.prefill_graphs.run(chunk)
+        batch = StepBatch(
+            chunks=[chunk],
+            input_ids=self.requests.token_ids[0, :0],  # not read after the forward
+            positions=self.prefill_graphs.rows.meta[1, : chunk.num_tokens],
+            ctx=self.prefill_graphs.contexts[rows],
+            logits_indices=self.prefill_graphs.zero,
+            sample_rows=[(0, 1)] if chunk.sample else [],
+        )
+        return batch, None, logits if chunk.sample else None
 
     def _replay(self, chunks: list[ScheduledChunk]) -> tuple[StepBatch, torch.Tensor, torch.Tensor]:
         """Replays the decode graph; the batch describes its rows for sampling and drafting."""

@@ -6,7 +6,9 @@ snapshot saved at the end), then three single-request steps are timed and profil
   short  a new request prefills NEW tokens from scratch (the same step without the context)
   decode a one-token eager decode (graphs off), for the launch-bound floor
 
-Printed per step: wall ms (launch to result), GPU kernel ms, kernels, GPU idle share.
+Printed per step: wall ms (launch to result), GPU kernel ms, kernels, GPU idle share; with CUDA
+graphs on, each step once through the graphs (`hit` and `short` replay a prefill graph, `decode` a
+decode graph) and once eagerly.
 
   python ops/gpu/profile_prefill.py --config ops/bench/configs/qwen3_5_27b.json
 """
@@ -49,16 +51,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     total = args.prefix + args.new
-    runner = build_runner(args.config, 3, total + 8, 4, [0], False, max_model_len=total + 64)
+    graphs = torch.cuda.is_available()
+    runner = build_runner(args.config, 3, total + 8, 4, [0], graphs, max_model_len=total + 64)
+    captured = (runner.graphs, runner.prefill_graphs)
     bench = Bench(runner)
     vocab = runner.text_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (args.prefix,), generator=gen).tolist()
-    print(f"{'step':>8} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
+    print(f"{'step':>8} {'mode':>7} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
+    modes = ("graphs", "eager") if graphs and any(captured) else ("eager",)
 
     def show(name: str, r: dict) -> None:
         idle = max(0.0, 1 - r["gpu_ms"] / r["wall_ms"])
-        print(f"{name:>8} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} {r['kernels']:>8} {idle:>8.1%}")
+        print(
+            f"{name:>8} {mode:>7} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} {r['kernels']:>8} "
+            f"{idle:>8.1%}"
+        )
 
     # the prefix in chunks, as the scheduler cuts it; the last chunk saves snapshot 0
     prefix_kv = bench.kv(args.prefix)
@@ -70,8 +78,9 @@ def main() -> None:
         chunk = ScheduledChunk(0, first, n, kv, last, 0, 0 if last else -1)
         elapsed = bench.run([chunk], new)
         new = []
-        print(f"{'chunk':>8} {elapsed * 1e3:>8.2f}  (positions {first}..{first + n})")
-    for _ in range(args.repeats):
+        print(f"{'chunk':>8} {'':>7} {elapsed * 1e3:>8.2f}  (positions {first}..{first + n})")
+    for _, mode in [(i, m) for i in range(args.repeats) for m in modes]:
+        runner.graphs, runner.prefill_graphs = captured if mode == "graphs" else (None, None)
         tail = torch.randint(0, vocab, (args.new,), generator=gen).tolist()
         kv = bench.kv(args.new)
         hit = NewRequest(1, prefix + tail, GREEDY, cached_kv_slots=prefix_kv, restore_snapshot=0)

@@ -75,7 +75,8 @@ for s in ${STEPS:-probe tests bench}; do
       tests/kernels/test_moe.py tests/kernels/test_moe_gemv.py tests/kernels/test_fp8.py \
       tests/kernels/test_fp8_block.py tests/kernels/test_fp8_splitk.py \
       tests/kernels/test_token_bitmask.py tests/appliance/engine/test_graphs.py \
-      tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py ;;
+      tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py \
+      tests/appliance/engine/test_prefill_graphs.py ;;
     static_fp8) step static_fp8 "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch ${STATIC_BATCH:-1 16} --mtp 0 --graphs on \
       --quantization "${QUANT:-fp8}" ${STATIC_ARGS:-} --json "$OUT/static_fp8.json" ;;
