@@ -103,6 +103,15 @@ def fused_moe(
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher for routing: the torch ops of the reference on every device (a handful of small
-    kernels; no Triton version yet)."""
+    """Dispatcher for routing: one Triton kernel on CUDA (kernels/moe_route.py), the reference's
+    torch ops elsewhere and past the kernel's limits."""
+    from kernels.moe_route import MAX_EXPERTS, MAX_TOP_K
+    from kernels.triton_utils import use_triton
+
+    experts = router_logits.shape[-1]
+    fits = experts <= MAX_EXPERTS and 0 < top_k <= min(experts, MAX_TOP_K)
+    if use_triton(router_logits) and fits:
+        from kernels.moe_route import moe_route_triton
+
+        return moe_route_triton(router_logits, top_k, renormalize)
     return moe_route_ref(router_logits, top_k, renormalize)

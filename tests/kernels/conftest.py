@@ -32,6 +32,7 @@ KERNEL_MODULES = (
     "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
     "kernels.fp8",
     "kernels.fp8_block",
+    "kernels.moe_route",
     "kernels.moe",
     "kernels.moe_sum",
     "kernels.moe_gemv",  # before moe_triton: it binds fused_moe_gemv at import
