@@ -545,6 +545,31 @@ def moe_decode_cases(compile_peers: bool) -> Iterator[tuple]:
         )
 
 
+def moe_route_cases(compile_peers: bool) -> Iterator[tuple]:
+    """Routing of Qwen3.5-35B-A3B (256 experts, top 8, renormalised) at decode and prefill sizes:
+    the one-kernel route (kernels/moe_route.py) against the reference's torch ops (softmax, topk,
+    sum, divide). GB/s of the logits read; at decode sizes the time is launch overhead."""
+    from kernels.moe import moe_route_ref
+    from kernels.moe_route import moe_route_triton
+
+    experts, top_k = 256, 8
+    for tokens in (1, 16, 64, 2048):
+        logits = torch.randn(tokens, experts, device=DEV, dtype=BF16)
+        peers = {"torch ops (reference)": lambda g=logits: moe_route_ref(g, top_k, True)}
+        if compile_peers:
+            peers["torch.compile(reference)"] = torch.compile(
+                lambda g=logits: moe_route_ref(g, top_k, True)
+            )
+        yield (
+            "moe_route",
+            f"T={tokens} E={experts} k={top_k}",
+            lambda g=logits: moe_route_triton(g, top_k, True),
+            logits.numel() * logits.element_size(),
+            "GB/s",
+            peers,
+        )
+
+
 # -------------------------------------------- sampling --------------------------------------------
 
 
@@ -592,5 +617,6 @@ OPS = {
     "fp8_decode": fp8_decode_cases,
     "moe": moe_cases,
     "moe_decode": moe_decode_cases,
+    "moe_route": moe_route_cases,
     "sampling": sampling_cases,
 }

@@ -74,7 +74,8 @@ for s in ${STEPS:-probe tests bench}; do
     verify) step verify "${VERIFY_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
       tests/kernels/test_moe.py tests/kernels/test_moe_gemv.py tests/kernels/test_fp8.py \
       tests/kernels/test_fp8_block.py tests/kernels/test_fp8_splitk.py \
-      tests/kernels/test_token_bitmask.py tests/appliance/engine/test_graphs.py \
+      tests/kernels/test_token_bitmask.py tests/kernels/test_moe_route.py \
+      tests/appliance/engine/test_graphs.py \
       tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py \
       tests/appliance/engine/test_prefill_graphs.py ;;
     static_fp8) step static_fp8 "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
