@@ -101,10 +101,13 @@ def fused_moe(
 
 
 def moe_route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatcher for routing: one Triton kernel on CUDA (kernels/moe_route.py), the reference's
-    torch ops elsewhere and past the kernel's limits."""
+    """Dispatcher for routing (weights cast to `out_dtype`): one Triton kernel on CUDA
+    (kernels/moe_route.py), the reference's torch ops elsewhere and past the kernel's limits."""
     from kernels.moe_route import MAX_EXPERTS, MAX_TOP_K
     from kernels.triton_utils import use_triton
 
@@ -113,5 +116,6 @@ def moe_route(
     if use_triton(router_logits) and fits:
         from kernels.moe_route import moe_route_triton
 
-        return moe_route_triton(router_logits, top_k, renormalize)
-    return moe_route_ref(router_logits, top_k, renormalize)
+        return moe_route_triton(router_logits, top_k, renormalize, out_dtype)
+    weights, ids = moe_route_ref(router_logits, top_k, renormalize)
+    return weights.to(out_dtype), ids

@@ -3,6 +3,7 @@ of the weights to the activations' dtype (what the reference, kernels.moe.moe_ro
 by `.to(dtype)`, does in five or six small kernels per layer; at decode sizes each is a launch
 gap of its own, ~40 MoE layers a step on Qwen3.5-35B-A3B).
 
+The weights come out in the dtype the experts multiply them in (the reference's cast after it).
 One program per token: the row of E logits (E <= MAX_EXPERTS) in registers, softmax in fp32, then
 k rounds of argmax (ties to the lower expert id, descending weights as torch.topk returns them).
 """
@@ -47,7 +48,8 @@ def _route_kernel(
     if RENORMALIZE:
         picked_w = picked_w / tl.sum(tl.where(slots < TOP_K, picked_w, 0.0), axis=0)
     keep = slots < TOP_K
-    tl.store(weights_ptr + t * TOP_K + slots, picked_w, mask=keep)
+    w = picked_w.to(weights_ptr.dtype.element_ty)
+    tl.store(weights_ptr + t * TOP_K + slots, w, mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, picked_i, mask=keep)
 
 
@@ -55,8 +57,10 @@ def moe_route_triton(
     router_logits: torch.Tensor,  # [T, E]
     top_k: int,
     renormalize: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [T, k] fp32, topk_ids [T, k] int64), as moe_route_ref."""
+    """(topk_weights [T, k] in `out_dtype` (computed in fp32), topk_ids [T, k] int64), as
+    moe_route_ref(...) with the weights cast to `out_dtype`."""
     num_tokens, num_experts = router_logits.shape
     if not 0 < top_k <= min(num_experts, MAX_TOP_K) or num_experts > MAX_EXPERTS:
         raise ValueError(
@@ -65,7 +69,7 @@ def moe_route_triton(
         )
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids

@@ -56,3 +56,11 @@ def test_dispatch_and_limits():
         moe_route_triton(randn(1, MAX_EXPERTS + 1, seed=1), 2, True)
     empty_w, empty_i = moe_route_triton(logits[:0], 4, True)
     assert empty_w.shape == (0, 4) and empty_i.shape == (0, 4)
+
+
+def test_weights_in_the_experts_dtype():
+    logits = randn(3, 64, seed=4)
+    weights, ids = moe_route_triton(logits, 6, True, torch.bfloat16)
+    ref_weights, ref_ids = moe_route_ref(logits, 6, True)
+    assert weights.dtype == torch.bfloat16 and torch.equal(ids.cpu(), ref_ids.cpu())
+    assert torch.equal(weights.cpu(), ref_weights.to(torch.bfloat16).cpu())

@@ -114,7 +114,11 @@ class SparseMoE(nn.Module):
         self.w_down, self.w_down_scale = self.method.finish(self.w_down, self.w_down_scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        # (the block-fp8 path takes fp32 weights, the others the activations' dtype, as before)
+        fp32 = self.method.block is not None
+        weights, ids = moe_route(
+            self.gate(x), self.top_k, self.renormalize, torch.float32 if fp32 else x.dtype
+        )
         shared = gate = None
         if self.shared_expert is not None:  # summed (times its sigmoid gate) inside the kernel
             shared, gate = self.shared_expert(x), self.shared_expert_gate(x)
@@ -136,7 +140,7 @@ class SparseMoE(nn.Module):
             x,
             self.w_gate_up,
             self.w_down,
-            weights.to(x.dtype),
+            weights,
             ids,
             w_gate_up_scale=self.w_gate_up_scale,
             w_down_scale=self.w_down_scale,
