@@ -8,8 +8,8 @@
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
 # GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S (prefill: a prefix hit's step, profiled;
-# verify: the GPU tests of code not yet run on the GPU; static_fp8: the 27B step with
-# QUANT=fp8|block weights);
+# verify: the tests of code not yet run on the GPU, kernels then engine, each VERIFY_S;
+# static_fp8: the 27B step with QUANT=fp8|block weights);
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
@@ -71,13 +71,15 @@ for s in ${STEPS:-probe tests bench}; do
       --mtp ${STATIC_MTP:-0} --graphs ${STATIC_GRAPHS:-on off} --fused ${STATIC_FUSED:-on off} --prompt-len 256 --steps 8 ${STATIC_ARGS:-} --json "$OUT/static_moe.json" ;;
     graphs) step graphs "${GRAPHS_S:-200}" python3 -m pytest tests/appliance/engine/test_graphs.py \
       tests/appliance/engine/test_mtp_graphs.py -q -s -p no:cacheprovider -m gpu -rfE ;;
-    verify) step verify "${VERIFY_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-      tests/kernels/test_moe.py tests/kernels/test_moe_gemv.py tests/kernels/test_fp8.py \
-      tests/kernels/test_fp8_block.py tests/kernels/test_fp8_splitk.py \
-      tests/kernels/test_token_bitmask.py tests/kernels/test_moe_route.py \
-      tests/appliance/engine/test_graphs.py \
-      tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py \
-      tests/appliance/engine/test_prefill_graphs.py ;;
+    verify)  # the newest first (a time limit cuts the last): kernel tests run on CUDA whole,
+      # the engine's only their `gpu` cases
+      step verify "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE \
+        tests/kernels/test_moe_route.py tests/kernels/test_token_bitmask.py \
+        tests/kernels/test_moe_gemv.py tests/kernels/test_fp8_splitk.py tests/kernels/test_moe.py \
+        tests/kernels/test_fp8.py tests/kernels/test_fp8_block.py
+      step verify_engine "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+        tests/appliance/engine/test_prefill_graphs.py tests/appliance/engine/test_graphs.py \
+        tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py ;;
     static_fp8) step static_fp8 "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch ${STATIC_BATCH:-1 16} --mtp 0 --graphs on \
       --quantization "${QUANT:-fp8}" ${STATIC_ARGS:-} --json "$OUT/static_fp8.json" ;;

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import randn
+from kernel_cases import DEVICE, randn
 
 from kernels.moe import moe_route_ref
 from kernels.moe_route import MAX_EXPERTS, moe_route_triton
@@ -37,7 +37,7 @@ def test_ties_go_to_the_lower_id_and_strided_rows():
     logits[1, 5] = 1.0
     wide = torch.zeros(2, 40)
     wide[:, :16] = logits
-    weights, ids = moe_route_triton(wide[:, :16], 2, True)
+    weights, ids = moe_route_triton(wide.to(DEVICE)[:, :16], 2, True)
     assert ids.tolist()[0] == [3, 9]
     assert ids.tolist()[1][0] == 5
     torch.testing.assert_close(weights.sum(-1).cpu(), torch.ones(2))
@@ -48,7 +48,7 @@ def test_dispatch_and_limits():
 
     logits = randn(4, 32, seed=3)
     expected = moe_route_ref(logits, 4, True)
-    got = moe.moe_route(logits, 4, True)  # the reference on CPU tensors
+    got = moe.moe_route(logits, 4, True)  # the kernel on CUDA tensors, else the reference
     assert torch.equal(got[1], expected[1])
     with pytest.raises(ValueError, match="top_k"):
         moe_route_triton(logits, 33, True)
