@@ -450,6 +450,8 @@ class ModelRunner(RunnerMemory):
     ) -> list[SampledTokens]:
         """Sampling, MTP acceptance and the draft pass with the host reading the samples."""
         sampled: list[SampledTokens] = []
+        if logits is not None and self.guided:
+            self._settle_guided(batch.sample_chunks)
         if logits is not None:
             sampled = self._commit(batch, self._sample(logits, batch))
             if self.guided:
@@ -462,6 +464,14 @@ class ModelRunner(RunnerMemory):
             }
             self.drafter.run(hidden, extend_rows(batch.chunks, accepted, self.requests))
         return sampled
+
+    def _settle_guided(self, chunks: list[ScheduledChunk]) -> None:
+        """Before masks are filled on the host path: the results of the steps in flight (their
+        device-resident guided rows reach the matchers only when collected; computed now, kept
+        for collect())."""
+        if any(c.req_slot in self.guided for c in chunks):
+            for pending in self._pending:
+                pending.result()
 
     def _device_resident(self, batch: StepBatch) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with

@@ -232,3 +232,49 @@ def test_guided_sampling_behind_a_step_in_flight_waits_for_its_result(tiny_dense
     for tokens in overlapped[1:]:
         text = llm.tokenizer.decode(tokens).removesuffix("<|im_end|>")
         assert re.fullmatch(r"(ab|cd)+[0-9]{0,4}", text), text
+
+
+def test_a_host_path_step_behind_a_guided_step_in_flight_reads_current_matchers(tiny_dense):
+    """A guided request's decode runs device-resident (its matcher reads the token when the
+    result is collected); if the next step takes the host path (here an MTP request's prefill
+    joins it) while that step is in flight, the masks must wait for the matcher: the tokens equal
+    those of the same plans run one at a time."""
+    from appliance.config import EngineConfig, ModelConfig, SchedulerConfig
+    from appliance.engine.runner import ModelRunner
+    from appliance.messages import NewRequest, ScheduledChunk, StepPlan
+
+    config = EngineConfig(
+        model=ModelConfig(model_dir=str(tiny_dense), max_model_len=128),
+        scheduler=SchedulerConfig(max_num_seqs=4, num_kv_slots=1024, mtp_step=1),
+    )
+    guided = SamplingOptions(temperature=1.0, seed=3, guide=GUIDE)
+    prompt, other = [5, 6, 7, 8], [9, 10, 11, 12, 13]
+    p = len(prompt)
+    plans = [
+        StepPlan(
+            0, [NewRequest(1, prompt, guided)], [ScheduledChunk(1, 0, p, [0, 1, 2, 3], True)], []
+        ),
+        StepPlan(1, [], [ScheduledChunk(1, p, 1, [4], True)], []),
+        StepPlan(
+            2,
+            [NewRequest(2, other, SamplingOptions(temperature=0.0), num_draft=1)],
+            [
+                ScheduledChunk(1, p + 1, 1, [5], True),
+                ScheduledChunk(2, 0, 5, [10, 11, 12, 13, 14], True),
+            ],
+            [],
+        ),
+        StepPlan(3, [], [ScheduledChunk(1, p + 2, 1, [6], True)], []),
+    ]
+
+    def tokens(results) -> list[int]:
+        return [t for r in results for s in r.sampled if s.req_slot == 1 for t in s.token_ids]
+
+    alone = ModelRunner(config)
+    expected = tokens([alone.execute(plan) for plan in plans])
+    runner = ModelRunner(config)
+    results = [runner.execute(plans[0])]
+    runner.submit(plans[1])  # device-resident, in flight
+    runner.submit(plans[2])  # host path (the MTP request) behind it
+    results += [runner.collect(), runner.collect(), runner.execute(plans[3])]
+    assert tokens(results) == expected
