@@ -64,6 +64,10 @@ class SlotAllocator:
             return
         assert self._in_use[slots].all(), f"{self.name}: freeing a slot that is not allocated"
         assert self.distinct(slots), f"{self.name}: duplicate slots in one free"
+        self._push(slots)
+
+    def _push(self, slots: np.ndarray) -> None:
+        """Back on the free list: distinct allocated slots (the callers checked)."""
         self._in_use[slots] = False
         # Push in reverse so that alloc(n) right after free(x) returns x in its original order.
         self._stack[self._top : self._top + slots.size] = slots[::-1]
@@ -107,8 +111,8 @@ class RefCountedSlots(SlotAllocator):
         else:
             np.subtract.at(self._refs, slots, 1)
             dead = np.unique(slots[self._refs[slots] == 0])
-        if dead.size:
-            super().free(dead)
+        if dead.size:  # (allocated and distinct: checked above)
+            self._push(dead)
 
     def refs(self, slot: int) -> int:
         return int(self._refs[slot])

@@ -4,7 +4,7 @@ snapshot saved at the end), then three single-request steps are timed and profil
 
   hit    a new request shares the PREFIX tokens' KV, restores the snapshot, prefills NEW tokens
   short  a new request prefills NEW tokens from scratch (the same step without the context)
-  decode a one-token eager decode (graphs off), for the launch-bound floor
+  decode a one-token decode, for the launch-bound floor
 
 Printed per step: wall ms (launch to result), GPU kernel ms, kernels, GPU idle share; with CUDA
 graphs on, each step once through the graphs (`hit` and `short` replay a prefill graph, `decode` a
@@ -29,7 +29,7 @@ from appliance.messages import NewRequest, ScheduledChunk, StepPlan  # noqa: E40
 from ops.bench.bench_static import GREEDY, Bench, build_runner, sync  # noqa: E402
 
 
-def timed(bench: Bench, plan: StepPlan, repeats: int = 1) -> dict:
+def timed(bench: Bench, plan: StepPlan) -> dict:
     """Wall time of one step (submit to result) and its kernels under torch.profiler."""
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -61,7 +61,7 @@ def main() -> None:
     print(f"{'step':>8} {'mode':>7} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
     modes = ("graphs", "eager") if graphs and any(captured) else ("eager",)
 
-    def show(name: str, r: dict) -> None:
+    def show(name: str, mode: str, r: dict) -> None:
         idle = max(0.0, 1 - r["gpu_ms"] / r["wall_ms"])
         print(
             f"{name:>8} {mode:>7} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} {r['kernels']:>8} "
@@ -79,23 +79,23 @@ def main() -> None:
         elapsed = bench.run([chunk], new)
         new = []
         print(f"{'chunk':>8} {'':>7} {elapsed * 1e3:>8.2f}  (positions {first}..{first + n})")
-    for _, mode in [(i, m) for i in range(args.repeats) for m in modes]:
+    for mode in [m for _ in range(args.repeats) for m in modes]:
         runner.graphs, runner.prefill_graphs = captured if mode == "graphs" else (None, None)
         tail = torch.randint(0, vocab, (args.new,), generator=gen).tolist()
         kv = bench.kv(args.new)
         hit = NewRequest(1, prefix + tail, GREEDY, cached_kv_slots=prefix_kv, restore_snapshot=0)
         plan = StepPlan(bench.step, [hit], [ScheduledChunk(1, args.prefix, args.new, kv, True)], [])
         bench.step += 1
-        show("hit", timed(bench, plan))
+        show("hit", mode, timed(bench, plan))
         bench.run([], released=[1])
         short = NewRequest(2, tail, GREEDY)
         kv = bench.kv(args.new)
         plan = StepPlan(bench.step, [short], [ScheduledChunk(2, 0, args.new, kv, True)], [])
         bench.step += 1
-        show("short", timed(bench, plan))
+        show("short", mode, timed(bench, plan))
         plan = StepPlan(bench.step, [], [ScheduledChunk(2, args.new, 1, bench.kv(1), True)], [])
         bench.step += 1
-        show("decode", timed(bench, plan))
+        show("decode", mode, timed(bench, plan))
         bench.run([], released=[2])
 
 
