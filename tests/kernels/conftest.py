@@ -30,6 +30,7 @@ KERNEL_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
+    "kernels.fp8_gemv",  # likewise
     "kernels.fp8",
     "kernels.fp8_block",
     "kernels.moe_route",
