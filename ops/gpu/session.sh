@@ -7,7 +7,7 @@
 # Carried (git-ignored) payload: .gpu-payload/*.whl (msgspec, fla-core, tvm-ffi ...) and
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
-# GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S (prefill: a prefix hit's step, profiled;
+# GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S GEMV_S (prefill: a prefix hit's step, profiled;
 # verify: the tests of code not yet run on the GPU, kernels then engine, each VERIFY_S
 # (verify_engine: the engine's alone);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
@@ -89,6 +89,8 @@ for s in ${STEPS:-probe tests bench}; do
       bash ops/gpu/prefix_bench.sh ;;
     prefill) step prefill "${PREFILL_S:-200}" python3 ops/gpu/profile_prefill.py \
       --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
+    gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
+      --json "$OUT/gemv.json" ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
     *) echo "unknown step $s" ;;
