@@ -4,9 +4,10 @@ linears and fp8 experts: references, Triton kernels and the dispatchers `fp8_qua
 `fp8_linear` is what fp8 linear layers with per-channel weight scales run (compressed-tensors
 FP8_DYNAMIC checkpoints, online --quantization fp8: appliance/models/layers/quant_methods.py);
 block-scaled checkpoints (Qwen "-FP8") use kernels/fp8_block.py. On the Triton route, decode
-sizes run the weight-only GEMV of kernels/fp8_gemv.py (M <= 4: bf16 activations, no quantisation
-kernel) or, with a long K (M <= 16, K >= 2N), the split-K kernel of kernels/fp8_splitk.py. Also
-called by kernels/moe_triton.py (per-token activation quantisation of fp8 experts).
+sizes run the weight-only GEMV of kernels/fp8_gemv.py (one row, where it wins: bf16
+activations, no quantisation kernel) or, with a long K (M <= 16, K >= 2N), the split-K kernel
+of kernels/fp8_splitk.py. Also called by kernels/moe_triton.py (per-token activation quantisation
+of fp8 experts).
 
 Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale
 per output channel [N] or one per tensor [1].
@@ -18,7 +19,7 @@ import torch
 
 from kernels import backends
 from kernels.adapters import fp8_scaled_mm_external
-from kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv
+from kernels.fp8_gemv import fp8_gemv, gemv_wins
 from kernels.fp8_splitk import fp8_splitk_mm, splitk_wins
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
@@ -374,8 +375,8 @@ def fp8_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for an fp8 weight: dynamic per-token activation quant, then the scaled GEMM; at
-    decode sizes on the Triton route, the weight-only GEMV of kernels/fp8_gemv.py instead."""
-    if use_triton(x) and x.shape[0] <= GEMV_MAX_M:
+    batch 1 on the Triton route, where it wins, the weight-only GEMV of kernels/fp8_gemv.py."""
+    if use_triton(x) and gemv_wins(x.shape[0], *weight_q.shape):
         if fp8_gemm_route(backends.selected("fp8_gemm"), x.shape[0], x.device) == "triton":
             return fp8_gemv(x, weight_q, weight_scale, bias=bias)
     x_q, x_scale = fp8_quant(x, per_token=True)

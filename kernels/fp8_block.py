@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
-from kernels.fp8_gemv import GEMV_MAX_M, fp8_gemv, gemv_config
+from kernels.fp8_gemv import fp8_gemv, gemv_config, gemv_wins
 from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
 from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
 from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
@@ -162,11 +162,11 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
-    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); at decode sizes on
-    CUDA, the weight-only GEMV of kernels/fp8_gemv.py (bf16 activations, no quantisation kernel)."""
-    if use_triton(x) and x.shape[0] <= GEMV_MAX_M:
-        cfg = gemv_config(x.shape[0], *weight_q.shape)
-        if block[0] % int(cfg["block_n"]) == 0:
+    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); at batch 1 on CUDA,
+    where it wins, the weight-only GEMV of kernels/fp8_gemv.py (bf16 activations)."""
+    if use_triton(x) and gemv_wins(x.shape[0], *weight_q.shape):
+        cfg = gemv_config(*weight_q.shape)
+        if block[0] % cfg["block_n"] == 0:
             return fp8_gemv(x, weight_q, weight_scale, block, bias, cfg)
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):

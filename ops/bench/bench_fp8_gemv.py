@@ -1,12 +1,12 @@
-"""Decode-sized fp8 linears as weight reads on the GPU: the weight-only GEMV of kernels/fp8_gemv.py
-over a sweep of its tiles, against the route it replaces (per-token activation quantisation +
-tiled / split-K fp8 GEMM), the block-scaled variants, a bf16 GEMM and the copy bandwidth measured
-in the same run (the floor: fp8 weight bytes / copy bandwidth).
+"""Decode-sized fp8 linears as weight reads on the GPU: what fp8_linear runs, the fp8 x fp8 route
+(per-token activation quantisation + tiled / split-K fp8 GEMM) and, at one row, the weight-only
+GEMV of kernels/fp8_gemv.py over a sweep of its tiles; the block-scaled variants, a bf16 GEMM
+and the copy bandwidth measured in the same run (the floor: fp8 weight bytes / copy bandwidth).
 
 Every case is timed as a CUDA graph of REPS launches cycling over enough weight copies that none is
 served from L2 (what a model step sees: each layer's weight is read once), so launch overhead is
 the graph's, as in the served decode step.
-  python ops/bench/bench_fp8_gemv.py --json gemv.json            # Qwen3.5-27B shapes, M = 1 2 4
+  python ops/bench/bench_fp8_gemv.py --json gemv.json     # Qwen3.5-27B shapes, one row
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from kernels import fp8, fp8_block
-from kernels.fp8_gemv import fp8_gemv
+from kernels.fp8_gemv import fp8_gemv, gemv_config
 
 SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
     "gdn in_proj qkvz": (16384, 5120),
@@ -33,11 +33,10 @@ REPS = 40
 
 
 def sweep_configs(full: bool) -> list[dict]:
-    fma = itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8)) if full else [(8, 512, 4)]
-    out = [{"use_dot": False, "block_n": n, "block_k": k, "num_warps": w} for n, k, w in fma]
-    dots = itertools.product((16, 32, 64), (128, 256)) if full else [(16, 256)]
-    out += [{"use_dot": True, "block_n": n, "block_k": k, "num_warps": 4} for n, k in dots]
-    return out
+    if not full:
+        return []
+    grid = itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3))
+    return [{"block_n": n, "block_k": k, "num_warps": w, "stages": st} for n, k, w, st in grid]
 
 
 def graph_time_us(fns: list, reps: int = REPS) -> float:
@@ -67,18 +66,22 @@ def graph_time_us(fns: list, reps: int = REPS) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth, bytes/s (read + write counted)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy bandwidth, bytes/s (read + write counted), after a warm-up (a cold
+    GPU's clocks read low)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    src.view(torch.bfloat16).uniform_()
     dst = torch.empty_like(src)
+    for _ in range(20):
+        dst.copy_(src)
     us = graph_time_us([lambda: dst.copy_(src)], reps=10)
     return 2 * src.numel() / (us * 1e-6)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="the default tile only, no sweep")
+    p.add_argument("--m", type=int, nargs="+", default=[1], help="rows (the GEMV: 1)")
     p.add_argument("--json")
     args = p.parse_args()
     bw = copy_bandwidth()
@@ -100,37 +103,28 @@ def main() -> None:
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us}
-            row["quant+gemm_us"] = graph_time_us([partial(_old_route, x, q, w_s) for q in wq])
+            row["quant+gemm_us"] = graph_time_us([partial(_fp8_route, x, q, w_s) for q in wq])
             row["block quant+gemm_us"] = graph_time_us(
-                [partial(_old_block_route, x, q, b_s) for q in bq]
+                [partial(_fp8_block_route, x, q, b_s) for q in bq]
             )
             row["bf16_us"] = graph_time_us([partial(torch.matmul, x, v.t()) for v in w16s])
-            sweep = []
-            for cfg in sweep_configs(not args.quick):
-                try:
-                    us = graph_time_us([partial(fp8_gemv, x, q, w_s, config=cfg) for q in wq])
-                except Exception as exc:  # a tile Triton cannot build: reported, skipped
-                    print(f"  {name} M={m} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-                    continue
-                sweep.append((us, cfg))
-            sweep.sort(key=lambda t: t[0])
-            best_us, best_cfg = sweep[0]
-            row["gemv_best_us"], row["gemv_best"] = best_us, best_cfg
-            row["gemv_default_us"] = graph_time_us([partial(fp8_gemv, x, q, w_s) for q in wq])
-            row["gemv_block_us"] = graph_time_us(
-                [partial(fp8_gemv, x, q, b_s, (128, 128)) for q in bq]
-            )
-            row["sweep_top5"] = [(round(us, 2), c) for us, c in sweep[:5]]
-            rows.append(row)
-            print(
+            row["fp8_linear_us"] = graph_time_us([partial(fp8.fp8_linear, x, q, w_s) for q in wq])
+            line = (
                 f"{name:20s} M={m} floor {floor_us:6.1f} |"
-                f" gemv default {row['gemv_default_us']:6.1f}"
-                f" ({row['gemv_default_us'] / floor_us:.2f}x) best {best_us:6.1f}"
-                f" ({best_us / floor_us:.2f}x, {n * k / best_us / 1e3:.0f} GB/s) {best_cfg}"
-                f" | block {row['gemv_block_us']:6.1f} | quant+gemm {row['quant+gemm_us']:6.1f}"
-                f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}",
-                flush=True,
+                f" fp8_linear {row['fp8_linear_us']:6.1f} ({row['fp8_linear_us'] / floor_us:.2f}x)"
+                f" | quant+gemm {row['quant+gemm_us']:6.1f}"
+                f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}"
             )
+            if m == 1:
+                row.update(gemv_row(x, wq, w_s, bq, b_s, not args.quick))
+                best_us = row["gemv_best_us"]
+                line += (
+                    f" | gemv {row['gemv_default_us']:6.1f} block {row['gemv_block_us']:6.1f}"
+                    f" best {best_us:6.1f} ({best_us / floor_us:.2f}x,"
+                    f" {n * k / best_us / 1e3:.0f} GB/s) {row['gemv_best']}"
+                )
+            rows.append(row)
+            print(line, flush=True)
         del wq, bq, w16s
         torch.cuda.empty_cache()
     if args.json:
@@ -138,15 +132,32 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
-def _old_route(x, w_q, w_s):
-    """What fp8_linear ran before the GEMV: per-token quant + split-K / tiled GEMM."""
+def gemv_row(x, wq, w_s, bq, b_s, full: bool) -> dict:
+    """The GEMV at its default tile (per channel and block scales) and the sweep's best tiles."""
+    row = {"gemv_default_us": graph_time_us([partial(fp8_gemv, x, q, w_s) for q in wq])}
+    row["gemv_block_us"] = graph_time_us([partial(fp8_gemv, x, q, b_s, (128, 128)) for q in bq])
+    sweep = [(row["gemv_default_us"], gemv_config(*wq[0].shape))]
+    for cfg in sweep_configs(full):
+        try:
+            us = graph_time_us([partial(fp8_gemv, x, q, w_s, config=cfg) for q in wq])
+            sweep.append((us, cfg))
+        except Exception as exc:  # a tile Triton cannot build: reported, skipped
+            print(f"  {tuple(wq[0].shape)} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
+    sweep.sort(key=lambda t: t[0])
+    row["gemv_best_us"], row["gemv_best"] = sweep[0]
+    row["sweep_top5"] = [(round(us, 2), c) for us, c in sweep[:5]]
+    return row
+
+
+def _fp8_route(x, w_q, w_s):
+    """The fp8 x fp8 route: per-token quant + split-K / tiled GEMM."""
     x_q, x_s = fp8.fp8_quant(x, per_token=True)
     if fp8.splitk_wins(x.shape[0], w_q.shape[0], w_q.shape[1]):
         return fp8.fp8_splitk_mm(x_q, w_q, x_s, w_s, x.dtype)
     return fp8.fp8_scaled_mm_triton(x_q, w_q, x_s, w_s, x.dtype)
 
 
-def _old_block_route(x, w_q, w_s):
+def _fp8_block_route(x, w_q, w_s):
     x_q, x_s = fp8_block.per_token_group_quant(x, 128)
     if fp8_block.splitk_wins(x.shape[0], w_q.shape[0], w_q.shape[1]):
         return fp8_block.fp8_splitk_block_mm(x_q, x_s, w_q, w_s, (128, 128), x.dtype)

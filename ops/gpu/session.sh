@@ -8,7 +8,8 @@
 # .gpu-payload/*.tar.xz (flashinfer / sglang-kernel / tilelang+flash-qla, see ../shared/gpu).
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
 # GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S GEMV_S (prefill: a prefix hit's step, profiled;
-# verify: the tests of code not yet run on the GPU, kernels then engine, each VERIFY_S
+# verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
+# engine, each VERIFY_S
 # (verify_engine: the engine's alone);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
@@ -75,9 +76,10 @@ for s in ${STEPS:-probe tests bench}; do
     verify)  # the newest first (a time limit cuts the last): kernel tests run on CUDA whole,
       # the engine's only their `gpu` cases
       step verify "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE \
-        tests/kernels/test_moe_route.py tests/kernels/test_token_bitmask.py \
-        tests/kernels/test_moe_gemv.py tests/kernels/test_fp8_splitk.py tests/kernels/test_moe.py \
-        tests/kernels/test_fp8.py tests/kernels/test_fp8_block.py ;;&
+        ${VERIFY_KERNELS:-tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_route.py \
+        tests/kernels/test_token_bitmask.py tests/kernels/test_moe_gemv.py \
+        tests/kernels/test_fp8_splitk.py tests/kernels/test_moe.py tests/kernels/test_fp8.py \
+        tests/kernels/test_fp8_block.py} ;;&
     verify|verify_engine)
       step verify_engine "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
         tests/appliance/engine/test_prefill_graphs.py tests/appliance/engine/test_graphs.py \
