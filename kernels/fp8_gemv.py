@@ -8,9 +8,10 @@ and buys nothing here: the tensor cores are idle either way. So this kernel read
 as it is, converts each weight tile to fp32 and multiply-adds into a [BLOCK_N, BLOCK_K] register
 tile summed over K at the end (no tensor cores: one row). Each program owns BLOCK_N output
 channels and streams their whole K, so no partial sums leave the SM and there is no second
-kernel. Used where it wins (`gemv_wins`); more rows (batch > 1, an MTP verify) go through the fp8
-x fp8 kernels, which were faster in the same sweep (a [M, BLOCK_N, BLOCK_K] tile and a bf16 tensor
-core variant of this kernel both lost to them at M = 2 and 4).
+kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
+bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels, which were
+faster in an earlier sweep (a [M, BLOCK_N, BLOCK_K] tile and a bf16 tensor-core variant of this
+kernel, both unpipelined, lost to them at M = 2 and 4).
 
 Scales (dequantisation: w ~= w_q * s):
 - per channel: s [N] (or one per tensor, [1]), applied to the sums;
@@ -101,18 +102,17 @@ def _gemv_kernel(
 
 
 def gemv_wins(m: int, n: int, k: int) -> bool:
-    """Where the GEMV beats quantising the row and running the fp8 x fp8 kernels, on the H200
-    (ops/bench/bench_fp8_gemv.py, docs/benchmarks.md): one row, and K between N and 2N (the
-    5120 x 6144 output projections: 16.4 vs 21.4 us), where the tiled kernel launches only N / 64
-    programs and the split-K kernel does not apply; the wide projections (K < N) stream at a
-    higher rate through the tiled kernel, the long-K down projection through split-K."""
-    return m == 1 and n <= k < 2 * n
+    """Where the GEMV beats quantising the row and running the fp8 x fp8 kernels: one row. On the
+    H200 (ops/bench/bench_fp8_gemv.py, docs/benchmarks.md) it read the 27B weights at 3.1-4.0
+    TB/s against 1.5-3.3 for the quantise + tiled / split-K route, at every projection; more rows
+    (batch > 1, an MTP verify) stay on the fp8 x fp8 kernels."""
+    return m == 1
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
-    """Tile and warps (the H200 sweep in docs/benchmarks.md): small column blocks so that even
-    N = 5120 gives several programs per SM, each streaming its whole K."""
-    return {"block_n": 8, "block_k": 512 if k < 8192 else 1024, "num_warps": 4, "stages": 1}
+    """Tile, warps and K-loop stages: the H200 sweep's best at every 27B projection (8 x 512
+    tiles, 3 stages of the K loop in flight; unpipelined, the same tiles were 10-40 % slower)."""
+    return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
 
 
 def fp8_gemv(

@@ -10,7 +10,9 @@
 # GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S GEMV_S (prefill: a prefix hit's step, profiled;
 # verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
 # engine, each VERIFY_S
-# (verify_engine: the engine's alone);
+# (verify_engine: the engine's alone; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
+# KV decode attention (KV_FP8_S); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
@@ -81,6 +83,7 @@ for s in ${STEPS:-probe tests bench}; do
         tests/kernels/test_fp8_splitk.py tests/kernels/test_moe.py tests/kernels/test_fp8.py \
         tests/kernels/test_fp8_block.py} ;;&
     verify|verify_engine)
+      [ "$s" = verify ] && [ "${VERIFY_ENGINE:-1}" = 0 ] && continue
       step verify_engine "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
         tests/appliance/engine/test_prefill_graphs.py tests/appliance/engine/test_graphs.py \
         tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py ;;
@@ -93,6 +96,10 @@ for s in ${STEPS:-probe tests bench}; do
       --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
+    kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 \
+      --batches 1,16,64 ;;
+    serve) step "serve_${TAG:-serve}" "${SERVE_S:-300}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
+      bash ops/gpu/serve_bench.sh ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
     *) echo "unknown step $s" ;;

@@ -80,11 +80,9 @@ def test_gemv_refuses_what_it_does_not_run():
         fp8_gemv(randn(1, 128), w_q.to(DEVICE), s.to(DEVICE), block=(4, 64))
 
 
-def test_route_takes_the_gemv_only_where_it_was_measured_to_win():
-    assert gemv_wins(1, 5120, 6144)  # the 27B output projections
-    assert not gemv_wins(2, 5120, 6144)  # more rows: fp8 x fp8 kernels
-    assert not gemv_wins(1, 34816, 5120)  # wide: the tiled kernel streams faster
-    assert not gemv_wins(1, 5120, 17408)  # long K: split-K
+def test_route_takes_the_gemv_at_one_row():
+    assert gemv_wins(1, 5120, 6144) and gemv_wins(1, 34816, 5120) and gemv_wins(1, 5120, 17408)
+    assert not gemv_wins(2, 5120, 6144)  # more rows: the fp8 x fp8 kernels
 
 
 @gpu
@@ -98,8 +96,8 @@ def test_full_size_27b_shapes(n, k):
     w_q, s = per_token_quant_ref(w)
     expected = fp8_gemv_ref(x, w_q, s.reshape(-1))
     assert rel_error(fp8_gemv(x, w_q, s.reshape(-1)), expected) < 1e-2
-    assert rel_error(fp8_linear(x, w_q, s.reshape(-1)), expected) < 2e-2  # whichever route
+    assert rel_error(fp8_linear(x, w_q, s.reshape(-1)), expected) < 1e-2  # the route takes it
     b_q, b_s = quantize_block_ref(w, (128, 128))
     expected = fp8_gemv_ref(x, b_q, b_s, block=(128, 128))
     assert rel_error(fp8_gemv(x, b_q, b_s, block=(128, 128)), expected) < 1e-2
-    assert rel_error(fp8_block_linear(x, b_q, b_s, (128, 128)), expected) < 2e-2
+    assert rel_error(fp8_block_linear(x, b_q, b_s, (128, 128)), expected) < 1e-2
