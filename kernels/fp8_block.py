@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
-from kernels.fp8_gemv import fp8_gemv, gemv_config, gemv_wins
 from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
 from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
 from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
@@ -162,12 +161,9 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
-    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); at batch 1 on CUDA,
-    where it wins, the weight-only GEMV of kernels/fp8_gemv.py (bf16 activations)."""
-    if use_triton(x) and gemv_wins(x.shape[0], *weight_q.shape):
-        cfg = gemv_config(*weight_q.shape)
-        if block[0] % cfg["block_n"] == 0:
-            return fp8_gemv(x, weight_q, weight_scale, block, bias, cfg)
+    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere). The one-row GEMV of
+    kernels/fp8_gemv.py with these scales measured slower on the H200 than this route (a block
+    scale per 128 columns stalls its pipelined loop; docs/benchmarks.md), so it is not used here."""
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
         if (

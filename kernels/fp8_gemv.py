@@ -13,12 +13,10 @@ bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 k
 faster in an earlier sweep (a [M, BLOCK_N, BLOCK_K] tile and a bf16 tensor-core variant of this
 kernel, both unpipelined, lost to them at M = 2 and 4).
 
-Scales (dequantisation: w ~= w_q * s):
-- per channel: s [N] (or one per tensor, [1]), applied to the sums;
-- block: s [ceil(N / block_n), ceil(K / block_k)]; a program's BLOCK_N rows lie in one scale
-  row (BLOCK_N divides block_n) and the K tile is cut into sub-tiles of one scale column each, so
-  each sub-tile's scale is one scalar folded into the activations (a per-element gather of the
-  scales instead made the pipelined loop 4x slower on the H200).
+Scales (dequantisation: w ~= w_q * s): per channel, s [N], or one per tensor, [1], applied to
+the sums. Block-scaled weights (Qwen's -FP8 repos) stay on the quantise + block GEMM route: a
+version of this kernel with a scale per 128 columns ran 1.2-2x slower than that route on the H200
+(a per-element gather of the scales, 4x; docs/benchmarks.md).
 The reference, `fp8_gemv_ref`, is the product with the dequantised weight in fp32: what this kernel
 computes up to summation order (it is closer to the full-precision layer than the fp8 x fp8
 GEMMs, which also round the activations).
@@ -34,19 +32,10 @@ from kernels.triton_utils import check_last_dim_contiguous, jit, tl
 def fp8_gemv_ref(
     x: torch.Tensor,  # [M, K]
     w_q: torch.Tensor,  # [N, K] e4m3
-    scale: torch.Tensor,  # [N] / [1] per channel, or [ceil(N/bn), ceil(K/bk)] with block
-    block: tuple[int, int] | None = None,
+    scale: torch.Tensor,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    n, k = w_q.shape
-    w = w_q.float()
-    if block is None:
-        w = w * scale.float().reshape(-1, 1)
-    else:
-        bn, bk = block
-        s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        w = w * s
-    out = x.float() @ w.t()
+    out = x.float() @ (w_q.float() * scale.float().reshape(-1, 1)).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -62,44 +51,34 @@ def _gemv_kernel(
     n_size,
     k_size,
     stride_wn,
-    stride_sn,
-    BLOCKED: tl.constexpr,
-    SCALE_N: tl.constexpr,  # block_n of block scales
-    SCALE_K: tl.constexpr,  # block_k of block scales
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUB_K: tl.constexpr,  # BLOCK_K, or with block scales the part of it in one scale group
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, SUB_K)
+    rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
-        for j in tl.static_range(BLOCK_K // SUB_K):  # sub-tiles: one block-scale group each
-            k = k0 + j * SUB_K + rk
-            k_ok = k < k_size
-            if EVEN:
-                w = tl.load(w_rows + k[None, :])
-                x = tl.load(x_ptr + k).to(tl.float32)
-            else:
-                w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            if BLOCKED:  # one scale per sub-tile: a scalar load, not a gather
-                x = x * tl.load(s_row + (k0 + j * SUB_K) // SCALE_K)
-            acc += w.to(tl.float32) * x[None, :]
-    out = tl.sum(acc, axis=1)
-    if not BLOCKED:
-        if PER_COL:
-            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+        k = k0 + rk
+        if EVEN:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_ptr + k)
         else:
-            out = out * tl.load(s_ptr)
+            k_ok = k < k_size
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if PER_COL:
+        out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+    else:
+        out = out * tl.load(s_ptr)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -122,8 +101,7 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
 def fp8_gemv(
     x: torch.Tensor,  # [1, K] (or [K]) bf16 / fp16 / fp32
     w_q: torch.Tensor,  # [N, K] e4m3
-    scale: torch.Tensor,  # [N] / [N, 1] / [1], or block scales [ceil(N/bn), ceil(K/bk)]
-    block: tuple[int, int] | None = None,
+    scale: torch.Tensor,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
@@ -135,12 +113,8 @@ def fp8_gemv(
         raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} (one row of K)")
     cfg = config or gemv_config(n, k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    sub_k = block_k if block is None else min(block_k, block[1])
-    if block is not None and (block[0] % block_n or max(block_k, block[1]) % sub_k):
-        # a program's rows share one scale row, each sub-tile one scale column
-        raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    s = scale.float().contiguous() if block is not None else scale.float().reshape(-1)
+    s = scale.float().reshape(-1)
     _gemv_kernel[(-(-n // block_n),)](
         x,
         w_q,
@@ -150,17 +124,12 @@ def fp8_gemv(
         n,
         k,
         w_q.stride(0),
-        s.stride(0) if block is not None else 0,
-        BLOCKED=block is not None,
-        SCALE_N=block[0] if block is not None else 1,
-        SCALE_K=block[1] if block is not None else 1,
-        PER_COL=block is None and s.numel() > 1,
+        PER_COL=s.numel() > 1,
         HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0,
         STAGES=cfg.get("stages", 1),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        SUB_K=sub_k,
         num_warps=cfg["num_warps"],
     )
     return out

@@ -123,11 +123,10 @@ def main() -> None:
                 f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}"
             )
             if m == 1:
-                row.update(gemv_row(x, wq, w_s, bq, b_s, not args.quick))
+                row.update(gemv_row(x, wq, w_s, not args.quick))
                 best_us = row["gemv_best_us"]
                 line += (
-                    f" | gemv {row['gemv_default_us']:6.1f} block {row['gemv_block_us']:6.1f}"
-                    f" (best {row['gemv_block_best_us']:6.1f} {row['gemv_block_best']})"
+                    f" | gemv {row['gemv_default_us']:6.1f}"
                     f" best {best_us:6.1f} ({best_us / floor_us:.2f}x,"
                     f" {n * k / best_us / 1e3:.0f} GB/s) {row['gemv_best']}"
                 )
@@ -140,17 +139,9 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
-def gemv_row(x, wq, w_s, bq, b_s, full: bool) -> dict:
-    """The GEMV at its default tile (per channel and block scales) and the sweep's best tiles."""
+def gemv_row(x, wq, w_s, full: bool) -> dict:
+    """The GEMV at its default tile and the sweep's best tiles."""
     row = {"gemv_default_us": graph_time_us([partial(fp8_gemv, x, q, w_s) for q in wq])}
-    row["gemv_block_us"] = graph_time_us([partial(fp8_gemv, x, q, b_s, (128, 128)) for q in bq])
-    blocks = []
-    for n, bk, w, st in ((8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (16, 128, 4, 4)):
-        cfg = {"block_n": n, "block_k": bk, "num_warps": w, "stages": st}
-        fns = [partial(fp8_gemv, x, q, b_s, (128, 128), config=cfg) for q in bq]
-        blocks.append((graph_time_us(fns), cfg))
-    blocks.sort(key=lambda t: t[0])
-    row["gemv_block_best_us"], row["gemv_block_best"] = blocks[0]
     sweep = [(row["gemv_default_us"], gemv_config(*wq[0].shape))]
     for cfg in sweep_configs(full):
         try:

@@ -1,6 +1,6 @@
 """The batch-1 weight-only fp8 GEMV (kernels/fp8_gemv.py) against its reference (the product with
-the dequantised weight), per channel, per tensor and with 128 x 128 block scales, ragged N and K,
-bias, pipelined or not; where the dispatchers route to it; 27B shapes on the GPU."""
+the dequantised weight), per channel and per tensor, ragged N and K, bias, pipelined or not;
+where fp8_linear routes to it; 27B shapes on the GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, rel_error
 
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_block import dequantize_block, quantize_block_ref
 from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref, gemv_wins
 
 CONFIGS = [
@@ -44,19 +43,6 @@ def test_gemv_matches_reference_per_channel(n, k, per_channel, config, dtype):
     assert fp8_gemv(x[0], w_q, s, config=config).shape == (n,)  # a [K] row gives [N]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
-@pytest.mark.parametrize("n,k", [(256, 384), (160, 300), (128, 1000)])
-def test_gemv_matches_reference_block(n, k, config):
-    w_q, s = quantize_block_ref(randn(n, k, seed=n, scale=0.05).cpu(), (128, 128))
-    w_q, s = w_q.to(DEVICE), s.to(DEVICE)
-    x = randn(1, k, dtype=torch.bfloat16, seed=k)
-    expected = fp8_gemv_ref(x, w_q, s, block=(128, 128))
-    assert_close(fp8_gemv(x, w_q, s, block=(128, 128), config=config), expected, torch.bfloat16)
-    # the reference is the product with the dequantised weight
-    dense = x.float() @ dequantize_block(w_q.cpu(), s.cpu(), (128, 128)).to(DEVICE).t()
-    torch.testing.assert_close(expected.float(), dense, atol=2e-2, rtol=2e-2)
-
-
 def test_gemv_is_closer_to_the_full_precision_layer_than_fp8_activations():
     from kernels.fp8 import fp8_linear
 
@@ -75,9 +61,6 @@ def test_gemv_refuses_what_it_does_not_run():
         fp8_gemv(randn(2, 128), w_q, s)
     with pytest.raises(ValueError, match="one row"):
         fp8_gemv(randn(1, 100), w_q, s)
-    w_q, s = quantize_block_ref(randn(128, 128).cpu(), (64, 64))
-    with pytest.raises(ValueError, match="block"):
-        fp8_gemv(randn(1, 128), w_q.to(DEVICE), s.to(DEVICE), block=(4, 64))
 
 
 def test_route_takes_the_gemv_at_one_row():
@@ -89,15 +72,9 @@ def test_route_takes_the_gemv_at_one_row():
 @pytest.mark.parametrize("n,k", [(5120, 5120), (34816, 5120), (5120, 17408), (5120, 6144)])
 def test_full_size_27b_shapes(n, k):
     from kernels.fp8 import fp8_linear
-    from kernels.fp8_block import fp8_block_linear
 
-    w = randn(n, k, seed=n, scale=0.05)
+    w_q, s = per_token_quant_ref(randn(n, k, seed=n, scale=0.05))
     x = randn(1, k, dtype=torch.bfloat16, seed=k)
-    w_q, s = per_token_quant_ref(w)
     expected = fp8_gemv_ref(x, w_q, s.reshape(-1))
     assert rel_error(fp8_gemv(x, w_q, s.reshape(-1)), expected) < 1e-2
     assert rel_error(fp8_linear(x, w_q, s.reshape(-1)), expected) < 1e-2  # the route takes it
-    b_q, b_s = quantize_block_ref(w, (128, 128))
-    expected = fp8_gemv_ref(x, b_q, b_s, block=(128, 128))
-    assert rel_error(fp8_gemv(x, b_q, b_s, block=(128, 128)), expected) < 1e-2
-    assert rel_error(fp8_block_linear(x, b_q, b_s, (128, 128)), expected) < 1e-2
