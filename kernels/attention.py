@@ -8,7 +8,8 @@ causally to KV positions 0..that position, whose slots are req_to_token[req_slot
 An fp8 (e4m3) cache holds k / k_scale and v / v_scale, saturated to +-448 (`--kv-cache-dtype
 fp8_e4m3`); the scales are per layer (KVScales) and read through device pointers, so CUDA graphs
 replay with whatever the loader put there. Reads dequantise: k_scale folds into the softmax scale,
-v_scale into the output.
+v_scale into the output. With a bf16 q the dots of an fp8 cache run in fp16 (every e4m3 value is
+an fp16 one, and e4m3 -> fp16 is one conversion per pair where e4m3 -> bf16 goes through fp32).
 """
 
 from __future__ import annotations
@@ -319,6 +320,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
+    F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
 ):
     ROWS = BLOCK_M // GROUP  # query rows per program
     b = tl.program_id(0)
@@ -350,6 +352,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if F16_DOT:  # the e4m3 tiles then widen to q's dtype in one instruction per pair
+        q = q.to(tl.float16)
 
     # keys this block can see: up to the last row's position (causal), split evenly across programs
     kv_hi = tl.minimum(seq_len, seq_len - q_len + tl.minimum(row0 + ROWS, q_len))
@@ -567,6 +571,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8,
+        F16_DOT=fp8 and q.dtype == torch.bfloat16,
     )
     tensors = (q, k_cache, v_cache, out)
     kv_scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unread without FP8_KV

@@ -6,8 +6,8 @@ are (re)imported here, then restored: nothing leaks into other test dirs, whose 
 torch references. If another test dir imported triton first, its Python modules are purged and
 re-imported (the native `triton._C` extension cannot be loaded twice and is kept). Triton 3.9's
 interpreter runs `tl.dot` on the raw bits of bf16 operands and truncates fp32 -> bf16 casts;
-`_patch_interpreter_bf16` widens dot operands to fp32 and rounds casts to nearest-even, as the GPU
-does (fp32 -> e4m3 casts go through torch for the same reason).
+`_patch_interpreter_bf16` widens bf16 and fp16 dot operands to fp32 and rounds casts to
+nearest-even, as the GPU does (fp32 -> e4m3 casts go through torch for the same reason).
 """
 
 from __future__ import annotations
@@ -87,10 +87,12 @@ def _patch_interpreter_bf16() -> None:
         return
     original = builder.create_dot
 
-    def widen(handle):
+    def widen(handle):  # the GPU's dots accumulate in fp32 whatever the operands' type
         if handle.dtype.scalar == tl.bfloat16:
             bits = handle.data.astype(np.uint32) << 16
             return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+        if handle.dtype.scalar == tl.float16:
+            return interpreter.TensorHandle(handle.data.astype(np.float32), tl.float32)
         return handle
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
