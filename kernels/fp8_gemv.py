@@ -16,7 +16,9 @@ kernel, both unpipelined, lost to them at M = 2 and 4).
 Scales (dequantisation: w ~= w_q * s): per channel, s [N], or one per tensor, [1], applied to
 the sums. Block-scaled weights (Qwen's -FP8 repos) stay on the quantise + block GEMM route: a
 version of this kernel with a scale per 128 columns ran 1.2-2x slower than that route on the H200
-(a per-element gather of the scales, 4x; docs/benchmarks.md).
+(a scalar scale load per 128 columns; a per-element gather of the scales, 4x; docs/benchmarks.md).
+`fp8_gemv_block` below, a 3-D tile whose scales are one vector load per K step, is the next try:
+written after the device time ran out, benchmarked by ops/bench/bench_fp8_gemv.py, not routed.
 The reference, `fp8_gemv_ref`, is the product with the dequantised weight in fp32: what this kernel
 computes up to summation order (it is closer to the full-precision layer than the fp8 x fp8
 GEMMs, which also round the activations).
@@ -31,7 +33,7 @@ from kernels.triton_utils import check_last_dim_contiguous, jit, tl
 
 def fp8_gemv_ref(
     x: torch.Tensor,  # [M, K]
-    w_q: torch.Tensor,  # [N, K] e4m3
+    w_q: torch.Tensor,  # [N, K] e4m3 (or already dequantised)
     scale: torch.Tensor,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -98,6 +100,17 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
 
 
+def _prepare(x, w_q, config) -> tuple[int, int, dict[str, int], torch.Tensor]:
+    """Checks one row against the weight; (N, K, the tile config, the output)."""
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("w_q", w_q)
+    n, k = w_q.shape
+    if x.shape[-1] != k or x.numel() != k:
+        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} (one row of K)")
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    return n, k, config or gemv_config(n, k), out
+
+
 def fp8_gemv(
     x: torch.Tensor,  # [1, K] (or [K]) bf16 / fp16 / fp32
     w_q: torch.Tensor,  # [N, K] e4m3
@@ -106,14 +119,8 @@ def fp8_gemv(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [1, N] (or [N] for a [K] input)."""
-    check_last_dim_contiguous("x", x)
-    check_last_dim_contiguous("w_q", w_q)
-    n, k = w_q.shape
-    if x.shape[-1] != k or x.numel() != k:
-        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} (one row of K)")
-    cfg = config or gemv_config(n, k)
+    n, k, cfg, out = _prepare(x, w_q, config)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     s = scale.float().reshape(-1)
     _gemv_kernel[(-(-n // block_n),)](
         x,
@@ -125,6 +132,109 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         PER_COL=s.numel() > 1,
+        HAS_BIAS=bias is not None,
+        EVEN=n % block_n == 0 and k % block_k == 0,
+        STAGES=cfg.get("stages", 1),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+# --------------------------------- block scales (not routed yet) ---------------------------------
+
+
+def fp8_gemv_block_ref(
+    x: torch.Tensor,  # [M, K]
+    w_q: torch.Tensor,  # [N, K] e4m3
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    (bn, bk), (n, k) = block, w_q.shape
+    s = scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return fp8_gemv_ref(x, w_q.float() * s, s.new_ones(1), bias)
+
+
+@jit
+def _gemv_block_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    n_size,
+    k_size,
+    stride_wn,
+    stride_sn,
+    SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
+    SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,
+    STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The weight tile as [BLOCK_N, G, SCALE_K] (G scale columns per K step): the G scales of a
+    step are one small vector load, broadcast over their columns of the activations; no gather,
+    no scalar load in the pipelined loop (both measured slower, docs/benchmarks.md run AE)."""
+    G: tl.constexpr = BLOCK_K // SCALE_K
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rg = tl.arange(0, G)
+    kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
+    n_ok = rn < n_size
+    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
+    s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
+    acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
+        k = k0 + kk
+        g_ok = k0 + rg * SCALE_K < k_size
+        sv = tl.load(s_row + k0 // SCALE_K + rg, mask=g_ok, other=0.0)
+        if EVEN:
+            w = tl.load(w_rows + k[None, :, :])
+            x = tl.load(x_ptr + k)
+        else:
+            k_ok = k < k_size
+            w = tl.load(w_rows + k[None, :, :], mask=n_ok[:, None, None] & k_ok[None], other=0.0)
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        xs = x.to(tl.float32) * sv[:, None]
+        acc += w.to(tl.float32) * xs[None, :, :]
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def fp8_gemv_block(
+    x: torch.Tensor,  # [1, K] (or [K])
+    w_q: torch.Tensor,  # [N, K] e4m3
+    scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] fp32
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Same result as fp8_gemv_block_ref up to summation order. Written after run AE (the device
+    time ran out): measured by ops/bench/bench_fp8_gemv.py, not yet taken by fp8_block_linear."""
+    n, k, cfg, out = _prepare(x, w_q, config)
+    block_n, block_k = cfg["block_n"], cfg["block_k"]
+    bn, bk = block
+    if bn % block_n or block_k % bk or bk & (bk - 1):
+        raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
+    s = scale.float().contiguous()
+    _gemv_block_kernel[(-(-n // block_n),)](
+        x,
+        w_q,
+        s,
+        bias if bias is not None else s,
+        out,
+        n,
+        k,
+        w_q.stride(0),
+        s.stride(0),
+        SCALE_N=bn,
+        SCALE_K=bk,
         HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0,
         STAGES=cfg.get("stages", 1),

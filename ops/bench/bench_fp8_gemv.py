@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from kernels import fp8, fp8_block
-from kernels.fp8_gemv import fp8_gemv, gemv_config
+from kernels.fp8_gemv import fp8_gemv, fp8_gemv_block, gemv_config
 
 SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
     "gdn in_proj qkvz": (16384, 5120),
@@ -30,6 +30,7 @@ SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
 }
 L2_BYTES = 256 << 20  # copies of each weight: more than L2 (50 MB) several times over
 REPS = 40
+DEV = "cuda"
 
 
 def sweep_configs(full: bool) -> list[dict]:
@@ -69,7 +70,7 @@ def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth, bytes/s (read + write counted): the median of timed 4 GiB
     copies after a warm-up, outside any graph (a captured copy becomes a memcpy node, which ran
     at 2.7 TB/s against 4.2 for the copy kernel)."""
-    src = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_()
+    src = torch.empty(2 << 30, dtype=torch.bfloat16, device=DEV).uniform_()
     dst = torch.empty_like(src)
     times = []
     for i in range(13):
@@ -97,7 +98,7 @@ def main() -> None:
     for name in args.shapes:
         n, k = SHAPES[name]
         copies = max(2, L2_BYTES // (n * k))
-        w = torch.randn(n, k, device="cuda") * 0.05
+        w = torch.randn(n, k, device=DEV) * 0.05
         w_q, w_s = fp8.per_token_quant_ref(w)
         w_s = w_s.reshape(n)
         b_q, b_s = fp8_block.quantize_block_ref(w, (128, 128))
@@ -108,7 +109,7 @@ def main() -> None:
         w16s = [w16.clone() for _ in range(max(2, copies // 2))]
         floor_us = n * k / bw * 1e6
         for m in args.m:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             row = {"shape": name, "n": n, "k": k, "m": m, "floor_us": floor_us}
             row["quant+gemm_us"] = graph_time_us([partial(_fp8_route, x, q, w_s) for q in wq])
             row["block quant+gemm_us"] = graph_time_us(
@@ -124,9 +125,11 @@ def main() -> None:
             )
             if m == 1:
                 row.update(gemv_row(x, wq, w_s, not args.quick))
+                row.update(block_gemv_row(x, bq, b_s))
                 best_us = row["gemv_best_us"]
                 line += (
                     f" | gemv {row['gemv_default_us']:6.1f}"
+                    f" block gemv {row['block_gemv_us']:6.1f} {row['block_gemv']}"
                     f" best {best_us:6.1f} ({best_us / floor_us:.2f}x,"
                     f" {n * k / best_us / 1e3:.0f} GB/s) {row['gemv_best']}"
                 )
@@ -137,6 +140,20 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
+
+
+BLOCK_TILES = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 256, 8, 3))
+
+
+def block_gemv_row(x, bq, b_s) -> dict:
+    """The block-scaled GEMV (not routed yet) over a few tiles."""
+    runs = []
+    for n, k, w, st in BLOCK_TILES:
+        cfg = {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
+        fns = [partial(fp8_gemv_block, x, q, b_s, (128, 128), None, cfg) for q in bq]
+        runs.append((graph_time_us(fns), cfg))
+    runs.sort(key=lambda t: t[0])
+    return {"block_gemv_us": runs[0][0], "block_gemv": runs[0][1]}
 
 
 def gemv_row(x, wq, w_s, full: bool) -> dict:

@@ -1,6 +1,6 @@
 """The batch-1 weight-only fp8 GEMV (kernels/fp8_gemv.py) against its reference (the product with
 the dequantised weight), per channel and per tensor, ragged N and K, bias, pipelined or not;
-where fp8_linear routes to it; 27B shapes on the GPU."""
+where fp8_linear routes to it; 27B shapes on the GPU; the block-scaled variant (not routed yet)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, rel_error
 
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_gemv import fp8_gemv, fp8_gemv_ref, gemv_wins
+from kernels.fp8_block import dequantize_block, quantize_block_ref
+from kernels.fp8_gemv import fp8_gemv, fp8_gemv_block, fp8_gemv_block_ref, fp8_gemv_ref, gemv_wins
 
 CONFIGS = [
     {"block_n": 8, "block_k": 128, "num_warps": 2, "stages": 1},
@@ -78,3 +79,35 @@ def test_full_size_27b_shapes(n, k):
     expected = fp8_gemv_ref(x, w_q, s.reshape(-1))
     assert rel_error(fp8_gemv(x, w_q, s.reshape(-1)), expected) < 1e-2
     assert rel_error(fp8_linear(x, w_q, s.reshape(-1)), expected) < 1e-2  # the route takes it
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"block_n": 8, "block_k": 256, "num_warps": 2, "stages": 1},
+        {"block_n": 16, "block_k": 128, "num_warps": 2, "stages": 3},
+    ],
+    ids=["two-groups", "one-group"],
+)
+@pytest.mark.parametrize("n,k", [(256, 512), (160, 300), (128, 1000)])
+def test_block_gemv_matches_reference(n, k, config):
+    w_q, s = quantize_block_ref(randn(n, k, seed=n, scale=0.05).cpu(), (128, 128))
+    s = s * torch.linspace(0.5, 2.0, s.numel()).reshape(s.shape)  # scales differ per block
+    w_q, s = w_q.to(DEVICE), s.to(DEVICE)
+    x = randn(1, k, dtype=torch.bfloat16, seed=k)
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
+    for b in (bias, None):
+        expected = fp8_gemv_block_ref(x, w_q, s, (128, 128), b)
+        got = fp8_gemv_block(x, w_q, s, (128, 128), b, config)
+        assert_close(got, expected, torch.bfloat16, name="block gemv")
+    dense = x.float() @ dequantize_block(w_q.cpu(), s.cpu(), (128, 128)).to(DEVICE).t()
+    torch.testing.assert_close(expected.float(), dense, atol=2e-2, rtol=2e-2)
+
+
+def test_block_gemv_refuses_tiles_across_scale_blocks():
+    w_q, s = quantize_block_ref(randn(128, 256).cpu(), (64, 128))
+    with pytest.raises(ValueError, match="block"):
+        fp8_gemv_block(randn(1, 256), w_q.to(DEVICE), s.to(DEVICE), (4, 128))
+    with pytest.raises(ValueError, match="block"):  # a K step must hold whole scale columns
+        cfg = {"block_n": 8, "block_k": 64, "num_warps": 2}
+        fp8_gemv_block(randn(1, 256), w_q.to(DEVICE), s.to(DEVICE), (64, 128), config=cfg)
