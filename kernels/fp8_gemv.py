@@ -53,6 +53,7 @@ def _gemv_kernel(
     n_size,
     k_size,
     stride_wn,
+    SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
@@ -77,10 +78,11 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
-    if PER_COL:
-        out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-    else:
-        out = out * tl.load(s_ptr)
+    if SCALED:
+        if PER_COL:
+            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+        else:
+            out = out * tl.load(s_ptr)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -113,15 +115,16 @@ def _prepare(x, w_q, config) -> tuple[int, int, dict[str, int], torch.Tensor]:
 
 def fp8_gemv(
     x: torch.Tensor,  # [1, K] (or [K]) bf16 / fp16 / fp32
-    w_q: torch.Tensor,  # [N, K] e4m3
-    scale: torch.Tensor,  # [N] / [N, 1] per channel, or [1] per tensor
+    w_q: torch.Tensor,  # [N, K] e4m3 (or bf16 / fp16 with scale None: the same read, unscaled)
+    scale: torch.Tensor | None,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Same result as fp8_gemv_ref up to summation order; [1, N] (or [N] for a [K] input)."""
+    """Same result as fp8_gemv_ref up to summation order; [1, N] (or [N] for a [K] input). A
+    bf16 weight without scales is what bench_fp8_gemv.py times against cuBLAS (not routed)."""
     n, k, cfg, out = _prepare(x, w_q, config)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
-    s = scale.float().reshape(-1)
+    s = scale.float().reshape(-1) if scale is not None else out
     _gemv_kernel[(-(-n // block_n),)](
         x,
         w_q,
@@ -131,7 +134,8 @@ def fp8_gemv(
         n,
         k,
         w_q.stride(0),
-        PER_COL=s.numel() > 1,
+        SCALED=scale is not None,
+        PER_COL=scale is not None and s.numel() > 1,
         HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0,
         STAGES=cfg.get("stages", 1),

@@ -1,7 +1,8 @@
 """Decode-sized fp8 linears as weight reads on the GPU: what fp8_linear runs, the fp8 x fp8 route
 (per-token activation quantisation + tiled / split-K fp8 GEMM) and, at one row, the weight-only
 GEMV of kernels/fp8_gemv.py over a sweep of its tiles; the block-scaled variants, a bf16 GEMM
-and the copy bandwidth measured in the same run (the floor: fp8 weight bytes / copy bandwidth).
+(cuBLAS, and the same GEMV reading the bf16 weight) and the copy bandwidth measured in the same
+run (the floor: fp8 weight bytes / copy bandwidth).
 
 Every case is timed as a CUDA graph of REPS launches cycling over enough weight copies that none is
 served from L2 (what a model step sees: each layer's weight is read once), so launch overhead is
@@ -116,12 +117,21 @@ def main() -> None:
                 [partial(_fp8_block_route, x, q, b_s) for q in bq]
             )
             row["bf16_us"] = graph_time_us([partial(torch.matmul, x, v.t()) for v in w16s])
+            if m == 1:  # the same GEMV reading a bf16 weight (not routed: against cuBLAS here)
+                row["bf16_gemv_us"], row["bf16_gemv"] = min(
+                    (
+                        (graph_time_us([partial(fp8_gemv, x, v, None, None, c) for v in w16s]), c)
+                        for c in BF16_TILES
+                    ),
+                    key=lambda t: t[0],
+                )
             row["fp8_linear_us"] = graph_time_us([partial(fp8.fp8_linear, x, q, w_s) for q in wq])
             line = (
                 f"{name:20s} M={m} floor {floor_us:6.1f} |"
                 f" fp8_linear {row['fp8_linear_us']:6.1f} ({row['fp8_linear_us'] / floor_us:.2f}x)"
                 f" | quant+gemm {row['quant+gemm_us']:6.1f}"
                 f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}"
+                + (f" (gemv {row['bf16_gemv_us']:6.1f} {row['bf16_gemv']})" if m == 1 else "")
             )
             if m == 1:
                 row.update(gemv_row(x, wq, w_s, not args.quick))
@@ -142,6 +152,10 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
+BF16_TILES = [
+    {"block_n": n, "block_k": k, "num_warps": 4, "stages": st}
+    for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4))
+]
 BLOCK_TILES = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 256, 8, 3))
 
 

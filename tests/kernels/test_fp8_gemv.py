@@ -44,6 +44,14 @@ def test_gemv_matches_reference_per_channel(n, k, per_channel, config, dtype):
     assert fp8_gemv(x[0], w_q, s, config=config).shape == (n,)  # a [K] row gives [N]
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
+def test_gemv_of_a_bf16_weight_without_scales(config):
+    w = randn(40, 300, dtype=torch.bfloat16, seed=4, scale=0.05)
+    x = randn(1, 300, dtype=torch.bfloat16, seed=5)
+    expected = (x.float() @ w.float().t()).to(torch.bfloat16)
+    assert_close(fp8_gemv(x, w, None, config=config), expected, torch.bfloat16, name="bf16 gemv")
+
+
 def test_gemv_is_closer_to_the_full_precision_layer_than_fp8_activations():
     from kernels.fp8 import fp8_linear
 
