@@ -162,8 +162,8 @@ def fp8_block_linear(
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
     block_k, then the block GEMM (Triton on CUDA, the reference elsewhere). The one-row GEMV of
-    kernels/fp8_gemv.py with these scales measured slower on the H200 than this route (a block
-    scale per 128 columns stalls its pipelined loop; docs/benchmarks.md), so it is not used here."""
+    kernels/fp8_gemv.py with these scales measured slower on the H200 than this route
+    (docs/benchmarks.md, run AE), so it is not used here (fp8_gemv_block is the next try)."""
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
         if (
