@@ -88,9 +88,11 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         num_tokens = x.shape[0]
         projected = self.in_proj(x)
-        if self.in_proj_ba is not None:
-            projected = torch.cat([projected, self.in_proj_ba(x)], dim=-1)
-        qkv, z, b, a = projected.split(self.in_proj_split, dim=-1)
+        if self.in_proj_ba is None:
+            qkv, z, b, a = projected.split(self.in_proj_split, dim=-1)
+        else:  # views of the two outputs: no concatenation kernel
+            qkv, z = projected.split(self.in_proj_split[:2], dim=-1)
+            b, a = self.in_proj_ba(x).split(self.in_proj_split[2:], dim=-1)
         mixed = self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
