@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, tl
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+
+GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
 
 
 def fp8_gemv_ref(
@@ -88,6 +90,63 @@ def _gemv_kernel(
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@jit
+def _gemv_rows_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    m_size,
+    n_size,
+    k_size,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    SCALED: tl.constexpr,
+    PER_COL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STAGES: tl.constexpr,
+    ROWS: tl.constexpr,  # next power of two of M (2 or 4)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
+    multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
+    Not routed yet: bench_fp8_gemv.py times it against the fp8 x fp8 route and cuBLAS."""
+    pid = tl.program_id(0)
+    rm = tl.arange(0, ROWS)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < m_size
+    n_ok = rn < n_size
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
+        k = k0 + rk
+        k_ok = k < k_size
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
+    if SCALED:
+        if PER_COL:
+            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        else:
+            out = out * tl.load(s_ptr)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rm[:, None] * stride_om + rn[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
 def gemv_wins(m: int, n: int, k: int) -> bool:
     """Where the GEMV beats quantising the row and running the fp8 x fp8 kernels: one row. On the
     H200 (ops/bench/bench_fp8_gemv.py, docs/benchmarks.md) it read the 27B weights at 3.1-4.0
@@ -102,29 +161,55 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
 
 
-def _prepare(x, w_q, config) -> tuple[int, int, dict[str, int], torch.Tensor]:
-    """Checks one row against the weight; (N, K, the tile config, the output)."""
+def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torch.Tensor]:
+    """Checks the rows against the weight; (N, K, the tile config, the output)."""
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("w_q", w_q)
     n, k = w_q.shape
-    if x.shape[-1] != k or x.numel() != k:
-        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} (one row of K)")
+    if x.shape[-1] != k or x.numel() > max_rows * k:
+        many = "one row" if max_rows == 1 else f"at most {max_rows} rows"
+        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} ({many} of K)")
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     return n, k, config or gemv_config(n, k), out
 
 
 def fp8_gemv(
-    x: torch.Tensor,  # [1, K] (or [K]) bf16 / fp16 / fp32
+    x: torch.Tensor,  # [M, K] (or [K]) bf16 / fp16 / fp32, M <= GEMV_MAX_ROWS
     w_q: torch.Tensor,  # [N, K] e4m3 (or bf16 / fp16 with scale None: the same read, unscaled)
     scale: torch.Tensor | None,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Same result as fp8_gemv_ref up to summation order; [1, N] (or [N] for a [K] input). A
-    bf16 weight without scales is what bench_fp8_gemv.py times against cuBLAS (not routed)."""
-    n, k, cfg, out = _prepare(x, w_q, config)
+    """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
+    bf16 weight without scales, and 2-4 rows, are what bench_fp8_gemv.py times against cuBLAS
+    and the fp8 x fp8 route (not routed)."""
+    n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
+    m = x.numel() // k
+    if m > 1:  # 2-4 rows: their own kernel (not routed yet)
+        _gemv_rows_kernel[(-(-n // block_n),)](
+            x,
+            w_q,
+            s,
+            bias if bias is not None else s,
+            out,
+            m,
+            n,
+            k,
+            x.stride(-2),
+            w_q.stride(0),
+            out.stride(-2),
+            SCALED=scale is not None,
+            PER_COL=scale is not None and s.numel() > 1,
+            HAS_BIAS=bias is not None,
+            STAGES=cfg.get("stages", 1),
+            ROWS=next_pow2(m),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=cfg["num_warps"],
+        )
+        return out
     _gemv_kernel[(-(-n // block_n),)](
         x,
         w_q,

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from kernels import fp8, fp8_block
-from kernels.fp8_gemv import fp8_gemv, fp8_gemv_block, gemv_config
+from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config
 
 SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
     "gdn in_proj qkvz": (16384, 5120),
@@ -90,7 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="the default tile only, no sweep")
-    p.add_argument("--m", type=int, nargs="+", default=[1], help="rows (the GEMV: 1)")
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4], help="rows")
     p.add_argument("--json")
     args = p.parse_args()
     bw = copy_bandwidth()
@@ -117,22 +117,23 @@ def main() -> None:
                 [partial(_fp8_block_route, x, q, b_s) for q in bq]
             )
             row["bf16_us"] = graph_time_us([partial(torch.matmul, x, v.t()) for v in w16s])
-            if m == 1:  # the same GEMV reading a bf16 weight (not routed: against cuBLAS here)
-                row["bf16_gemv_us"], row["bf16_gemv"] = min(
-                    (
-                        (graph_time_us([partial(fp8_gemv, x, v, None, None, c) for v in w16s]), c)
-                        for c in BF16_TILES
-                    ),
-                    key=lambda t: t[0],
-                )
+            if m <= GEMV_MAX_ROWS:  # the GEMV reading the bf16 weight (not routed: vs cuBLAS)
+                row["bf16_gemv_us"], row["bf16_gemv"] = best_of(x, w16s, None, BF16_TILES)
             row["fp8_linear_us"] = graph_time_us([partial(fp8.fp8_linear, x, q, w_s) for q in wq])
             line = (
                 f"{name:20s} M={m} floor {floor_us:6.1f} |"
                 f" fp8_linear {row['fp8_linear_us']:6.1f} ({row['fp8_linear_us'] / floor_us:.2f}x)"
                 f" | quant+gemm {row['quant+gemm_us']:6.1f}"
                 f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}"
-                + (f" (gemv {row['bf16_gemv_us']:6.1f} {row['bf16_gemv']})" if m == 1 else "")
+                + (
+                    f" (gemv {row['bf16_gemv_us']:6.1f} {row['bf16_gemv']})"
+                    if m <= GEMV_MAX_ROWS
+                    else ""
+                )
             )
+            if 1 < m <= GEMV_MAX_ROWS:  # the rows GEMV on the fp8 weight (not routed)
+                row["rows_gemv_us"], row["rows_gemv"] = best_of(x, wq, w_s, BF16_TILES)
+                line += f" | rows gemv {row['rows_gemv_us']:6.1f} {row['rows_gemv']}"
             if m == 1:
                 row.update(gemv_row(x, wq, w_s, not args.quick))
                 row.update(block_gemv_row(x, bq, b_s))
@@ -152,7 +153,7 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
-BF16_TILES = [
+BF16_TILES = [  # a few tiles for the variants not routed yet (bf16 weight, 2-4 rows)
     {"block_n": n, "block_k": k, "num_warps": 4, "stages": st}
     for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4))
 ]
@@ -168,6 +169,15 @@ def block_gemv_row(x, bq, b_s) -> dict:
         runs.append((graph_time_us(fns), cfg))
     runs.sort(key=lambda t: t[0])
     return {"block_gemv_us": runs[0][0], "block_gemv": runs[0][1]}
+
+
+def best_of(x, weights, scale, configs) -> tuple[float, dict]:
+    """(µs, config) of fp8_gemv at its fastest of `configs` over the weight copies."""
+    timed = [
+        (graph_time_us([partial(fp8_gemv, x, w, scale, None, c) for w in weights]), c)
+        for c in configs
+    ]
+    return min(timed, key=lambda t: t[0])
 
 
 def gemv_row(x, wq, w_s, full: bool) -> dict:

@@ -11,7 +11,14 @@ from tolerances import assert_close, rel_error
 
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from kernels.fp8_block import dequantize_block, quantize_block_ref
-from kernels.fp8_gemv import fp8_gemv, fp8_gemv_block, fp8_gemv_block_ref, fp8_gemv_ref, gemv_wins
+from kernels.fp8_gemv import (
+    GEMV_MAX_ROWS,
+    fp8_gemv,
+    fp8_gemv_block,
+    fp8_gemv_block_ref,
+    fp8_gemv_ref,
+    gemv_wins,
+)
 
 CONFIGS = [
     {"block_n": 8, "block_k": 128, "num_warps": 2, "stages": 1},
@@ -64,11 +71,31 @@ def test_gemv_is_closer_to_the_full_precision_layer_than_fp8_activations():
     assert rel_error(gemv, exact) < rel_error(both, exact)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
+@pytest.mark.parametrize("m", [2, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("weight", ["channel", "tensor", "bf16"])
+def test_rows_gemv_matches_reference(m, weight, config):
+    n, k = 40, 300
+    x = randn(m, k, dtype=torch.bfloat16, seed=k + m)
+    bias = randn(n, dtype=torch.bfloat16, seed=6)
+    if weight == "bf16":
+        w_q, s = randn(n, k, dtype=torch.bfloat16, seed=m, scale=0.05), None
+        expected = (x.float() @ w_q.float().t() + bias.float()).to(x.dtype)
+    else:
+        w_q, s = channel_weight(n, k, weight == "channel", seed=m)
+        expected = fp8_gemv_ref(x, w_q, s, bias)
+    got = fp8_gemv(x, w_q, s, bias, config)
+    assert got.shape == (m, n)
+    assert_close(got, expected, torch.bfloat16, name=f"gemv {m} rows")
+    for row in range(m):  # each row as the one-row kernel computes it
+        assert_close(got[row], fp8_gemv(x[row], w_q, s, bias, config), torch.bfloat16)
+
+
 def test_gemv_refuses_what_it_does_not_run():
     w_q, s = channel_weight(64, 128, True, seed=0)
-    with pytest.raises(ValueError, match="one row"):
-        fp8_gemv(randn(2, 128), w_q, s)
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError, match="at most"):
+        fp8_gemv(randn(GEMV_MAX_ROWS + 1, 128), w_q, s)
+    with pytest.raises(ValueError, match="rows of K"):
         fp8_gemv(randn(1, 100), w_q, s)
 
 
