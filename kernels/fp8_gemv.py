@@ -267,7 +267,7 @@ def _gemv_block_kernel(
 ):
     """The weight tile as [BLOCK_N, G, SCALE_K] (G scale columns per K step): the G scales of a
     step are one small vector load, broadcast over their columns of the activations; no gather,
-    no scalar load in the pipelined loop (both measured slower, docs/benchmarks.md run AE)."""
+    no scalar load in the pipelined loop (measured slower in runs AD and AE, docs/benchmarks.md)."""
     G: tl.constexpr = BLOCK_K // SCALE_K
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
