@@ -187,6 +187,15 @@ def fp8_gemv(
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
+    common = dict(
+        SCALED=scale is not None,
+        PER_COL=scale is not None and s.numel() > 1,
+        HAS_BIAS=bias is not None,
+        STAGES=cfg.get("stages", 1),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )
     if m > 1:  # 2-4 rows: their own kernel (not routed yet)
         _gemv_rows_kernel[(-(-n // block_n),)](
             x,
@@ -200,14 +209,8 @@ def fp8_gemv(
             x.stride(-2),
             w_q.stride(0),
             out.stride(-2),
-            SCALED=scale is not None,
-            PER_COL=scale is not None and s.numel() > 1,
-            HAS_BIAS=bias is not None,
-            STAGES=cfg.get("stages", 1),
             ROWS=next_pow2(m),
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            num_warps=cfg["num_warps"],
+            **common,
         )
         return out
     _gemv_kernel[(-(-n // block_n),)](
@@ -219,14 +222,8 @@ def fp8_gemv(
         n,
         k,
         w_q.stride(0),
-        SCALED=scale is not None,
-        PER_COL=scale is not None and s.numel() > 1,
-        HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0,
-        STAGES=cfg.get("stages", 1),
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=cfg["num_warps"],
+        **common,
     )
     return out
 

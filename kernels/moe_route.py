@@ -45,9 +45,9 @@ def _route_kernel(
         picked_w = tl.where(slots == j, best, picked_w)
         picked_i = tl.where(slots == j, index.to(tl.int64), picked_i)
         p = tl.where(e == index, -2.0, p)
-    if RENORMALIZE:
-        picked_w = picked_w / tl.sum(tl.where(slots < TOP_K, picked_w, 0.0), axis=0)
     keep = slots < TOP_K
+    if RENORMALIZE:
+        picked_w = picked_w / tl.sum(tl.where(keep, picked_w, 0.0), axis=0)
     w = picked_w.to(weights_ptr.dtype.element_ty)
     tl.store(weights_ptr + t * TOP_K + slots, w, mask=keep)
     tl.store(ids_ptr + t * TOP_K + slots, picked_i, mask=keep)

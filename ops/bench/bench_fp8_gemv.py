@@ -2,12 +2,13 @@
 (per-token activation quantisation + tiled / split-K fp8 GEMM) and, at one row, the weight-only
 GEMV of kernels/fp8_gemv.py over a sweep of its tiles; the block-scaled variants, a bf16 GEMM
 (cuBLAS, and the same GEMV reading the bf16 weight) and the copy bandwidth measured in the same
-run (the floor: fp8 weight bytes / copy bandwidth).
+run (the floor: fp8 weight bytes / copy bandwidth, from bench_static.copy_bandwidth: copies timed
+outside any graph, where a captured copy becomes a memcpy node that ran at 2.7 TB/s against 4.2).
 
 Every case is timed as a CUDA graph of REPS launches cycling over enough weight copies that none is
 served from L2 (what a model step sees: each layer's weight is read once), so launch overhead is
 the graph's, as in the served decode step.
-  python ops/bench/bench_fp8_gemv.py --json gemv.json     # Qwen3.5-27B shapes, one row
+  python ops/bench/bench_fp8_gemv.py --json gemv.json     # Qwen3.5-27B shapes, 1 / 2 / 4 rows
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 from functools import partial
 
 import torch
+from bench_static import copy_bandwidth  # ops/bench is on the path when run as a script
 
 from kernels import fp8, fp8_block
 from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config
@@ -65,25 +67,6 @@ def graph_time_us(fns: list, reps: int = REPS) -> float:
         best = min(best, start.elapsed_time(end) * 1e3 / reps)
     del graph
     return best
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth, bytes/s (read + write counted): the median of timed 4 GiB
-    copies after a warm-up, outside any graph (a captured copy becomes a memcpy node, which ran
-    at 2.7 TB/s against 4.2 for the copy kernel)."""
-    src = torch.empty(2 << 30, dtype=torch.bfloat16, device=DEV).uniform_()
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(13):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) * 1e-3)
-    times.sort()
-    return 2 * src.numel() * src.element_size() / times[len(times) // 2]
 
 
 def main() -> None:
