@@ -154,9 +154,9 @@ def _store_kv_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    if FP8_KV:  # x / scale, saturated: e4m3 has no infinity
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
+    if FP8_KV:  # x / scale rounded as torch divides (`/` is approximate on the GPU), saturated
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
     tl.store(
         k_cache_ptr + slot * stride_kcs + h * stride_kch + d,
         k.to(k_cache_ptr.dtype.element_ty),
@@ -509,7 +509,9 @@ def _merge_splits_kernel(
 # decode / verify launch knobs, swept by ops/gpu/gdn_probe.py on the H200 (27B heads, kv 4096):
 # split_factor 1 (split the KV until there is about one program per SM) 84.0 us at B=16 decode
 # vs 87.8 / 92.5 / 98.9 at 2 / 4 / 8; B=16 x 4 verify rows 93.5 vs 99.3 at 2
-ATTN_TUNING = {"max_block_m": 64, "split_factor": 1}
+# fp8_tile: (BLOCK_N, num_stages, num_warps) of decode / verify over an fp8 cache (None: the bf16
+# cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s)
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": None}
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
@@ -607,6 +609,10 @@ def paged_attention_triton(
     if num_splits & (num_splits - 1):
         raise ValueError(f"paged_attention: num_splits {num_splits} must be a power of two")
     block_n = 64 if block_m >= 64 or block_d > 128 else 128
+    num_warps = 8 if block_m * block_d >= 64 * 256 else 4
+    num_stages = 2 if block_d >= 256 else 3
+    if fp8 and ATTN_TUNING["fp8_tile"]:
+        block_n, num_stages, num_warps = ATTN_TUNING["fp8_tile"]
     if num_splits > 1:
         part_o = torch.empty(
             num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device
@@ -631,8 +637,8 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         **fixed,
-        num_warps=8 if block_m * block_d >= 64 * 256 else 4,
-        num_stages=2 if block_d >= 256 else 3,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
+from kernels.fp8_gemv import block_gemv_fits, fp8_gemv_block, gemv_wins
 from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
 from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
 from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
@@ -161,9 +162,11 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
-    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere). The one-row GEMV of
-    kernels/fp8_gemv.py with these scales measured slower on the H200 than this route
-    (docs/benchmarks.md, run AE), so it is not used here (fp8_gemv_block is the next try)."""
+    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); one row on CUDA runs
+    the weight-only GEMV of kernels/fp8_gemv.py instead (no activation quantisation)."""
+    n, k = weight_q.shape
+    if use_triton(x) and gemv_wins(x.shape[0], n, k) and block_gemv_fits(block, n, k):
+        return fp8_gemv_block(x, weight_q, weight_scale, block, bias)
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
         if (

@@ -1,5 +1,5 @@
-"""Batch-1 fp8 linear as a weight read: y = x W^T for one row x kept in bf16/fp16 and W stored
-fp8 e4m3 (weight-only fp8).
+"""Batch-1 linear as a weight read: y = x W^T for one row x kept in bf16/fp16 and W stored fp8
+e4m3 (weight-only fp8), block-scaled fp8, or in the model's 16-bit dtype.
 
 At decode sizes a linear layer is the read of its weight: the time is bytes / bandwidth, so the
 kernel's only jobs are to keep enough loads in flight and to spend nothing else. Quantising the
@@ -9,28 +9,33 @@ as it is, converts each weight tile to fp32 and multiply-adds into a [BLOCK_N, B
 tile summed over K at the end (no tensor cores: one row). Each program owns BLOCK_N output
 channels and streams their whole K, so no partial sums leave the SM and there is no second
 kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
-bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels, which were
-faster in an earlier sweep (a [M, BLOCK_N, BLOCK_K] tile and a bf16 tensor-core variant of this
-kernel, both unpipelined, lost to them at M = 2 and 4).
+bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels or cuBLAS,
+which were faster at 2 and 4 rows on the H200 (`_gemv_rows_kernel`, kept for the benchmark).
 
-Scales (dequantisation: w ~= w_q * s): per channel, s [N], or one per tensor, [1], applied to
-the sums. Block-scaled weights (Qwen's -FP8 repos) stay on the quantise + block GEMM route: a
-version of this kernel with a scale per 128 columns ran 1.2-2x slower than that route on the H200
-(a scalar scale load per 128 columns; a per-element gather of the scales, 4x; docs/benchmarks.md).
-`fp8_gemv_block` below, a 3-D tile whose scales are one vector load per K step, is the next try:
-written after the device time ran out, benchmarked by ops/bench/bench_fp8_gemv.py, not routed.
-The reference, `fp8_gemv_ref`, is the product with the dequantised weight in fp32: what this kernel
-computes up to summation order (it is closer to the full-precision layer than the fp8 x fp8
-GEMMs, which also round the activations).
+Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.md):
+- per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
+  1.5-3.3 for quantise + tiled / split-K;
+- block-scaled fp8 (`fp8_gemv_block`, from kernels.fp8_block.fp8_block_linear; Qwen's -FP8
+  repos): a [BLOCK_N, G, 128] tile whose G scales are one vector load per K step, 1.0-1.8x faster
+  than quantise + block GEMM (a scalar scale load per 128 columns was 1.2-2x slower, a
+  per-element gather 4x: runs AD, AE);
+- a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
+  than cuBLAS at every 27B projection (run AF).
+The references are the products with the dequantised weight in fp32: what these kernels compute
+up to summation order (closer to the full-precision layer than the fp8 x fp8 GEMMs, which also
+round the activations).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
+GEMV_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weights `linear` reads with the GEMV
+USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py --gemv off)
 
 
 def fp8_gemv_ref(
@@ -152,13 +157,51 @@ def gemv_wins(m: int, n: int, k: int) -> bool:
     H200 (ops/bench/bench_fp8_gemv.py, docs/benchmarks.md) it read the 27B weights at 3.1-4.0
     TB/s against 1.5-3.3 for the quantise + tiled / split-K route, at every projection; more rows
     (batch > 1, an MTP verify) stay on the fp8 x fp8 kernels."""
-    return m == 1
+    return USE_GEMV and m == 1
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
     """Tile, warps and K-loop stages: the H200 sweep's best at every 27B projection (8 x 512
     tiles, 3 stages of the K loop in flight; unpipelined, the same tiles were 10-40 % slower)."""
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
+
+
+def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
+    """A 16-bit weight: twice the bytes per element, so half the K per tile; run AF's best at the
+    27B projections were 8 x 256 (3 stages at K = 5120, 4 at K = 6144 and 17408)."""
+    return {"block_n": 8, "block_k": 256, "num_warps": 4, "stages": 3 if k <= 5120 else 4}
+
+
+def block_gemv_config(n: int, k: int) -> dict[str, int]:
+    """Block scales: 16 x 512 tiles where there are enough programs to fill the GPU (N >= 8192),
+    8 x 512 below (run AF's best: 16 at N = 14336-34816, 8 at N = 5120)."""
+    return {"block_n": 16 if n >= 8192 else 8, "block_k": 512, "num_warps": 4, "stages": 3}
+
+
+def block_gemv_fits(block: tuple[int, int], n: int, k: int) -> bool:
+    """Whether fp8_gemv_block's tiles fit the scale blocks (Qwen's 128 x 128 do)."""
+    cfg = block_gemv_config(n, k)
+    bn, bk = block
+    return bn % cfg["block_n"] == 0 and cfg["block_k"] % bk == 0 and bk & (bk - 1) == 0
+
+
+def linear(
+    x: torch.Tensor,  # [.., K]
+    weight: torch.Tensor,  # [N, K] in x's dtype
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """F.linear, except one bf16 / fp16 row on CUDA: the GEMV (faster than cuBLAS there)."""
+    if (
+        gemv_wins(x.numel() // x.shape[-1], *weight.shape)
+        and use_triton(x)
+        and x.dtype in GEMV_DTYPES
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and x.stride(-1) == 1
+    ):
+        n, k = weight.shape
+        return fp8_gemv(x, weight, None, bias, bf16_gemv_config(n, k))
+    return F.linear(x, weight, bias)
 
 
 def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torch.Tensor]:
@@ -181,8 +224,8 @@ def fp8_gemv(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
-    bf16 weight without scales, and 2-4 rows, are what bench_fp8_gemv.py times against cuBLAS
-    and the fp8 x fp8 route (not routed)."""
+    16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel`, which
+    bench_fp8_gemv.py times against cuBLAS and the fp8 x fp8 route (not routed: slower)."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
@@ -228,7 +271,7 @@ def fp8_gemv(
     return out
 
 
-# --------------------------------- block scales (not routed yet) ---------------------------------
+# ------------------------------------------ block scales ------------------------------------------
 
 
 def fp8_gemv_block_ref(
@@ -301,9 +344,10 @@ def fp8_gemv_block(
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Same result as fp8_gemv_block_ref up to summation order. Written after run AE (the device
-    time ran out): measured by ops/bench/bench_fp8_gemv.py, not yet taken by fp8_block_linear."""
-    n, k, cfg, out = _prepare(x, w_q, config)
+    """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
+    route)."""
+    n, k, _, out = _prepare(x, w_q, config)
+    cfg = config or block_gemv_config(n, k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     bn, bk = block
     if bn % block_n or block_k % bk or bk & (bk - 1):

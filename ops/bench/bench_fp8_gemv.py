@@ -22,7 +22,7 @@ import torch
 from bench_static import copy_bandwidth  # ops/bench is on the path when run as a script
 
 from kernels import fp8, fp8_block
-from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config
+from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config, linear
 
 SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
     "gdn in_proj qkvz": (16384, 5120),
@@ -100,14 +100,16 @@ def main() -> None:
                 [partial(_fp8_block_route, x, q, b_s) for q in bq]
             )
             row["bf16_us"] = graph_time_us([partial(torch.matmul, x, v.t()) for v in w16s])
-            if m <= GEMV_MAX_ROWS:  # the GEMV reading the bf16 weight (not routed: vs cuBLAS)
+            if m <= GEMV_MAX_ROWS:  # the GEMV reading the bf16 weight, over a few tiles
                 row["bf16_gemv_us"], row["bf16_gemv"] = best_of(x, w16s, None, BF16_TILES)
+            row["bf16_linear_us"] = graph_time_us([partial(linear, x, v) for v in w16s])
             row["fp8_linear_us"] = graph_time_us([partial(fp8.fp8_linear, x, q, w_s) for q in wq])
             line = (
                 f"{name:20s} M={m} floor {floor_us:6.1f} |"
                 f" fp8_linear {row['fp8_linear_us']:6.1f} ({row['fp8_linear_us'] / floor_us:.2f}x)"
                 f" | quant+gemm {row['quant+gemm_us']:6.1f}"
                 f" block {row['block quant+gemm_us']:6.1f} | bf16 {row['bf16_us']:6.1f}"
+                f" routed {row['bf16_linear_us']:6.1f}"
                 + (
                     f" (gemv {row['bf16_gemv_us']:6.1f} {row['bf16_gemv']})"
                     if m <= GEMV_MAX_ROWS
@@ -120,10 +122,14 @@ def main() -> None:
             if m == 1:
                 row.update(gemv_row(x, wq, w_s, not args.quick))
                 row.update(block_gemv_row(x, bq, b_s))
+                row["block_linear_us"] = graph_time_us(
+                    [partial(fp8_block.fp8_block_linear, x, q, b_s, (128, 128)) for q in bq]
+                )
                 best_us = row["gemv_best_us"]
                 line += (
                     f" | gemv {row['gemv_default_us']:6.1f}"
-                    f" block gemv {row['block_gemv_us']:6.1f} {row['block_gemv']}"
+                    f" block routed {row['block_linear_us']:6.1f}"
+                    f" gemv {row['block_gemv_us']:6.1f} {row['block_gemv']}"
                     f" best {best_us:6.1f} ({best_us / floor_us:.2f}x,"
                     f" {n * k / best_us / 1e3:.0f} GB/s) {row['gemv_best']}"
                 )
@@ -136,30 +142,33 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
-BF16_TILES = [  # a few tiles for the variants not routed yet (bf16 weight, 2-4 rows)
+BF16_TILES = [  # a few tiles for the bf16-weight GEMV and the 2-4 rows one (not routed)
     {"block_n": n, "block_k": k, "num_warps": 4, "stages": st}
-    for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4))
+    for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4), (4, 256, 4))
 ]
 BLOCK_TILES = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 256, 8, 3))
 
 
 def block_gemv_row(x, bq, b_s) -> dict:
-    """The block-scaled GEMV (not routed yet) over a few tiles."""
+    """The block-scaled GEMV over a few tiles (fp8_block_linear's route: its default tile)."""
     runs = []
     for n, k, w, st in BLOCK_TILES:
         cfg = {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
         fns = [partial(fp8_gemv_block, x, q, b_s, (128, 128), None, cfg) for q in bq]
         runs.append((graph_time_us(fns), cfg))
+    print("    block:", " ".join(f"{us:.1f}{tuple(c.values())}" for us, c in runs))
     runs.sort(key=lambda t: t[0])
     return {"block_gemv_us": runs[0][0], "block_gemv": runs[0][1]}
 
 
 def best_of(x, weights, scale, configs) -> tuple[float, dict]:
-    """(µs, config) of fp8_gemv at its fastest of `configs` over the weight copies."""
+    """(µs, config) of fp8_gemv at its fastest of `configs` over the weight copies; every
+    config's time is printed."""
     timed = [
         (graph_time_us([partial(fp8_gemv, x, w, scale, None, c) for w in weights]), c)
         for c in configs
     ]
+    print("   ", " ".join(f"{us:.1f}{tuple(c.values())}" for us, c in timed))
     return min(timed, key=lambda t: t[0])
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.attention as attn
 from kernels.attention import (
     paged_attention_ref,
     paged_attention_triton,
@@ -143,6 +144,39 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
     return lines
 
 
+FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an fp8 cache
+    (64, 2, 4),
+    (64, 3, 4),
+    (128, 2, 4),
+    (128, 2, 8),
+    (128, 3, 4),
+    (128, 3, 8),
+    (256, 2, 8),
+]
+
+
+def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
+    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"])
+    and the bf16 decode at its own tiles: one line of µs and fp8 GB/s per tile."""
+    inputs = make_inputs(case, device)
+    call = runners(inputs, ["triton"], device)
+    hq, hkv, dim = case.heads
+    fp8_bytes = case.batch * case.context * hkv * dim * 2
+    bf16_us = time_us(call["triton/bf16"], device, reps)
+    timed = []
+    for tile in FP8_TILES:
+        attn.ATTN_TUNING["fp8_tile"] = tile
+        try:
+            us = time_us(call["triton/fp8"], device, reps)
+            timed.append(f"{tile}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
+        except Exception as exc:  # a tile Triton cannot build here: named, skipped
+            timed.append(f"{tile}: {type(exc).__name__}")
+    attn.ATTN_TUNING["fp8_tile"] = None
+    print(f"  sweep b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | " + " | ".join(timed))
+    del inputs, call
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="8192,32768", help="KV tokens per request")
@@ -152,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu (reference smoke)")
     parser.add_argument("--reps", type=int, default=100, help="timing budget per call (ms on GPU)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the fp8 decode over FP8_TILES"
+    )
     args = parser.parse_args(argv)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -174,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     for context in (int(x) for x in args.contexts.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             lines += bench_case(Case(batch, context, heads), backends, device, args.reps)
+            if args.sweep and device.type == "cuda":
+                sweep_fp8_tiles(Case(batch, context, heads), device, args.reps)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -15,6 +15,7 @@ physics.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
@@ -36,6 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers.moe import SparseMoE
+from kernels import fp8_gemv
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -320,6 +322,14 @@ def main() -> None:
         help="weights: bf16, online fp8 per channel, or block fp8 as in Qwen's -FP8 repos",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
+    ap.add_argument(
+        "--gemv",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="one-row linears: the GEMV of kernels/fp8_gemv.py (on) or the GEMM routes (off); "
+        "the decode graphs are captured again for each",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -345,7 +355,16 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for graphs in args.graphs:
+    for gemv, graphs in itertools.product(args.gemv, args.graphs):
+        if fp8_gemv.USE_GEMV != (gemv == "on"):
+            fp8_gemv.USE_GEMV = gemv == "on"
+            runner.graphs = captured = None
+            torch.cuda.empty_cache()
+            if "on" in args.graphs:
+                captured = runner._decode_graphs()
+                print("decode graphs captured again")
+        if len(args.gemv) > 1 and graphs == args.graphs[0]:
+            print(f"one-row GEMV {gemv}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -364,6 +383,7 @@ def main() -> None:
                         torch.cuda.empty_cache()
                     plain = r["step_ms"] if k == 0 else plain
                     r.update(graphs=graphs, fused=fused, draft_vocab=vocab, floor_ms=floor_ms)
+                    r["gemv"] = gemv
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -11,7 +11,7 @@
 # verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
 # engine, each VERIFY_S
 # (verify_engine: the engine's alone; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
-# KV decode attention (KV_FP8_S); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
@@ -96,7 +96,7 @@ for s in ${STEPS:-probe tests bench}; do
       --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
-    kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 \
+    kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 ${KV_FP8_ARGS:-} \
       --batches 1,16,64 ;;
     serve) step "serve_${TAG:-serve}" "${SERVE_S:-300}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
       bash ops/gpu/serve_bench.sh ;;

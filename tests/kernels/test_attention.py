@@ -9,6 +9,7 @@ import torch
 from kernel_cases import DEVICE, generator, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
+import kernels.attention as attn
 from kernels.attention import (
     KVScales,
     paged_attention,
@@ -186,6 +187,18 @@ def test_fp8_kv_attention_matches_dequantized_reference(case, dtype):
     assert_close(expected, plain, dtype, factor=ACCUMULATING, name=f"fp8 meaning {case}")
 
 
+@pytest.mark.parametrize("tile", [(128, 2, 4), (32, 3, 2)])
+def test_fp8_kv_decode_tile_override(tile, monkeypatch):
+    """ATTN_TUNING["fp8_tile"] (the fp8 cache's own decode tiles): same result, verify rows and a
+    ragged last block included."""
+    monkeypatch.setitem(attn.ATTN_TUNING, "fp8_tile", tile)
+    base = make_batch([1, 3], [300, 77], 4, 2, 32, torch.float32, seed=9)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.bfloat16)
+    expected = paged_attention_ref(*args, 0.2, k_scale, v_scale)
+    got = paged_attention_triton(*args, 0.2, max_q_len=3, k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name=f"fp8 tile {tile}")
+
+
 def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
     base = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=8)
     args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.float32)
@@ -215,7 +228,7 @@ def test_store_kv_fp8_divides_by_the_scale_and_saturates(dtype):
     torch.testing.assert_close(
         got[1][slots].float() * 0.01, v.float(), rtol=0.07, atol=0.01 * 2**-6
     )
-    assert torch.equal(got[0][1].float(), torch.zeros(2, 24))  # untouched slot
+    assert torch.equal(got[0][1].float(), torch.zeros(2, 24, device=DEVICE))  # untouched slot
 
 
 def test_fp8_cache_without_scales_is_refused():

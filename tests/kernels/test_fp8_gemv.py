@@ -1,6 +1,7 @@
 """The batch-1 weight-only fp8 GEMV (kernels/fp8_gemv.py) against its reference (the product with
 the dequantised weight), per channel and per tensor, ragged N and K, bias, pipelined or not;
-where fp8_linear routes to it; 27B shapes on the GPU; the block-scaled variant (not routed yet)."""
+where fp8_linear, fp8_block_linear and the 16-bit `linear` route to it; 27B shapes on the GPU;
+the block-scaled variant."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, rel_error
 
+import kernels.fp8_block
+import kernels.fp8_gemv
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_block import dequantize_block, quantize_block_ref
+from kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
 from kernels.fp8_gemv import (
     GEMV_MAX_ROWS,
+    block_gemv_fits,
     fp8_gemv,
     fp8_gemv_block,
     fp8_gemv_block_ref,
     fp8_gemv_ref,
     gemv_wins,
+    linear,
 )
 
 CONFIGS = [
@@ -102,6 +107,58 @@ def test_gemv_refuses_what_it_does_not_run():
 def test_route_takes_the_gemv_at_one_row():
     assert gemv_wins(1, 5120, 6144) and gemv_wins(1, 34816, 5120) and gemv_wins(1, 5120, 17408)
     assert not gemv_wins(2, 5120, 6144)  # more rows: the fp8 x fp8 kernels
+
+
+def count_calls(monkeypatch, module, name) -> list:
+    """Wraps module.name so each call is recorded; the list of calls."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    return calls
+
+
+def test_linear_takes_the_gemv_for_one_16bit_row_only(monkeypatch):
+    monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
+    calls = count_calls(monkeypatch, kernels.fp8_gemv, "fp8_gemv")
+    w = randn(48, 300, dtype=torch.bfloat16, seed=1, scale=0.05)
+    bias = randn(48, dtype=torch.bfloat16, seed=2)
+    x = randn(1, 300, dtype=torch.bfloat16, seed=3)
+    got = linear(x, w, bias)
+    assert len(calls) == 1 and got.shape == (1, 48)
+    assert_close(got, torch.nn.functional.linear(x, w, bias), torch.bfloat16, name="linear")
+    assert linear(x[0], w).shape == (48,) and len(calls) == 2  # a [K] row as well
+    linear(randn(2, 300, dtype=torch.bfloat16), w)  # two rows: cuBLAS
+    linear(x.float(), w.float())  # fp32: cuBLAS
+    linear(x, w.t().contiguous().t())  # a transposed weight: cuBLAS
+    monkeypatch.setattr(kernels.fp8_gemv, "USE_GEMV", False)
+    linear(x, w)
+    assert len(calls) == 2
+
+
+def test_block_linear_takes_the_gemv_at_one_row(monkeypatch):
+    monkeypatch.setattr(kernels.fp8_block, "use_triton", lambda t: t.shape[0] == 1)
+    calls = count_calls(monkeypatch, kernels.fp8_block, "fp8_gemv_block")
+    w_q, s = quantize_block_ref(randn(256, 384, seed=4, scale=0.05).cpu(), (128, 128))
+    w_q, s = w_q.to(DEVICE), s.to(DEVICE)
+    x = randn(1, 384, dtype=torch.bfloat16, seed=5)
+    got = fp8_block_linear(x, w_q, s, (128, 128))
+    assert len(calls) == 1
+    assert_close(got, fp8_gemv_block_ref(x, w_q, s, (128, 128)), torch.bfloat16, name="route")
+    fp8_block_linear(randn(2, 384, dtype=torch.bfloat16), w_q, s, (128, 128))  # 2 rows: GEMM
+    assert len(calls) == 1
+    assert block_gemv_fits((128, 128), 5120, 6144) and block_gemv_fits((128, 128), 34816, 5120)
+    assert not block_gemv_fits((128, 96), 5120, 6144)  # a K step would split a scale column
+    assert not block_gemv_fits((4, 128), 5120, 6144)  # a tile would span scale rows
+
+
+@gpu
+@pytest.mark.parametrize("n,k", [(5120, 5120), (34816, 5120), (5120, 17408), (5120, 6144)])
+def test_full_size_16bit_and_block_routes(n, k):
+    w = randn(n, k, seed=n, scale=0.05, dtype=torch.bfloat16)
+    x = randn(1, k, dtype=torch.bfloat16, seed=k)
+    assert rel_error(linear(x, w), x.float() @ w.float().t()) < 1e-2
+    w_q, s = quantize_block_ref(w.float(), (128, 128))
+    expected = fp8_gemv_block_ref(x, w_q, s, (128, 128))
+    assert rel_error(fp8_block_linear(x, w_q, s, (128, 128)), expected) < 1e-2
 
 
 @gpu

@@ -9,6 +9,7 @@ from torch import nn
 
 from appliance.models.layers.linear import copy_into
 from appliance.models.layers.parallel import all_gather_last, all_reduce, tp_rank, tp_size
+from kernels.fp8_gemv import linear
 
 
 def _padded(vocab: int) -> int:
@@ -48,7 +49,7 @@ class VocabEmbedding(_VocabShard):
 
 class LMHead(_VocabShard):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         return all_gather_last(logits)[:, : self.vocab]
 
     def argmax(self, hidden: torch.Tensor, limit: int = 0) -> torch.Tensor:
@@ -57,10 +58,10 @@ class LMHead(_VocabShard):
         limit = min(limit or self.vocab, self.vocab)
         rows = max(0, min(limit - self.start, self.weight.shape[0]))
         if tp_size() == 1:
-            return F.linear(hidden, self.weight[:rows]).argmax(-1)
+            return linear(hidden, self.weight[:rows]).argmax(-1)
         n = hidden.shape[0]
         if rows:
-            best, ids = F.linear(hidden, self.weight[:rows]).float().max(-1)
+            best, ids = linear(hidden, self.weight[:rows]).float().max(-1)
         else:  # this rank holds none of the first `limit` ids
             best = torch.full((n,), float("-inf"), device=hidden.device)
             ids = torch.zeros(n, dtype=torch.int64, device=hidden.device)

@@ -8,12 +8,12 @@ and kernels/fp8_block.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
 from kernels.fp8 import FP8_DTYPE, fp8_linear, per_token_quant_ref
 from kernels.fp8_block import fp8_block_linear
+from kernels.fp8_gemv import linear
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -21,7 +21,7 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class Unquantized:
-    """Weight in the model dtype; F.linear."""
+    """Weight in the model dtype; F.linear (one row on CUDA: the GEMV of kernels/fp8_gemv.py)."""
 
     block: tuple[int, int] | None = None  # (block_n, block_k) of block-scaled weights
 
@@ -33,7 +33,7 @@ class Unquantized:
         return None
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
