@@ -510,8 +510,10 @@ def _merge_splits_kernel(
 # split_factor 1 (split the KV until there is about one program per SM) 84.0 us at B=16 decode
 # vs 87.8 / 92.5 / 98.9 at 2 / 4 / 8; B=16 x 4 verify rows 93.5 vs 99.3 at 2
 # fp8_tile: (BLOCK_N, num_stages, num_warps) of decode / verify over an fp8 cache (None: the bf16
-# cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s)
-ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": None}
+# cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s).
+# Run AG's sweep (bench_kv_fp8.py --sweep, 27B heads): a third stage of 64-key tiles took batch
+# 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x)
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:

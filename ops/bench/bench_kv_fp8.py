@@ -145,13 +145,14 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
 
 
 FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an fp8 cache
-    (64, 2, 4),
-    (64, 3, 4),
-    (128, 2, 4),
-    (128, 2, 8),
-    (128, 3, 4),
-    (128, 3, 8),
-    (256, 2, 8),
+    (64, 2, 4),  # the bf16 cache's tiles
+    (64, 3, 4),  # the default (run AG)
+    (64, 4, 4),
+    (64, 5, 4),
+    (32, 4, 4),
+    (32, 6, 4),
+    (128, 4, 4),
+    (64, 4, 2),
 ]
 
 
@@ -163,7 +164,7 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
     hq, hkv, dim = case.heads
     fp8_bytes = case.batch * case.context * hkv * dim * 2
     bf16_us = time_us(call["triton/bf16"], device, reps)
-    timed = []
+    timed, default = [], attn.ATTN_TUNING["fp8_tile"]
     for tile in FP8_TILES:
         attn.ATTN_TUNING["fp8_tile"] = tile
         try:
@@ -171,7 +172,7 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
             timed.append(f"{tile}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
         except Exception as exc:  # a tile Triton cannot build here: named, skipped
             timed.append(f"{tile}: {type(exc).__name__}")
-    attn.ATTN_TUNING["fp8_tile"] = None
+    attn.ATTN_TUNING["fp8_tile"] = default
     print(f"  sweep b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | " + " | ".join(timed))
     del inputs, call
     torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
 """Host vs GPU time of a decode step: torch.profiler over N plain decode steps of the model runner
 (dummy weights from a real config), CUDA graphs on and off. Prints per step: wall time, GPU kernel
-time (sum of kernel durations), kernel launches, and GPU idle share; writes a Chrome trace.
+time (sum of kernel durations), kernel launches, and GPU idle share; writes a Chrome trace;
+`--top N`: the N kernels with the most time per step (name, launches, µs).
 
   python ops/gpu/profile_step.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 --out .
 """
@@ -42,7 +43,14 @@ def profile_decode(
     gpu = sum(e.device_time for e in kernels) / 1e6 / steps  # device_time is in us
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
     return {
+        "top": [(name[:90], n / steps, us / steps) for name, (n, us) in top],
         "wall_ms": wall * 1e3,
         "gpu_ms": gpu * 1e3,
         "kernels": len(kernels) / steps,
@@ -57,11 +65,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="")
+    ap.add_argument("--top", type=int, default=0, help="print the N costliest kernels per step")
+    ap.add_argument("--modes", nargs="+", default=["graphs+overlap", "graphs", "eager"])
     args = ap.parse_args()
     runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, [0], True)
     captured = runner.graphs
     print(f"{'mode':>15} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
-    for mode in ("graphs+overlap", "graphs", "eager"):
+    for mode in args.modes:
         runner.graphs = None if mode == "eager" else captured
         for batch in args.batch:
             first = batch == args.batch[0]  # one trace per mode: the files come back from the GPU
@@ -73,6 +83,8 @@ def main() -> None:
                 f"{mode:>15} {batch:>5} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
                 f"{r['kernels']:>8.0f} {100 * r['idle']:>7.1f}%"
             )
+            for name, n, us in r["top"][: args.top]:
+                print(f"    {us:8.1f} µs {n:5.0f}x  {name}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@
 # KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
+# profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
 # .cache/vision-wheels (pillow, httpx and its deps: not on the GPU machine).
 set -u
@@ -101,7 +102,8 @@ for s in ${STEPS:-probe tests bench}; do
     serve) step "serve_${TAG:-serve}" "${SERVE_S:-300}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
       bash ops/gpu/serve_bench.sh ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
-      --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64 --out "$OUT" ;;
+      --config "${PROFILE_CONFIG:-ops/bench/configs/qwen3_5_27b.json}" --batch ${PROFILE_BATCH:-1 16 64} \
+      --out "$OUT" ${PROFILE_ARGS:-} ;;
     *) echo "unknown step $s" ;;
   esac
 done
