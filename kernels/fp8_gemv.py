@@ -10,7 +10,7 @@ tile summed over K at the end (no tensor cores: one row). Each program owns BLOC
 channels and streams their whole K, so no partial sums leave the SM and there is no second
 kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
 bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels or cuBLAS,
-which were faster at 2 and 4 rows on the H200 (`_gemv_rows_kernel`, kept for the benchmark).
+which were faster at 2 and 4 rows on the H200 except for a 16-bit weight with a long K.
 
 Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.md):
 - per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
@@ -20,7 +20,8 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
   than quantise + block GEMM (a scalar scale load per 128 columns was 1.2-2x slower, a
   per-element gather 4x: runs AD, AE);
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
-  than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms).
+  than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
+  rows over a long K (the down projection) with `_gemv_rows_kernel`.
 The references are the products with the dequantised weight in fp32: what these kernels compute
 up to summation order (closer to the full-precision layer than the fp8 x fp8 GEMMs, which also
 round the activations).
@@ -160,6 +161,14 @@ def gemv_wins(m: int, n: int, k: int) -> bool:
     return USE_GEMV and m == 1
 
 
+def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
+    """A 16-bit weight: one row at every 27B projection (2-16 % faster than cuBLAS, run AG);
+    2-4 rows (batch 2-4, an MTP verify at batch 1) only over a long reduction, K >= 2N, where
+    cuBLAS read the 27B down projection (5120 x 17408) at 3.6 TB/s and the rows kernel at 4.2
+    (42.1 against 49.8 µs at 4 rows); at the other projections cuBLAS was as fast or faster."""
+    return USE_GEMV and (m == 1 or (1 < m <= GEMV_MAX_ROWS and k >= 2 * n))
+
+
 def gemv_config(n: int, k: int) -> dict[str, int]:
     """Tile, warps and K-loop stages: the H200 sweep's best at every 27B projection (8 x 512
     tiles, 3 stages of the K loop in flight; unpipelined, the same tiles were 10-40 % slower)."""
@@ -194,9 +203,9 @@ def linear(
     weight: torch.Tensor,  # [N, K] in x's dtype
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, except one bf16 / fp16 row on CUDA: the GEMV (faster than cuBLAS there)."""
+    """F.linear, except where the GEMV beats cuBLAS on CUDA (`bf16_gemv_wins`)."""
     if (
-        gemv_wins(x.numel() // x.shape[-1], *weight.shape)
+        bf16_gemv_wins(x.numel() // x.shape[-1], *weight.shape)
         and use_triton(x)
         and x.dtype in GEMV_DTYPES
         and weight.dtype == x.dtype
@@ -228,8 +237,8 @@ def fp8_gemv(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
-    16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel`, which
-    bench_fp8_gemv.py times against cuBLAS and the fp8 x fp8 route (not routed: slower)."""
+    16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
+    16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS)."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out

@@ -116,7 +116,7 @@ def count_calls(monkeypatch, module, name) -> list:
     return calls
 
 
-def test_linear_takes_the_gemv_for_one_16bit_row_only(monkeypatch):
+def test_linear_takes_the_gemv_for_one_16bit_row_or_a_long_k(monkeypatch):
     monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
     calls = count_calls(monkeypatch, kernels.fp8_gemv, "fp8_gemv")
     w = randn(48, 300, dtype=torch.bfloat16, seed=1, scale=0.05)
@@ -126,12 +126,18 @@ def test_linear_takes_the_gemv_for_one_16bit_row_only(monkeypatch):
     assert len(calls) == 1 and got.shape == (1, 48)
     assert_close(got, torch.nn.functional.linear(x, w, bias), torch.bfloat16, name="linear")
     assert linear(x[0], w).shape == (48,) and len(calls) == 2  # a [K] row as well
-    linear(randn(2, 300, dtype=torch.bfloat16), w)  # two rows: cuBLAS
+    linear(randn(2, 300, dtype=torch.bfloat16), randn(160, 300, dtype=torch.bfloat16))  # K < 2N
+    linear(randn(5, 300, dtype=torch.bfloat16), w)  # more rows than the rows kernel takes
     linear(x.float(), w.float())  # fp32: cuBLAS
     linear(x, w.t().contiguous().t())  # a transposed weight: cuBLAS
+    assert len(calls) == 2
+    rows = randn(3, 300, dtype=torch.bfloat16, seed=6)  # 3 rows, K >= 2N: the rows kernel
+    assert_close(linear(rows, w, bias), torch.nn.functional.linear(rows, w, bias), torch.bfloat16)
+    assert len(calls) == 3
     monkeypatch.setattr(kernels.fp8_gemv, "USE_GEMV", False)
     linear(x, w)
-    assert len(calls) == 2
+    linear(rows, w)
+    assert len(calls) == 3
 
 
 def test_block_linear_takes_the_gemv_at_one_row(monkeypatch):
@@ -156,6 +162,8 @@ def test_full_size_16bit_and_block_routes(n, k):
     w = randn(n, k, seed=n, scale=0.05, dtype=torch.bfloat16)
     x = randn(1, k, dtype=torch.bfloat16, seed=k)
     assert rel_error(linear(x, w), x.float() @ w.float().t()) < 1e-2
+    rows = randn(4, k, dtype=torch.bfloat16, seed=k + 1)  # the rows kernel where K >= 2N
+    assert rel_error(linear(rows, w), rows.float() @ w.float().t()) < 1e-2
     w_q, s = quantize_block_ref(w.float(), (128, 128))
     expected = fp8_gemv_block_ref(x, w_q, s, (128, 128))
     assert rel_error(fp8_block_linear(x, w_q, s, (128, 128)), expected) < 1e-2
