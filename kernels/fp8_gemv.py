@@ -16,9 +16,10 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
 - per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
   1.5-3.3 for quantise + tiled / split-K;
 - block-scaled fp8 (`fp8_gemv_block`, from kernels.fp8_block.fp8_block_linear; Qwen's -FP8
-  repos): a [BLOCK_N, G, 128] tile whose G scales are one vector load per K step, 1.0-1.8x faster
-  than quantise + block GEMM (a scalar scale load per 128 columns was 1.2-2x slower, a
-  per-element gather 4x: runs AD, AE);
+  repos): a [BLOCK_N, G, 128] tile whose G scales are one vector load per K step: from 2 %
+  slower (gate_up) to 1.8x faster (out_proj) than quantise + block GEMM, 0.6 ms off the 27B
+  step (run AG; a scalar scale load per 128 columns was 1.2-2x slower, a per-element gather
+  4x: runs AD, AE);
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
   than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
   rows over a long K (the down projection) with `_gemv_rows_kernel`.
