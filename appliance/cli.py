@@ -265,6 +265,17 @@ def _check_quantization(config: ServeConfig) -> None:
         _fail(f"{path.parent.name}: {exc}")
 
 
+def _check_generation_config(config: ServeConfig) -> None:
+    """--generation-config naming a folder without the file, or a file with values no request
+    may take, fails here in one line, before any process starts."""
+    from appliance.generation_defaults import GenerationConfigError, generation_defaults
+
+    try:
+        generation_defaults(config.engine.model.model_dir, config.server.generation_config)
+    except GenerationConfigError as exc:
+        _fail(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
@@ -287,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     config = _resolve_model(config, args.revision)
     _check_quantization(config)
+    _check_generation_config(config)
     try:
         return serve(config)
     except LaunchError as exc:  # the port was taken while the model was being resolved

@@ -195,6 +195,9 @@ class ServerConfig:
     allowed_origins: str = ""  # comma-separated CORS origins ("*" = any); "" = CORS off
     max_request_bytes: int = 32 * 1024 * 1024  # HTTP body limit (413 past it); images come inline
     request_timeout: float = 0.0  # seconds a request may run before it is aborted (408); 0 = none
+    # sampling defaults of unset request fields: auto = the model's generation_config.json, none =
+    # OpenAI's, or a folder holding a generation_config.json
+    generation_config: str = "auto"
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
@@ -205,6 +208,7 @@ class ServerConfig:
         _check(self.reasoning in ("auto", "on", "off"), "reasoning", "auto, on or off")
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "an integer >= 1024")
         _check(self.request_timeout >= 0, "request_timeout", "a number >= 0 (0 = no limit)")
+        _check(bool(self.generation_config), "generation_config", "auto, none or a folder")
 
 
 @dataclass(frozen=True)

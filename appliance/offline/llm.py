@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from appliance.config import EngineConfig
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
+from appliance.generation_defaults import generation_defaults
 from appliance.messages import Guide, TextDelta, TokenizedRequest
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler, SchedulerError
@@ -49,10 +50,18 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
 
 class LLM:
     """`model`: a checkpoint folder, a Hugging Face Hub id `ORG/NAME` (at `revision`, through the
-    Hub cache, as `appliance serve` resolves it), or None for the embedded default model."""
+    Hub cache, as `appliance serve` resolves it), or None for the embedded default model.
+    `generate` without SamplingParams samples with `default_sampling_params()`: the model's
+    generation_config.json (`generation_config="auto"`), `"none"` (SamplingParams' own defaults)
+    or a folder's, as `appliance serve --generation-config`."""
 
     def __init__(
-        self, model: str | None = None, tp: int = 1, revision: str = "", **options
+        self,
+        model: str | None = None,
+        tp: int = 1,
+        revision: str = "",
+        generation_config: str = "auto",
+        **options,
     ) -> None:
         self.config = build_engine_config(model, tp, options)
         from appliance.assets.resolve import resolve_model_dir
@@ -64,6 +73,7 @@ class LLM:
         self.config = replace(
             self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )
+        self.sampling_defaults = generation_defaults(self.model_dir, generation_config)
         if tp == 1:
             self.runner = ModelRunner(self.config)
             info = self.runner.info()
@@ -85,6 +95,10 @@ class LLM:
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._compiler = None  # checks guides (structured outputs) on first use
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams (the generation_config defaults)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def close(self) -> None:
         """Stops the worker processes (tp > 1); a no-op in process."""
@@ -133,7 +147,7 @@ class LLM:
         ValueError, or QueueFull); the prompts before it are dropped."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.default_sampling_params()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, CompletionOutput] = {}
         for prompt, sp in zip(prompts, params_list):

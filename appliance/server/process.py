@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from appliance import envs
 from appliance.config import ServeConfig
+from appliance.generation_defaults import describe, generation_defaults
 from appliance.ipc import Addresses, RoleLink, child_init
 from appliance.logging import get_logger
 from appliance.messages import Drain, Drained, EngineReady, Fatal, ToServerControl, decoder
@@ -86,6 +87,12 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
     client = EngineClient(
         addrs.router, addrs.server, sched.max_num_seqs + sched.max_waiting, metrics
     )
+    defaults = generation_defaults(model_dir, config.server.generation_config)
+    logger.info(
+        "sampling defaults of unset request fields: %s (--generation-config %s)",
+        describe(defaults),
+        config.server.generation_config,
+    )
     return ServerState(
         config.server,
         name,
@@ -93,6 +100,7 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
         PromptBuilder(tokenizer, 0, config.server.max_prompt_chars),
         client,
         metrics,
+        sampling_defaults=defaults,
     )
 
 

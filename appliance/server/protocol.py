@@ -217,8 +217,10 @@ def sampling_params(
     num_logprobs: int | None,
     vocab_size: int,
     num_prompt_logprobs: int | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """Validates the sampling fields (400 naming the field); unset fields take OpenAI defaults.
+    """Validates the sampling fields (400 naming the field); unset fields take `defaults` (the
+    model's generation_config.json, appliance/generation_defaults.py), then OpenAI's.
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
     check_stream_options(req)
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
@@ -236,6 +238,9 @@ def sampling_params(
         "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty,
     }
+    for name, value in (defaults or {}).items():
+        if fields.get(name, 0) is None:
+            fields[name] = value
     try:
         return SamplingParams(
             n=req.n,

@@ -121,7 +121,13 @@ async def _admit(
     model = state.check_model(body.model)
     endpoint.check(state, body)
     vocab_size = state.prompts.vocab_size
-    params = sampling_params(body, body.num_logprobs(), vocab_size, body.num_prompt_logprobs())
+    params = sampling_params(
+        body,
+        body.num_logprobs(),
+        vocab_size,
+        body.num_prompt_logprobs(),
+        state.sampling_defaults,
+    )
     prompts = await endpoint.prompts(state, body)
     guide = None
     if found := request_guide(body, prompts[0].text, state.prompts.tokenizer):

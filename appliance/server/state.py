@@ -66,6 +66,8 @@ class ServerState:
     ready: bool = False  # EngineReady received: admitting requests
     draining: bool = False  # Drain received: refusing new requests
     prompt_lanes: PromptLanes = field(default_factory=PromptLanes)  # where prompts are tokenized
+    # fields a request leaves unset take these first (the model's generation_config.json)
+    sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @functools.cached_property

@@ -47,6 +47,19 @@ def test_seed_reproduces_and_differs(llm):
     assert a == b and a != c
 
 
+def test_generate_without_params_samples_with_the_generation_config(llm, tiny_dense, tmp_path):
+    tiny = llm.default_sampling_params()  # the tiny checkpoint's file: 0.6 / 20 / 0.95
+    assert (tiny.temperature, tiny.top_k, tiny.top_p) == (0.6, 20, 0.95)
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false}')
+    greedy = LLM(str(tiny_dense), generation_config=str(tmp_path), **OPTS)
+    assert greedy.default_sampling_params().temperature == 0.0
+    want = greedy.generate("x = ", SamplingParams(temperature=0))[0].token_ids
+    assert [o.token_ids for o in greedy.generate(["x = ", "x = "])] == [want, want]
+    assert LLM(str(tiny_dense), generation_config="none", **OPTS).default_sampling_params() == (
+        SamplingParams()
+    )
+
+
 def test_bad_options_name_the_field(tiny_dense):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

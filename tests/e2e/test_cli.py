@@ -143,6 +143,30 @@ def test_unsupported_checkpoint_quantization_is_one_line_before_starting(capsys,
     assert err.count("\n") == 1 and "compressed-tensors" in err and "weight_block_size" in err
 
 
+def test_bad_generation_config_is_one_line_before_starting(capsys, tiny_dense, tmp_path):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(tiny_dense), "--port", str(free_port()), "--generation-config", "/no"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "appliance serve: error: --generation-config /no: no generation_config.json in it\n"
+    )
+    (tmp_path / "generation_config.json").write_text('{"top_p": 2}')
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "serve",
+                str(tiny_dense),
+                "--port",
+                str(free_port()),
+                "--generation-config",
+                str(tmp_path),
+            ]
+        )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "generation_config.json: top_p" in err
+
+
 def _run_cli(args: list[str], env: dict[str, str], cwd=ROOT) -> tuple[int, str, float]:
     """`python -m appliance.cli ...` as a user runs it: (exit code, stderr, seconds)."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("APPLIANCE_", "HF_"))}

@@ -28,6 +28,22 @@ def test_models_and_health(make_server):
     assert client.get("/health").status_code == 200
 
 
+def test_unset_sampling_fields_take_the_generation_config_defaults(make_server):
+    client, engine, state = make_server()
+    state.sampling_defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert chat(client).status_code == 200
+    assert chat(client, temperature=0, top_p=1.0).status_code == 200  # set fields win
+    assert client.post("/v1/completions", json={"prompt": "x", "top_k": 5}).status_code == 200
+    first, second, third = (r.sampling for r in engine.received)
+    assert (first.temperature, first.top_k, first.top_p) == (0.6, 20, 0.95)
+    assert (second.temperature, second.top_k, second.top_p) == (0.0, 20, 1.0)
+    assert (third.temperature, third.top_k, third.top_p) == (0.6, 5, 0.95)
+    state.sampling_defaults = {}  # --generation-config none: OpenAI's
+    assert chat(client).status_code == 200
+    last = engine.received[-1].sampling
+    assert (last.temperature, last.top_k, last.top_p) == (1.0, -1, 1.0)
+
+
 def test_not_ready_is_503(make_server):
     client, _, _ = make_server(ready=False)
     assert client.get("/health").status_code == 503
