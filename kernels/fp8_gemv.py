@@ -214,7 +214,8 @@ def linear(
         and x.stride(-1) == 1
     ):
         n, k = weight.shape
-        return fp8_gemv(x, weight, None, bias, bf16_gemv_config(n, k))
+        out = fp8_gemv(x.reshape(-1, k), weight, None, bias, bf16_gemv_config(n, k))
+        return out.reshape(*x.shape[:-1], n)  # rows of any leading shape, as F.linear
     return F.linear(x, weight, bias)
 
 

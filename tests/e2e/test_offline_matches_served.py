@@ -24,6 +24,8 @@ def llm(tiny_dense):
 
 def _served(sdk, prompt: list[int], params: SamplingParams):
     extra = {"ignore_eos": params.ignore_eos, "stop_token_ids": params.stop_token_ids}
+    extra |= {"top_k": params.top_k, "min_p": params.min_p}  # every sampling field: no defaults
+    extra["repetition_penalty"] = params.repetition_penalty
     if params.include_stop_str_in_output:
         extra["include_stop_str_in_output"] = True
     out = sdk.completions.create(
@@ -31,6 +33,7 @@ def _served(sdk, prompt: list[int], params: SamplingParams):
         prompt=prompt,
         max_tokens=params.max_tokens,
         temperature=params.temperature,
+        top_p=params.top_p,
         seed=params.seed,
         stop=params.stop or None,
         extra_body=extra,

@@ -134,10 +134,13 @@ def test_linear_takes_the_gemv_for_one_16bit_row_or_a_long_k(monkeypatch):
     rows = randn(3, 300, dtype=torch.bfloat16, seed=6)  # 3 rows, K >= 2N: the rows kernel
     assert_close(linear(rows, w, bias), torch.nn.functional.linear(rows, w, bias), torch.bfloat16)
     assert len(calls) == 3
+    grid = randn(2, 4, 300, dtype=torch.bfloat16, seed=7)[:, 1:3]  # 4 rows, not one stride
+    assert_close(linear(grid, w), torch.nn.functional.linear(grid, w), torch.bfloat16)
+    assert len(calls) == 4
     monkeypatch.setattr(kernels.fp8_gemv, "USE_GEMV", False)
     linear(x, w)
     linear(rows, w)
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 def test_block_linear_takes_the_gemv_at_one_row(monkeypatch):
