@@ -30,10 +30,13 @@ from tests.e2e.live import start_appliance
 from visual.cache import SEGMENT_PREFIX
 
 HEARTBEAT_TIMEOUT_S = 3
+MAX_MODEL_LEN = 4096  # room for BODY's max_tokens
 ROLES = ["server", "detokenizer", "router", "worker 0", "worker 1", "visual"]
 BODY = {
     "messages": [{"role": "user", "content": "count to ten"}],
-    "max_tokens": 400,
+    # long enough to outlast a frozen role's detection (3 s + a heartbeat period) on a fast
+    # machine: 400 tokens once finished first (a "done" stream); failures end it early anyway
+    "max_tokens": 4000,
     "stream": True,
     "ignore_eos": True,
     "chat_template_kwargs": {"enable_thinking": False},
@@ -103,6 +106,7 @@ def test_role_failure_fails_streams_health_and_launcher(tiny_dense, tmp_path, ro
         tiny_dense,
         tmp_path / "appliance.log",
         *args,
+        max_model_len=MAX_MODEL_LEN,
         env={"APPLIANCE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)},
     )
     pids = {who: int(pid) for who, pid in re.findall(r"\ds\] (.+?) ready \(pid (\d+)", app.log())}
