@@ -20,7 +20,6 @@ from appliance.sampling_params import SamplingParams
 
 # generation_config.json keys that are request sampling fields of the same name and meaning
 KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-SOURCES = ("auto", "none")  # or a folder
 
 
 class GenerationConfigError(ValueError):
@@ -58,7 +57,7 @@ def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict[str
 
 
 def describe(defaults: dict[str, Any]) -> str:
-    """One log phrase: `temperature 0.6, top_k 20, top_p 0.95` or `the OpenAI defaults`."""
+    """One log phrase: `temperature 0.6, top_p 0.95, top_k 20` or `the OpenAI defaults`."""
     if not defaults:
         return "the OpenAI defaults"
     return ", ".join(f"{k} {v}" for k, v in defaults.items())
