@@ -254,7 +254,7 @@ def fp8_gemv(
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
     )
-    if m > 1:  # 2-4 rows: their own kernel (not routed yet)
+    if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
             x,
             w_q,

@@ -142,7 +142,7 @@ def main() -> None:
             json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
 
 
-BF16_TILES = [  # a few tiles for the bf16-weight GEMV and the 2-4 rows one (not routed)
+BF16_TILES = [  # a few tiles for the bf16-weight GEMV (one row, and 2-4 rows)
     {"block_n": n, "block_k": k, "num_warps": 4, "stages": st}
     for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4), (4, 256, 4))
 ]
