@@ -9,6 +9,7 @@ time (sum of kernel durations), kernel launches, and GPU idle share; writes a Ch
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,16 +19,17 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ops.bench.bench_static import Bench, build_runner, sync  # noqa: E402
+from ops.bench.bench_static import Bench, build_runner, fused_step, sync  # noqa: E402
 
 
 def profile_decode(
-    runner, batch: int, prompt_len: int, steps: int, overlap: bool, trace: Path | None
+    runner, batch: int, prompt_len: int, steps: int, overlap: bool, trace: Path | None, k: int = 0
 ) -> dict:
+    """k > 0: the fused MTP step (runner.mtp_graphs set by the caller) with k drafts a step."""
     bench = Bench(runner)
-    _, starts = bench.prefill(batch, prompt_len, num_draft=0)
+    _, starts = bench.prefill(batch, prompt_len, num_draft=k)
     for _ in range(3):  # warm-up (allocator, autotune)
-        bench.decode(starts, 0)
+        bench.decode(starts, k)
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -35,7 +37,7 @@ def profile_decode(
             bench.decode_pipelined(starts, steps)
         else:
             for _ in range(steps):
-                bench.decode(starts, 0)
+                bench.decode(starts, k)
         sync()
         wall = (time.perf_counter() - start) / steps
     bench.run([], released=list(range(batch)))
@@ -66,9 +68,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default="")
     ap.add_argument("--top", type=int, default=0, help="print the N costliest kernels per step")
-    ap.add_argument("--modes", nargs="+", default=["graphs+overlap", "graphs", "eager"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["graphs+overlap", "graphs", "eager"], help="and mtp"
+    )
+    ap.add_argument("--mtp", type=int, default=3, help="drafts of the mtp mode")
+    ap.add_argument("--draft-vocab", type=int, default=32768, help="mtp mode; 0: all ids")
     args = ap.parse_args()
-    runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, [0], True)
+    mtp = [0, args.mtp] if "mtp" in args.modes else [0]
+    os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per batch below instead
+    runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, mtp, True)
     captured = runner.graphs
     print(f"{'mode':>15} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
     for mode in args.modes:
@@ -78,7 +86,15 @@ def main() -> None:
             name = f"trace_{mode.replace('+', '_')}_b{batch}.json"
             trace = Path(args.out) / name if args.out and first and mode != "eager" else None
             overlap = mode == "graphs+overlap"
-            r = profile_decode(runner, batch, args.prompt_len, args.steps, overlap, trace)
+            k = args.mtp if mode == "mtp" else 0
+            runner.mtp_graphs = None
+            if runner.drafter is not None:
+                runner.drafter.k = max(k, 1)  # as bench_static.measure
+            if k:
+                runner.drafter.draft_vocab = args.draft_vocab
+                runner.mtp_graphs = fused_step(runner, k, batch, graphs=True)
+            r = profile_decode(runner, batch, args.prompt_len, args.steps, overlap, trace, k)
+            runner.mtp_graphs = None
             print(
                 f"{mode:>15} {batch:>5} {r['wall_ms']:>8.2f} {r['gpu_ms']:>8.2f} "
                 f"{r['kernels']:>8.0f} {100 * r['idle']:>7.1f}%"
