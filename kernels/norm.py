@@ -140,7 +140,9 @@ def _gated_rms_norm_kernel(
     rows,
     dim,
     stride_x,
-    stride_g,
+    gate_heads,  # gate rows per token: row r is head r % gate_heads of token r // gate_heads
+    stride_gt,
+    stride_gh,
     stride_o,
     eps,
     BLOCK_R: tl.constexpr,
@@ -158,7 +160,8 @@ def _gated_rms_norm_kernel(
     y = w[None, :] * h.to(dtype).to(tl.float32)
     if ROUND_WEIGHTED:
         y = y.to(dtype).to(tl.float32)
-    gate = tl.load(gate_ptr + r[:, None] * stride_g + d[None, :], mask=mask, other=0.0)
+    g_row = (r // gate_heads) * stride_gt + (r % gate_heads) * stride_gh
+    gate = tl.load(gate_ptr + g_row[:, None] + d[None, :], mask=mask, other=0.0)
     gate = gate.to(tl.float32)
     y = y * (gate / (1.0 + tl.exp(-gate)))
     tl.store(
@@ -168,14 +171,18 @@ def _gated_rms_norm_kernel(
 
 def gated_rms_norm_triton(
     x: torch.Tensor,  # [N, D] (row stride free)
-    gate: torch.Tensor,  # [N, D]
+    gate: torch.Tensor,  # [N, D], or [T, H, D] with T * H = N (token and head strides free)
     weight: torch.Tensor,  # [D]
     eps: float,
 ) -> torch.Tensor:
-    """Same result as gated_rms_norm_ref."""
+    """Same result as gated_rms_norm_ref. A 3-D gate is read in place: the GDN layer's z is a
+    strided view of its input projection, which a reshape to [N, D] would copy for T > 1."""
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("gate", gate)
     rows, dim = x.shape
+    gate3 = gate if gate.dim() == 3 else gate[:, None, :]
+    if gate3.shape[0] * gate3.shape[1] != rows or gate3.shape[2] != dim:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} vs x {tuple(x.shape)}")
     out = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -189,7 +196,9 @@ def gated_rms_norm_triton(
         rows,
         dim,
         x.stride(0),
-        gate.stride(0),
+        gate3.shape[1],
+        gate3.stride(0),
+        gate3.stride(1),
         out.stride(0),
         eps,
         BLOCK_R=block_r,
@@ -215,11 +224,11 @@ def rms_norm(
 
 def gated_rms_norm(
     x: torch.Tensor,  # [N, D]
-    gate: torch.Tensor,  # [N, D]
+    gate: torch.Tensor,  # [N, D], or [T, H, D] with T * H = N
     weight: torch.Tensor,  # [D]
     eps: float,
 ) -> torch.Tensor:
     """Dispatcher used by the GDN layer: Triton on CUDA, the reference elsewhere."""
     if use_triton(x):
         return gated_rms_norm_triton(x, gate, weight, eps)
-    return gated_rms_norm_ref(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate.reshape(x.shape), weight, eps)

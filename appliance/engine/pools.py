@@ -14,10 +14,11 @@ from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.gdn import GatedDeltaNet
+from kernels.state_commit import commit_states
 
 log = get_logger(__name__)
 
-COMMIT_CHUNK_BYTES = 256 * 2**20  # bound on the temporary of an MTP state commit
+COMMIT_CHUNK_BYTES = 256 * 2**20  # bound on the temporary of a snapshot copy
 
 
 @dataclass(frozen=True)
@@ -208,20 +209,14 @@ class Pools:
         st = self.stacked
         if not st:
             return
-        ssm, candidates = st["ssm_states"], st["ssm_candidates"]
-        # the gathered states are a temporary copy: a few layers at a time keeps it near
-        # COMMIT_CHUNK_BYTES (all 48 layers of a 16-request batch would be 2.4 GB)
-        per_layer = slots.numel() * ssm[0, 0].numel() * ssm.element_size()
-        step = max(1, COMMIT_CHUNK_BYTES // max(1, per_layer))
-        for first in range(0, ssm.shape[0], step):
-            layers = slice(first, first + step)
-            ssm[layers, slots] = candidates[layers, slots, accepted_rows]
-        conv, windows = st["conv_states"], st["conv_windows"]
-        width = conv.shape[-1]
-        cols = accepted_rows[:, None] + 1 + torch.arange(width, device=slots.device)  # [B, K-1]
-        picked = windows[:, slots]  # [L, B, C, K-1+rows]
-        index = cols[None, :, None, :].expand(picked.shape[0], -1, picked.shape[2], -1)
-        conv[:, slots] = picked.gather(3, index)
+        commit_states(
+            st["ssm_states"],
+            st["ssm_candidates"],
+            st["conv_states"],
+            st["conv_windows"],
+            slots,
+            accepted_rows,
+        )
 
     def save_snapshots(self, req_slots: list[int], snapshots: list[int]) -> None:
         """Prefix cache: request req_slots[i]'s committed GDN state (every layer) into snapshot

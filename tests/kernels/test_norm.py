@@ -46,6 +46,23 @@ def test_gated_rms_norm_matches_reference(dtype, weight_dtype):
     assert_close(got, expected, dtype, name="gated")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_reads_a_per_head_gate_in_place(dtype):
+    """The GDN layer's z: [tokens, heads, dim] as a strided view of a wider projection row (a
+    reshape to [tokens * heads, dim] would copy it)."""
+    tokens, heads, dim = 3, 4, 32
+    x = randn(tokens * heads, dim, dtype=dtype, seed=11)
+    projected = randn(tokens, heads * dim + 40, dtype=dtype, seed=12)  # [.. | z | ..] per row
+    z = projected[:, 24 : 24 + heads * dim].reshape(tokens, heads, dim)
+    assert z.data_ptr() == projected[:, 24:].data_ptr()  # a view, not a copy
+    weight = 1 + randn(dim, seed=13, scale=0.1)
+    expected = gated_rms_norm_ref(x, z.reshape(tokens * heads, dim), weight, 1e-6)
+    assert_close(gated_rms_norm_triton(x, z, weight, 1e-6), expected, dtype, name="gated 3-D")
+    assert_close(gated_rms_norm(x, z, weight, 1e-6), expected, dtype, name="dispatcher")
+    with pytest.raises(ValueError, match="gate"):
+        gated_rms_norm_triton(x, z[:2], weight, 1e-6)
+
+
 def test_dispatchers_match_references():
     x, w = randn(4, 32, seed=5), randn(32, seed=6)
     assert_close(rms_norm(x, w, 1e-6, True)[0], rms_norm_ref(x, w, 1e-6, True)[0], torch.float32)

@@ -249,6 +249,31 @@ def test_triton_greedy_and_top_k_1_are_argmax_with_lowest_id_on_ties(vocab: int)
     assert argmax[0] == 3
 
 
+@pytest.mark.parametrize("vocab,chunks", [(1000, 8), (1000, 16), (300, 8)])
+def test_triton_greedy_over_vocabulary_chunks(vocab: int, chunks: int) -> None:
+    """Greedy rows split over vocabulary chunks (a few rows, large vocabulary: an MTP verify):
+    ties across and inside chunks go to the lowest id, an all -inf row to 0, chunks past the
+    vocabulary (300 ids in 8 chunks of 64) change nothing, sampled rows are unaffected."""
+    logits, knobs = mixed_batch(8, vocab, seed=vocab + chunks)
+    logits[0, 5] = logits[0, vocab - 3] = logits[0].max() + 1  # tie across chunks
+    logits[1, 70] = logits[1, 71] = logits[1].max() + 1  # tie inside a chunk
+    logits[2] = float("-inf")
+    knobs["temperature"][:3] = 0.0
+    want = sample_ref(logits, **knobs).tolist()
+    got = sample_triton(logits, **knobs, block=64, chunks=chunks).tolist()
+    assert got == want
+    assert want[:3] == [5, 70, 0]
+    assert (knobs["temperature"][3:] > 0).any()  # sampled rows in the same launch
+
+
+def test_argmax_chunks_only_for_few_rows_over_a_large_vocabulary() -> None:
+    from kernels.sampling_triton import ARGMAX_MAX_ROWS, argmax_chunks
+
+    assert argmax_chunks(4, 248320, 1024) > 0
+    assert argmax_chunks(ARGMAX_MAX_ROWS + 1, 248320, 1024) == 0
+    assert argmax_chunks(4, 1000, 1024) == 0
+
+
 # (vocab, capacity, quantisation): V <= capacity (all in registers); the value search ending with
 # every candidate >= lo in registers or with the boundary interval sorted; quantised logits: ties
 # sorted by id in registers, and more tied tokens at a boundary than the capacity (r-th tie by id).
