@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from kernels import backends
-from kernels.activation import silu_and_mul
 from kernels.adapters import fp8_scaled_mm_external
 from kernels.fp8_gemv import fp8_gemv, gemv_wins
 from kernels.fp8_splitk import fp8_splitk_mm, splitk_wins
@@ -370,19 +369,15 @@ def fp8_gemm_route(backend: str, m: int, device: torch.device) -> str:
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [T, K] bf16 / fp16 ([T, 2K] = [gate | up] when gated)
+    x: torch.Tensor,  # [T, K] bf16 / fp16
     weight_q: torch.Tensor,  # [N, K] e4m3
     weight_scale: torch.Tensor,  # [N] or [1]
     bias: torch.Tensor | None = None,  # [N]
-    gated: bool = False,  # the input is silu(gate) * up (an MLP's down projection)
 ) -> torch.Tensor:
     """y = x W^T for an fp8 weight: dynamic per-token activation quant, then the scaled GEMM; at
-    batch 1 on the Triton route, where it wins, the weight-only GEMV of kernels/fp8_gemv.py (which
-    computes a gated input itself: one kernel fewer)."""
+    batch 1 on the Triton route, where it wins, the weight-only GEMV of kernels/fp8_gemv.py."""
     if use_triton(x) and gemv_wins(x.shape[0], *weight_q.shape):
         if fp8_gemm_route(backends.selected("fp8_gemm"), x.shape[0], x.device) == "triton":
-            return fp8_gemv(x, weight_q, weight_scale, bias=bias, gated=gated)
-    if gated:
-        x = silu_and_mul(x)
+            return fp8_gemv(x, weight_q, weight_scale, bias=bias)
     x_q, x_scale = fp8_quant(x, per_token=True)
     return fp8_scaled_mm(x_q, weight_q, x_scale, weight_scale, x.dtype, bias)

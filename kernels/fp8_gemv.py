@@ -9,10 +9,8 @@ as it is, converts each weight tile to fp32 and multiply-adds into a [BLOCK_N, B
 tile summed over K at the end (no tensor cores: one row). Each program owns BLOCK_N output
 channels and streams their whole K, so no partial sums leave the SM and there is no second
 kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
-bytes in flight. An MLP's down projection can take [gate | up] and compute silu(gate) * up in its
-K loop (`gated`: no activation kernel). More rows (batch > 1, an MTP verify) go through the fp8 x
-fp8 kernels or cuBLAS, except for a 16-bit weight at 2-4 rows: the FMA rows kernel over a long K
-and a tensor-core rows kernel at the wide projections (2-8 % faster than cuBLAS there).
+bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels or cuBLAS,
+which were faster at 2 and 4 rows on the H200 except for a 16-bit weight with a long K.
 
 Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.md):
 - per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
@@ -24,8 +22,7 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
   4x: runs AD, AE);
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
   than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
-  rows over a long K (the down projection) with `_gemv_rows_kernel`, at N >= 12288 with
-  `_gemv_rows_dot_kernel` (run AK).
+  rows over a long K (the down projection) with `_gemv_rows_kernel`.
 The references are the products with the dequantised weight in fp32: what these kernels compute
 up to summation order (closer to the full-precision layer than the fp8 x fp8 GEMMs, which also
 round the activations).
@@ -36,7 +33,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
@@ -57,15 +53,6 @@ def fp8_gemv_ref(
 
 
 @jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up rounded as kernels/activation.py's silu_and_mul (to `dtype` after the silu
-    and after the product), returned in fp32 for the accumulation."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(dtype).to(tl.float32)
-
-
-@jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -82,7 +69,6 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr = False,  # x is [gate | up] (2K wide): the input is silu(gate) * up
 ):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,15 +81,10 @@ def _gemv_kernel(
         if EVEN:
             w = tl.load(w_rows + k[None, :])
             x = tl.load(x_ptr + k)
-            if GATED:
-                x = _silu_mul(x, tl.load(x_ptr + k_size + k), x_ptr.dtype.element_ty)
         else:
             k_ok = k < k_size
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-            if GATED:
-                up = tl.load(x_ptr + k_size + k, mask=k_ok, other=0.0)
-                x = _silu_mul(x, up, x_ptr.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if SCALED:
@@ -136,7 +117,6 @@ def _gemv_rows_kernel(
     ROWS: tl.constexpr,  # next power of two of M (2 or 4)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GATED: tl.constexpr = False,  # as in _gemv_kernel
 ):
     """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
     multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
@@ -153,11 +133,11 @@ def _gemv_rows_kernel(
         k = k0 + rk
         k_ok = k < k_size
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x_rows = x_ptr + rm[:, None] * stride_xm + k[None, :]
-        x = tl.load(x_rows, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if GATED:
-            up = tl.load(x_rows + k_size, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = _silu_mul(x, up, x_ptr.dtype.element_ty)
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
     if SCALED:
@@ -232,14 +212,10 @@ def gemv_wins(m: int, n: int, k: int) -> bool:
 
 def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
     """A 16-bit weight: one row at every 27B projection (2-16 % faster than cuBLAS, run AG);
-    2-4 rows (batch 2-4, an MTP verify at batch 1) over a long reduction, K >= 2N, where cuBLAS
-    read the 27B down projection (5120 x 17408) at 3.6 TB/s and the rows kernel at 4.2 (42.1
-    against 49.8 µs at 4 rows), and on the tensor cores (`bf16_gemv_config`) at N >= 12288, K >=
-    4096 (27B in_proj, qkv, gate_up: 2-3 % under cuBLAS, run AK); elsewhere cuBLAS was as fast
-    or faster (out_proj 18.1 µs against 20.2)."""
-    if not USE_GEMV or m < 1 or m > GEMV_MAX_ROWS:
-        return False
-    return m == 1 or k >= 2 * n or (n >= 12288 and k >= 4096)
+    2-4 rows (batch 2-4, an MTP verify at batch 1) only over a long reduction, K >= 2N, where
+    cuBLAS read the 27B down projection (5120 x 17408) at 3.6 TB/s and the rows kernel at 4.2
+    (42.1 against 49.8 µs at 4 rows); at the other projections cuBLAS was as fast or faster."""
+    return USE_GEMV and (m == 1 or (1 < m <= GEMV_MAX_ROWS and k >= 2 * n))
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
@@ -248,17 +224,11 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
 
 
-def bf16_gemv_config(n: int, k: int, m: int = 1) -> dict[str, int]:
+def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
     """A 16-bit weight (run AG's sweep at the 27B projections, summed over a step's layers):
     8 x 512 tiles, 3 stages at K <= 5120 (qkv 35.2 µs, gate_up 79.9, in_proj 42.0 against
     39.2 / 84.2 / 39.8 for 8 x 256); 8 x 256, 4 stages at the longer K (down 41.6 µs against
-    cuBLAS 49.5; out_proj 16.5 either way). 2-4 rows with K < 2N: the tensor-core kernel, run
-    AK's best tiles at 4 rows (64 x 128 x 4 stages: in_proj 41.4 µs, qkv 36.7 against cuBLAS
-    42.3 / 37.7; 32 x 128 x 6 stages at gate_up's N: 87.2 against 89.3)."""
-    if m > 1 and k < 2 * n:
-        if n >= 32768:
-            return {"block_n": 32, "block_k": 128, "num_warps": 4, "stages": 6, "dot": 1}
-        return {"block_n": 64, "block_k": 128, "num_warps": 4, "stages": 4, "dot": 1}
+    cuBLAS 49.5; out_proj 16.5 either way)."""
     if k <= 5120:
         return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
     return {"block_n": 8, "block_k": 256, "num_warps": 4, "stages": 4}
@@ -278,64 +248,51 @@ def block_gemv_fits(block: tuple[int, int], n: int, k: int) -> bool:
 
 
 def linear(
-    x: torch.Tensor,  # [.., K], or [.., 2K] = [gate | up] when `gated`
+    x: torch.Tensor,  # [.., K]
     weight: torch.Tensor,  # [N, K] in x's dtype
     bias: torch.Tensor | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """F.linear, except where a GEMV beats cuBLAS on CUDA (`bf16_gemv_wins`). `gated`: the input
-    is silu(gate) * up (an MLP's down projection), computed inside the GEMV where it runs (one
-    kernel fewer per layer), by kernels/activation.py's silu_and_mul elsewhere."""
-    n, k = weight.shape
+    """F.linear, except where the GEMV beats cuBLAS on CUDA (`bf16_gemv_wins`)."""
     if (
-        bf16_gemv_wins(x.numel() // x.shape[-1], n, k)
+        bf16_gemv_wins(x.numel() // x.shape[-1], *weight.shape)
         and use_triton(x)
         and x.dtype in GEMV_DTYPES
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and x.stride(-1) == 1
     ):
-        lead = x.shape[:-1]  # rows of any leading shape, as F.linear
-        rows = x.reshape(-1, x.shape[-1])
-        config = bf16_gemv_config(n, k, rows.shape[0])
-        if gated and config.get("dot"):  # the tensor-core kernel takes a plain input
-            rows, gated = silu_and_mul(rows), False
-        return fp8_gemv(rows, weight, None, bias, config, gated=gated).reshape(*lead, n)
-    return F.linear(silu_and_mul(x) if gated else x, weight, bias)
+        n, k = weight.shape
+        out = fp8_gemv(x.reshape(-1, k), weight, None, bias, bf16_gemv_config(n, k))
+        return out.reshape(*x.shape[:-1], n)  # rows of any leading shape, as F.linear
+    return F.linear(x, weight, bias)
 
 
-def _prepare(
-    x, w_q, config, max_rows=1, gated=False
-) -> tuple[int, int, dict[str, int], torch.Tensor]:
+def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torch.Tensor]:
     """Checks the rows against the weight; (N, K, the tile config, the output)."""
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("w_q", w_q)
     n, k = w_q.shape
-    width = 2 * k if gated else k
-    if x.shape[-1] != width or x.numel() > max_rows * width:
+    if x.shape[-1] != k or x.numel() > max_rows * k:
         many = "one row" if max_rows == 1 else f"at most {max_rows} rows"
-        what = "2K ([gate | up])" if gated else "K"
-        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} ({many} of {what})")
+        raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} ({many} of K)")
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     return n, k, config or gemv_config(n, k), out
 
 
 def fp8_gemv(
-    x: torch.Tensor,  # [M, K] (or [K]) bf16 / fp16 / fp32, M <= GEMV_MAX_ROWS; [M, 2K] if gated
+    x: torch.Tensor,  # [M, K] (or [K]) bf16 / fp16 / fp32, M <= GEMV_MAX_ROWS
     w_q: torch.Tensor,  # [N, K] e4m3 (or bf16 / fp16 with scale None: the same read, unscaled)
     scale: torch.Tensor | None,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
-    gated: bool = False,  # x = [gate | up]: the product's input is silu(gate) * up
 ) -> torch.Tensor:
-    """Same result as fp8_gemv_ref (of silu_and_mul(x) when gated) up to summation order; [M, N]
-    (or [N] for a [K] input). A 16-bit weight goes with scale None (`linear`); 2-4 rows run
-    `_gemv_rows_kernel` (routed for 16-bit weights with K >= 2N) or, with config "dot", the
-    tensor-core `_gemv_rows_dot_kernel` (16-bit weights, not gated)."""
-    n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, gated)
+    """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
+    16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
+    16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS)."""
+    n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
-    m = x.numel() // x.shape[-1]
+    m = x.numel() // k
     common = dict(
         SCALED=scale is not None,
         PER_COL=scale is not None and s.numel() > 1,
@@ -346,10 +303,8 @@ def fp8_gemv(
         num_warps=cfg["num_warps"],
     )
     if m > 1 and cfg.get("dot"):  # 2-4 rows of a 16-bit weight on the tensor cores
-        if scale is not None or gated:
-            raise ValueError(
-                "fp8 GEMV: the tensor-core rows kernel reads 16-bit weights and a plain input"
-            )
+        if scale is not None:
+            raise ValueError("fp8 GEMV: the tensor-core rows kernel reads 16-bit weights only")
         _gemv_rows_dot_kernel[(-(-n // block_n),)](
             x,
             w_q,
@@ -383,7 +338,6 @@ def fp8_gemv(
             w_q.stride(0),
             out.stride(-2),
             ROWS=next_pow2(m),
-            GATED=gated,
             **common,
         )
         return out
@@ -397,7 +351,6 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         EVEN=n % block_n == 0 and k % block_k == 0,
-        GATED=gated,
         **common,
     )
     return out

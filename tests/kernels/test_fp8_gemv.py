@@ -12,13 +12,10 @@ from tolerances import assert_close, rel_error
 
 import kernels.fp8_block
 import kernels.fp8_gemv
-from kernels.activation import silu_and_mul_ref
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
 from kernels.fp8_gemv import (
     GEMV_MAX_ROWS,
-    bf16_gemv_config,
-    bf16_gemv_wins,
     block_gemv_fits,
     fp8_gemv,
     fp8_gemv_block,
@@ -122,56 +119,6 @@ def test_tensor_core_rows_match_reference(m, dtype, config):
     with pytest.raises(ValueError, match="16-bit"):
         w_q, s = channel_weight(n, k, True, seed=1)
         fp8_gemv(x, w_q, s, None, config)
-
-
-@pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
-@pytest.mark.parametrize("m", [1, 3])
-@pytest.mark.parametrize("weight", ["channel", "bf16"])
-@pytest.mark.parametrize("k", [256, 300])  # even tiles, ragged K
-def test_gated_input_is_silu_and_mul_inside_the_gemv(k, weight, m, config):
-    """gated: x = [gate | up] and the GEMV's input is silu(gate) * up, rounded as silu_and_mul."""
-    n = 40
-    x = randn(m, 2 * k, dtype=torch.bfloat16, seed=k + m, scale=2.0)
-    if weight == "bf16":
-        w, s = randn(n, k, dtype=torch.bfloat16, seed=m, scale=0.05), None
-    else:
-        w, s = channel_weight(n, k, True, seed=m)
-    bias = randn(n, dtype=torch.bfloat16, seed=9)
-    expected = fp8_gemv(silu_and_mul_ref(x), w, s, bias, config)
-    got = fp8_gemv(x, w, s, bias, config, gated=True)
-    assert got.shape == (m, n)
-    assert_close(got, expected, torch.bfloat16, name="gated gemv")
-    with pytest.raises(ValueError, match="gate"):
-        fp8_gemv(x[:, :k], w, s, bias, config, gated=True)  # K wide: not [gate | up]
-
-
-def test_gated_routes_off_the_gemv_apply_silu_and_mul_first(monkeypatch):
-    """Where no GEMV runs (CPU; more rows; fp8 x fp8), gated means silu_and_mul, then the GEMM."""
-    from kernels.fp8 import fp8_linear
-
-    x = randn(6, 256, dtype=torch.bfloat16, seed=1)
-    w = randn(24, 128, dtype=torch.bfloat16, seed=2, scale=0.05)
-    act = silu_and_mul_ref(x)
-    assert torch.equal(linear(x, w, gated=True), linear(act, w))
-    w_q, s = channel_weight(24, 128, True, seed=3)
-    assert torch.equal(fp8_linear(x, w_q, s, gated=True), fp8_linear(act, w_q, s))
-    monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
-    calls = count_calls(monkeypatch, kernels.fp8_gemv, "fp8_gemv")
-    one = linear(x[:1], w, gated=True)  # one row: the GEMV, gated inside
-    assert len(calls) == 1 and calls[0][0].shape == (1, 256)
-    assert_close(one, linear(act[:1], w), torch.bfloat16, name="gated route")
-
-
-def test_16bit_rows_routes():
-    """2-4 rows of a 16-bit weight: the FMA rows kernel over a long K, the tensor-core kernel at
-    the wide 27B projections (run AK), cuBLAS elsewhere."""
-    assert bf16_gemv_wins(4, 5120, 17408) and not bf16_gemv_config(5120, 17408, 4).get("dot")
-    for n in (16384, 14336, 34816):
-        assert bf16_gemv_wins(4, n, 5120) and bf16_gemv_config(n, 5120, 4)["dot"]
-    assert not bf16_gemv_wins(4, 5120, 6144)  # out_proj: cuBLAS was faster
-    assert not bf16_gemv_wins(2, 16384, 2048)  # a short K: not measured, cuBLAS
-    assert not bf16_gemv_wins(GEMV_MAX_ROWS + 1, 16384, 5120)
-    assert not bf16_gemv_config(16384, 5120, 1).get("dot")  # one row: the GEMV
 
 
 def test_gemv_refuses_what_it_does_not_run():

@@ -12,7 +12,6 @@ import kernels.fp8_moe as fp8_moe
 from appliance.engine.runner import ModelRunner
 from appliance.models.layers import quant_methods
 from appliance.offline.llm import build_engine_config
-from kernels.activation import silu_and_mul
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import dequantize_block
 
@@ -30,9 +29,7 @@ def logits(ckpt, quantization: str = "") -> torch.Tensor:
     return engine_logits(runner(ckpt, quantization), [IDS], chunk=16)[0]
 
 
-def _linear_exact(x, weight_q, weight_scale, bias=None, gated=False):
-    if gated:  # an MLP's down projection: x = [gate | up]
-        x = silu_and_mul(x)
+def _linear_exact(x, weight_q, weight_scale, bias=None):
     w = weight_q.float() * weight_scale.float().reshape(-1, 1)
     return F.linear(x, w.to(x.dtype), bias)
 

@@ -173,14 +173,9 @@ class RowLinear(_QuantLinear):
         else:  # weight columns, or block-scale columns (aligned, checked at construction)
             copy_into(param, even_shard(loaded, 1))
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """`gated`: x is [gate | up] (2 x the local input width) and the input is silu(gate) * up,
-        computed inside the one-row GEMV where it runs (quant_methods apply_gated)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if (self.bias is not None and tp_rank() == 0) else None
-        if gated:
-            y = self.method.apply_gated(x, self.weight, self.weight_scale, bias)
-        else:
-            y = self._matmul(x, bias)
+        y = self._matmul(x, bias)
         return all_reduce(y) if self.reduce else y
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.quant import QuantConfig, quant_for
+from kernels.activation import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -26,5 +27,4 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # silu(gate) * up happens inside the down projection (fused into its GEMV at one row)
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -7,13 +7,10 @@ and kernels/fp8_block.py.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
-from kernels.activation import silu_and_mul
 from kernels.fp8 import FP8_DTYPE, fp8_linear, per_token_quant_ref
 from kernels.fp8_block import fp8_block_linear
 from kernels.fp8_gemv import linear
@@ -38,11 +35,6 @@ class Unquantized:
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return linear(x, weight, bias)
 
-    def apply_gated(self, x, weight, scale, bias) -> torch.Tensor:
-        """apply() of silu(gate) * up for x = [gate | up] (an MLP's down projection); where a
-        GEMV runs, it computes the product itself (one kernel fewer a layer)."""
-        return linear(x, weight, bias, gated=True)
-
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
         return weight, scale
@@ -65,9 +57,6 @@ class Fp8Channel(Unquantized):
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_linear, x, weight, scale, bias)
-
-    def apply_gated(self, x, weight, scale, bias) -> torch.Tensor:
-        return _flat(partial(fp8_linear, gated=True), x, weight, scale, bias)
 
 
 class Fp8Online(Fp8Channel):
@@ -104,9 +93,6 @@ class Fp8Block(Unquantized):
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_block_linear, x, weight, scale, self.block, bias)
-
-    def apply_gated(self, x, weight, scale, bias) -> torch.Tensor:
-        return self.apply(silu_and_mul(x), weight, scale, bias)
 
 
 def linear_method(quant: QuantConfig | None) -> Unquantized:
