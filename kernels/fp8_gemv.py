@@ -120,7 +120,7 @@ def _gemv_rows_kernel(
 ):
     """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
     multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
-    Not routed yet: bench_fp8_gemv.py times it against the fp8 x fp8 route and cuBLAS."""
+    Routed for 16-bit weights with K >= 2N (`bf16_gemv_wins`)."""
     pid = tl.program_id(0)
     rm = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,7 +174,10 @@ def _gemv_rows_dot_kernel(
 ):
     """2-4 rows of a 16-bit weight on the tensor cores: x [BLOCK_M, BLOCK_K] (rows past M are
     zeros) times the weight tile [BLOCK_K, BLOCK_N], fp32 accumulation as cuBLAS; the weight is
-    read once per program, the padding rows cost tensor-core time the read hides."""
+    read once per program, the padding rows cost tensor-core time the read hides. Not routed:
+    alone it was 2-3 % under cuBLAS at the 27B in_proj, qkv and gate_up at 4 rows (run AK), but
+    the MTP step that took it (with a gated down GEMV, run AL) was slower; bench_fp8_gemv.py
+    --rows-sweep times it."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
