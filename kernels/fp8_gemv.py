@@ -175,8 +175,8 @@ def _gemv_rows_dot_kernel(
     """2-4 rows of a 16-bit weight on the tensor cores: x [BLOCK_M, BLOCK_K] (rows past M are
     zeros) times the weight tile [BLOCK_K, BLOCK_N], fp32 accumulation as cuBLAS; the weight is
     read once per program, the padding rows cost tensor-core time the read hides. Not routed:
-    alone it was 2-3 % under cuBLAS at the 27B in_proj, qkv and gate_up at 4 rows (run AK), but
-    the MTP step that took it (with a gated down GEMV, run AL) was slower; bench_fp8_gemv.py
+    alone it was 2-3 % under cuBLAS at the 27B in_proj, qkv and gate_up at 4 rows (run AL), but
+    the MTP step that took it (with a gated down GEMV, run AM) was slower; bench_fp8_gemv.py
     --rows-sweep times it."""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
