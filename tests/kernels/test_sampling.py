@@ -14,7 +14,7 @@ from tolerances import poison
 
 from kernels.sampling import sample
 from kernels.sampling_ref import _mul32, mask_logits_ref, sample_ref, uniform_noise
-from kernels.sampling_triton import sample_triton, uniform_noise_triton
+from kernels.sampling_triton import argmax_chunks, sample_triton, uniform_noise_triton
 
 M32 = 0xFFFFFFFF
 # chi-square critical values at p = 0.001 by degrees of freedom (fixed seeds: the tests are
@@ -267,7 +267,7 @@ def test_triton_greedy_over_vocabulary_chunks(vocab: int, chunks: int) -> None:
 
 
 def test_argmax_chunks_only_for_few_rows_over_a_large_vocabulary() -> None:
-    from kernels.sampling_triton import ARGMAX_MAX_ROWS, argmax_chunks
+    from kernels.sampling_triton import ARGMAX_MAX_ROWS
 
     assert argmax_chunks(4, 248320, 1024) > 0
     assert argmax_chunks(ARGMAX_MAX_ROWS + 1, 248320, 1024) == 0
@@ -324,6 +324,23 @@ def test_triton_row_alone_equals_row_in_batch() -> None:
 def test_dispatcher_matches_reference() -> None:
     logits, knobs = mixed_batch(5, 200, seed=12)
     assert sample(logits, **knobs).tolist() == sample_ref(logits, **knobs).tolist()
+
+
+@gpu
+def test_full_size_greedy_rows_over_vocabulary_chunks() -> None:
+    """An MTP verify at batch 1: 4 greedy rows (with one sampled row beside them) of the Qwen3.5
+    vocabulary take the chunked argmax; ties planted across chunk boundaries."""
+    logits, knobs = mixed_batch(5, 248_320, seed=21, scale=4.0)
+    logits[0, 4095] = logits[0, 4096] = logits[0].max() + 1  # the first two chunks' border
+    logits[1, 7] = logits[1, 248_300] = logits[1].max() + 1
+    knobs["temperature"][:4] = 0.0
+    knobs["temperature"][4] = 0.8  # temperature only: the reference's token exactly
+    knobs["top_k"][4], knobs["top_p"][4], knobs["min_p"][4] = -1, 1.0, 0.0
+    assert argmax_chunks(5, 248_320, 1024) > 0
+    got = sample(logits, **knobs)
+    assert got[:4].tolist() == logits[:4].argmax(-1).tolist()
+    assert got[:2].tolist() == [4095, 7]
+    assert got.tolist() == sample_ref(logits, **knobs).tolist()
 
 
 @gpu
