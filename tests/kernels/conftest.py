@@ -25,6 +25,7 @@ KERNEL_MODULES = (
     "kernels.gdn_chunk",
     "kernels.gdn",
     "kernels.gdn_gate",
+    "kernels.state_commit",
     "kernels.conv1d",
     "kernels.norm",
     "kernels.rotary",

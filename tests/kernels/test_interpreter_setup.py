@@ -18,3 +18,20 @@ def test_kernels_are_interpreted_and_the_flag_is_restored():
     assert os.environ.get("TRITON_INTERPRET") in (None, "", "0") or pytest.skip(
         "TRITON_INTERPRET was set before the run"
     )
+
+
+def test_every_module_with_triton_kernels_is_reimported_interpreted():
+    """conftest.KERNEL_MODULES must list each kernels/ module that defines a Triton kernel (a
+    missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
+    from pathlib import Path
+
+    from conftest import KERNEL_MODULES
+
+    root = Path(__file__).resolve().parents[2] / "kernels"
+    with_kernels = {
+        f"kernels.{path.stem}"
+        for path in root.glob("*.py")
+        if "@jit" in path.read_text() and path.stem != "triton_utils"
+    }
+    assert with_kernels, root
+    assert not with_kernels - set(KERNEL_MODULES), sorted(with_kernels - set(KERNEL_MODULES))
