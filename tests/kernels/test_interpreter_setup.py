@@ -23,10 +23,17 @@ def test_kernels_are_interpreted_and_the_flag_is_restored():
 def test_every_module_with_triton_kernels_is_reimported_interpreted():
     """conftest.KERNEL_MODULES must list each kernels/ module that defines a Triton kernel (a
     missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
+    import ast
     from pathlib import Path
 
-    from conftest import KERNEL_MODULES
-
+    # read from this directory's conftest.py (`import conftest` may find another test dir's)
+    source = ast.parse((Path(__file__).parent / "conftest.py").read_text())
+    listed = next(
+        node.value
+        for node in source.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "KERNEL_MODULES"
+    )
+    KERNEL_MODULES = ast.literal_eval(listed)
     root = Path(__file__).resolve().parents[2] / "kernels"
     with_kernels = {
         f"kernels.{path.stem}"
