@@ -580,7 +580,7 @@ def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
     from kernels.sampling_triton import sample_triton
 
     vocab = 248320
-    for batch in (1, 64, 256):
+    for batch in (1, 4, 64, 256):  # 4: an MTP verify (k = 3) at batch 1
         logits = torch.randn(batch, vocab, device=DEV) * 3
         seeds = torch.arange(batch, device=DEV, dtype=torch.int64)
         offsets = torch.zeros(batch, device=DEV, dtype=torch.int64)
