@@ -537,9 +537,10 @@ def sample_triton(
     chunks = argmax_chunks(rows, vocab, block) if chunks is None else chunks
     scratch = torch.empty(rows, cap, dtype=torch.long, device=logits.device)
     temperature = temperature.float().contiguous()
-    part_val = torch.empty(rows, max(chunks, 1), dtype=torch.float32, device=logits.device)
-    part_id = torch.empty(rows, max(chunks, 1), dtype=torch.int32, device=logits.device)
+    part_val = part_id = scratch  # unread unless chunks: no allocation for it then
     if chunks:
+        part_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+        part_id = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
         chunk = -(-vocab // chunks)
         _argmax_partial_kernel[(rows, chunks)](
             logits,

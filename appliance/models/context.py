@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -48,6 +49,14 @@ class ForwardContext:
     @property
     def num_reqs(self) -> int:
         return len(self.q_lens)
+
+    @cached_property
+    def verify_cu_seqlens(self) -> torch.Tensor:
+        """The MTP verify requests' cumulative row counts from 0 at the first verify row: once a
+        step for every GDN layer, and cu_seqlens_q itself (no kernel) in a step of verify rows
+        only (the fused MTP step)."""
+        cu = self.cu_seqlens_q[self.num_plain_reqs :]
+        return cu - self.num_plain_tokens if self.num_plain_tokens else cu
 
 
 _current: ForwardContext | None = None

@@ -124,7 +124,7 @@ class GatedDeltaNet(nn.Module):
             self.conv_states,
             self.conv_windows,
             ctx.req_slots[reqs:],
-            _verify_cu(ctx),
+            ctx.verify_cu_seqlens,
             # the bound is the window's row capacity (k + 1), not the batch's longest chunk: a
             # prefill chunk in the same batch may be far longer than any verify request
             max_q_len=self.conv_windows.shape[2] - (self.conv_kernel - 1),
@@ -166,7 +166,7 @@ class GatedDeltaNet(nn.Module):
             self.ssm_states,
             self.ssm_candidates,
             ctx.req_slots[reqs:],
-            _verify_cu(ctx),
+            ctx.verify_cu_seqlens,
         )
         if split == 0:
             return verify
@@ -193,12 +193,3 @@ class GatedDeltaNet(nn.Module):
         windows = self.conv_windows[slots]  # [n, C, K-1+rows]
         index = cols[:, None, :].expand(-1, windows.shape[1], -1)
         self.conv_states[slots] = windows.gather(2, index)
-
-
-def _verify_cu(ctx) -> torch.Tensor:
-    """The verify requests' cumulative row counts, from 0 at the first verify row. In a step of
-    verify rows only (the fused MTP step) that is cu_seqlens_q itself: no subtraction kernel in
-    every layer (two per GDN layer, 96 launches in a 27B step)."""
-    split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
-    cu = ctx.cu_seqlens_q[reqs:]
-    return cu - split if split else cu
