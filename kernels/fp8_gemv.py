@@ -154,57 +154,6 @@ def _gemv_rows_kernel(
     )
 
 
-@jit
-def _gemv_rows_dot_kernel(
-    x_ptr,
-    w_ptr,
-    bias_ptr,
-    out_ptr,
-    m_size,
-    n_size,
-    k_size,
-    stride_xm,
-    stride_wn,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # 16: the rows padded to the smallest tensor-core tile
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """2-4 rows of a 16-bit weight on the tensor cores: x [BLOCK_M, BLOCK_K] (rows past M are
-    zeros) times the weight tile [BLOCK_K, BLOCK_N], fp32 accumulation as cuBLAS; the weight is
-    read once per program, the padding rows cost tensor-core time the read hides. Not routed:
-    alone it was 2-3 % under cuBLAS at the 27B in_proj, qkv and gate_up at 4 rows (run AL), but
-    the MTP step that took it (with a gated down GEMV, run AM) was slower; bench_fp8_gemv.py
-    --rows-sweep times it."""
-    pid = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < m_size
-    n_ok = rn < n_size
-    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
-        k = k0 + rk
-        k_ok = k < k_size
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rm[:, None] * stride_om + rn[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
-
-
 def gemv_wins(m: int, n: int, k: int) -> bool:
     """Where the GEMV beats quantising the row and running the fp8 x fp8 kernels: one row. On the
     H200 (ops/bench/bench_fp8_gemv.py, docs/benchmarks.md) it read the 27B weights at 3.1-4.0
@@ -305,28 +254,6 @@ def fp8_gemv(
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
     )
-    if m > 1 and cfg.get("dot"):  # 2-4 rows of a 16-bit weight on the tensor cores
-        if scale is not None:
-            raise ValueError("fp8 GEMV: the tensor-core rows kernel reads 16-bit weights only")
-        _gemv_rows_dot_kernel[(-(-n // block_n),)](
-            x,
-            w_q,
-            bias if bias is not None else out,
-            out,
-            m,
-            n,
-            k,
-            x.stride(-2),
-            w_q.stride(0),
-            out.stride(-2),
-            HAS_BIAS=bias is not None,
-            STAGES=cfg.get("stages", 1),
-            BLOCK_M=16,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            num_warps=cfg["num_warps"],
-        )
-        return out
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
             x,

@@ -74,12 +74,6 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--quick", action="store_true", help="the default tile only, no sweep")
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4], help="rows")
-    p.add_argument(
-        "--rows-sweep",
-        action="store_true",
-        help="2-4 rows of the bf16 weight: the FMA rows kernel's small tiles and the tensor-core "
-        "rows kernel's tiles against cuBLAS",
-    )
     p.add_argument("--json")
     args = p.parse_args()
     bw = copy_bandwidth()
@@ -122,9 +116,6 @@ def main() -> None:
                     else ""
                 )
             )
-            if 1 < m <= GEMV_MAX_ROWS and args.rows_sweep:
-                row["rows_sweep_us"], row["rows_sweep"] = best_of(x, w16s, None, ROWS_TILES)
-                line += f" | rows sweep {row['rows_sweep_us']:6.1f} {row['rows_sweep']}"
             if 1 < m <= GEMV_MAX_ROWS:  # the rows GEMV on the fp8 weight (not routed)
                 row["rows_gemv_us"], row["rows_gemv"] = best_of(x, wq, w_s, BF16_TILES)
                 line += f" | rows gemv {row['rows_gemv_us']:6.1f} {row['rows_gemv']}"
@@ -154,21 +145,6 @@ def main() -> None:
 BF16_TILES = [  # a few tiles for the bf16-weight GEMV (one row, and 2-4 rows)
     {"block_n": n, "block_k": k, "num_warps": 4, "stages": st}
     for n, k, st in ((8, 256, 3), (8, 512, 3), (4, 512, 3), (16, 256, 3), (8, 256, 4), (4, 256, 4))
-]
-ROWS_TILES = [  # 2-4 rows of a bf16 weight: FMA tiles with a short K, then tensor-core tiles
-    {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
-    for n, k, w, st in ((8, 128, 4, 4), (8, 64, 4, 6), (16, 128, 8, 4), (4, 256, 4, 4))
-] + [
-    {"block_n": n, "block_k": k, "num_warps": w, "stages": st, "dot": 1}
-    for n, k, w, st in (
-        (16, 256, 4, 4),
-        (16, 512, 4, 3),
-        (32, 256, 4, 4),
-        (32, 128, 4, 6),
-        (64, 128, 4, 4),
-        (16, 128, 4, 6),
-        (32, 512, 8, 3),
-    )
 ]
 BLOCK_TILES = ((8, 512, 4, 3), (16, 512, 4, 3), (8, 256, 4, 4), (8, 1024, 4, 3), (16, 256, 8, 3))
 

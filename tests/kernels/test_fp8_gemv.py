@@ -96,31 +96,6 @@ def test_rows_gemv_matches_reference(m, weight, config):
         assert_close(got[row], fp8_gemv(x[row], w_q, s, bias, config), torch.bfloat16)
 
 
-DOT_CONFIGS = [
-    {"block_n": 16, "block_k": 64, "num_warps": 4, "stages": 1, "dot": 1},
-    {"block_n": 32, "block_k": 128, "num_warps": 4, "stages": 3, "dot": 1},
-]
-
-
-@pytest.mark.parametrize("config", DOT_CONFIGS, ids=["plain", "pipelined"])
-@pytest.mark.parametrize("m", [2, 3, GEMV_MAX_ROWS])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_tensor_core_rows_match_reference(m, dtype, config):
-    """2-4 rows of a 16-bit weight on the tensor cores (rows padded to 16): ragged N and K."""
-    n, k = 40, 300
-    x = randn(m, k, dtype=dtype, seed=k + m)
-    w = randn(n, k, dtype=dtype, seed=m, scale=0.05)
-    bias = randn(n, dtype=dtype, seed=6)
-    for b in (bias, None):
-        expected = x.float() @ w.float().t() + (b.float() if b is not None else 0)
-        got = fp8_gemv(x, w, None, b, config)
-        assert got.shape == (m, n) and got.dtype == dtype
-        assert_close(got, expected.to(dtype), dtype, name=f"dot {m} rows")
-    with pytest.raises(ValueError, match="16-bit"):
-        w_q, s = channel_weight(n, k, True, seed=1)
-        fp8_gemv(x, w_q, s, None, config)
-
-
 def test_gemv_refuses_what_it_does_not_run():
     w_q, s = channel_weight(64, 128, True, seed=0)
     with pytest.raises(ValueError, match="at most"):
