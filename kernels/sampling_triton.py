@@ -19,6 +19,9 @@ else:  # pragma: no cover
 _BLOCK = 1024  # vocab entries per loop step
 _CAP = 1024  # candidates sorted in registers (power of 2)
 _PIVOTS = 4  # thresholds per search pass (power of 2)
+_TOPK_CAP = 64  # rows with 0 < top_k <= this sample from per-chunk top-k candidates (power of 2)
+_TOPK_CHUNK = 4096  # vocabulary ids per candidate program (power of 2)
+_TOPK_COLS = 1024  # a candidate program's tile is [chunk / cols, cols]
 
 # -------------------------------------------------------------------------------------------------
 # Triton: one program per row, no sort of the vocabulary, no host sync (CUDA-graph capturable).
@@ -33,6 +36,11 @@ _PIVOTS = 4  # thresholds per search pass (power of 2)
 # value (boundary = its r-th tie by id, one counting pass). A last pass takes argmax(x + G) over the
 # kept set. Typical rows: greedy or temperature-only 1 pass; top-k <= CAP and/or a peaked top-p 3-4.
 # Matches sample_ref token for token; differences are rounding-level, documented in sample_triton.
+# Top-k rows (0 < k <= TOPK_CAP, the common case: Qwen's defaults are top-k 20, top-p 0.95) skip the
+# search: _topk_partial_kernel spreads the row over vocabulary chunks, each keeping its TOPK_CAP
+# largest (value, id) keys, and the row's program takes the top TOPK_CAP of those candidates,
+# which hold the row's exact top-k (keys are a strict order: value desc, id asc), and finishes
+# min-p, top-k, top-p and the Gumbel argmax in registers.
 # -------------------------------------------------------------------------------------------------
 
 
@@ -122,6 +130,92 @@ def _argmax_pass(row_ptr, V, BLOCK: tl.constexpr):
         x = tl.load(row_ptr + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
         best, best_id = _best(x, start, best, best_id)
     return best_id
+
+
+@jit
+def _pack(x, ids, ok):  # (value desc, id asc) as one descending int64; below all keys if not ok
+    packed = _order_key(x).to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
+    return tl.where(ok, packed, -9223372036854775807)
+
+
+@jit
+def _unpack(packed):
+    upper = packed >> 32
+    ids = (4294967295 - (packed - (upper << 32))).to(tl.int32)
+    return _from_order_key(upper.to(tl.int32)), ids
+
+
+@jit
+def _topk_eligible(t, k, V, eps, KC: tl.constexpr):
+    return (t >= eps) & (k > 0) & (k <= KC) & (k < V)
+
+
+@jit
+def _topk_partial_kernel(
+    logits_ptr,
+    stride_row,
+    temp_ptr,
+    top_k_ptr,
+    cand_ptr,
+    V,
+    eps,
+    KC: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    NCH: tl.constexpr,
+):
+    """Program (row, c) of a top-k row: the KC largest packed keys of temperature-scaled logits
+    over ids [c * R * C, (c + 1) * R * C), sorted, to cand[row, c * KC:]; other rows return."""
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    t = tl.load(temp_ptr + row).to(tl.float32)
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    if _topk_eligible(t, k, V, eps, KC):
+        ids = c * (R * C) + tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+        ok = ids < V
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        x = tl.load(row_ptr + ids, mask=ok, other=float("-inf")).to(tl.float32)
+        top = tl.topk(_pack(tl.div_rn(x, t), ids, ok), KC)  # [R, KC] per row of the tile
+        if R > 1:
+            top = tl.topk(tl.reshape(top, [R * KC]), KC)
+        else:
+            top = tl.reshape(top, [KC])
+        tl.store(cand_ptr + row.to(tl.int64) * (NCH * KC) + c * KC + tl.arange(0, KC), top)
+
+
+@jit
+def _finish_topk(
+    cand_ptr,
+    row,
+    nch,
+    V,
+    key,
+    k,
+    p,
+    p_on,
+    min_p,
+    KC: tl.constexpr,
+    NCH: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    """A top-k row from its chunks' candidates: the top KC keys over all chunks hold the row's
+    top k; min-p, top-k, top-p and the Gumbel argmax as _finish_complete. Returns (done, token):
+    done = 0 for a row with no finite logit (the caller's Gumbel pass then gives id 0)."""
+    slots = tl.arange(0, NCH * KC)
+    packed = tl.load(
+        cand_ptr + row.to(tl.int64) * (NCH * KC) + slots,
+        mask=slots < nch * KC,
+        other=-9223372036854775807,
+    )
+    top = tl.topk(packed, KC)
+    x, ids = _unpack(top)
+    m = tl.max(x, 0)
+    valid = top > -9223372036854775807
+    if min_p > 0:
+        valid = valid & (x >= m + _log(tl.maximum(min_p, 1e-30), PRECISE))
+    n = tl.sum(valid.to(tl.int32), 0)  # a prefix: the keys are sorted
+    tok = _finish_complete(x, ids, n, m, key, k, p, p_on, -1.0, V, KC, PRECISE)
+    return (m > float("-inf")).to(tl.int32), tok
 
 
 @jit
@@ -274,7 +368,7 @@ def _gather_sorted(row_ptr, scratch, V, t, tv, tid, lo, hi, BLOCK: tl.constexpr,
     for start in range(0, V, BLOCK):
         ids, ok, x = _load_scaled(row_ptr, start, V, t, BLOCK)
         take = _in_set(x, ids, ok, tv, tid) & (x >= lo) & (x < hi)
-        packed = _order_key(x).to(tl.int64) * 4294967296 + (4294967295 - ids.to(tl.int64))
+        packed = _pack(x, ids, take)
         pos = n + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(scratch + pos, packed, mask=take & (pos < CAP))
         n += tl.sum(take.to(tl.int32), 0)
@@ -283,10 +377,8 @@ def _gather_sorted(row_ptr, scratch, V, t, tv, tid, lo, hi, BLOCK: tl.constexpr,
     packed = tl.load(
         scratch + slots, mask=slots < n, other=-9223372036854775807, cache_modifier=".cg"
     )
-    packed = tl.sort(packed, descending=True)
-    upper = packed >> 32
-    ids = (4294967295 - (packed - (upper << 32))).to(tl.int32)
-    return _from_order_key(upper.to(tl.int32)), ids, tl.minimum(n, CAP)
+    x, ids = _unpack(tl.sort(packed, descending=True))
+    return x, ids, tl.minimum(n, CAP)
 
 
 @jit
@@ -403,6 +495,8 @@ def _sample_kernel(
     scratch_ptr,
     part_val_ptr,
     part_id_ptr,
+    cand_ptr,
+    nch,
     V,
     eps,
     BLOCK: tl.constexpr,
@@ -410,6 +504,8 @@ def _sample_kernel(
     NP: tl.constexpr,
     PRECISE: tl.constexpr,
     CHUNKS: tl.constexpr,  # > 0: greedy rows reduce _argmax_partial_kernel's chunks
+    TOPK_KC: tl.constexpr,  # > 0: top-k rows up to this k finish _topk_partial_kernel's candidates
+    TOPK_NCH: tl.constexpr,  # candidate chunks per row, a power of 2 >= nch
 ):
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -432,7 +528,12 @@ def _sample_kernel(
         tid = row * 0 + V
         done = row * 0
         tok = row * 0
-        if k_on | p_on | (min_p > 0):
+        if TOPK_KC > 0:
+            if k_on & (k <= TOPK_KC):
+                done, tok = _finish_topk(
+                    cand_ptr, row, nch, V, key, k, p, p_on, min_p, TOPK_KC, TOPK_NCH, PRECISE
+                )
+        if (done == 0) & (k_on | p_on | (min_p > 0)):
             m, mn = _max_min_pass(row_ptr, V, t, BLOCK)
             if m > float("-inf"):
                 if min_p > 0:
@@ -518,6 +619,8 @@ def sample_triton(
     cap: int = _CAP,
     pivots: int = _PIVOTS,
     chunks: int | None = None,
+    topk_cap: int = _TOPK_CAP,
+    topk_chunk: int = _TOPK_CHUNK,
 ) -> torch.Tensor:
     """Same contract and tokens as sample_ref, without host syncs (graph-capturable). Differences,
     all rounding-level: top-p masses are summed in another order (and with tl.exp), so a row whose
@@ -526,7 +629,10 @@ def sample_triton(
     -0.0 and +0.0 are one value (as torch's CPU sort). NaN logits are unsupported.
 
     `chunks` (a power of 2; None: `argmax_chunks`): greedy rows first take the max of that many
-    vocabulary chunks in parallel, then reduce them, instead of one program scanning the row."""
+    vocabulary chunks in parallel, then reduce them, instead of one program scanning the row.
+    `topk_cap` (a power of 2; 0: off): rows with 0 < top_k <= topk_cap take their top-k from
+    per-chunk candidates (chunks of `topk_chunk` ids, a power of 2 >= topk_cap) instead of the
+    value search; the tokens are the same."""
     check_last_dim_contiguous("logits", logits)
     rows, vocab = logits.shape
     if out is None:
@@ -537,6 +643,7 @@ def sample_triton(
     chunks = argmax_chunks(rows, vocab, block) if chunks is None else chunks
     scratch = torch.empty(rows, cap, dtype=torch.long, device=logits.device)
     temperature = temperature.float().contiguous()
+    top_k = top_k.contiguous()
     part_val = part_id = scratch  # unread unless chunks: no allocation for it then
     if chunks:
         part_val = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
@@ -554,11 +661,14 @@ def sample_triton(
             BLOCK=block,
             num_warps=4,
         )
+    cand, nch = scratch, 0  # cand unread without topk_cap: no allocation for it then
+    if topk_cap:
+        cand, nch = topk_candidates(logits, temperature, top_k, topk_cap, topk_chunk)
     _sample_kernel[(rows,)](
         logits,
         logits.stride(0),
         temperature,
-        top_k.contiguous(),
+        top_k,
         top_p.float().contiguous(),
         min_p.float().contiguous(),
         seeds.long().contiguous(),
@@ -567,6 +677,8 @@ def sample_triton(
         scratch,
         part_val,
         part_id,
+        cand,
+        nch,
         vocab,
         SAMPLING_EPS,
         BLOCK=block,
@@ -574,9 +686,46 @@ def sample_triton(
         NP=pivots,
         PRECISE=logits.is_cuda,
         CHUNKS=chunks,
+        TOPK_KC=topk_cap,
+        TOPK_NCH=cand.shape[1] // topk_cap if topk_cap else 1,
         num_warps=8,
     )
     return out
+
+
+def topk_candidates(
+    logits: torch.Tensor,  # [B, V]
+    temperature: torch.Tensor,  # [B] fp32, contiguous
+    top_k: torch.Tensor,  # [B] int, contiguous
+    cap: int = _TOPK_CAP,
+    chunk: int = _TOPK_CHUNK,
+) -> tuple[torch.Tensor, int]:
+    """The per-chunk candidates of the top-k rows (0 < top_k <= cap, not greedy): [B, chunks_p2 *
+    cap] int64 packed (value, id) keys of the temperature-scaled logits, chunk c's cap largest at
+    [c * cap, (c + 1) * cap) in descending order (other rows' slots unwritten), and the chunk count
+    (chunks_p2 is its next power of 2)."""
+    if cap & (cap - 1) or chunk & (chunk - 1) or chunk < cap:
+        raise ValueError(f"topk cap {cap} / chunk {chunk}: powers of 2, cap <= chunk")
+    rows, vocab = logits.shape
+    chunk = min(chunk, max(cap, next_pow2(vocab)))
+    nch = -(-vocab // chunk)
+    cand = torch.empty(rows, next_pow2(nch) * cap, dtype=torch.long, device=logits.device)
+    cols = min(chunk, _TOPK_COLS)
+    _topk_partial_kernel[(rows, nch)](
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k,
+        cand,
+        vocab,
+        SAMPLING_EPS,
+        KC=cap,
+        R=chunk // cols,
+        C=cols,
+        NCH=next_pow2(nch),
+        num_warps=8,
+    )
+    return cand, nch
 
 
 ARGMAX_CHUNKS = 64  # vocabulary chunks of a greedy row when rows are few

@@ -574,8 +574,9 @@ def moe_route_cases(compile_peers: bool) -> Iterator[tuple]:
 
 
 def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
-    """Qwen3.5 vocabulary; greedy, temperature only, and top-k 20 + top-p 0.95 (Qwen's defaults).
-    Peer: the torch reference (sort-based filtering, the same counter-based noise)."""
+    """Qwen3.5 vocabulary; greedy, temperature only, top-k 20 + top-p 0.95 (Qwen's defaults) and
+    top-p alone. Peers: the torch reference (sort-based filtering, the same counter-based noise);
+    for top-k rows, our kernel without the per-chunk candidates (the value search)."""
     from kernels.sampling import sample_ref
     from kernels.sampling_triton import sample_triton
 
@@ -588,6 +589,7 @@ def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
             ("greedy", 0.0, 0, 1.0),
             ("T=0.7", 0.7, 0, 1.0),
             ("T=0.7 k=20 p=0.95", 0.7, 20, 0.95),
+            ("T=0.7 p=0.95", 0.7, 0, 0.95),
         ):
             args = (
                 logits,
@@ -604,7 +606,8 @@ def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
                 lambda a=args: sample_triton(*a),
                 logits.numel() * 4,
                 "GB/s",
-                {"torch_ref": lambda a=args: sample_ref(*a)},
+                {"torch_ref": lambda a=args: sample_ref(*a)}
+                | ({"value_search": lambda a=args: sample_triton(*a, topk_cap=0)} if top_k else {}),
             )
 
 

@@ -145,6 +145,10 @@ async def run_request(
         "stream_options": {"include_usage": True},
         "temperature": args.temperature,
     }
+    if args.top_k:
+        body["top_k"] = args.top_k
+    if args.top_p < 1.0:
+        body["top_p"] = args.top_p
     if args.ignore_eos:
         body["ignore_eos"] = True
     body.update(constraint_fields(args))
@@ -302,6 +306,8 @@ def main() -> None:
         help="random token-id prompts of exact length (completions endpoint)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0, help="sent when > 0 (Qwen's default: 20)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sent when < 1 (Qwen's: 0.95)")
     p.add_argument(
         "--response-format",
         choices=("text", "json_object", "json_schema"),

@@ -73,10 +73,19 @@ def main() -> None:
     )
     ap.add_argument("--mtp", type=int, default=3, help="drafts of the mtp mode")
     ap.add_argument("--draft-vocab", type=int, default=32768, help="mtp mode; 0: all ids")
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8", "block"])
     args = ap.parse_args()
     mtp = [0, args.mtp] if "mtp" in args.modes else [0]
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per batch below instead
-    runner = build_runner(args.config, max(args.batch), args.prompt_len, args.steps, mtp, True)
+    runner = build_runner(
+        args.config,
+        max(args.batch),
+        args.prompt_len,
+        args.steps,
+        mtp,
+        True,
+        quantization=args.quantization,
+    )
     captured = runner.graphs
     print(f"{'mode':>15} {'batch':>5} {'wall ms':>8} {'GPU ms':>8} {'kernels':>8} {'GPU idle':>8}")
     for mode in args.modes:

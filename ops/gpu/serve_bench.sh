@@ -3,7 +3,8 @@
 # ops/bench/bench_serving.py at each concurrency (random prompts, fixed lengths, ignore_eos).
 #   MODEL_DIR=.cache/serve27b CONCURRENCY="1 16 64" TTFT_LENS="1024 8192" TAG=27b \
 #     bash ops/gpu/serve_bench.sh
-# MODEL_DIR holds config.json, the tokenizer and generation_config.json; SERVE_ARGS pass through.
+# MODEL_DIR holds config.json, the tokenizer and generation_config.json; SERVE_ARGS pass through,
+# BENCH_EXTRA to bench_serving.py (e.g. "--temperature 0.7 --top-k 20 --top-p 0.95").
 # Structured outputs (issue 18): FORMATS="text json_schema" runs every concurrency once per format
 # (bench_serving --response-format; json files get a _json_schema suffix), then the grammar compile
 # benchmark (ops/bench/bench_grammar.py) on MODEL_DIR's tokenizer.
@@ -30,7 +31,7 @@ for fmt in ${FORMATS:-text}; do
     [ "$c" -ge 64 ] && n=$c
     python3 ops/bench/bench_serving.py --base-url "http://127.0.0.1:$PORT" --concurrency "$c" \
       --num-prompts "$n" --input-len "${INPUT_LEN:-1024}" --output-len "${OUTPUT_LEN:-256}" \
-      --vocab-size 240000 --ignore-eos --warmup 1 --response-format "$fmt" \
+      --vocab-size 240000 --ignore-eos --warmup 1 --response-format "$fmt" ${BENCH_EXTRA:-} \
       --json "$OUT/serving_${TAG}${sfx}_c$c.json" 2>&1 | tail -16
   done
 done

@@ -12,9 +12,15 @@ import torch
 from kernel_cases import DEVICE, generator, gpu
 from tolerances import poison
 
+import kernels.sampling_triton as sampling_triton
 from kernels.sampling import sample
 from kernels.sampling_ref import _mul32, mask_logits_ref, sample_ref, uniform_noise
-from kernels.sampling_triton import argmax_chunks, sample_triton, uniform_noise_triton
+from kernels.sampling_triton import (
+    argmax_chunks,
+    sample_triton,
+    topk_candidates,
+    uniform_noise_triton,
+)
 
 M32 = 0xFFFFFFFF
 # chi-square critical values at p = 0.001 by degrees of freedom (fixed seeds: the tests are
@@ -220,9 +226,9 @@ def mixed_batch(b: int, v: int, seed: int, quant: float = 0.0, scale: float = 3.
     return logits.to(DEVICE), {k: t.to(DEVICE) for k, t in knobs.items()}
 
 
-def run_triton(logits: torch.Tensor, cap: int = 16, **knobs) -> torch.Tensor:
+def run_triton(logits: torch.Tensor, cap: int = 16, topk_cap: int = 64, **knobs) -> torch.Tensor:
     out = poison(torch.empty(logits.shape[0], dtype=torch.long, device=logits.device))
-    got = sample_triton(logits, **knobs, out=out, cap=cap)
+    got = sample_triton(logits, **knobs, out=out, cap=cap, topk_cap=topk_cap)
     assert got.data_ptr() == out.data_ptr()
     return got
 
@@ -321,6 +327,88 @@ def test_triton_row_alone_equals_row_in_batch() -> None:
     assert together == alone == sample_ref(logits, **knobs).tolist()
 
 
+def topk_batch(
+    b: int, v: int, seed: int, quant: float = 0.0, cap: int = 16
+) -> tuple[torch.Tensor, dict]:
+    """Rows that take the top-k candidates (0 < top_k <= cap, sampled) with min-p and top-p mixed
+    in, a greedy row and a top-p-only row beside them. (A small cap keeps the interpreter fast.)"""
+    logits, knobs = mixed_batch(b, v, seed=seed, quant=quant)
+    gen = generator(seed + 1)
+    knobs["top_k"] = torch.randint(1, cap + 1, (b,), generator=gen).to(DEVICE)
+    knobs["temperature"] = (torch.rand(b, generator=gen) * 1.5 + 0.2).to(DEVICE)
+    knobs["temperature"][0] = 0.0
+    knobs["top_k"][1] = -1
+    knobs["top_p"][1] = 0.7
+    return logits, knobs
+
+
+def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    upper = keys >> 32
+    order = upper.to(torch.int32)
+    bits = torch.where(order < 0, -order.long() - 2**31, order.long()).to(torch.int32)
+    return bits.view(torch.float32), (2**32 - 1) - (keys - (upper << 32))
+
+
+@pytest.mark.parametrize("vocab,chunk", [(1000, 128), (300, 64), (37, 64)])
+def test_topk_candidates_are_each_chunks_largest(vocab: int, chunk: int) -> None:
+    """Program (row, chunk) keeps the chunk's cap largest scaled logits, value desc then id asc
+    (quantised logits: ties inside and across chunks); rows that do not qualify are skipped."""
+    cap = 16
+    logits, knobs = topk_batch(6, vocab, seed=vocab, quant=2.0, cap=cap)
+    knobs["top_k"][2] = cap + 1  # above the cap: not a candidate row
+    cand, nch = topk_candidates(logits, knobs["temperature"], knobs["top_k"], cap, chunk)
+    chunk = min(chunk, max(cap, 1 << (vocab - 1).bit_length()))
+    assert nch == -(-vocab // chunk) and cand.shape[1] >= nch * cap
+    for r in (3, 4, 5):
+        scaled = logits[r] / knobs["temperature"][r]
+        for c in range(nch):
+            part = scaled[c * chunk : (c + 1) * chunk].cpu()
+            ids = torch.arange(c * chunk, c * chunk + part.numel())
+            order = sorted(range(part.numel()), key=lambda i: (-part[i].item(), i))[:cap]
+            vals, got_ids = unpack(cand[r, c * cap : c * cap + len(order)].cpu())
+            assert got_ids.tolist() == ids[order].tolist(), (r, c)
+            assert torch.equal(vals, part[order])
+
+
+@pytest.mark.parametrize("vocab,chunk,quant", [(1000, 128, 0.0), (1000, 64, 2.0), (37, 64, 0.0)])
+def test_triton_topk_rows_equal_reference(vocab: int, chunk: int, quant: float) -> None:
+    logits, knobs = topk_batch(12, vocab, seed=vocab + chunk, quant=quant)
+    want = sample_ref(logits, **knobs).tolist()
+    assert sample_triton(logits, **knobs, topk_cap=16, topk_chunk=chunk).tolist() == want
+    assert run_triton(logits, **knobs, topk_cap=0).tolist() == want  # the value search
+
+
+def test_triton_topk_ties_across_chunks_and_rows_without_finite_logits() -> None:
+    logits = torch.zeros(4, 500, device=DEVICE)  # all tied: the k lowest ids, across chunks
+    logits[1, 450] = 1.0  # the maximum in the last chunk
+    logits[2, :] = float("-inf")  # nothing finite: id 0, as the reference
+    logits[3, :] = float("-inf")
+    logits[3, 7] = logits[3, 300] = 0.5  # fewer finite logits than k
+    p = uniform_knobs(4, top_k=12, top_p=0.9)
+    want = sample_ref(logits, **p).tolist()
+    assert sample_triton(logits, **p, topk_cap=16, topk_chunk=64).tolist() == want
+    assert want[2] == 0 and want[3] in (7, 300) and want[0] < 12
+
+
+def test_triton_topk_rows_read_the_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top-k rows' tokens come from the candidates (poisoned here: every key (0.0, id 5)),
+    the other rows' from the value search."""
+    logits, knobs = topk_batch(8, 300, seed=5, cap=64)
+    knobs["top_k"][2] = 65  # above the cap
+    real = sampling_triton.topk_candidates
+
+    def poisoned(*args, **kw):
+        cand, nch = real(*args, **kw)
+        return torch.full_like(cand, (2**32 - 1) - 5), nch
+
+    monkeypatch.setattr(sampling_triton, "topk_candidates", poisoned)
+    got = sample_triton(logits, **knobs).tolist()
+    want = sample_ref(logits, **knobs).tolist()
+    fast = [r for r in range(8) if 0 < knobs["top_k"][r] <= 64 and knobs["temperature"][r] > 0]
+    assert fast and all(got[r] == 5 for r in fast)
+    assert all(got[r] == want[r] for r in range(8) if r not in fast)
+
+
 def test_dispatcher_matches_reference() -> None:
     logits, knobs = mixed_batch(5, 200, seed=12)
     assert sample(logits, **knobs).tolist() == sample_ref(logits, **knobs).tolist()
@@ -347,10 +435,11 @@ def test_full_size_greedy_rows_over_vocabulary_chunks() -> None:
 @pytest.mark.parametrize("quant", [0.0, 16.0])
 def test_full_size_qwen35_vocab(quant: float) -> None:
     logits, knobs = mixed_batch(64, 248_320, seed=13, quant=quant, scale=4.0)
-    knobs["top_k"][:8] = torch.tensor(
-        [1, 20, 50, 1000, 5000, 100_000, 248_319, 2048], device=DEVICE
+    knobs["top_k"][:12] = torch.tensor(
+        [1, 20, 50, 1000, 5000, 100_000, 248_319, 2048, 20, 64, 65, 40], device=DEVICE
     )
-    knobs["temperature"][:8] = 0.7
+    knobs["temperature"][:12] = 0.7
+    knobs["top_p"][8:10] = 0.95
     got = sample(logits, **knobs)
     expected = sample_ref(logits, **knobs)
     # top-p masses are summed in another order (and with the fast exp): a row whose cut lies within
@@ -364,6 +453,8 @@ def test_full_size_qwen35_vocab(quant: float) -> None:
 @gpu
 def test_cuda_graph_replay_matches_eager() -> None:
     logits, knobs = mixed_batch(16, 248_320, seed=14)
+    knobs["top_k"][:6] = torch.tensor([20, 20, 1, 64, 40, 65], device=DEVICE)  # candidate rows
+    knobs["temperature"][:6] = 0.7
     sample_triton(logits, **knobs)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
