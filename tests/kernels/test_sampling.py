@@ -463,3 +463,18 @@ def test_cuda_graph_replay_matches_eager() -> None:
         knobs["offsets"] += 1  # in place: the buffers the graph reads
         graph.replay()
         assert torch.equal(captured, sample_triton(logits, **knobs)), step
+
+
+def test_topk_candidates_only_up_to_a_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond TOPK_MAX_ROWS rows the value search is faster (docs/benchmarks.md): no candidates."""
+    calls = []
+    real = sampling_triton.topk_candidates
+    monkeypatch.setattr(
+        sampling_triton, "topk_candidates", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setattr(sampling_triton, "TOPK_MAX_ROWS", 3)
+    logits, knobs = topk_batch(4, 100, seed=9)
+    want = sample_ref(logits, **knobs).tolist()
+    assert run_triton(logits, **knobs).tolist() == want and not calls
+    assert run_triton(logits[:3], **{k: t[:3] for k, t in knobs.items()}).tolist() == want[:3]
+    assert calls
