@@ -82,6 +82,13 @@ _register(
     "MTP: accept drafts on the host after an eager verify (off: the fused device step, graphed).",
 )
 _register(
+    "APPLIANCE_DISABLE_PDL",
+    False,
+    _bool,
+    "Launch the Triton kernels without programmatic dependent launch (Hopper+: each kernel then "
+    "waits for the previous one to finish before it starts).",
+)
+_register(
     "APPLIANCE_GPU_BUSY_LOG",
     0.0,
     _number,

@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_start,
+    tl,
+    use_triton,
+)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +23,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -44,6 +55,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         out.stride(0),
         BLOCK=block,
         num_warps=4 if block <= 1024 else 8,
+        **pdl(x),
     )
     return out
 

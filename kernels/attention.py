@@ -25,6 +25,8 @@ from kernels.triton_utils import (
     jit,
     next_pow2,
     num_sms,
+    pdl,
+    pdl_start,
     tl,
     triton,
     use_triton,
@@ -146,7 +148,9 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8_KV: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -207,6 +211,7 @@ def store_kv_triton(
         BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim),
         FP8_KV=fp8,
+        **pdl(k),
     )
 
 
@@ -321,7 +326,9 @@ def _paged_attention_kernel(
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     ROWS = BLOCK_M // GROUP  # query rows per program
     b = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -485,7 +492,9 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -641,6 +650,7 @@ def paged_attention_triton(
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -656,6 +666,7 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
+            **pdl(part_o),
         )
     return out
 

@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_start,
+    tl,
+    use_triton,
+)
 
 
 def causal_conv1d_ref(
@@ -141,7 +149,9 @@ def _conv1d_fwd_kernel(
     SILU: tl.constexpr,
     FUSE_STATE: tl.constexpr,
     VERIFY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cc < channels
@@ -320,6 +330,7 @@ def _conv_launch(
         SILU=activation == "silu",
         FUSE_STATE=fuse,
         VERIFY=verify,
+        **pdl(x),
     )
     if not fuse:
         _conv1d_state_kernel[(batch, -(-channels // 256))](

@@ -33,11 +33,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_release,
+    pdl_wait,
+    tl,
+    use_triton,
+)
 
 GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weights `linear` reads with the GEMV
 USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py --gemv off)
+# Under programmatic dependent launch (kernels.triton_utils.USE_PDL) a GEMV's programs start while
+# the previous kernel runs: before waiting for it they ask L2 for the first PREFETCH_BYTES of each
+# of their weight rows (a constant input), so the weight stream is under way when the activations
+# land. 0: no prefetch (bench_static.py --pdl on; "prefetch" is this).
+PREFETCH_BYTES = 2048
+
+
+@jit
+def _prefetch_rows(w_rows, k_size, PDL: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of LINES 128-byte lines (LINE elements each) of each row in w_rows ([R, 1]
+    pointers), only under PDL (the prologue that overlaps the previous kernel)."""
+    if PDL:
+        if LINES > 0:
+            cols = tl.arange(0, LINES) * LINE
+            ptrs = w_rows + tl.where(cols < k_size, cols, 0)[None, :]
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; // $0",
+                "=r,l",
+                [ptrs],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 def fp8_gemv_ref(
@@ -69,12 +101,18 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 0,
+    LINE: tl.constexpr = 64,
 ):
+    pdl_release(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    _prefetch_rows(w_rows, k_size, PDL, PF_LINES, LINE)
+    pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
@@ -117,17 +155,23 @@ def _gemv_rows_kernel(
     ROWS: tl.constexpr,  # next power of two of M (2 or 4)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 0,
+    LINE: tl.constexpr = 64,
 ):
     """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
     multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
     Routed for 16-bit weights with K >= 2N (`bf16_gemv_wins`)."""
+    pdl_release(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < m_size
     n_ok = rn < n_size
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    _prefetch_rows(w_rows, k_size, PDL, PF_LINES, LINE)
+    pdl_wait(PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
@@ -231,6 +275,15 @@ def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torc
     return n, k, config or gemv_config(n, k), out
 
 
+def _pdl_options(w: torch.Tensor, k: int) -> dict:
+    """PDL launch options and the weight prefetch of a GEMV over w (none off the GPU)."""
+    options = pdl(w)
+    if options and PREFETCH_BYTES:
+        line = 128 // w.element_size()
+        options |= {"PF_LINES": next_pow2(min(PREFETCH_BYTES // 128, -(-k // line))), "LINE": line}
+    return options
+
+
 def fp8_gemv(
     x: torch.Tensor,  # [M, K] (or [K]) bf16 / fp16 / fp32, M <= GEMV_MAX_ROWS
     w_q: torch.Tensor,  # [N, K] e4m3 (or bf16 / fp16 with scale None: the same read, unscaled)
@@ -253,6 +306,7 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
+        **_pdl_options(w_q, k),
     )
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
@@ -319,17 +373,23 @@ def _gemv_block_kernel(
     STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 0,
+    LINE: tl.constexpr = 128,
 ):
     """The weight tile as [BLOCK_N, G, SCALE_K] (G scale columns per K step): the G scales of a
     step are one small vector load, broadcast over their columns of the activations; no gather,
     no scalar load in the pipelined loop (measured slower in runs AD and AE, docs/benchmarks.md)."""
     G: tl.constexpr = BLOCK_K // SCALE_K
+    pdl_release(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.arange(0, G)
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
     n_ok = rn < n_size
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
+    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None, None] * stride_wn
+    _prefetch_rows(tl.reshape(w_rows, [BLOCK_N, 1]), k_size, PDL, PF_LINES, LINE)
+    pdl_wait(PDL)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -386,5 +446,6 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
+        **_pdl_options(w_q, k),
     )
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
-from kernels.triton_utils import jit, next_pow2, tl, use_triton
+from kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
 
 
 def _prep(q, k, v, g, beta, num_v_heads):
@@ -238,7 +238,9 @@ def _gdn_recurrent_kernel(
     BV: tl.constexpr,
     MAX_LEN: tl.constexpr,
     VERIFY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(cu_ptr + b)
@@ -349,6 +351,7 @@ def _recurrent_launch(
         MAX_LEN=max_len,
         VERIFY=verify,
         num_warps=4 if bk * bv <= 4096 else 8,
+        **pdl(q),
     )
     return out
 

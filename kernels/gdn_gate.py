@@ -7,7 +7,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_start,
+    tl,
+    use_triton,
+)
 
 
 def gdn_gating_ref(
@@ -33,7 +41,9 @@ def _gdn_gating_kernel(
     stride_a,
     stride_b,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < heads
@@ -61,7 +71,17 @@ def gdn_gating_triton(
     beta = torch.empty(rows, heads, dtype=b.dtype, device=b.device)
     if rows:
         _gdn_gating_kernel[(rows,)](
-            a, b, A_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BLOCK=next_pow2(heads)
+            a,
+            b,
+            A_log,
+            dt_bias,
+            g,
+            beta,
+            heads,
+            a.stride(0),
+            b.stride(0),
+            BLOCK=next_pow2(heads),
+            **pdl(a),
         )
     return g, beta
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_start,
+    tl,
+    use_triton,
+)
 
 
 def rms_norm_ref(
@@ -68,7 +76,9 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RES: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
@@ -122,6 +132,7 @@ def rms_norm_triton(
         HAS_RES=residual is not None,
         ZERO_CENTERED=zero_centered,
         num_warps=min(max(block // 512, 1), 16),
+        **pdl(x),
     )
     return out, new_res
 
@@ -148,7 +159,9 @@ def _gated_rms_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROUND_WEIGHTED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (r < rows)[:, None] & (d < dim)[None, :]
@@ -205,6 +218,7 @@ def gated_rms_norm_triton(
         BLOCK_D=block_d,
         ROUND_WEIGHTED=weight.dtype == x.dtype and x.dtype != torch.float32,
         num_warps=GATED_TUNING["warps"],
+        **pdl(x),
     )
     return out
 

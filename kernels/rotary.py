@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from kernels.triton_utils import (
+    check_last_dim_contiguous,
+    jit,
+    next_pow2,
+    pdl,
+    pdl_start,
+    tl,
+    use_triton,
+)
 
 
 def inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -87,7 +95,9 @@ def _apply_rotary_kernel(
     stride_oh,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -141,6 +151,7 @@ def apply_rotary_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         num_warps=4,
+        **pdl(x),
     )
     return out
 
@@ -158,7 +169,9 @@ def _rotary_cos_sin_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_F: tl.constexpr,
     MROPE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, BLOCK_F)
     mask = (t < num_tokens)[:, None] & (j < half)[None, :]
@@ -212,6 +225,7 @@ def rotary_cos_sin_triton(
         BLOCK_T=block_t,
         BLOCK_F=block_f,
         MROPE=mrope,
+        **pdl(positions),
     )
     return cos, sin
 

@@ -22,6 +22,21 @@ except ImportError:  # pragma: no cover
     HAS_TRITON = False
 
 
+try:  # programmatic dependent launch (SM90+): Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+# Programmatic dependent launch (PDL, Hopper+): a kernel launched with it may start while the
+# previous kernel of the stream is still running (in a CUDA graph too), so its launch, block
+# scheduling and prologue overlap that kernel's tail instead of following it. Every kernel that
+# takes a `PDL` constexpr calls `pdl_start(PDL)` (or `pdl_release` then `pdl_wait`) before it
+# reads anything an earlier kernel wrote and before it writes anything; only its own constant
+# inputs (weights) may be read before. False: plain launches (bench_static.py --pdl off);
+# docs/benchmarks.md has the step times with and without it.
+USE_PDL = True
+
+
 def jit(fn: Callable[..., Any]) -> Any:
     """`triton.jit` when Triton is importable; otherwise the plain function (never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
@@ -50,3 +65,37 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         raise ValueError(f"{name}: dtype {t.dtype} not in {allowed}")
+
+
+@jit
+def pdl_release(PDL: tl.constexpr):
+    """Lets the stream's next kernel launch now (its blocks wait in their own pdl_wait)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@jit
+def pdl_wait(PDL: tl.constexpr):
+    """Blocks until the previous kernel of the stream has finished and its writes are visible."""
+    if PDL:
+        gdc_wait()
+
+
+@jit
+def pdl_start(PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
+
+
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl(t: torch.Tensor) -> dict[str, bool]:
+    """Launch options of a kernel with a `PDL` constexpr for tensors on t's device: PDL on CUDA
+    SM90+ when USE_PDL (and Triton has it); none elsewhere (the interpreter runs plain)."""
+    if not (USE_PDL and t.is_cuda and gdc_wait is not None):
+        return {}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {}

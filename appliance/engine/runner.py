@@ -64,7 +64,7 @@ from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
-from kernels import backends
+from kernels import backends, triton_utils
 from kernels.attention import KV_CACHE_DTYPES
 from visual.shm import SharedMemoryImageStore
 
@@ -110,7 +110,12 @@ class ModelRunner(RunnerMemory):
         self.backends = backends.configure(
             attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
-        log.info("kernel backends: %s", ", ".join(f"{k} {v}" for k, v in self.backends.items()))
+        triton_utils.USE_PDL = not envs.APPLIANCE_DISABLE_PDL
+        log.info(
+            "kernel backends: %s; programmatic dependent launch %s",
+            ", ".join(f"{k} {v}" for k, v in self.backends.items()),
+            "on" if triton_utils.pdl(torch.empty(0, device=self.device)) else "off",
+        )
         self.graph_max_bs = graph_max_bs(
             config.graphs,
             config.scheduler.max_num_seqs,

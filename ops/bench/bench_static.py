@@ -37,7 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers.moe import SparseMoE
-from kernels import fp8_gemv
+from kernels import fp8_gemv, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -330,6 +330,14 @@ def main() -> None:
         help="one-row linears: the GEMV of kernels/fp8_gemv.py (on) or the GEMM routes (off); "
         "the decode graphs are captured again for each",
     )
+    ap.add_argument(
+        "--pdl",
+        nargs="+",
+        default=["prefetch"],
+        choices=["off", "on", "prefetch"],
+        help="programmatic dependent launch of the Triton kernels: off, on, or on with the GEMVs' "
+        "L2 weight prefetch (the default); the decode graphs are captured again for each",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -355,8 +363,17 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for gemv, graphs in itertools.product(args.gemv, args.graphs):
-        if fp8_gemv.USE_GEMV != (gemv == "on"):
+    prefetch = fp8_gemv.PREFETCH_BYTES
+    for pdl, gemv, graphs in itertools.product(args.pdl, args.gemv, args.graphs):
+        pdl_now = (triton_utils.USE_PDL, fp8_gemv.PREFETCH_BYTES)
+        triton_utils.USE_PDL = pdl != "off"
+        fp8_gemv.PREFETCH_BYTES = prefetch if pdl == "prefetch" else 0
+        if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
+            print(f"PDL {pdl}")
+        if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
+            triton_utils.USE_PDL,
+            fp8_gemv.PREFETCH_BYTES,
+        ):
             fp8_gemv.USE_GEMV = gemv == "on"
             runner.graphs = captured = None
             torch.cuda.empty_cache()
@@ -384,6 +401,7 @@ def main() -> None:
                     plain = r["step_ms"] if k == 0 else plain
                     r.update(graphs=graphs, fused=fused, draft_vocab=vocab, floor_ms=floor_ms)
                     r["gemv"] = gemv
+                    r["pdl"] = pdl
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
