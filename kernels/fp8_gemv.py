@@ -52,6 +52,9 @@ USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py
 # of their weight rows (a constant input), so the weight stream is under way when the activations
 # land. 0: no prefetch (bench_static.py --pdl on; "prefetch" is this).
 PREFETCH_BYTES = 2048
+# "full": a GEMV lets the next kernel launch as soon as it starts (and waits before reading its
+# row); "wait": it only waits (the next kernel launches as its programs exit); "off": plain launch.
+GEMV_PDL = "full"
 
 
 @jit
@@ -102,10 +105,12 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr = True,
     PF_LINES: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
 ):
-    pdl_release(PDL)
+    if RELEASE:
+        pdl_release(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -156,13 +161,15 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr = True,
     PF_LINES: tl.constexpr = 0,
     LINE: tl.constexpr = 64,
 ):
     """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
     multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
     Routed for 16-bit weights with K >= 2N (`bf16_gemv_wins`)."""
-    pdl_release(PDL)
+    if RELEASE:
+        pdl_release(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, ROWS)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -277,7 +284,9 @@ def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torc
 
 def _pdl_options(w: torch.Tensor, k: int) -> dict:
     """PDL launch options and the weight prefetch of a GEMV over w (none off the GPU)."""
-    options = pdl(w)
+    options = pdl(w) if GEMV_PDL != "off" else {}
+    if options and GEMV_PDL == "wait":
+        options["RELEASE"] = False
     if options and PREFETCH_BYTES:
         line = 128 // w.element_size()
         options |= {"PF_LINES": next_pow2(min(PREFETCH_BYTES // 128, -(-k // line))), "LINE": line}
@@ -374,6 +383,7 @@ def _gemv_block_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr = True,
     PF_LINES: tl.constexpr = 0,
     LINE: tl.constexpr = 128,
 ):
@@ -381,7 +391,8 @@ def _gemv_block_kernel(
     step are one small vector load, broadcast over their columns of the activations; no gather,
     no scalar load in the pipelined loop (measured slower in runs AD and AE, docs/benchmarks.md)."""
     G: tl.constexpr = BLOCK_K // SCALE_K
-    pdl_release(PDL)
+    if RELEASE:
+        pdl_release(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.arange(0, G)

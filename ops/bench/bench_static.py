@@ -334,9 +334,10 @@ def main() -> None:
         "--pdl",
         nargs="+",
         default=["prefetch"],
-        choices=["off", "on", "prefetch"],
-        help="programmatic dependent launch of the Triton kernels: off, on, or on with the GEMVs' "
-        "L2 weight prefetch (the default); the decode graphs are captured again for each",
+        choices=["off", "on", "small", "gemv_wait", "prefetch"],
+        help="programmatic dependent launch of the Triton kernels: off, on, small (not the GEMVs), "
+        "gemv_wait (the GEMVs wait but do not release the next kernel early), or on with the "
+        "GEMVs' L2 weight prefetch (the default); the decode graphs are captured again for each",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -365,14 +366,16 @@ def main() -> None:
     )
     prefetch = fp8_gemv.PREFETCH_BYTES
     for pdl, gemv, graphs in itertools.product(args.pdl, args.gemv, args.graphs):
-        pdl_now = (triton_utils.USE_PDL, fp8_gemv.PREFETCH_BYTES)
+        pdl_now = (triton_utils.USE_PDL, fp8_gemv.PREFETCH_BYTES, fp8_gemv.GEMV_PDL)
         triton_utils.USE_PDL = pdl != "off"
         fp8_gemv.PREFETCH_BYTES = prefetch if pdl == "prefetch" else 0
+        fp8_gemv.GEMV_PDL = {"small": "off", "gemv_wait": "wait"}.get(pdl, "full")
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
             triton_utils.USE_PDL,
             fp8_gemv.PREFETCH_BYTES,
+            fp8_gemv.GEMV_PDL,
         ):
             fp8_gemv.USE_GEMV = gemv == "on"
             runner.graphs = captured = None
