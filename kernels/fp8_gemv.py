@@ -47,32 +47,12 @@ from kernels.triton_utils import (
 GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weights `linear` reads with the GEMV
 USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py --gemv off)
-# Under programmatic dependent launch (kernels.triton_utils.USE_PDL) a GEMV's programs start while
-# the previous kernel runs: before waiting for it they ask L2 for the first PREFETCH_BYTES of each
-# of their weight rows (a constant input), so the weight stream is under way when the activations
-# land. 0: no prefetch (bench_static.py --pdl on; "prefetch" is this).
-PREFETCH_BYTES = 2048
-# "full": a GEMV lets the next kernel launch as soon as it starts (and waits before reading its
-# row); "wait": it only waits (the next kernel launches as its programs exit); "off": plain launch.
-GEMV_PDL = "full"
-
-
-@jit
-def _prefetch_rows(w_rows, k_size, PDL: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """L2 prefetch of LINES 128-byte lines (LINE elements each) of each row in w_rows ([R, 1]
-    pointers), only under PDL (the prologue that overlaps the previous kernel)."""
-    if PDL:
-        if LINES > 0:
-            cols = tl.arange(0, LINES) * LINE
-            ptrs = w_rows + tl.where(cols < k_size, cols, 0)[None, :]
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; // $0",
-                "=r,l",
-                [ptrs],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+# Under programmatic dependent launch (kernels.triton_utils.USE_PDL) a GEMV's programs are
+# scheduled while the previous kernel finishes and wait on the device before reading their row
+# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AR) that made
+# the 27B batch-1 step slower (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an
+# L2 prefetch of the weight rows before the wait (15.06). "off": a plain launch.
+GEMV_PDL = "wait"
 
 
 def fp8_gemv_ref(
@@ -105,9 +85,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
-    RELEASE: tl.constexpr = True,
-    PF_LINES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
+    RELEASE: tl.constexpr = False,
 ):
     if RELEASE:
         pdl_release(PDL)
@@ -116,7 +94,6 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
-    _prefetch_rows(w_rows, k_size, PDL, PF_LINES, LINE)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -161,9 +138,7 @@ def _gemv_rows_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
-    RELEASE: tl.constexpr = True,
-    PF_LINES: tl.constexpr = 0,
-    LINE: tl.constexpr = 64,
+    RELEASE: tl.constexpr = False,
 ):
     """_gemv_kernel for 2-4 rows (an MTP verify at batch 1): each weight tile is read once and
     multiplied into every row's [BLOCK_N, BLOCK_K] accumulator (a [ROWS, BLOCK_N, BLOCK_K] tile).
@@ -177,7 +152,6 @@ def _gemv_rows_kernel(
     m_ok = rm < m_size
     n_ok = rn < n_size
     w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
-    _prefetch_rows(w_rows, k_size, PDL, PF_LINES, LINE)
     pdl_wait(PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -282,15 +256,10 @@ def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torc
     return n, k, config or gemv_config(n, k), out
 
 
-def _pdl_options(w: torch.Tensor, k: int) -> dict:
-    """PDL launch options and the weight prefetch of a GEMV over w (none off the GPU)."""
+def _pdl_options(w: torch.Tensor) -> dict:
+    """PDL launch options of a GEMV over w (GEMV_PDL; none off the GPU)."""
     options = pdl(w) if GEMV_PDL != "off" else {}
-    if options and GEMV_PDL == "wait":
-        options["RELEASE"] = False
-    if options and PREFETCH_BYTES:
-        line = 128 // w.element_size()
-        options |= {"PF_LINES": next_pow2(min(PREFETCH_BYTES // 128, -(-k // line))), "LINE": line}
-    return options
+    return options | {"RELEASE": True} if options and GEMV_PDL == "full" else options
 
 
 def fp8_gemv(
@@ -315,7 +284,7 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
-        **_pdl_options(w_q, k),
+        **_pdl_options(w_q),
     )
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
@@ -383,9 +352,7 @@ def _gemv_block_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
-    RELEASE: tl.constexpr = True,
-    PF_LINES: tl.constexpr = 0,
-    LINE: tl.constexpr = 128,
+    RELEASE: tl.constexpr = False,
 ):
     """The weight tile as [BLOCK_N, G, SCALE_K] (G scale columns per K step): the G scales of a
     step are one small vector load, broadcast over their columns of the activations; no gather,
@@ -399,7 +366,6 @@ def _gemv_block_kernel(
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
     n_ok = rn < n_size
     w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None, None] * stride_wn
-    _prefetch_rows(tl.reshape(w_rows, [BLOCK_N, 1]), k_size, PDL, PF_LINES, LINE)
     pdl_wait(PDL)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
@@ -457,6 +423,6 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
-        **_pdl_options(w_q, k),
+        **_pdl_options(w_q),
     )
     return out

@@ -333,11 +333,11 @@ def main() -> None:
     ap.add_argument(
         "--pdl",
         nargs="+",
-        default=["prefetch"],
-        choices=["off", "on", "small", "gemv_wait", "prefetch"],
-        help="programmatic dependent launch of the Triton kernels: off, on, small (not the GEMVs), "
-        "gemv_wait (the GEMVs wait but do not release the next kernel early), or on with the "
-        "GEMVs' L2 weight prefetch (the default); the decode graphs are captured again for each",
+        default=["on"],
+        choices=["off", "on", "small", "full"],
+        help="programmatic dependent launch of the Triton kernels: off; on (the default: the "
+        "GEMVs wait but do not let the next kernel launch early); small (not the GEMVs); full "
+        "(the GEMVs too let the next kernel launch early); the decode graphs are captured again",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -364,17 +364,14 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    prefetch = fp8_gemv.PREFETCH_BYTES
     for pdl, gemv, graphs in itertools.product(args.pdl, args.gemv, args.graphs):
-        pdl_now = (triton_utils.USE_PDL, fp8_gemv.PREFETCH_BYTES, fp8_gemv.GEMV_PDL)
+        pdl_now = (triton_utils.USE_PDL, fp8_gemv.GEMV_PDL)
         triton_utils.USE_PDL = pdl != "off"
-        fp8_gemv.PREFETCH_BYTES = prefetch if pdl == "prefetch" else 0
-        fp8_gemv.GEMV_PDL = {"small": "off", "gemv_wait": "wait"}.get(pdl, "full")
+        fp8_gemv.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
             triton_utils.USE_PDL,
-            fp8_gemv.PREFETCH_BYTES,
             fp8_gemv.GEMV_PDL,
         ):
             fp8_gemv.USE_GEMV = gemv == "on"
