@@ -82,11 +82,11 @@ _register(
     "MTP: accept drafts on the host after an eager verify (off: the fused device step, graphed).",
 )
 _register(
-    "APPLIANCE_DISABLE_PDL",
+    "APPLIANCE_ENABLE_PDL",
     False,
     _bool,
-    "Launch the Triton kernels without programmatic dependent launch (Hopper+: each kernel then "
-    "waits for the previous one to finish before it starts).",
+    "Launch the Triton kernels with programmatic dependent launch (Hopper+): each may start while "
+    "the previous kernel finishes. Opt-in: a float32 model's decode-graph capture failed with it.",
 )
 _register(
     "APPLIANCE_GPU_BUSY_LOG",

@@ -110,7 +110,7 @@ class ModelRunner(RunnerMemory):
         self.backends = backends.configure(
             attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
-        triton_utils.USE_PDL = not envs.APPLIANCE_DISABLE_PDL
+        triton_utils.USE_PDL = envs.APPLIANCE_ENABLE_PDL
         log.info(
             "kernel backends: %s; programmatic dependent launch %s",
             ", ".join(f"{k} {v}" for k, v in self.backends.items()),

@@ -333,11 +333,12 @@ def main() -> None:
     ap.add_argument(
         "--pdl",
         nargs="+",
-        default=["on"],
+        default=["off"],
         choices=["off", "on", "small", "full"],
-        help="programmatic dependent launch of the Triton kernels: off; on (the default: the "
-        "GEMVs wait but do not let the next kernel launch early); small (not the GEMVs); full "
-        "(the GEMVs too let the next kernel launch early); the decode graphs are captured again",
+        help="programmatic dependent launch of the Triton kernels: off (the default, as served "
+        "without APPLIANCE_ENABLE_PDL=1); on (the GEMVs wait but do not let the next kernel "
+        "launch early); small (not the GEMVs); full (the GEMVs too let the next kernel launch "
+        "early); the decode graphs are captured again for each",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()

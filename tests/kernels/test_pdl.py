@@ -56,6 +56,7 @@ def test_pdl_kernels_wait_before_touching_shared_memory() -> None:
 
 
 def test_pdl_launch_options_only_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_utils, "USE_PDL", True)
     assert triton_utils.pdl(torch.empty(1)) == {}  # CPU (and the interpreter): plain launches
     if torch.cuda.is_available():
         hopper = torch.cuda.get_device_capability()[0] >= 9
