@@ -49,7 +49,7 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weights `linear` reads w
 USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py --gemv off)
 # Under programmatic dependent launch (kernels.triton_utils.USE_PDL) a GEMV's programs are
 # scheduled while the previous kernel finishes and wait on the device before reading their row
-# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AR) that made
+# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AS) that made
 # the 27B batch-1 step slower (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an
 # L2 prefetch of the weight rows before the wait (15.06). "off": a plain launch.
 GEMV_PDL = "wait"

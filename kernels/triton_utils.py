@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
 # earlier kernel wrote and before it writes anything. Off by default (APPLIANCE_ENABLE_PDL=1, or
 # bench_static.py --pdl on): on the H200 it took the 27B batch-1 step from 14.34 to 13.96 ms, but
 # capturing a float32 model's decode graph then failed in the cuBLAS SGEMM that followed a PDL
-# kernel (run AS, docs/benchmarks.md); bf16 models captured and replayed correctly.
+# kernel (run AT, docs/benchmarks.md); bf16 models captured and replayed correctly.
 USE_PDL = False
 
 

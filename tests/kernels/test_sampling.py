@@ -349,7 +349,7 @@ def unpack(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return bits.view(torch.float32), (2**32 - 1) - (keys - (upper << 32))
 
 
-@pytest.mark.parametrize("vocab,chunk", [(1000, 128), (300, 64), (37, 64)])
+@pytest.mark.parametrize("vocab,chunk", [(1000, 128), (300, 64), (37, 64), (2500, 2048)])
 def test_topk_candidates_are_each_chunks_largest(vocab: int, chunk: int) -> None:
     """Program (row, chunk) keeps the chunk's cap largest scaled logits, value desc then id asc
     (quantised logits: ties inside and across chunks); rows that do not qualify are skipped."""
@@ -370,7 +370,10 @@ def test_topk_candidates_are_each_chunks_largest(vocab: int, chunk: int) -> None
             assert torch.equal(vals, part[order])
 
 
-@pytest.mark.parametrize("vocab,chunk,quant", [(1000, 128, 0.0), (1000, 64, 2.0), (37, 64, 0.0)])
+@pytest.mark.parametrize(
+    "vocab,chunk,quant",
+    [(1000, 128, 0.0), (1000, 64, 2.0), (37, 64, 0.0), (2500, 2048, 4.0)],  # last: 2 x 1024 tiles
+)
 def test_triton_topk_rows_equal_reference(vocab: int, chunk: int, quant: float) -> None:
     logits, knobs = topk_batch(12, vocab, seed=vocab + chunk, quant=quant)
     want = sample_ref(logits, **knobs).tolist()
