@@ -90,7 +90,6 @@ class Attention(nn.Module):
         q = self.q_proj(x)
         if self.gated:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(num_tokens, -1)
         q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -111,7 +110,6 @@ class Attention(nn.Module):
             max_q_len=ctx.max_q_len,
             kv_scales=scales,
         )
-        out = out.reshape(num_tokens, -1)
-        if self.gated:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        if self.gated:  # gate [T, H, D] is a strided view: sigmoid reads it in place, no copy
+            out = out.reshape(num_tokens, self.num_heads, self.head_dim) * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(num_tokens, -1))
