@@ -9,7 +9,8 @@
 # Step limits (seconds): PROBE_S TESTS_S BENCH_S MODEL_S VISION_CHECK_S VISION_BENCH_S STATIC_S
 # GRAPHS_S PROFILE_S PREFIX_S PREFILL_S VERIFY_S GEMV_S (prefill: a prefix hit's step, profiled;
 # verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
-# engine, each VERIFY_S
+# engine, each VERIFY_S; VERIFY_MARK=gpu: only the kernels' full-size cases, which the limit
+# otherwise cuts at the end of a file)
 # (verify_engine: the engine's alone; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
 # KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
@@ -79,6 +80,7 @@ for s in ${STEPS:-probe tests bench}; do
     verify)  # the newest first (a time limit cuts the last): kernel tests run on CUDA whole,
       # the engine's only their `gpu` cases
       step verify "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfE \
+        ${VERIFY_MARK:+-m "$VERIFY_MARK"} \
         ${VERIFY_KERNELS:-tests/kernels/test_fp8_gemv.py tests/kernels/test_moe_route.py \
         tests/kernels/test_token_bitmask.py tests/kernels/test_moe_gemv.py \
         tests/kernels/test_fp8_splitk.py tests/kernels/test_moe.py tests/kernels/test_fp8.py \
