@@ -93,7 +93,7 @@ def _gemv_kernel(
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
-    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -151,7 +151,7 @@ def _gemv_rows_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < m_size
     n_ok = rn < n_size
-    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     pdl_wait(PDL)
     acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -365,7 +365,7 @@ def _gemv_block_kernel(
     rg = tl.arange(0, G)
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
     n_ok = rn < n_size
-    w_rows = w_ptr + tl.where(n_ok, rn, 0).to(tl.int64)[:, None, None] * stride_wn
+    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
     pdl_wait(PDL)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
