@@ -83,10 +83,10 @@ _register(
 )
 _register(
     "APPLIANCE_ENABLE_PDL",
-    False,
+    True,
     _bool,
-    "Launch the Triton kernels with programmatic dependent launch (Hopper+): each may start while "
-    "the previous kernel finishes. Opt-in: a float32 model's decode-graph capture failed with it.",
+    "Launch the Triton kernels with programmatic dependent launch (Hopper+, 16-bit models): each "
+    "may start while the previous kernel finishes. 0 = plain launches.",
 )
 _register(
     "APPLIANCE_GPU_BUSY_LOG",

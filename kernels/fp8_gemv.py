@@ -33,11 +33,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.gemv_rows import gemv_rows, rows_wins, store_rows
 from kernels.triton_utils import (
     check_last_dim_contiguous,
+    gemv_pdl,
     jit,
     next_pow2,
-    pdl,
     pdl_release,
     pdl_wait,
     tl,
@@ -47,12 +48,6 @@ from kernels.triton_utils import (
 GEMV_MAX_ROWS = 4  # an MTP verify at batch 1 (k + 1 rows); one row is the routed case
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # 16-bit weights `linear` reads with the GEMV
 USE_GEMV = True  # False: every row count takes the GEMM routes (bench_static.py --gemv off)
-# Under programmatic dependent launch (kernels.triton_utils.USE_PDL) a GEMV's programs are
-# scheduled while the previous kernel finishes and wait on the device before reading their row
-# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AS) that made
-# the 27B batch-1 step slower (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an
-# L2 prefetch of the weight rows before the wait (15.06). "off": a plain launch.
-GEMV_PDL = "wait"
 
 
 def fp8_gemv_ref(
@@ -165,17 +160,8 @@ def _gemv_rows_kernel(
         )
         acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
     out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    if SCALED:
-        if PER_COL:
-            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
-        else:
-            out = out * tl.load(s_ptr)
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + rm[:, None] * stride_om + rn[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
+    store_rows(
+        out, s_ptr, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, SCALED, PER_COL, HAS_BIAS
     )
 
 
@@ -229,18 +215,22 @@ def linear(
     weight: torch.Tensor,  # [N, K] in x's dtype
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, except where the GEMV beats cuBLAS on CUDA (`bf16_gemv_wins`)."""
+    """F.linear, except where a GEMV beats cuBLAS on CUDA: one row and 2-4 over a long K
+    (`bf16_gemv_wins`), else 2-8 rows on the tensor cores (kernels.gemv_rows.rows_wins)."""
+    m = x.numel() // x.shape[-1]
     if (
-        bf16_gemv_wins(x.numel() // x.shape[-1], *weight.shape)
-        and use_triton(x)
+        use_triton(x)
         and x.dtype in GEMV_DTYPES
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and x.stride(-1) == 1
     ):
         n, k = weight.shape
-        out = fp8_gemv(x.reshape(-1, k), weight, None, bias, bf16_gemv_config(n, k))
-        return out.reshape(*x.shape[:-1], n)  # rows of any leading shape, as F.linear
+        if bf16_gemv_wins(m, n, k):
+            out = fp8_gemv(x.reshape(-1, k), weight, None, bias, bf16_gemv_config(n, k))
+            return out.reshape(*x.shape[:-1], n)  # rows of any leading shape, as F.linear
+        if rows_wins(m, n, k):
+            return gemv_rows(x, weight, None, bias)
     return F.linear(x, weight, bias)
 
 
@@ -254,12 +244,6 @@ def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torc
         raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} ({many} of K)")
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     return n, k, config or gemv_config(n, k), out
-
-
-def _pdl_options(w: torch.Tensor) -> dict:
-    """PDL launch options of a GEMV over w (GEMV_PDL; none off the GPU)."""
-    options = pdl(w) if GEMV_PDL != "off" else {}
-    return options | {"RELEASE": True} if options and GEMV_PDL == "full" else options
 
 
 def fp8_gemv(
@@ -284,7 +268,7 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
-        **_pdl_options(w_q),
+        **gemv_pdl(w_q),
     )
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
@@ -423,6 +407,6 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
-        **_pdl_options(w_q),
+        **gemv_pdl(w_q),
     )
     return out

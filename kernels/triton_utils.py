@@ -31,11 +31,18 @@ except ImportError:  # pragma: no cover
 # previous kernel of the stream is still running (in a CUDA graph too), so its launch and block
 # scheduling overlap that kernel's tail instead of following it. Every kernel that takes a `PDL`
 # constexpr calls `pdl_start(PDL)` (or `pdl_release` then `pdl_wait`) before it reads anything an
-# earlier kernel wrote and before it writes anything. Off by default (APPLIANCE_ENABLE_PDL=1, or
-# bench_static.py --pdl on): on the H200 it took the 27B batch-1 step from 14.34 to 13.96 ms, but
-# capturing a float32 model's decode graph then failed in the cuBLAS SGEMM that followed a PDL
-# kernel (run AT, docs/benchmarks.md); bf16 models captured and replayed correctly.
+# earlier kernel wrote and before it writes anything. The engine turns it on for 16-bit models
+# (APPLIANCE_ENABLE_PDL, default on): on the H200 it took the 27B batch-1 step from 14.34 to 13.96
+# ms. A float32 model launches plainly: its decode-graph capture once failed in the cuBLAS SGEMM
+# after a PDL kernel (run AT, docs/benchmarks.md), which a norm + SGEMM probe alone did not repeat
+# (ops/gpu/pdl_probe.py, run AU).
 USE_PDL = False
+# Under programmatic dependent launch (USE_PDL) a GEMV's programs are
+# scheduled while the previous kernel finishes and wait on the device before reading their row
+# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AS) that made
+# the 27B batch-1 step slower (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an
+# L2 prefetch of the weight rows before the wait (15.06). "off": a plain launch.
+GEMV_PDL = "wait"
 
 
 def jit(fn: Callable[..., Any]) -> Any:
@@ -100,3 +107,9 @@ def pdl(t: torch.Tensor) -> dict[str, bool]:
     if index not in _PDL_DEVICES:
         _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {}
+
+
+def gemv_pdl(w: torch.Tensor) -> dict:
+    """PDL launch options of a GEMV over weight w (GEMV_PDL; none off the GPU)."""
+    options = pdl(w) if GEMV_PDL != "off" else {}
+    return options | {"RELEASE": True} if options and GEMV_PDL == "full" else options

@@ -110,7 +110,9 @@ class ModelRunner(RunnerMemory):
         self.backends = backends.configure(
             attention=config.kernels.attention_backend, **envs.kernel_backends()
         )
-        triton_utils.USE_PDL = envs.APPLIANCE_ENABLE_PDL
+        # a float32 model's decode-graph capture failed under PDL in the cuBLAS SGEMM after a PDL
+        # kernel (docs/benchmarks.md, run AT): 16-bit models only
+        triton_utils.USE_PDL = envs.APPLIANCE_ENABLE_PDL and self.dtype != torch.float32
         log.info(
             "kernel backends: %s; programmatic dependent launch %s",
             ", ".join(f"{k} {v}" for k, v in self.backends.items()),

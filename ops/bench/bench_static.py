@@ -37,7 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers.moe import SparseMoE
-from kernels import fp8_gemv, triton_utils
+from kernels import fp8_gemv, gemv_rows, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -331,12 +331,21 @@ def main() -> None:
         "the decode graphs are captured again for each",
     )
     ap.add_argument(
+        "--rows",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="2-8 row linears of 16-bit weights (an MTP verify, a small batch): the tensor-core "
+        "rows GEMV of kernels/gemv_rows.py (on) or cuBLAS / the FMA rows GEMV (off); the decode "
+        "graphs are captured again for each",
+    )
+    ap.add_argument(
         "--pdl",
         nargs="+",
-        default=["off"],
+        default=["on"],
         choices=["off", "on", "small", "full"],
-        help="programmatic dependent launch of the Triton kernels: off (the default, as served "
-        "without APPLIANCE_ENABLE_PDL=1); on (the GEMVs wait but do not let the next kernel "
+        help="programmatic dependent launch of the Triton kernels: off (as served with "
+        "APPLIANCE_ENABLE_PDL=0); on (the default: the GEMVs wait but do not let the next kernel "
         "launch early); small (not the GEMVs); full (the GEMVs too let the next kernel launch "
         "early); the decode graphs are captured again for each",
     )
@@ -365,15 +374,19 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, graphs in itertools.product(args.pdl, args.gemv, args.graphs):
-        pdl_now = (triton_utils.USE_PDL, fp8_gemv.GEMV_PDL)
+    for pdl, gemv, rows_on, graphs in itertools.product(
+        args.pdl, args.gemv, args.rows, args.graphs
+    ):
+        pdl_now = (triton_utils.USE_PDL, triton_utils.GEMV_PDL, gemv_rows.USE_ROWS)
         triton_utils.USE_PDL = pdl != "off"
-        fp8_gemv.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
+        triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
+        gemv_rows.USE_ROWS = rows_on == "on"
         if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
             triton_utils.USE_PDL,
-            fp8_gemv.GEMV_PDL,
+            triton_utils.GEMV_PDL,
+            gemv_rows.USE_ROWS,
         ):
             fp8_gemv.USE_GEMV = gemv == "on"
             runner.graphs = captured = None
@@ -383,6 +396,8 @@ def main() -> None:
                 print("decode graphs captured again")
         if len(args.gemv) > 1 and graphs == args.graphs[0]:
             print(f"one-row GEMV {gemv}")
+        if len(args.rows) > 1 and graphs == args.graphs[0]:
+            print(f"rows GEMV {rows_on}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -403,6 +418,7 @@ def main() -> None:
                     r.update(graphs=graphs, fused=fused, draft_vocab=vocab, floor_ms=floor_ms)
                     r["gemv"] = gemv
                     r["pdl"] = pdl
+                    r["rows"] = rows_on
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -12,7 +12,8 @@
 # engine, each VERIFY_S; VERIFY_MARK=gpu: only the kernels' full-size cases, which the limit
 # otherwise cuts at the end of a file)
 # (verify_engine: the engine's alone; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
-# KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# KV decode attention (KV_FP8_S; rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS);
+# pdl_probe: which PDL + cuBLAS sequences capture; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
@@ -97,6 +98,9 @@ for s in ${STEPS:-probe tests bench}; do
       bash ops/gpu/prefix_bench.sh ;;
     prefill) step prefill "${PREFILL_S:-200}" python3 ops/gpu/profile_prefill.py \
       --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
+    rows) step rows "${ROWS_S:-240}" python3 ops/bench/bench_gemv_rows.py ${ROWS_ARGS:-} \
+      --json "$OUT/rows.json" ;;
+    pdl_probe) step pdl_probe "${PDL_PROBE_S:-120}" python3 ops/gpu/pdl_probe.py ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
     kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 ${KV_FP8_ARGS:-} \

@@ -31,7 +31,8 @@ KERNEL_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
-    "kernels.fp8_gemv",  # likewise
+    "kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
+    "kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
     "kernels.fp8",
     "kernels.fp8_block",
     "kernels.moe_route",

@@ -12,6 +12,7 @@ from tolerances import assert_close, rel_error
 
 import kernels.fp8_block
 import kernels.fp8_gemv
+import kernels.gemv_rows
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
 from kernels.fp8_gemv import (
@@ -118,6 +119,7 @@ def count_calls(monkeypatch, module, name) -> list:
 
 def test_linear_takes_the_gemv_for_one_16bit_row_or_a_long_k(monkeypatch):
     monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
+    monkeypatch.setattr(kernels.gemv_rows, "USE_ROWS", False)  # the routes without it
     calls = count_calls(monkeypatch, kernels.fp8_gemv, "fp8_gemv")
     w = randn(48, 300, dtype=torch.bfloat16, seed=1, scale=0.05)
     bias = randn(48, dtype=torch.bfloat16, seed=2)

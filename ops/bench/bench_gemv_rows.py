@@ -1,0 +1,115 @@
+"""2-16 rows times a 27B weight on the GPU: the tensor-core rows GEMV (kernels/gemv_rows.py) over
+a sweep of its tiles, against what the layers run today (`linear`: cuBLAS or the FMA rows GEMV for
+16-bit weights; fp8_linear for fp8) and cuBLAS bf16, next to the weight-read floor measured in the
+same run (bytes / copy bandwidth). Timed as bench_fp8_gemv.py times (a CUDA graph of launches
+cycling over more weight copies than L2 holds).
+  python ops/bench/bench_gemv_rows.py --json rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+from bench_fp8_gemv import L2_BYTES, SHAPES, graph_time_us
+from bench_static import copy_bandwidth
+
+from kernels import fp8
+from kernels.fp8_gemv import linear
+from kernels.gemv_rows import gemv_rows, rows_config
+
+DEV = "cuda"
+
+
+def tiles(full: bool) -> list[dict]:
+    if not full:
+        return []
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
+    return [
+        {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
+        for n, k, w, st in grid
+        if n * k <= 16384
+    ]
+
+
+def sweep(x, weights, scale, configs) -> list[tuple[float, dict]]:
+    runs = []
+    for cfg in configs:
+        try:
+            runs.append(
+                (graph_time_us([partial(gemv_rows, x, w, scale, None, cfg) for w in weights]), cfg)
+            )
+        except Exception as exc:  # a tile Triton cannot build: reported, skipped
+            print(f"    {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+    return sorted(runs, key=lambda t: t[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--weights", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--quick", action="store_true", help="the default tile only")
+    p.add_argument("--json")
+    args = p.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    rows = []
+    for name in args.shapes:
+        n, k = SHAPES[name]
+        w = torch.randn(n, k, device=DEV) * 0.05
+        w_q, w_s = fp8.per_token_quant_ref(w)
+        w_s = w_s.reshape(n)
+        w16 = w.to(torch.bfloat16)
+        del w
+        for kind in args.weights:
+            base, scale = (w16, None) if kind == "bf16" else (w_q, w_s)
+            weights = [base.clone() for _ in range(max(2, L2_BYTES // base.nbytes))]
+            floor_us = base.nbytes / bw * 1e6
+            for m in args.m:
+                x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+                if kind == "bf16":
+                    routed = graph_time_us([partial(linear, x, v) for v in weights])
+                    cublas = graph_time_us([partial(torch.matmul, x, v.t()) for v in weights])
+                else:
+                    routed = graph_time_us([partial(fp8.fp8_linear, x, v, scale) for v in weights])
+                    cublas = float("nan")
+                default = graph_time_us([partial(gemv_rows, x, v, scale) for v in weights])
+                runs = sweep(x, weights, scale, tiles(not args.quick)) or [
+                    (default, rows_config(n, k))
+                ]
+                best_us, best = runs[0]
+                row = {
+                    "shape": name,
+                    "n": n,
+                    "k": k,
+                    "m": m,
+                    "weight": kind,
+                    "floor_us": floor_us,
+                    "routed_us": routed,
+                    "cublas_us": cublas,
+                    "rows_default_us": default,
+                    "rows_best_us": best_us,
+                    "rows_best": best,
+                    "top5": [(round(us, 2), c) for us, c in runs[:5]],
+                }
+                rows.append(row)
+                print(
+                    f"{name:20s} {kind:4s} M={m:2d} floor {floor_us:6.1f} | routed {routed:6.1f}"
+                    f" cublas {cublas:6.1f} | rows default {default:6.1f}"
+                    f" best {best_us:6.1f} ({best_us / floor_us:.2f}x) {tuple(best.values())}"
+                    f" | next {[(us, tuple(c.values())) for us, c in row['top5'][1:4]]}",
+                    flush=True,
+                )
+            del weights
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
