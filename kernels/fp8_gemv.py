@@ -9,8 +9,9 @@ as it is, converts each weight tile to fp32 and multiply-adds into a [BLOCK_N, B
 tile summed over K at the end (no tensor cores: one row). Each program owns BLOCK_N output
 channels and streams their whole K, so no partial sums leave the SM and there is no second
 kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
-bytes in flight. More rows (batch > 1, an MTP verify) go through the fp8 x fp8 kernels or cuBLAS,
-which were faster at 2 and 4 rows on the H200 except for a 16-bit weight with a long K.
+bytes in flight. More rows (batch > 1, an MTP verify) of an fp8 weight go through the fp8 x fp8
+kernels; of a 16-bit weight, 2-8 rows through kernels/gemv_rows.py (tensor cores) and 2-4 over a
+long K through `_gemv_rows_kernel` here, more through cuBLAS.
 
 Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.md):
 - per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
@@ -22,7 +23,8 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
   4x: runs AD, AE);
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
   than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
-  rows over a long K (the down projection) with `_gemv_rows_kernel`.
+  rows over a long K (the down projection) with `_gemv_rows_kernel`, other 2-8 rows with
+  kernels.gemv_rows (run AV: the MTP k = 3 verify at batch 1 15.61 -> 15.03 ms).
 The references are the products with the dequantised weight in fp32: what these kernels compute
 up to summation order (closer to the full-precision layer than the fp8 x fp8 GEMMs, which also
 round the activations).

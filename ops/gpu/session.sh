@@ -11,7 +11,7 @@
 # verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
 # engine, each VERIFY_S; VERIFY_MARK=gpu: only the kernels' full-size cases, which the limit
 # otherwise cuts at the end of a file)
-# (verify_engine: the engine's alone; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
+# (verify_engine: the engine's alone, VERIFY_ENGINE_FILES: which; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
 # KV decode attention (KV_FP8_S; rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS);
 # pdl_probe: which PDL + cuBLAS sequences capture; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
@@ -89,8 +89,9 @@ for s in ${STEPS:-probe tests bench}; do
     verify|verify_engine)
       [ "$s" = verify ] && [ "${VERIFY_ENGINE:-1}" = 0 ] && continue
       step verify_engine "${VERIFY_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-        tests/appliance/engine/test_prefill_graphs.py tests/appliance/engine/test_graphs.py \
-        tests/appliance/engine/test_mtp_graphs.py tests/appliance/engine/test_prompt_logprobs.py ;;
+        ${VERIFY_ENGINE_FILES:-tests/appliance/engine/test_prefill_graphs.py \
+        tests/appliance/engine/test_graphs.py tests/appliance/engine/test_mtp_graphs.py \
+        tests/appliance/engine/test_prompt_logprobs.py} ;;
     static_fp8) step static_fp8 "${STATIC_S:-240}" python3 ops/bench/bench_static.py \
       --config ops/bench/configs/qwen3_5_27b.json --batch ${STATIC_BATCH:-1 16} --mtp 0 --graphs on \
       --quantization "${QUANT:-fp8}" ${STATIC_ARGS:-} --json "$OUT/static_fp8.json" ;;
