@@ -368,6 +368,16 @@ def fp8_gemm_route(backend: str, m: int, device: torch.device) -> str:
     return backend
 
 
+def one_row_gemv(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
+    """Whether fp8_linear reads this weight with the one-row GEMV (CUDA, the Triton route, where
+    kernels.fp8_gemv.gemv_wins)."""
+    return (
+        use_triton(x)
+        and gemv_wins(x.shape[0], *weight_q.shape)
+        and fp8_gemm_route(backends.selected("fp8_gemm"), x.shape[0], x.device) == "triton"
+    )
+
+
 def fp8_linear(
     x: torch.Tensor,  # [T, K] bf16 / fp16
     weight_q: torch.Tensor,  # [N, K] e4m3
@@ -376,8 +386,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """y = x W^T for an fp8 weight: dynamic per-token activation quant, then the scaled GEMM; at
     batch 1 on the Triton route, where it wins, the weight-only GEMV of kernels/fp8_gemv.py."""
-    if use_triton(x) and gemv_wins(x.shape[0], *weight_q.shape):
-        if fp8_gemm_route(backends.selected("fp8_gemm"), x.shape[0], x.device) == "triton":
-            return fp8_gemv(x, weight_q, weight_scale, bias=bias)
+    if one_row_gemv(x, weight_q):
+        return fp8_gemv(x, weight_q, weight_scale, bias=bias)
     x_q, x_scale = fp8_quant(x, per_token=True)
     return fp8_scaled_mm(x_q, weight_q, x_scale, weight_scale, x.dtype, bias)

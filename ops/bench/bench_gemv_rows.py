@@ -18,8 +18,10 @@ from bench_fp8_gemv import L2_BYTES, SHAPES, graph_time_us
 from bench_static import copy_bandwidth
 
 from kernels import fp8
+from kernels.activation import silu_and_mul
 from kernels.fp8_gemv import linear
 from kernels.gemv_rows import gemv_rows, rows_config
+from kernels.gemv_swiglu import gemv_swiglu, swiglu_config
 
 DEV = "cuda"
 
@@ -47,16 +49,77 @@ def sweep(x, weights, scale, configs) -> list[tuple[float, dict]]:
     return sorted(runs, key=lambda t: t[0])
 
 
+def swiglu_rows(bw: float, full: bool) -> list[dict]:
+    """One row through the 27B MLP's gate_up + activation: kernels/gemv_swiglu.py over a few tiles
+    against the two kernels the step runs today (the gate_up GEMV, then silu_and_mul)."""
+    n, k = SHAPES["mlp gate_up"]
+    w = torch.randn(n, k, device=DEV) * 0.05
+    w_q, w_s = fp8.per_token_quant_ref(w)
+    w_s = w_s.reshape(n)
+    w16 = w.to(torch.bfloat16)
+    del w
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    tiles = [swiglu_config(n // 2, k)] + (
+        [
+            {"block_n": bn, "block_k": bk, "num_warps": 4, "stages": st}
+            for bn, bk, st in ((2, 512, 3), (4, 256, 4), (8, 512, 3), (4, 1024, 3), (8, 256, 4))
+        ]
+        if full
+        else []
+    )
+    out = []
+    for kind, base, scale in (("bf16", w16, None), ("fp8", w_q, w_s)):
+        weights = [base.clone() for _ in range(max(2, L2_BYTES // base.nbytes))]
+        if scale is None:
+            today = graph_time_us([partial(_two_kernels, linear, x, v) for v in weights])
+        else:
+            today = graph_time_us(
+                [partial(_two_kernels, fp8.fp8_linear, x, v, scale) for v in weights]
+            )
+        runs = sorted(
+            (
+                (graph_time_us([partial(gemv_swiglu, x, v, scale, c) for v in weights]), c)
+                for c in tiles
+            ),
+            key=lambda t: t[0],
+        )
+        floor = base.nbytes / bw * 1e6
+        best_us, best = runs[0]
+        print(
+            f"gate_up + act {kind:4s} floor {floor:6.1f} | GEMV + silu_and_mul {today:6.1f}"
+            f" | fused {best_us:6.1f} {tuple(best.values())}"
+            f" | all {[(round(us, 1), tuple(c.values())) for us, c in runs]}",
+            flush=True,
+        )
+        out.append(
+            {
+                "weight": kind,
+                "floor_us": floor,
+                "two_kernels_us": today,
+                "fused_us": best_us,
+                "fused": best,
+            }
+        )
+        del weights
+    return out
+
+
+def _two_kernels(fn, x, *args):
+    return silu_and_mul(fn(x, *args))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--weights", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--quick", action="store_true", help="the default tile only")
+    p.add_argument("--swiglu", action="store_true", help="also the one-row gate_up + activation")
     p.add_argument("--json")
     args = p.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    swiglu = swiglu_rows(bw, not args.quick) if args.swiglu else []
     rows = []
     for name in args.shapes:
         n, k = SHAPES[name]
@@ -108,7 +171,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_bandwidth": bw, "rows": rows}, f, indent=1)
+            json.dump({"copy_bandwidth": bw, "rows": rows, "swiglu": swiglu}, f, indent=1)
 
 
 if __name__ == "__main__":

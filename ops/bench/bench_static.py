@@ -37,7 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers.moe import SparseMoE
-from kernels import fp8_gemv, gemv_rows, triton_utils
+from kernels import fp8_gemv, gemv_rows, gemv_swiglu, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -340,6 +340,15 @@ def main() -> None:
         "graphs are captured again for each",
     )
     ap.add_argument(
+        "--swiglu",
+        nargs="+",
+        default=["off"],
+        choices=["on", "off"],
+        help="one-row MLPs: gate_up and SiLU-and-mul as one kernel (kernels/gemv_swiglu.py, on) "
+        "or the GEMV then the activation (off, the default as served); the decode graphs are "
+        "captured again for each",
+    )
+    ap.add_argument(
         "--pdl",
         nargs="+",
         default=["on"],
@@ -374,19 +383,26 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, graphs in itertools.product(
-        args.pdl, args.gemv, args.rows, args.graphs
+    for pdl, gemv, rows_on, swiglu, graphs in itertools.product(
+        args.pdl, args.gemv, args.rows, args.swiglu, args.graphs
     ):
-        pdl_now = (triton_utils.USE_PDL, triton_utils.GEMV_PDL, gemv_rows.USE_ROWS)
+        pdl_now = (
+            triton_utils.USE_PDL,
+            triton_utils.GEMV_PDL,
+            gemv_rows.USE_ROWS,
+            gemv_swiglu.USE_SWIGLU,
+        )
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         gemv_rows.USE_ROWS = rows_on == "on"
+        gemv_swiglu.USE_SWIGLU = swiglu == "on"
         if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
             triton_utils.USE_PDL,
             triton_utils.GEMV_PDL,
             gemv_rows.USE_ROWS,
+            gemv_swiglu.USE_SWIGLU,
         ):
             fp8_gemv.USE_GEMV = gemv == "on"
             runner.graphs = captured = None
@@ -398,6 +414,8 @@ def main() -> None:
             print(f"one-row GEMV {gemv}")
         if len(args.rows) > 1 and graphs == args.graphs[0]:
             print(f"rows GEMV {rows_on}")
+        if len(args.swiglu) > 1 and graphs == args.graphs[0]:
+            print(f"SwiGLU GEMV {swiglu}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -419,6 +437,7 @@ def main() -> None:
                     r["gemv"] = gemv
                     r["pdl"] = pdl
                     r["rows"] = rows_on
+                    r["swiglu"] = swiglu
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -31,6 +31,7 @@ KERNEL_MODULES = (
     "kernels.rotary",
     "kernels.activation",
     "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
+    "kernels.gemv_swiglu",
     "kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
     "kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
     "kernels.fp8",

@@ -138,6 +138,13 @@ class ColumnLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see
+        quant_methods.Unquantized.swiglu); None: run forward, then silu_and_mul."""
+        if self.bias is not None or len(self.local) != 2 or self.local[0] != self.local[1]:
+            return None
+        return self.method.swiglu(x, self.weight, self.weight_scale)
+
 
 class RowLinear(_QuantLinear):
     """y = all_reduce(x_local W_local^T): input dim sharded. `reduce=False` leaves a partial sum."""

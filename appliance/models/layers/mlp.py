@@ -27,4 +27,7 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = self.gate_up_proj.swiglu(x)  # one kernel where it runs (kernels/gemv_swiglu.py)
+        if act is None:
+            act = silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(act)

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
-from kernels.fp8 import FP8_DTYPE, fp8_linear, per_token_quant_ref
+from kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
 from kernels.fp8_block import fp8_block_linear
 from kernels.fp8_gemv import linear
+from kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -34,6 +35,11 @@ class Unquantized:
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return linear(x, weight, bias)
+
+    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+        """SiLU(gate) * up of a [gate; up] weight in one kernel where kernels.gemv_swiglu runs
+        (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
+        return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
@@ -57,6 +63,11 @@ class Fp8Channel(Unquantized):
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_linear, x, weight, scale, bias)
+
+    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+        if swiglu_fits(x, weight, scale) and one_row_gemv(x.reshape(1, -1), weight):
+            return gemv_swiglu(x, weight, scale)
+        return None
 
 
 class Fp8Online(Fp8Channel):
@@ -93,6 +104,9 @@ class Fp8Block(Unquantized):
 
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_block_linear, x, weight, scale, self.block, bias)
+
+    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+        return None  # block scales: the block GEMV, then silu_and_mul
 
 
 def linear_method(quant: QuantConfig | None) -> Unquantized:
