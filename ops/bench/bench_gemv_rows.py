@@ -37,6 +37,12 @@ def tiles(full: bool) -> list[dict]:
     ]
 
 
+F16_TILES = [
+    {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
+    for n, k, w, st in ((32, 256, 4, 3), (64, 256, 8, 3), (64, 128, 4, 4), (32, 512, 4, 3))
+]
+
+
 def sweep(x, weights, scale, configs) -> list[tuple[float, dict]]:
     runs = []
     for cfg in configs:
@@ -115,6 +121,12 @@ def main() -> None:
     p.add_argument("--weights", nargs="+", default=["bf16", "fp8"])
     p.add_argument("--quick", action="store_true", help="the default tile only")
     p.add_argument("--swiglu", action="store_true", help="also the one-row gate_up + activation")
+    p.add_argument(
+        "--f16-rows",
+        action="store_true",
+        help="fp8 weights: also the rows kernel on fp16 rows (the weight converted to fp16, which "
+        "the GPU does in one instruction per two values, against bf16's longer path)",
+    )
     p.add_argument("--json")
     args = p.parse_args()
     bw = copy_bandwidth()
@@ -159,6 +171,10 @@ def main() -> None:
                     "rows_best": best,
                     "top5": [(round(us, 2), c) for us, c in runs[:5]],
                 }
+                if args.f16_rows and kind == "fp8":  # e4m3 -> f16 is one cvt per two values
+                    f16 = sweep(x.half(), weights, scale, F16_TILES)
+                    row["rows_f16_us"], row["rows_f16"] = f16[0]
+                    print(f"    fp16 rows: {[(round(us, 1), tuple(c.values())) for us, c in f16]}")
                 rows.append(row)
                 print(
                     f"{name:20s} {kind:4s} M={m:2d} floor {floor_us:6.1f} | routed {routed:6.1f}"
