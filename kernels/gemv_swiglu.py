@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.activation import silu_and_mul_ref
+from kernels.fp8_gemv import fp8_gemv_ref
 from kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
@@ -39,10 +41,9 @@ def gemv_swiglu_ref(
     w: torch.Tensor,  # [2I, K] (e4m3 with `scale`, or 16-bit)
     scale: torch.Tensor | None = None,  # [2I] / [1]
 ) -> torch.Tensor:
-    """The unfused path's math: the projection rounded to x's dtype, then SiLU(gate) * up."""
-    wf = w.float() if scale is None else w.float() * scale.float().reshape(-1, 1)
-    gate, up = (x.float() @ wf.t()).to(x.dtype).chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    """The unfused path: the projection as the GEMV stores it (x's dtype), then SiLU-and-mul."""
+    ones = torch.ones(1, device=w.device)
+    return silu_and_mul_ref(fp8_gemv_ref(x, w, scale if scale is not None else ones))
 
 
 @jit

@@ -37,11 +37,11 @@ except ImportError:  # pragma: no cover
 # after a PDL kernel (run AT, docs/benchmarks.md), which a norm + SGEMM probe alone did not repeat
 # (ops/gpu/pdl_probe.py, run AU).
 USE_PDL = False
-# Under programmatic dependent launch (USE_PDL) a GEMV's programs are
-# scheduled while the previous kernel finishes and wait on the device before reading their row
-# ("wait"). They do not let the next kernel launch early ("full"): on the H200 (run AS) that made
-# the 27B batch-1 step slower (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an
-# L2 prefetch of the weight rows before the wait (15.06). "off": a plain launch.
+# Under programmatic dependent launch (USE_PDL) a GEMV's programs are scheduled while the previous
+# kernel finishes and wait on the device before reading their row ("wait"). They do not let the
+# next kernel launch early ("full"): on the H200 (run AS) that made the 27B batch-1 step slower
+# (14.68 ms against 13.96 for "wait" and 14.34 without PDL), as did an L2 prefetch of the weight
+# rows before the wait (15.06). "off": a plain launch.
 GEMV_PDL = "wait"
 
 

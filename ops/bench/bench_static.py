@@ -292,6 +292,17 @@ BLOCK_FP8 = {
 PUBLISHED_ACCEPT = {1: 1.90, 2: 2.68, 3: 3.28}
 
 
+def kernel_switches() -> tuple:
+    """The module switches that the captured decode graphs bake in (captured again on a change)."""
+    return (
+        triton_utils.USE_PDL,
+        triton_utils.GEMV_PDL,
+        fp8_gemv.USE_GEMV,
+        gemv_rows.USE_ROWS,
+        gemv_swiglu.USE_SWIGLU,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -386,25 +397,15 @@ def main() -> None:
     for pdl, gemv, rows_on, swiglu, graphs in itertools.product(
         args.pdl, args.gemv, args.rows, args.swiglu, args.graphs
     ):
-        pdl_now = (
-            triton_utils.USE_PDL,
-            triton_utils.GEMV_PDL,
-            gemv_rows.USE_ROWS,
-            gemv_swiglu.USE_SWIGLU,
-        )
+        before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
-        if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
-            print(f"PDL {pdl}")
+        fp8_gemv.USE_GEMV = gemv == "on"
         gemv_rows.USE_ROWS = rows_on == "on"
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
-        if fp8_gemv.USE_GEMV != (gemv == "on") or pdl_now != (
-            triton_utils.USE_PDL,
-            triton_utils.GEMV_PDL,
-            gemv_rows.USE_ROWS,
-            gemv_swiglu.USE_SWIGLU,
-        ):
-            fp8_gemv.USE_GEMV = gemv == "on"
+        if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
+            print(f"PDL {pdl}")
+        if kernel_switches() != before:
             runner.graphs = captured = None
             torch.cuda.empty_cache()
             if "on" in args.graphs:

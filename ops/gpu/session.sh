@@ -11,9 +11,10 @@
 # verify: the tests of code not yet run on the GPU, kernels (VERIFY_KERNELS: the files) then
 # engine, each VERIFY_S; VERIFY_MARK=gpu: only the kernels' full-size cases, which the limit
 # otherwise cuts at the end of a file)
-# (verify_engine: the engine's alone, VERIFY_ENGINE_FILES: which; VERIFY_ENGINE=0: the kernels' alone); kv_fp8: fp8 against bf16
-# KV decode attention (KV_FP8_S; rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS);
-# pdl_probe: which PDL + cuBLAS sequences capture; KV_FP8_ARGS=--sweep: the fp8 tiles); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# (verify_engine: the engine's alone, VERIFY_ENGINE_FILES: which; VERIFY_ENGINE=0: the kernels'
+# alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
+# tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
+# cuBLAS sequences capture (PDL_PROBE_S); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
