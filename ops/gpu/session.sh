@@ -14,7 +14,8 @@
 # (verify_engine: the engine's alone, VERIFY_ENGINE_FILES: which; VERIFY_ENGINE=0: the kernels'
 # alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
 # tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
-# cuBLAS sequences capture (PDL_PROBE_S); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# cuBLAS sequences capture (PDL_PROBE_S); moe_probe: per-pair against grouped decode MoE
+# (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16"); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
@@ -102,6 +103,8 @@ for s in ${STEPS:-probe tests bench}; do
       --config ops/bench/configs/qwen3_5_27b.json --repeats 2 ;;
     rows) step rows "${ROWS_S:-240}" python3 ops/bench/bench_gemv_rows.py ${ROWS_ARGS:-} \
       --json "$OUT/rows.json" ;;
+    moe_probe) step moe_probe "${MOE_PROBE_S:-300}" python3 ops/gpu/moe_pairs_probe.py \
+      ${MOE_PROBE_ARGS:-} ;;
     pdl_probe) step pdl_probe "${PDL_PROBE_S:-120}" python3 ops/gpu/pdl_probe.py ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
