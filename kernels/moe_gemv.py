@@ -19,7 +19,11 @@ import torch
 from kernels.moe_sum import moe_sum
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
-GEMV_MAX_ROWS = 16  # T * k pairs; 2 tokens of Qwen3.5-35B-A3B (top 8)
+# T * k pairs: 16 tokens of Qwen3.5-35B-A3B (top 8). On the H200 (docs/benchmarks.md, run BA)
+# these kernels beat the grouped GEMMs up to 128 pairs (192 against 239 us at 16 tokens, the
+# touched experts' floor 160 us), tie at 256 and lose at 512, where a token pair re-reads an
+# expert that the grouped GEMM reads once for all its rows.
+GEMV_MAX_ROWS = 128
 BLOCK_N = 32
 BLOCK_K = 128
 

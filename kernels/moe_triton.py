@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+import kernels.moe_gemv as moe_gemv
 from kernels.fp8 import FP8_DTYPE, per_token_quant_triton
-from kernels.moe_gemv import GEMV_MAX_ROWS, expert_weight_scales, fused_moe_gemv, scale_args
+from kernels.moe_gemv import expert_weight_scales, fused_moe_gemv, scale_args
 from kernels.moe_sum import moe_sum
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
@@ -144,14 +145,14 @@ def fused_moe_triton(
     shared_gate: torch.Tensor | None = None,  # [T, 1] shared expert gate logits (sigmoid applied)
 ) -> torch.Tensor:
     """Same result as fused_moe_ref (+ sigmoid(shared_gate) * shared_output when given); at
-    most GEMV_MAX_ROWS (token, slot) pairs run kernels/moe_gemv.py instead."""
+    most moe_gemv.GEMV_MAX_ROWS (token, slot) pairs run kernels/moe_gemv.py instead."""
     kwargs = dict(
         w_gate_up_scale=w_gate_up_scale,
         w_down_scale=w_down_scale,
         shared_output=shared_output,
         shared_gate=shared_gate,
     )
-    if 0 < topk_ids.numel() <= GEMV_MAX_ROWS:
+    if 0 < topk_ids.numel() <= moe_gemv.GEMV_MAX_ROWS:
         return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, **kwargs)
     return fused_moe_grouped(x, w_gate_up, w_down, topk_weights, topk_ids, **kwargs)
 

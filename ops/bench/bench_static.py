@@ -37,7 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers.moe import SparseMoE
-from kernels import fp8_gemv, gemv_rows, gemv_swiglu, triton_utils
+from kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -300,6 +300,7 @@ def kernel_switches() -> tuple:
         fp8_gemv.USE_GEMV,
         gemv_rows.USE_ROWS,
         gemv_swiglu.USE_SWIGLU,
+        moe_gemv.GEMV_MAX_ROWS,
     )
 
 
@@ -369,6 +370,15 @@ def main() -> None:
         "launch early); small (not the GEMVs); full (the GEMVs too let the next kernel launch "
         "early); the decode graphs are captured again for each",
     )
+    ap.add_argument(
+        "--moe-pairs",
+        type=int,
+        nargs="+",
+        default=[moe_gemv.GEMV_MAX_ROWS],
+        help="MoE models: the most (token, slot) pairs that the per-pair decode kernels of "
+        "kernels/moe_gemv.py take (more: the grouped GEMMs); the decode graphs are captured "
+        "again for each",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -394,8 +404,8 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, graphs in itertools.product(
-        args.pdl, args.gemv, args.rows, args.swiglu, args.graphs
+    for pdl, gemv, rows_on, swiglu, pairs, graphs in itertools.product(
+        args.pdl, args.gemv, args.rows, args.swiglu, args.moe_pairs, args.graphs
     ):
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
@@ -403,6 +413,7 @@ def main() -> None:
         fp8_gemv.USE_GEMV = gemv == "on"
         gemv_rows.USE_ROWS = rows_on == "on"
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
+        moe_gemv.GEMV_MAX_ROWS = pairs
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -417,6 +428,8 @@ def main() -> None:
             print(f"rows GEMV {rows_on}")
         if len(args.swiglu) > 1 and graphs == args.graphs[0]:
             print(f"SwiGLU GEMV {swiglu}")
+        if len(args.moe_pairs) > 1 and graphs == args.graphs[0]:
+            print(f"per-pair MoE up to {pairs} pairs")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -439,6 +452,7 @@ def main() -> None:
                     r["pdl"] = pdl
                     r["rows"] = rows_on
                     r["swiglu"] = swiglu
+                    r["moe_pairs"] = pairs
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

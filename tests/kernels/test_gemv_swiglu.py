@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import gpu, randn
+from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close
 
 import kernels.fp8
@@ -72,7 +72,7 @@ def test_fits_only_when_enabled_on_cuda_for_one_row(monkeypatch):
 @pytest.mark.parametrize("quant", [None, "online"])
 def test_mlp_takes_it_with_its_unfused_result(monkeypatch, quant):
     config = QuantConfig("fp8_channel", None, True, (), "online") if quant else None
-    mlp = MLP(96, 80, quant=config)
+    mlp = MLP(96, 80, quant=config).to(DEVICE)  # the GPU runs the kernels on its tensors
     with torch.no_grad():
         for p in mlp.parameters():
             p.copy_(randn(*p.shape, seed=p.numel(), scale=0.1))

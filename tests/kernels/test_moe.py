@@ -9,7 +9,7 @@ from tolerances import FP8_REL_ERROR, assert_close, rel_error
 
 from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from kernels.moe import fused_moe, fused_moe_fp8_ref, fused_moe_ref, moe_route_ref
-from kernels.moe_triton import fused_moe_triton, moe_align
+from kernels.moe_triton import fused_moe_grouped, fused_moe_triton, moe_align
 
 
 def moe_inputs(tokens, experts, top_k, hidden, inter, dtype, seed):
@@ -39,12 +39,12 @@ def test_align_groups_rows_by_expert_with_padding():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [9, 13])  # > GEMV_MAX_ROWS pairs: the grouped GEMMs
+@pytest.mark.parametrize("tokens", [9, 13])
 def test_bf16_experts_match_reference(tokens, dtype):
     args = moe_inputs(tokens, 4, 2, 32, 16, dtype, seed=tokens)
     expected = fused_moe_ref(*args)
-    got = fused_moe_triton(*args)
-    assert_close(got, expected, dtype, factor=2.0, name="moe")
+    assert_close(fused_moe_grouped(*args), expected, dtype, factor=2.0, name="grouped")
+    assert_close(fused_moe_triton(*args), expected, dtype, factor=2.0, name="dispatched")
 
 
 def quant_experts(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ def test_fp8_experts_match_dequantised_reference(per_channel):
     w1_q, w1_s = quant_experts(w1.float(), per_channel)
     w2_q, w2_s = quant_experts(w2.float(), per_channel)
     expected = fused_moe_fp8_ref(x, w1_q, w1_s, w2_q, w2_s, weights, ids)
-    got = fused_moe_triton(x, w1_q, w2_q, weights, ids, w_gate_up_scale=w1_s, w_down_scale=w2_s)
+    got = fused_moe_grouped(x, w1_q, w2_q, weights, ids, w_gate_up_scale=w1_s, w_down_scale=w2_s)
     assert rel_error(got, expected) < FP8_REL_ERROR
 
 
@@ -71,8 +71,8 @@ def test_shared_expert_gate_and_dispatcher():
     shared = randn(9, 32, seed=9)
     gate = randn(9, 1, seed=10)
     expected = fused_moe_ref(x, w1, w2, weights, ids) + torch.sigmoid(gate) * shared
-    got = fused_moe_triton(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate)
-    assert_close(got, expected, torch.float32, name="triton")
+    got = fused_moe_grouped(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate)
+    assert_close(got, expected, torch.float32, name="grouped")
     assert_close(
         fused_moe(x, w1, w2, weights, ids, shared_output=shared, shared_gate=gate),
         expected,

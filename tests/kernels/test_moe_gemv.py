@@ -10,6 +10,7 @@ from kernel_cases import randn
 from test_moe import moe_inputs, quant_experts
 from tolerances import FP8_REL_ERROR, assert_close, rel_error
 
+import kernels.moe_triton as moe_triton
 from kernels.moe import fused_moe_fp8_ref, fused_moe_ref
 from kernels.moe_gemv import GEMV_MAX_ROWS, fused_moe_gemv
 from kernels.moe_triton import fused_moe_triton
@@ -46,3 +47,18 @@ def test_shared_expert_and_limits():
         fused_moe_gemv(*many)
     with pytest.raises(ValueError, match="both weight scales"):
         fused_moe_gemv(x, w1, w2, weights, ids, w_gate_up_scale=torch.ones(4))
+
+
+def test_dispatch_follows_the_pair_limit(monkeypatch):
+    """fused_moe_triton runs the per-pair kernels up to GEMV_MAX_ROWS (token, slot) pairs and the
+    grouped GEMMs above, wherever the limit is set (bench_static.py --moe-pairs moves it)."""
+    calls = []
+    for name in ("fused_moe_gemv", "fused_moe_grouped"):
+        monkeypatch.setattr(moe_triton, name, lambda *a, _n=name, **k: calls.append(_n))
+    for limit in (GEMV_MAX_ROWS, 6):
+        monkeypatch.setattr(moe_triton.moe_gemv, "GEMV_MAX_ROWS", limit)
+        for tokens in (1, limit // 2, limit // 2 + 1):  # top 2: 2, limit (or limit - 1), > limit
+            calls.clear()
+            fused_moe_triton(*moe_inputs(tokens, 4, 2, 32, 16, torch.float32, seed=tokens))
+            per_pair = tokens * 2 <= limit
+            assert calls == ["fused_moe_gemv" if per_pair else "fused_moe_grouped"], (limit, tokens)
