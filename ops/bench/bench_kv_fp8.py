@@ -37,6 +37,10 @@ class Case:
     batch: int
     context: int
     heads: tuple[int, int, int]  # q heads, kv heads, head_dim
+    # "scattered": every token at a random slot of the pool (the worst case: one 256-512 byte
+    # row per key and head); "contiguous": each request's tokens at consecutive slots, as the
+    # router's LIFO allocator hands out a prompt's slots (appliance/router/allocators.py)
+    layout: str = "scattered"
 
 
 def make_inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
@@ -48,7 +52,10 @@ def make_inputs(case: Case, device: torch.device, seed: int = 0) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     k = torch.randn(slots, hkv, dim, device=device, dtype=dtype, generator=gen)
     v = torch.randn(slots, hkv, dim, device=device, dtype=dtype, generator=gen)
-    perm = torch.randperm(slots, device=device, generator=gen)
+    if case.layout == "scattered":
+        perm = torch.randperm(slots, device=device, generator=gen)
+    else:
+        perm = torch.arange(slots, device=device)
     scales = [(t.float().abs().amax() / FP8_MAX).reshape(1) for t in (k, v)]
     return {
         "q": torch.randn(case.batch, hq, dim, device=device, dtype=dtype, generator=gen),
@@ -133,7 +140,8 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
         gbs = {kv: tokens * (width if kv == "bf16" else 1) / (us[kv] * 1e3) for kv in us}
         ratio = us["bf16"] / us["fp8"]
         line = (
-            f"| {backend} | {case.batch} | {case.context} | {us['bf16']:.1f} | {gbs['bf16']:.0f} "
+            f"| {backend} | {case.layout} | {case.batch} | {case.context} | {us['bf16']:.1f} "
+            f"| {gbs['bf16']:.0f} "
             f"| {us['fp8']:.1f} | {gbs['fp8']:.0f} | **{ratio:.2f}x** | {err:.4f} |"
         )
         print(line, flush=True)
@@ -173,7 +181,10 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
         except Exception as exc:  # a tile Triton cannot build here: named, skipped
             timed.append(f"{tile}: {type(exc).__name__}")
     attn.ATTN_TUNING["fp8_tile"] = default
-    print(f"  sweep b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | " + " | ".join(timed))
+    print(
+        f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
+        + " | ".join(timed)
+    )
     del inputs, call
     torch.cuda.empty_cache()
 
@@ -187,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu (reference smoke)")
     parser.add_argument("--reps", type=int, default=100, help="timing budget per call (ms on GPU)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
+    parser.add_argument(
+        "--layouts",
+        default="scattered,contiguous",
+        help="KV slot layouts (scattered: random slots; contiguous: a request's slots in a run)",
+    )
     parser.add_argument(
         "--sweep", action="store_true", help="also time the fp8 decode over FP8_TILES"
     )
@@ -204,16 +220,18 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, heads (q, kv, dim) {heads}", flush=True)
     lines = [
-        "| backend | batch | context | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | bf16/fp8 "
+        "| backend | layout | batch | context | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | bf16/fp8 "
         "| fp8 rel. error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
-    for context in (int(x) for x in args.contexts.split(",")):
-        for batch in (int(x) for x in args.batches.split(",")):
-            lines += bench_case(Case(batch, context, heads), backends, device, args.reps)
-            if args.sweep and device.type == "cuda":
-                sweep_fp8_tiles(Case(batch, context, heads), device, args.reps)
+    for layout in args.layouts.split(","):
+        for context in (int(x) for x in args.contexts.split(",")):
+            for batch in (int(x) for x in args.batches.split(",")):
+                case = Case(batch, context, heads, layout)
+                lines += bench_case(case, backends, device, args.reps)
+                if args.sweep and device.type == "cuda":
+                    sweep_fp8_tiles(case, device, args.reps)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -13,9 +13,10 @@ def test_cpu_smoke_writes_the_table(tmp_path):
     args = ["--device", "cpu", "--contexts", "16,40", "--batches", "2", "--heads", "4,2,16"]
     assert main([*args, "--reps", "10", "--out", str(out)]) == 0
     rows = [r for r in out.read_text().splitlines() if r.startswith("| torch |")]
-    assert len(rows) == 2
-    for row, context in zip(rows, (16, 40)):
+    assert len(rows) == 4  # each layout (scattered, contiguous slots) at each context
+    cases = [(layout, c) for layout in ("scattered", "contiguous") for c in (16, 40)]
+    for row, (layout, context) in zip(rows, cases, strict=True):
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1:3] == ["2", str(context)]
-        assert re.fullmatch(r"\*\*\d+\.\d\dx\*\*", cells[7])
-        assert 0 < float(cells[8]) < 0.08  # e4m3: ~3% relative error per element
+        assert cells[1:4] == [layout, "2", str(context)]
+        assert re.fullmatch(r"\*\*\d+\.\d\dx\*\*", cells[8])
+        assert 0 < float(cells[9]) < 0.08  # e4m3: ~3% relative error per element
