@@ -19,11 +19,13 @@ import torch
 from kernels.moe_sum import moe_sum
 from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
-# T * k pairs: 16 tokens of Qwen3.5-35B-A3B (top 8). On the H200 (docs/benchmarks.md, run BA)
-# these kernels beat the grouped GEMMs up to 128 pairs (192 against 239 us at 16 tokens, the
-# touched experts' floor 160 us), tie at 256 and lose at 512, where a token pair re-reads an
-# expert that the grouped GEMM reads once for all its rows.
-GEMV_MAX_ROWS = 128
+# T * k pairs: 32 tokens of Qwen3.5-35B-A3B (top 8). On the H200 (docs/benchmarks.md, runs BB
+# and BC, in CUDA graphs) these kernels beat the grouped GEMMs up to 256 pairs (bf16 at 16 tokens
+# 191 against 238 us, the touched experts' floor 157; fp8 at 32 tokens 189 against 224) and lose
+# at 512, where token pairs re-read experts that the grouped GEMM reads once for all its rows;
+# the 35B-A3B decode step at batch 16 / 24 / 32: 11.79 / 15.35 / 18.43 ms against 12.97 / 16.46
+# / 18.66 with the grouped GEMMs.
+GEMV_MAX_ROWS = 256
 BLOCK_N = 32
 BLOCK_K = 128
 
