@@ -33,6 +33,7 @@ def main() -> None:
     q1, s1 = per_token_quant_ref(w1.flatten(0, 1))
     q2, s2 = per_token_quant_ref(w2.flatten(0, 1))
     fp8 = dict(w_gate_up_scale=s1.view(experts, -1), w_down_scale=s2.view(experts, -1))
+    default = moe_gemv.GEMV_MAX_ROWS
     kinds = {"bf16": (w1, w2, {}, 2), "fp8": (q1.view(w1.shape), q2.view(w2.shape), fp8, 1)}
     for kind, (a, b, scales, size) in kinds.items():
         for tokens in (4, 8, 16, 24, 32, 64):
@@ -52,7 +53,7 @@ def main() -> None:
                 f" {times[0]:7.1f} | per-pair {times[1]:7.1f} us | max diff {diff:.2e}",
                 flush=True,
             )
-    set_limit(128)
+    set_limit(default)
     if "--static" in sys.argv:  # e.g. --moe-pairs 16 128: each limit captured and timed
         rest = sys.argv[sys.argv.index("--static") + 1 :]
         sys.path.insert(0, "ops/bench")

@@ -15,7 +15,8 @@
 # alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
 # tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
 # cuBLAS sequences capture (PDL_PROBE_S); moe_probe: per-pair against grouped decode MoE
-# (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16"); serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
+# (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16 --moe-pairs 16 256");
+# serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
@@ -108,8 +109,8 @@ for s in ${STEPS:-probe tests bench}; do
     pdl_probe) step pdl_probe "${PDL_PROBE_S:-120}" python3 ops/gpu/pdl_probe.py ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
-    kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 ${KV_FP8_ARGS:-} \
-      --batches 1,16,64 ;;
+    kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 \
+      --batches 1,16,64 ${KV_FP8_ARGS:-} ;;  # KV_FP8_ARGS last: its --batches / --layouts win
     serve) step "serve_${TAG:-serve}" "${SERVE_S:-300}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
       bash ops/gpu/serve_bench.sh ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
