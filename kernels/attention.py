@@ -254,10 +254,8 @@ def _attend_block(
     MASKED: tl.constexpr,
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
-    FP8_QK: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks.
-    FP8_QK: q is e4m3 and qk_scale one value per row (q's own scale folded in)."""
+    """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < hi
@@ -276,14 +274,10 @@ def _attend_block(
         mask=kv_mask,
         other=0.0,
     )
-    if FP8_QK:  # e4m3 x e4m3 scores; V widened to fp16 for the second dot
-        v = v.to(tl.float16)
-        s = tl.dot(q, tl.trans(k)) * qk_scale[:, None]
-    else:
-        if FP8_KV:  # e4m3 tiles widened to q's dtype; their scales are folded in by the caller
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2
+    if FP8_KV:  # e4m3 tiles widened to q's dtype; their scales are folded in by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -333,7 +327,6 @@ def _paged_attention_kernel(
     FP8_KV: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
     PDL: tl.constexpr = False,
-    FP8_QK: tl.constexpr = False,  # fp8 cache: q quantised per row to e4m3, scores in e4m3
 ):
     pdl_start(PDL)
     ROWS = BLOCK_M // GROUP  # query rows per program
@@ -366,13 +359,7 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
-    q_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if FP8_QK:  # per-row scale amax / 448, as the cache's values are stored
-        qf = q.to(tl.float32)
-        amax = tl.max(tl.abs(qf), 1)
-        q_scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        q = (qf / q_scale[:, None]).to(k_cache_ptr.dtype.element_ty)
-    elif F16_DOT:  # the e4m3 tiles then widen to q's dtype in one instruction per pair
+    if F16_DOT:  # the e4m3 tiles then widen to q's dtype in one instruction per pair
         q = q.to(tl.float16)
 
     # keys this block can see: up to the last row's position (causal), split evenly across programs
@@ -388,8 +375,6 @@ def _paged_attention_kernel(
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-    if FP8_QK:
-        qk_scale = qk_scale * q_scale
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -418,7 +403,6 @@ def _paged_attention_kernel(
             False,
             PREC,
             FP8_KV,
-            FP8_QK,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -444,7 +428,6 @@ def _paged_attention_kernel(
             True,
             PREC,
             FP8_KV,
-            FP8_QK,
         )
 
     t_row = (q_start + q_row).to(tl.int64)
@@ -539,10 +522,7 @@ def _merge_splits_kernel(
 # cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s).
 # Run AG's sweep (bench_kv_fp8.py --sweep, 27B heads): a third stage of 64-key tiles took batch
 # 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x)
-# fp8_qk: decode / verify over an fp8 cache with a 16-bit q on CUDA quantise q per row to e4m3 and
-# take the scores as an e4m3 x e4m3 dot (no conversion of the K tiles; V still widens to fp16);
-# off until timed (bench_kv_fp8.py --backends triton,triton-qk8)
-ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4), "fp8_qk": False}
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
@@ -670,7 +650,6 @@ def paged_attention_triton(
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
-        FP8_QK=bool(fp8 and ATTN_TUNING["fp8_qk"] and q.is_cuda and q.dtype != torch.float32),
         **pdl(q),
     )
     if num_splits > 1:

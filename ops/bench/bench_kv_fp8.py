@@ -80,23 +80,18 @@ def runners(inputs: dict, backends: list[str], device: torch.device) -> dict[str
         for kv in ("bf16", "fp8"):
             caches = inputs["cache"] if kv == "bf16" else inputs["fp8"]
             scales = (k_scale, v_scale) if kv == "fp8" else (None, None)
-            if backend in ("triton", "triton-qk8"):  # qk8: ATTN_TUNING["fp8_qk"] on an fp8 cache
+            if backend == "triton":
 
-                def call(caches=caches, scales=scales, qk8=backend == "triton-qk8"):
-                    before = attn.ATTN_TUNING["fp8_qk"]
-                    attn.ATTN_TUNING["fp8_qk"] = qk8
-                    try:
-                        return paged_attention_triton(
-                            q,
-                            *caches,
-                            *meta,
-                            sm_scale,
-                            max_q_len=1,
-                            k_scale=scales[0],
-                            v_scale=scales[1],
-                        )
-                    finally:
-                        attn.ATTN_TUNING["fp8_qk"] = before
+                def call(caches=caches, scales=scales):
+                    return paged_attention_triton(
+                        q,
+                        *caches,
+                        *meta,
+                        sm_scale,
+                        max_q_len=1,
+                        k_scale=scales[0],
+                        v_scale=scales[1],
+                    )
             elif backend == "flashinfer":
                 from kernels.adapters import paged_attention_flashinfer
 
@@ -199,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="8192,32768", help="KV tokens per request")
     parser.add_argument("--batches", default="1,16,64", help="decode batch sizes")
     parser.add_argument("--heads", default="24,4,256", help="q heads, kv heads, head_dim")
-    parser.add_argument(
-        "--backends",
-        default="auto",
-        help="triton,triton-qk8,flashinfer | auto (triton-qk8: e4m3 q and scores, ATTN_TUNING)",
-    )
+    parser.add_argument("--backends", default="auto", help="triton,flashinfer | auto")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu (reference smoke)")
     parser.add_argument("--reps", type=int, default=100, help="timing budget per call (ms on GPU)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
