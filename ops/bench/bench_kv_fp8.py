@@ -155,32 +155,35 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
 FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an fp8 cache
     (64, 2, 4),  # the bf16 cache's tiles
     (64, 3, 4),  # the default (run AG)
-    (64, 4, 4),
-    (64, 5, 4),
+    (64, 3, 8),
     (32, 4, 4),
-    (32, 6, 4),
-    (128, 4, 4),
-    (64, 4, 2),
+    (32, 3, 2),
+    (128, 3, 8),
 ]
 
 
 def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
-    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"])
-    and the bf16 decode at its own tiles: one line of µs and fp8 GB/s per tile."""
+    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"]),
+    V widened before shared memory ("early", ATTN_TUNING["fp8_v_early"]) and after ("late"), and
+    the bf16 decode at its own tiles: one line of µs, fp8 GB/s and bf16 / fp8 per variant."""
     inputs = make_inputs(case, device)
     call = runners(inputs, ["triton"], device)
     hq, hkv, dim = case.heads
     fp8_bytes = case.batch * case.context * hkv * dim * 2
     bf16_us = time_us(call["triton/bf16"], device, reps)
-    timed, default = [], attn.ATTN_TUNING["fp8_tile"]
-    for tile in FP8_TILES:
-        attn.ATTN_TUNING["fp8_tile"] = tile
-        try:
-            us = time_us(call["triton/fp8"], device, reps)
-            timed.append(f"{tile}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
-        except Exception as exc:  # a tile Triton cannot build here: named, skipped
-            timed.append(f"{tile}: {type(exc).__name__}")
-    attn.ATTN_TUNING["fp8_tile"] = default
+    timed, default = [], dict(attn.ATTN_TUNING)
+    for v_early in (True, False):
+        for tile in FP8_TILES:
+            attn.ATTN_TUNING.update(fp8_tile=tile, fp8_v_early=v_early)
+            name = f"{'early' if v_early else 'late'} {tile}"
+            try:
+                us = time_us(call["triton/fp8"], device, reps)
+                timed.append(
+                    f"{name}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x"
+                )
+            except Exception as exc:  # a tile Triton cannot build here: named, skipped
+                timed.append(f"{name}: {type(exc).__name__}")
+    attn.ATTN_TUNING.update(default)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
         + " | ".join(timed)
