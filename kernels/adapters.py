@@ -233,7 +233,9 @@ def paged_attention_flashinfer(
     key = (q.device, decode, tensor_cores)
     # identity only (inference tensors have no version counter): the runner builds req_slots,
     # cu_seqlens_q and seq_lens anew for every forward, after writing that forward's req_to_token
-    stamp = tuple(id(t) for t in meta) + (num_q_heads, num_kv_heads, head_dim)
+    # (and the dtypes: a plan is made for one q / kv dtype, flashinfer refuses another)
+    stamp = tuple(id(t) for t in meta) + (num_q_heads, num_kv_heads, head_dim, q.dtype)
+    stamp += (k_cache.dtype,)
     cached = _FI.last.get(key)
     if cached is None or cached[0] != stamp:
         indptr, indices, last_len = _page1_table(req_to_token, req_slots, seq_lens)

@@ -132,8 +132,12 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
     tokens = case.batch * case.context * hkv * dim * 2  # k and v elements read
     lines = []
     for backend in backends:
-        ref = calls[f"{backend}/bf16"]()
-        got = calls[f"{backend}/fp8"]()
+        try:
+            ref = calls[f"{backend}/bf16"]()
+            got = calls[f"{backend}/fp8"]()
+        except Exception as exc:  # one backend failing leaves the others' figures
+            print(f"| {backend} | {case.layout} | {case.batch} | {case.context} | failed: {exc!r}")
+            continue
         err = float((got.float() - ref.float()).norm() / ref.float().norm())
         us = {kv: time_us(calls[f"{backend}/{kv}"], device, reps) for kv in ("bf16", "fp8")}
         width = inputs["cache"][0].element_size()
@@ -162,6 +166,35 @@ FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an f
 ]
 
 
+_SEEN_KERNELS: set = set()
+
+
+def print_compiled(device: torch.device) -> None:
+    """Registers, spills and shared memory of each decode kernel Triton built since the last
+    call (what the sweep's variants compiled to on this GPU)."""
+    caches = getattr(attn._paged_attention_kernel, "device_caches", {})
+    for kernels in (entry[0] for entry in caches.values()):
+        for kernel in kernels.values():
+            if id(kernel) in _SEEN_KERNELS or not hasattr(kernel, "n_regs"):
+                continue
+            _SEEN_KERNELS.add(id(kernel))
+            consts = getattr(kernel, "src", None)
+            consts = getattr(consts, "constants", {}) if consts is not None else {}
+            named = {
+                n: v
+                for (i,), v in consts.items()
+                if (n := attn._paged_attention_kernel.arg_names[i]) in _SHOWN
+            }
+            meta = kernel.metadata
+            print(
+                f"    compiled {named} warps {meta.num_warps} stages {meta.num_stages}: "
+                f"{kernel.n_regs} registers, {kernel.n_spills} spills, {meta.shared} B shared"
+            )
+
+
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV", "V_EARLY")
+
+
 def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
     """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"]),
     V widened before shared memory ("early", ATTN_TUNING["fp8_v_early"]) and after ("late"), and
@@ -184,6 +217,7 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
             except Exception as exc:  # a tile Triton cannot build here: named, skipped
                 timed.append(f"{name}: {type(exc).__name__}")
     attn.ATTN_TUNING.update(default)
+    print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
         + " | ".join(timed)
