@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
+from kernels.gdn_gate import RawGates, gate_values, gdn_gating
 from kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
 
 
@@ -205,8 +206,10 @@ def _gdn_recurrent_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    g_ptr,  # RAW_GATES: the gate input a [T, Hv]
+    beta_ptr,  # RAW_GATES: b [T, Hv]
+    a_log_ptr,  # RAW_GATES: A_log [Hv], dt_bias [Hv] (else unread)
+    dt_bias_ptr,
     out_ptr,
     state_ptr,
     cand_ptr,
@@ -238,6 +241,7 @@ def _gdn_recurrent_kernel(
     BV: tl.constexpr,
     MAX_LEN: tl.constexpr,
     VERIFY: tl.constexpr,
+    RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (kernels.gdn_gate)
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -262,6 +266,9 @@ def _gdn_recurrent_kernel(
         h = tl.load(state_ptr + slot * stride_ss + hv * stride_sh + s_offs, mask=s_mask, other=0.0)
     else:
         h = tl.zeros([BK, BV], dtype=tl.float32)
+    if RAW_GATES:
+        a_log = tl.load(a_log_ptr + hv).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
     for i in range(0, length):
         t = start.to(tl.int64) + i
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + kk, mask=k_ok, other=0.0)
@@ -269,7 +276,10 @@ def _gdn_recurrent_kernel(
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + vv, mask=v_ok, other=0.0)
         q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         g = tl.load(g_ptr + t * stride_gt + hv * stride_gh).to(tl.float32)
-        beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + hv * stride_bh)
+        if RAW_GATES:
+            g, beta = gate_values(g, beta, a_log, dt_bias)
+        beta = beta.to(tl.float32)
         q = q * (scale / tl.sqrt(tl.sum(q * q, 0) + 1e-6))
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         h = h * tl.exp(g)
@@ -302,8 +312,13 @@ def _recurrent_launch(
     has_initial_state,
     max_len,
     out,
+    raw: RawGates | None = None,  # given: g / beta are its a / b, gated inside the kernel
 ):
     _check_gdn(q, k, v, g, beta, ssm_states)
+    if raw is not None and (
+        raw.a.stride(-1) != 1 or raw.b.stride(-1) != 1 or raw.A_log.shape != (v.shape[1],)
+    ):
+        raise ValueError(f"gdn: raw gates a {raw.a.shape} b {raw.b.shape} A_log {raw.A_log.shape}")
     num_tokens, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
@@ -319,6 +334,8 @@ def _recurrent_launch(
         v,
         g,
         beta,
+        raw.A_log if raw is not None else g,
+        raw.dt_bias if raw is not None else g,
         out,
         ssm_states,
         cand,
@@ -350,6 +367,7 @@ def _recurrent_launch(
         BV=bv,
         MAX_LEN=max_len,
         VERIFY=verify,
+        RAW_GATES=raw is not None,
         num_warps=4 if bk * bv <= 4096 else 8,
         **pdl(q),
     )
@@ -369,10 +387,26 @@ def gdn_recurrent_triton(
     *,
     max_len: int = 0,  # >0: skip requests with more rows (they go to the chunked kernels)
     out: torch.Tensor | None = None,  # [T, Hv, Dv]
+    gates: RawGates | None = None,  # given: g / beta (None) are computed from these
 ) -> torch.Tensor:
-    """Fused recurrent decode over varlen rows; same result as gdn_recurrent_ref."""
+    """Fused recurrent decode over varlen rows; same result as gdn_recurrent_ref (with `gates`:
+    as gdn_recurrent_ref on gdn_gating_ref(*gates))."""
+    if gates is not None:
+        g, beta = gates.a, gates.b
     return _recurrent_launch(
-        q, k, v, g, beta, ssm_states, None, state_slots, cu_seqlens, has_initial_state, max_len, out
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_states,
+        None,
+        state_slots,
+        cu_seqlens,
+        has_initial_state,
+        max_len,
+        out,
+        gates,
     )
 
 
@@ -388,12 +422,15 @@ def gdn_verify_triton(
     cu_seqlens,
     *,
     out: torch.Tensor | None = None,
+    gates: RawGates | None = None,  # given: g / beta (None) are computed from these
 ) -> torch.Tensor:
     """MTP verify rows: same result as gdn_verify_ref (candidates[slot, j] = state after row j)."""
     if ssm_candidates.stride(-1) != 1 or ssm_candidates.shape[2:] != ssm_states.shape[1:]:
         raise ValueError(f"gdn_verify: candidates {ssm_candidates.shape} vs {ssm_states.shape}")
+    if gates is not None:
+        g, beta = gates.a, gates.b
     return _recurrent_launch(
-        q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens, None, 0, out
+        q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens, None, 0, out, gates
     )
 
 
@@ -450,3 +487,42 @@ def gdn_verify(
             q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens
         )
     return gdn_verify_ref(q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens)
+
+
+def gdn_gated(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    gates: RawGates,  # a / b [T, Hv], A_log / dt_bias [Hv]
+    ssm_states: torch.Tensor,  # [num_state_slots, Hv, Dk, Dv] fp32
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+    has_initial_state: torch.Tensor,  # [B] bool
+    *,
+    max_q_len: int | None = None,  # host bound on rows per request; given: no device sync
+) -> torch.Tensor:
+    """gdn() on gdn_gating(*gates). Decode-sized batches (every request at most
+    RECURRENT_MAX_ROWS rows, known from max_q_len) run the recurrence with the gates computed
+    inside it, one launch where the separate gating kernel made two; others gate first."""
+    state_args = (ssm_states, state_slots, cu_seqlens, has_initial_state)
+    if use_triton(q) and max_q_len is not None and max_q_len <= RECURRENT_MAX_ROWS:
+        return gdn_recurrent_triton(q, k, v, None, None, *state_args, gates=gates)
+    g, beta = gdn_gating(*gates)
+    return gdn(q, k, v, g, beta, *state_args, max_q_len=max_q_len)
+
+
+def gdn_verify_gated(
+    q: torch.Tensor,  # [T, Hk, Dk] MTP verify rows
+    k: torch.Tensor,
+    v: torch.Tensor,  # [T, Hv, Dv]
+    gates: RawGates,  # a / b [T, Hv], A_log / dt_bias [Hv]
+    ssm_states: torch.Tensor,  # [num_state_slots, Hv, Dk, Dv] committed (read only)
+    ssm_candidates: torch.Tensor,  # [num_state_slots, max_rows, Hv, Dk, Dv]
+    state_slots: torch.Tensor,  # [B]
+    cu_seqlens: torch.Tensor,  # [B + 1]
+) -> torch.Tensor:
+    """gdn_verify() on gdn_gating(*gates); on CUDA the gates are computed inside the kernel."""
+    args = (ssm_states, ssm_candidates, state_slots, cu_seqlens)
+    if use_triton(q):
+        return gdn_verify_triton(q, k, v, None, None, *args, gates=gates)
+    return gdn_verify(q, k, v, *gdn_gating(*gates), *args)

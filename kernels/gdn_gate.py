@@ -4,6 +4,8 @@ the fused input projection (strided rows)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,19 @@ from kernels.triton_utils import (
 )
 
 
+class RawGates(NamedTuple):
+    """The gate inputs before gdn_gating. The GDN recurrence takes these at decode and computes g
+    and beta per row itself (kernels/gdn.py gdn_gated): one launch fewer per layer."""
+
+    a: torch.Tensor  # [T, H] (row stride free, last dim contiguous)
+    b: torch.Tensor  # [T, H]
+    A_log: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H]
+
+    def rows(self, start: int, end: int | None = None) -> RawGates:
+        return RawGates(self.a[start:end], self.b[start:end], self.A_log, self.dt_bias)
+
+
 def gdn_gating_ref(
     a: torch.Tensor,  # [T, H] (row stride free)
     b: torch.Tensor,  # [T, H]
@@ -27,6 +42,16 @@ def gdn_gating_ref(
     """-> g [T, H] fp32, beta [T, H] in b's dtype."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return g, torch.sigmoid(b)
+
+
+@jit
+def gate_values(a, b, a_log, dt_bias):
+    """(g fp32, beta in b's dtype) from fp32 a / a_log / dt_bias and b as loaded: the formula of
+    gdn_gating_ref, shared by the gating kernel and the fused recurrence."""
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's rule
+    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+    return -tl.exp(a_log) * softplus, beta.to(b.dtype)
 
 
 @jit
@@ -51,11 +76,9 @@ def _gdn_gating_kernel(
     b = tl.load(b_ptr + row * stride_b + cols, mask=ok, other=0.0)
     a_log = tl.load(a_log_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    x = a + dt_bias
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's rule
-    tl.store(g_ptr + row * heads + cols, -tl.exp(a_log) * softplus, mask=ok)
-    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
-    tl.store(beta_ptr + row * heads + cols, beta.to(b.dtype), mask=ok)
+    g, beta = gate_values(a, b, a_log, dt_bias)
+    tl.store(g_ptr + row * heads + cols, g, mask=ok)
+    tl.store(beta_ptr + row * heads + cols, beta, mask=ok)
 
 
 def gdn_gating_triton(

@@ -15,14 +15,17 @@ from tolerances import ACCUMULATING, assert_close, poison
 from kernels.gdn import (
     gdn,
     gdn_chunked_ref,
+    gdn_gated,
     gdn_chunked_triton,
     gdn_recurrent_ref,
     gdn_recurrent_triton,
     gdn_ref,
     gdn_verify,
+    gdn_verify_gated,
     gdn_verify_ref,
     gdn_verify_triton,
 )
+from kernels.gdn_gate import RawGates, gdn_gating_ref
 
 
 def make_inputs(lens, hk, hv, dk, dv, dtype, seed, has_init):
@@ -128,6 +131,58 @@ def test_verify_rows_fill_candidates_and_keep_committed_state(dtype):
     )
 
 
+def raw_gates(total: int, hv: int, dtype: torch.dtype, seed: int) -> RawGates:
+    """Gate inputs as the layer has them: a / b strided columns of one projection output."""
+    proj = randn(total, 2 * hv + 3, dtype=dtype, seed=seed) * 4
+    proj[0, 0] = 30.0  # softplus's linear branch
+    A_log = randn(hv, seed=seed + 1).abs().log().to(dtype)
+    return RawGates(proj[:, :hv], proj[:, hv + 3 :], A_log, randn(hv, seed=seed + 2).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrence_with_raw_gates_matches_gating_then_reference(dtype):
+    """gates= computes g / beta inside the recurrence: the same as gdn_gating_ref first (beta
+    rounded to b's dtype as the gating kernel stores it), for decode and verify rows."""
+    lens = [1, 3, 2]
+    inputs = make_inputs(lens, 2, 4, 16, 32, dtype, seed=21, has_init=[True, False, True])
+    q, k, v, _, _, pool, slots, cu, init = inputs
+    gates = raw_gates(sum(lens), 4, dtype, seed=22)
+    g, beta = gdn_gating_ref(*gates)
+    ref_pool = pool.clone()
+    expected = gdn_recurrent_ref(q, k, v, g, beta, ref_pool, slots, cu, init)
+    out = poison(torch.empty(v.shape, dtype=dtype, device=DEVICE))
+    got = gdn_recurrent_triton(q, k, v, None, None, pool, slots, cu, init, out=out, gates=gates)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
+    check_pool(pool, ref_pool, slots, dtype)
+
+    candidates = poison(torch.empty(pool.shape[0], 4, *pool.shape[1:], device=DEVICE))
+    ref_candidates = candidates.clone()
+    expected = gdn_verify_ref(q, k, v, g, beta, pool, ref_candidates, slots, cu)
+    got = gdn_verify_triton(q, k, v, None, None, pool, candidates, slots, cu, gates=gates)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="verify o")
+    assert_close(
+        candidates, ref_candidates, dtype, factor=ACCUMULATING, name="candidates", equal_nan=True
+    )
+
+
+def test_gated_dispatchers_match_gating_then_reference():
+    """gdn_gated / gdn_verify_gated (what the layer calls) == gdn_gating, then gdn / gdn_verify."""
+    lens = [1, 70]
+    inputs = make_inputs(lens, 2, 4, 16, 16, torch.float32, seed=23, has_init=[True, False])
+    q, k, v, _, _, pool, slots, cu, init = inputs
+    gates = raw_gates(sum(lens), 4, torch.float32, seed=24)
+    g, beta = gdn_gating_ref(*gates)
+    ref_pool = pool.clone()
+    expected = gdn_ref(q, k, v, g, beta, ref_pool, slots, cu, init)
+    got = gdn_gated(q, k, v, gates, pool, slots, cu, init, max_q_len=70)
+    assert_close(got, expected, torch.float32, factor=ACCUMULATING)
+    check_pool(pool, ref_pool, slots, torch.float32)
+    candidates = torch.zeros(pool.shape[0], 70, *pool.shape[1:], device=DEVICE)
+    expected = gdn_verify_ref(q, k, v, g, beta, pool, candidates.clone(), slots, cu)
+    got = gdn_verify_gated(q, k, v, gates, pool, candidates, slots, cu)
+    assert_close(got, expected, torch.float32, factor=ACCUMULATING)
+
+
 def test_dispatcher_matches_gdn_ref():
     inputs = make_inputs([1, 70], 2, 4, 16, 16, torch.float32, seed=4, has_init=[True, False])
     ref_inputs = list(inputs)
@@ -152,6 +207,20 @@ def test_full_size_qwen35_27b(lens):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
     slots = inputs[6]
     assert_close(inputs[5][slots], ref_inputs[5][slots], torch.bfloat16, factor=ACCUMULATING)
+
+
+@gpu
+def test_full_size_decode_with_raw_gates():
+    """The layer's decode call on the GPU: the gates computed inside the recurrence."""
+    lens = [1] * 64
+    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=3, has_init=[True] * 64)
+    q, k, v, _, _, pool, slots, cu, init = inputs
+    gates = raw_gates(64, 48, torch.bfloat16, seed=4)
+    ref_pool = pool.clone()
+    expected = gdn_ref(q, k, v, *gdn_gating_ref(*gates), ref_pool, slots, cu, init)
+    got = gdn_gated(q, k, v, gates, pool, slots, cu, init, max_q_len=1)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
+    assert_close(pool[slots], ref_pool[slots], torch.bfloat16, factor=ACCUMULATING)
 
 
 @gpu

@@ -13,8 +13,8 @@ from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from kernels.conv1d import causal_conv1d, causal_conv1d_verify
-from kernels.gdn import gdn, gdn_verify
-from kernels.gdn_gate import gdn_gating
+from kernels.gdn import gdn_gated, gdn_verify_gated
+from kernels.gdn_gate import RawGates
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
@@ -98,8 +98,9 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)  # [T, Hv] fp32, [T, Hv]
-        out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
+        # g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): inside the decode kernel
+        gates = RawGates(a, b, self.A_log, self.dt_bias)
+        out = self._delta_rule(q, k, v, gates, ctx)  # [T, Hv, Dv]
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out)
@@ -142,27 +143,25 @@ class GatedDeltaNet(nn.Module):
         )
         return torch.cat([plain, verify])
 
-    def _delta_rule(self, q, k, v, g, beta, ctx) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, gates: RawGates, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == q.shape[0]:
-            return gdn(
+            return gdn_gated(
                 q,
                 k,
                 v,
-                g,
-                beta,
+                gates,
                 self.ssm_states,
                 ctx.req_slots,
                 ctx.cu_seqlens_q,
                 ctx.has_initial_state,
                 max_q_len=ctx.max_q_len,
             )
-        verify = gdn_verify(
+        verify = gdn_verify_gated(
             q[split:],
             k[split:],
             v[split:],
-            g[split:],
-            beta[split:],
+            gates.rows(split),
             self.ssm_states,
             self.ssm_candidates,
             ctx.req_slots[reqs:],
@@ -170,12 +169,11 @@ class GatedDeltaNet(nn.Module):
         )
         if split == 0:
             return verify
-        plain = gdn(
+        plain = gdn_gated(
             q[:split],
             k[:split],
             v[:split],
-            g[:split],
-            beta[:split],
+            gates.rows(0, split),
             self.ssm_states,
             ctx.req_slots[:reqs],
             ctx.cu_seqlens_q[: reqs + 1],
