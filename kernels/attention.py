@@ -88,8 +88,9 @@ def paged_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [1] fp32 dequantisation scales of an fp8 cache
     v_scale: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,  # [T, Hq, D]: output * sigmoid(gate) (Qwen3.5's gate)
 ) -> torch.Tensor:
-    """Returns [T, Hq, D] in q's dtype; softmax in fp32."""
+    """Returns [T, Hq, D] in q's dtype; softmax in fp32 (and the gate's product)."""
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_q_heads // num_kv_heads
@@ -111,7 +112,10 @@ def paged_attention_ref(
         mask = k_pos[None, :] > q_pos[:, None]  # [q_len, L]
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        o = torch.einsum("hqk,khd->qhd", probs, v)
+        if gate is not None:
+            o = o * torch.sigmoid(gate[q_start:q_end].float())
+        out[q_start:q_end] = o.to(q.dtype)
     return out
 
 
@@ -309,9 +313,12 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     k_scale_ptr,  # [1] fp32 dequantisation scales of an fp8 cache (FP8_KV)
     v_scale_ptr,
+    gate_ptr,  # [T, Hq, D] output gate (GATED; the merge applies it when the KV is split)
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
+    stride_gt,
+    stride_gh,
     stride_kcs,
     stride_kch,
     stride_vcs,
@@ -334,6 +341,7 @@ def _paged_attention_kernel(
     FP8_KV: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
     V_EARLY: tl.constexpr = False,  # fp8 cache: widen V before shared memory (see _attend_block)
+    GATED: tl.constexpr = False,  # out * sigmoid(gate)
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -444,6 +452,13 @@ def _paged_attention_kernel(
     out_mask = row_ok[:, None] & d_ok[None, :]
     o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
+        if GATED:
+            gate = tl.load(
+                gate_ptr + t_row[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
+                mask=out_mask,
+                other=0.0,
+            )
+            o = o * tl.sigmoid(gate.to(tl.float32))
         tl.store(
             out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
@@ -493,15 +508,19 @@ def _merge_splits_kernel(
     part_o_ptr,
     part_lse_ptr,
     out_ptr,
+    gate_ptr,
     stride_ps,
     stride_pt,
     stride_ls,
     stride_lt,
     stride_ot,
     stride_oh,
+    stride_gt,
+    stride_gh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -518,6 +537,9 @@ def _merge_splits_kernel(
         other=0.0,
     )  # [S, BLOCK_D]
     o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    if GATED:
+        gate = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d, mask=d < HEAD_DIM, other=0.0)
+        o = o * tl.sigmoid(gate.to(tl.float32))
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + d,
         o.to(out_ptr.dtype.element_ty),
@@ -565,10 +587,16 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     k_scale: torch.Tensor | None = None,  # [1] fp32; required by an fp8 cache
     v_scale: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,  # [T, Hq, D] (strided view): out * sigmoid(gate)
 ) -> torch.Tensor:
-    """Same result as paged_attention_ref; q may be a strided view (last dim contiguous)."""
+    """Same result as paged_attention_ref; q and gate may be strided views (last dim
+    contiguous)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(name, t)
+    if gate is not None:
+        check_last_dim_contiguous("gate", gate)
+        if gate.shape != q.shape:
+            raise ValueError(f"paged_attention: gate {tuple(gate.shape)} vs q {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_q_heads % num_kv_heads or k_cache.shape[2] != head_dim or v_cache.shape != k_cache.shape:
@@ -587,6 +615,8 @@ def paged_attention_triton(
     strides = (
         q.stride(0),
         q.stride(1),
+        gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0,
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
@@ -605,7 +635,9 @@ def paged_attention_triton(
     )
     tensors = (q, k_cache, v_cache, out)
     kv_scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unread without FP8_KV
-    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, *kv_scales, scale * _LOG2E)
+    gated = gate is not None
+    gate_t = gate if gated else q  # unread without GATED
+    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, *kv_scales, gate_t, scale * _LOG2E)
     if max_q_len > 16 and q.is_cuda and num_splits in (None, 1):
 
         def grid(cfg):
@@ -623,6 +655,7 @@ def paged_attention_triton(
             0,
             min(next_pow2(max_q_len), 4096),
             NUM_SPLITS=1,
+            GATED=gated,
             **fixed,
         )
         return out
@@ -665,6 +698,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         V_EARLY=fp8 and ATTN_TUNING["fp8_v_early"],
+        GATED=gated,
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -675,15 +709,19 @@ def paged_attention_triton(
             part_o,
             part_lse,
             out,
+            gate_t,
             part_o.stride(0),
             part_o.stride(1),
             part_lse.stride(0),
             part_lse.stride(1),
             out.stride(0),
             out.stride(1),
+            strides[2],
+            strides[3],
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
+            GATED=gated,
             **pdl(part_o),
         )
     return out
@@ -718,6 +756,7 @@ def paged_attention(
     max_q_len: int | None = None,
     num_splits: int | None = None,
     kv_scales: KVScales | None = None,  # an fp8 cache's scales (ignored by other caches)
+    gate: torch.Tensor | None = None,  # [T, Hq, D] strided view: out * sigmoid(gate), fused
 ) -> torch.Tensor:
     """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
     by default, flashinfer's paged wrappers, or the torch reference); the reference on CPU."""
@@ -725,7 +764,7 @@ def paged_attention(
     fp8 = is_fp8_cache(k_cache)
     scales = (kv_scales.k, kv_scales.v) if fp8 and kv_scales is not None else (None, None)
     if not q.is_cuda:
-        return paged_attention_ref(*args, *scales)
+        return paged_attention_ref(*args, *scales, gate)
     from kernels import backends
 
     backend = backends.selected("attention")
@@ -733,9 +772,15 @@ def paged_attention(
         from kernels.adapters import paged_attention_flashinfer
 
         host = (kv_scales.k_host, kv_scales.v_host) if fp8 and kv_scales is not None else None
-        return paged_attention_flashinfer(*args, max_q_len=max_q_len, kv_scales=host)
+        out = paged_attention_flashinfer(*args, max_q_len=max_q_len, kv_scales=host)
+        return out if gate is None else (out.float() * torch.sigmoid(gate.float())).to(q.dtype)
     if backend == "triton" and use_triton(q):
         return paged_attention_triton(
-            *args, max_q_len=max_q_len, num_splits=num_splits, k_scale=scales[0], v_scale=scales[1]
+            *args,
+            max_q_len=max_q_len,
+            num_splits=num_splits,
+            k_scale=scales[0],
+            v_scale=scales[1],
+            gate=gate,
         )
-    return paged_attention_ref(*args, *scales)
+    return paged_attention_ref(*args, *scales, gate)

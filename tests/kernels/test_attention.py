@@ -87,6 +87,37 @@ def test_split_kv_gives_same_result(num_splits):
     assert_close(got, expected, torch.float32, name=f"splits={num_splits}")
 
 
+def gate_view(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """A gate like the layer's: [T, H, D] interleaved per head with q in one projection row."""
+    t, h, d = q.shape
+    wide = randn(t, h, 2 * d, dtype=q.dtype, seed=seed) * 3
+    return wide[:, :, d:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "case,splits", [("decode_gqa2", 1), ("decode_gqa2", 4), ("verify_rows", 2), ("prefill", 1)]
+)
+def test_output_gate_is_fused(case, splits, dtype):
+    """gate= multiplies the output by sigmoid(gate) in the kernel's store (or the split merge):
+    the same as the reference's product, which is attention, then the gate."""
+    q_lens, seq_lens, hq, hkv, d = CASES.get(case, ([20, 37, 0, 5], [50, 37, 9, 5], 4, 2, 32))
+    args = make_batch(q_lens, seq_lens, hq, hkv, d, dtype, seed=31)
+    gate = gate_view(args[0], seed=32)
+    expected = paged_attention_ref(*args, 0.3, gate=gate)
+    plain = paged_attention_ref(*args, 0.3).float() * torch.sigmoid(gate.float())
+    assert_close(expected, plain, dtype, factor=ACCUMULATING, name="gate meaning")
+    got = paged_attention_triton(
+        *args,
+        0.3,
+        max_q_len=max(q_lens),
+        num_splits=splits if case != "prefill" else None,
+        gate=gate,
+    )
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name=f"gated {case}")
+    assert_close(paged_attention(*args, 0.3, gate=gate), expected, dtype, factor=ACCUMULATING)
+
+
 def test_dispatcher_on_cpu_uses_reference():
     args = make_batch([2, 1], [5, 9], 4, 2, 16, torch.float32, seed=3)
     got = paged_attention(*args, 0.25)
@@ -127,6 +158,10 @@ def test_full_size_qwen35_27b(q_lens, seq_lens, dtype):
     expected = paged_attention_ref(*args, 256**-0.5)
     got = paged_attention_triton(*args, 256**-0.5)
     assert_close(got, expected, dtype, factor=ACCUMULATING, name="full")
+    gate = gate_view(args[0], seed=12)  # the layer's fused output gate (decode, merge, prefill)
+    expected = paged_attention_ref(*args, 256**-0.5, gate=gate)
+    got = paged_attention_triton(*args, 256**-0.5, gate=gate)
+    assert_close(got, expected, dtype, factor=ACCUMULATING, name="full gated")
 
 
 @gpu
