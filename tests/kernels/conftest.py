@@ -29,6 +29,7 @@ KERNEL_MODULES = (
     "kernels.conv1d",
     "kernels.norm",
     "kernels.rotary",
+    "kernels.qk_norm_rope",
     "kernels.activation",
     "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
     "kernels.gemv_swiglu",
