@@ -258,7 +258,6 @@ def _attend_block(
     MASKED: tl.constexpr,
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
-    V_EARLY: tl.constexpr = False,
 ):
     """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
     n = start + tl.arange(0, BLOCK_N)
@@ -282,12 +281,6 @@ def _attend_block(
     if FP8_KV:  # e4m3 tiles widened to q's dtype; their scales are folded in by the caller
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        if V_EARLY:  # an identity split / join keeps Triton from moving the widening after the
-            # shared-memory stage: V then reaches the PV dot as 16-bit rows (ldmatrix.trans)
-            # instead of one byte load per key and column (the dot reduces over keys, which
-            # are 256 bytes apart in an fp8 tile)
-            v_even, v_odd = tl.split(tl.reshape(v, [BLOCK_N, v.shape[1] // 2, 2]))
-            v = tl.reshape(tl.join(v_even, v_odd), [BLOCK_N, v.shape[1]])
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -340,7 +333,6 @@ def _paged_attention_kernel(
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
-    V_EARLY: tl.constexpr = False,  # fp8 cache: widen V before shared memory (see _attend_block)
     GATED: tl.constexpr = False,  # out * sigmoid(gate)
     PDL: tl.constexpr = False,
 ):
@@ -419,7 +411,6 @@ def _paged_attention_kernel(
             False,
             PREC,
             FP8_KV,
-            V_EARLY,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
         m_i, l_i, acc = _attend_block(
@@ -445,7 +436,6 @@ def _paged_attention_kernel(
             True,
             PREC,
             FP8_KV,
-            V_EARLY,
         )
 
     t_row = (q_start + q_row).to(tl.int64)
@@ -553,15 +543,11 @@ def _merge_splits_kernel(
 # fp8_tile: (BLOCK_N, num_stages, num_warps) of decode / verify over an fp8 cache (None: the bf16
 # cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s).
 # Run AG's sweep (bench_kv_fp8.py --sweep, 27B heads): a third stage of 64-key tiles took batch
-# 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x)
-# fp8_v_early: widen fp8 V tiles to 16 bits before they are staged in shared memory (decode /
-# verify; see _attend_block), so the PV dot reads them with ldmatrix.trans, not byte by byte
-ATTN_TUNING = {
-    "max_block_m": 64,
-    "split_factor": 1,
-    "fp8_tile": (64, 3, 4),
-    "fp8_v_early": True,
-}
+# 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x).
+# Run BF: widening V to fp16 before it is staged in shared memory (ldmatrix.trans instead of byte
+# loads for the PV dot) was slower at every tile (1.00x at (64, 3, 4)); flashinfer's fp8 decode
+# reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here at batch 64.
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
@@ -697,7 +683,6 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        V_EARLY=fp8 and ATTN_TUNING["fp8_v_early"],
         GATED=gated,
         **fixed,
         num_warps=num_warps,

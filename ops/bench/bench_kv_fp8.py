@@ -192,31 +192,27 @@ def print_compiled(device: torch.device) -> None:
             )
 
 
-_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV", "V_EARLY")
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV")
 
 
 def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
-    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"]),
-    V widened before shared memory ("early", ATTN_TUNING["fp8_v_early"]) and after ("late"), and
-    the bf16 decode at its own tiles: one line of µs, fp8 GB/s and bf16 / fp8 per variant."""
+    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"])
+    and the bf16 decode at its own tiles: one line of µs, fp8 GB/s and bf16 / fp8 per tile, then
+    what each variant compiled to."""
     inputs = make_inputs(case, device)
     call = runners(inputs, ["triton"], device)
     hq, hkv, dim = case.heads
     fp8_bytes = case.batch * case.context * hkv * dim * 2
     bf16_us = time_us(call["triton/bf16"], device, reps)
-    timed, default = [], dict(attn.ATTN_TUNING)
-    for v_early in (True, False):
-        for tile in FP8_TILES:
-            attn.ATTN_TUNING.update(fp8_tile=tile, fp8_v_early=v_early)
-            name = f"{'early' if v_early else 'late'} {tile}"
-            try:
-                us = time_us(call["triton/fp8"], device, reps)
-                timed.append(
-                    f"{name}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x"
-                )
-            except Exception as exc:  # a tile Triton cannot build here: named, skipped
-                timed.append(f"{name}: {type(exc).__name__}")
-    attn.ATTN_TUNING.update(default)
+    timed, default = [], attn.ATTN_TUNING["fp8_tile"]
+    for tile in FP8_TILES:
+        attn.ATTN_TUNING["fp8_tile"] = tile
+        try:
+            us = time_us(call["triton/fp8"], device, reps)
+            timed.append(f"{tile}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
+        except Exception as exc:  # a tile Triton cannot build here: named, skipped
+            timed.append(f"{tile}: {type(exc).__name__}")
+    attn.ATTN_TUNING["fp8_tile"] = default
     print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "

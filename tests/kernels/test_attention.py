@@ -222,13 +222,11 @@ def test_fp8_kv_attention_matches_dequantized_reference(case, dtype):
     assert_close(expected, plain, dtype, factor=ACCUMULATING, name=f"fp8 meaning {case}")
 
 
-@pytest.mark.parametrize("v_early", [True, False], ids=["v_early", "v_late"])
 @pytest.mark.parametrize("tile", [(128, 2, 4), (32, 3, 2)])
-def test_fp8_kv_decode_tile_override(tile, v_early, monkeypatch):
-    """ATTN_TUNING["fp8_tile"] (the fp8 cache's own decode tiles) and "fp8_v_early" (where V is
-    widened): same result, verify rows and a ragged last block included."""
+def test_fp8_kv_decode_tile_override(tile, monkeypatch):
+    """ATTN_TUNING["fp8_tile"] (the fp8 cache's own decode tiles): same result, verify rows and a
+    ragged last block included."""
     monkeypatch.setitem(attn.ATTN_TUNING, "fp8_tile", tile)
-    monkeypatch.setitem(attn.ATTN_TUNING, "fp8_v_early", v_early)
     base = make_batch([1, 3], [300, 77], 4, 2, 32, torch.float32, seed=9)
     args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.bfloat16)
     expected = paged_attention_ref(*args, 0.2, k_scale, v_scale)

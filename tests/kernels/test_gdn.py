@@ -15,8 +15,8 @@ from tolerances import ACCUMULATING, assert_close, poison
 from kernels.gdn import (
     gdn,
     gdn_chunked_ref,
-    gdn_gated,
     gdn_chunked_triton,
+    gdn_gated,
     gdn_recurrent_ref,
     gdn_recurrent_triton,
     gdn_ref,
