@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from appliance.logging import get_logger
+from appliance.models.layers.linear import unloaded_segments
 from appliance.models.quant_weights import (
     KVScaleLoader,
     ScaleCheck,
@@ -118,6 +119,7 @@ def load_weights(
                 params[dst].copy_(params[src])
             loaded.add(dst)
     missing = [p for p in params if p not in loaded]
+    missing += [s for p in sorted(loaded) for s in unloaded_segments(p, params[p])]
     if missing or unexpected:
         parts = []
         if missing:

@@ -89,7 +89,7 @@ class KVScaleLoader:
         mapped = self.model.map_weight_name(f"{match['attn']}.k_proj.weight")
         if mapped is None:  # another component's layer (the MTP head of the main model)
             return True
-        module = mapped[0].removesuffix(".k_proj.weight")
+        module = mapped[0].rsplit(".", 2)[0]  # `<attn>.qkv_proj.weight` or `<attn>.k_proj.weight`
         value = float(tensor.float().max()) if tensor.numel() else float("nan")
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{name}: KV-cache scale {value} (expected a finite number > 0)")

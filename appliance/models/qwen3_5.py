@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from appliance.models.config import TextConfig
-from appliance.models.layers.attention import Attention
+from appliance.models.layers.attention import Attention, map_qkv_name
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.gdn import BA_SHARDS, IN_PROJ_SHARDS, GatedDeltaNet
 from appliance.models.layers.mlp import MLP
@@ -142,7 +142,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         name = re.sub(r"^model\.language_model\.", "model.", name)
         if name == "lm_head.weight":
             return "lm_head.weight", None
-        pname, shard = map_layer_name(name)
+        pname, shard = map_layer_name(name, self)
         if pname.endswith(".linear_attn.in_proj.weight") and shard in BA_SHARDS:
             gdn = self.get_submodule(pname[: -len(".in_proj.weight")])
             if gdn.in_proj_ba is not None:  # b and a kept unquantised: their own GEMM
@@ -153,8 +153,11 @@ class Qwen3_5ForCausalLM(nn.Module):
 _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-def map_layer_name(name: str) -> tuple[str, object]:
-    """Shared by the main model and the MTP layer: HF decoder-layer names -> ours."""
+def map_layer_name(name: str, model: nn.Module) -> tuple[str, object]:
+    """Shared by the main model and the MTP layer: HF decoder-layer names -> ours. `model` holds
+    the layers under those names (q/k/v go to `qkv_proj` only where the layer fused them)."""
+    if qkv := map_qkv_name(model, name):
+        return qkv
     if m := _EXPERT.match(name):
         prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
         param = "w_down" if proj == "down" else "w_gate_up"

@@ -53,7 +53,7 @@ class Qwen3_5MTP(nn.Module):
         name = name[len("mtp.") :]
         if name.startswith("layers."):
             rest = name.split(".", 2)[2]
-            return map_layer_name(f"layers.0.{rest}")
+            return map_layer_name(f"layers.0.{rest}", self)
         return name, None
 
 

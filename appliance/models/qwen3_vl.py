@@ -192,4 +192,4 @@ class Qwen3VLForCausalLM(nn.Module):
         name = re.sub(r"^model\.language_model\.", "model.", name)
         if name == "lm_head.weight":
             return "lm_head.weight", None
-        return map_layer_name(name)
+        return map_layer_name(name, self)

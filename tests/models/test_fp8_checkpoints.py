@@ -134,7 +134,8 @@ def test_fp8_parameters_are_stored_in_fp8_where_the_checkpoint_says(written):
     ct = dict(runner(written["moe-ct-fused"][0]).model.named_parameters())
     assert ct[f"{layer0}.linear_attn.in_proj.weight"].dtype == torch.float32  # re:.*linear_attn.*
     assert "model.layers.0.linear_attn.in_proj_ba.weight" not in ct  # one GEMM again
-    assert ct["model.layers.1.self_attn.q_proj.weight_scale"].shape == (256,)
+    # one scale per row of q (4 heads x [q | gate] x 32 = 256), k and v (2 kv heads x 32 = 64)
+    assert ct["model.layers.1.self_attn.qkv_proj.weight_scale"].shape == (256 + 2 * 64,)
 
 
 @pytest.mark.parametrize("name", ["moe-fp8-fused", "moe-ct-per-expert", "dense-fp8"])
@@ -170,7 +171,7 @@ def online_twin(sources, tmp_path_factory):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_online_fp8_equals_per_channel_dequantised_model(name, sources, online_twin, monkeypatch):
     model = runner(sources[name], quantization="fp8").model
-    assert model.model.layers[1].self_attn.q_proj.weight.dtype == FP8_DTYPE
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
     assert model.model.layers[0].linear_attn.in_proj_ba.weight.dtype == torch.float32
     want = logits(online_twin[name])
     _expect_close_real_path(logits(sources[name], quantization="fp8"), want)

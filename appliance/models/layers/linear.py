@@ -70,12 +70,23 @@ class _QuantLinear(nn.Module):
         return "channel" if self.method.block is None else "block"
 
 
+def blocks_fit(local_sizes: list[int], quant: QuantConfig | None) -> bool:
+    """Whether segments of these local sizes can share one weight under `quant`: a block scale
+    covers block_n rows of one segment, so each segment must start on a block_n boundary."""
+    block = linear_method(quant).block
+    return block is None or all(
+        sum(local_sizes[:i]) % block[0] == 0 for i in range(len(local_sizes))
+    )
+
+
 class ColumnLinear(_QuantLinear):
     """y = x W^T with W's rows made of `segments` (e.g. [q, k, v]); each segment is sharded on its
     own.
 
     `shard_sizes` gives each segment's local size (defaults to segment / tp); `shard_fn` cuts the
-    local part from a full segment (defaults to an even split)."""
+    local part from a full segment (defaults to an even split): one fn for every segment, or a
+    list with one per segment (q split evenly, k/v by kv head). `segment_names` (checkpoint module
+    names, siblings of this layer) lets the loader name a segment no tensor filled."""
 
     def __init__(
         self,
@@ -83,16 +94,19 @@ class ColumnLinear(_QuantLinear):
         segments: list[int],
         bias: bool = False,
         shard_sizes: list[int] | None = None,
-        shard_fn: ShardFn = even_shard,
+        shard_fn: ShardFn | list[ShardFn] = even_shard,
         quant: QuantConfig | None = None,
+        segment_names: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.segments = list(segments)
         self.local = shard_sizes or [s // tp_size() for s in segments]
         self.offsets = [sum(self.local[:i]) for i in range(len(self.local))]
-        self.shard_fn = shard_fn
+        self.shard_fns = shard_fn if isinstance(shard_fn, list) else [shard_fn] * len(segments)
+        if len(self.shard_fns) != len(segments):
+            raise ValueError(f"{len(self.shard_fns)} shard fns for {len(segments)} segments")
         self._init_weight(sum(self.local), in_features, quant, self._load)
-        if self.method.block is not None and any(o % self.method.block[0] for o in self.offsets):
+        if not blocks_fit(self.local, quant):
             raise UnsupportedQuantization(
                 f"fp8 block {list(self.method.block)}: fused segments of local sizes {self.local} "
                 "do not start on block_n boundaries"
@@ -101,6 +115,11 @@ class ColumnLinear(_QuantLinear):
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local)), requires_grad=False)
             self.bias.weight_loader = self._load
+        if segment_names is not None:
+            for param in (self.weight, self.weight_scale, self.bias):
+                if param is not None:
+                    param.segment_names = list(segment_names)
+                    param.loaded_segments = set()
 
     def _load(
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | tuple | None = None
@@ -126,14 +145,16 @@ class ColumnLinear(_QuantLinear):
             return
         if kind == "block":
             block_n = self.method.block[0]
-            first, count = block_rows(self.shard_fn, self.segments[shard_id], block_n)
+            first, count = block_rows(self.shard_fns[shard_id], self.segments[shard_id], block_n)
             target = param.narrow(0, self.offsets[shard_id] // block_n, count)
             copy_into(target, loaded.narrow(0, first, count))
-            return
-        if kind == "channel":
-            loaded = channel_scale(loaded, self.segments[shard_id])
-        part = self.shard_fn(loaded, 0)
-        copy_into(param.narrow(0, self.offsets[shard_id], self.local[shard_id]), part)
+        else:
+            if kind == "channel":
+                loaded = channel_scale(loaded, self.segments[shard_id])
+            part = self.shard_fns[shard_id](loaded, 0)
+            copy_into(param.narrow(0, self.offsets[shard_id], self.local[shard_id]), part)
+        if hasattr(param, "loaded_segments"):
+            param.loaded_segments.add(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -144,6 +165,20 @@ class ColumnLinear(_QuantLinear):
         if self.bias is not None or len(self.local) != 2 or self.local[0] != self.local[1]:
             return None
         return self.method.swiglu(x, self.weight, self.weight_scale)
+
+
+def unloaded_segments(name: str, param: torch.Tensor) -> list[str]:
+    """Names of the segments of a ColumnLinear parameter built with `segment_names` that no
+    checkpoint tensor filled (`a.qkv_proj.weight` missing k -> `a.k_proj.weight`): a fused weight
+    with one part absent would otherwise load with uninitialised rows."""
+    names = getattr(param, "segment_names", None) or []
+    module, _, leaf = name.rpartition(".")
+    parent = module.rpartition(".")[0]
+    return [
+        ".".join(p for p in (parent, segment, leaf) if p)
+        for i, segment in enumerate(names)
+        if i not in param.loaded_segments
+    ]
 
 
 class RowLinear(_QuantLinear):
