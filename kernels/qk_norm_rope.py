@@ -142,13 +142,16 @@ def _qk_norm_rope_kernel(
     else:
         slot = tl.load(slots_ptr + t).to(tl.int64)
         v = tl.load(v_ptr + t * stride_vt + kv_head * stride_vh + d, mask=ok, other=0.0)
-        if FP8_KV:  # store_kv_triton's quantisation: x / scale rounded as torch divides, saturated
-            y = tl.clamp(tl.math.div_rn(y.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
-            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
         k_dst = k_cache_ptr + slot * stride_kcs + kv_head * stride_kch + d
-        tl.store(k_dst, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
         v_dst = v_cache_ptr + slot * stride_vcs + kv_head * stride_vch + d
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        if FP8_KV:  # store_kv_triton's quantisation: x / scale rounded as torch divides, saturated
+            k_q = tl.clamp(tl.math.div_rn(y.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+            v_q = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
+            tl.store(k_dst, k_q.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_dst, v_q.to(v_cache_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(k_dst, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 def qk_norm_rope_store_triton(

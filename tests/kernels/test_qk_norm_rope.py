@@ -82,14 +82,19 @@ def test_bad_shapes_are_refused():
 
 
 @gpu
-def test_full_size_qwen35_27b():
-    """27B heads (24 q / 4 kv, head_dim 256, rotary 64), a decode batch and a prefill chunk."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_full_size_qwen35_27b(cache_dtype):
+    """27B heads (24 q / 4 kv, head_dim 256, rotary 64), a decode batch and a prefill chunk, over
+    a bf16 and an fp8 cache (compiled, not interpreted: both store branches)."""
     for tokens in (64, 4096):
         q, k, v, (qw, kw), cos, sin, slots, caches = make_inputs(
-            tokens, 24, 4, 256, 64, torch.bfloat16, 11
+            tokens, 24, 4, 256, 64, torch.bfloat16, 11, cache_dtype=cache_dtype
         )
+        scales = (None, None)
+        if cache_dtype == FP8_DTYPE:
+            scales = (torch.tensor([0.02], device=DEVICE), torch.tensor([0.5], device=DEVICE))
         args = (qw, kw, 1e-6, True, cos, sin)
-        expected = qk_norm_rope_store_ref(q, k, v, *args, caches[2], caches[3], slots)
-        got = qk_norm_rope_store_triton(q, k, v, *args, caches[0], caches[1], slots)
+        expected = qk_norm_rope_store_ref(q, k, v, *args, caches[2], caches[3], slots, *scales)
+        got = qk_norm_rope_store_triton(q, k, v, *args, caches[0], caches[1], slots, *scales)
         assert_close(got, expected, torch.bfloat16, name=f"q {tokens}")
         check_caches(caches, slots, torch.bfloat16)
