@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import DEVICE, gpu, randn
-from tolerances import assert_close, poison
+from tolerances import TOLERANCES, assert_close, poison, rel_error
 
 from kernels.attention import quantize_kv_ref
 from kernels.fp8 import FP8_DTYPE
@@ -35,10 +35,20 @@ def make_inputs(tokens, hq, hkv, d, rot, dtype, seed, cache_dtype=None):
     return q, k, v, weights, cos, sin, slots, caches
 
 
-def check_caches(caches, slots, dtype):
+def check_caches(caches, slots, dtype, scales=(None, None)):
     ours_k, ours_v, ref_k, ref_v = caches
-    for got, want, name in ((ours_k, ref_k, "k cache"), (ours_v, ref_v, "v cache")):
-        assert_close(got[slots].float(), want[slots].float(), dtype, name=name)
+    for got, want, scale, name in (
+        (ours_k, ref_k, scales[0], "k cache"),
+        (ours_v, ref_v, scales[1], "v cache"),
+    ):
+        if got.dtype == FP8_DTYPE:  # in real units: k is a sum of two rounded products (rotary),
+            # so where they cancel, a bf16 ulp from the norm's fp32 sum order (GPU) is a large part
+            # of a small value and its e4m3 code moves by more than a step; bounded like bf16 q
+            a, b = got[slots].float() * scale, want[slots].float() * scale
+            assert ((a - b).abs() <= b.abs() / 8 + TOLERANCES[dtype][0]).all(), name
+            assert rel_error(a, b) < 1e-2, f"{name}: {rel_error(a, b)}"
+        else:
+            assert_close(got[slots].float(), want[slots].float(), dtype, name=name)
         untouched = torch.ones(got.shape[0], dtype=torch.bool, device=DEVICE)
         untouched[slots] = False
         assert torch.isnan(got[untouched].float()).all(), f"{name}: other slots written"
@@ -70,7 +80,7 @@ def test_fused_prologue_quantises_an_fp8_cache():
     expected = qk_norm_rope_store_ref(q, k, v, *args, caches[2], caches[3], slots, *scales)
     got = qk_norm_rope_store_triton(q, k, v, *args, caches[0], caches[1], slots, *scales)
     assert_close(got, expected, torch.bfloat16, name="q")
-    check_caches(caches, slots, torch.bfloat16)
+    check_caches(caches, slots, torch.bfloat16, scales)
     assert caches[1][slots].float().abs().max() <= 448  # v / 0.5 saturated into e4m3's range
     assert torch.equal(caches[1][slots].float(), quantize_kv_ref(v, scales[1]).float())
 
@@ -97,4 +107,4 @@ def test_full_size_qwen35_27b(cache_dtype):
         expected = qk_norm_rope_store_ref(q, k, v, *args, caches[2], caches[3], slots, *scales)
         got = qk_norm_rope_store_triton(q, k, v, *args, caches[0], caches[1], slots, *scales)
         assert_close(got, expected, torch.bfloat16, name=f"q {tokens}")
-        check_caches(caches, slots, torch.bfloat16)
+        check_caches(caches, slots, torch.bfloat16, scales)
