@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, conv1d, fp8, gdn, norm, rotary
+from kernels import attention, conv1d, fp8, gdn, norm, qk_norm_rope, rotary
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 
 DEV = "cuda"
@@ -306,6 +306,38 @@ def _rotary_cases(tokens: int, compile_peers: bool) -> list[tuple]:
     ]
 
 
+def _qk_prologue_case(tokens: int) -> tuple:
+    """The attention layer's prologue fused (q/k norm, rotary, KV store) against the five
+    separate launches it replaced (peer "separate_ops")."""
+    wide = torch.randn(tokens, (2 * HQ + 2 * HKV) * HEAD_DIM, device=DEV, dtype=BF16)
+    q = wide[:, : 2 * HQ * HEAD_DIM].view(tokens, HQ, 2 * HEAD_DIM)[:, :, :HEAD_DIM]
+    k = wide[:, 2 * HQ * HEAD_DIM : (2 * HQ + HKV) * HEAD_DIM].view(tokens, HKV, HEAD_DIM)
+    v = wide[:, (2 * HQ + HKV) * HEAD_DIM :].view(tokens, HKV, HEAD_DIM)
+    qw, kw = (torch.randn(HEAD_DIM, device=DEV, dtype=BF16) for _ in range(2))
+    positions = torch.randint(0, 100000, (tokens,), device=DEV)
+    cos, sin = rotary.rotary_cos_sin_ref(positions, rotary.inv_freq(64, 1e7).to(DEV))
+    caches = [torch.zeros(tokens + 64, HKV, HEAD_DIM, device=DEV, dtype=BF16) for _ in range(2)]
+    slots = torch.randperm(tokens + 64, device=DEV)[:tokens]
+
+    def separate():
+        qn = norm.rms_norm(q.reshape(-1, HEAD_DIM), qw, 1e-6, True)[0].view(q.shape)
+        kn = norm.rms_norm(k.reshape(-1, HEAD_DIM), kw, 1e-6, True)[0].view(k.shape)
+        qr, kr = rotary.apply_rotary(qn, cos, sin), rotary.apply_rotary(kn, cos, sin)
+        attention.store_kv(kr, v, *caches, slots)
+        return qr
+
+    return (
+        "qk_norm_rope_store",
+        f"T={tokens} Hq={HQ} Hkv={HKV} D={HEAD_DIM} rot=64",
+        lambda: qk_norm_rope.qk_norm_rope_store(
+            q, k, v, qw, kw, 1e-6, True, cos, sin, *caches, slots
+        ),
+        (2 * q.numel() + 4 * k.numel()) * 2,
+        "GB/s",
+        {"separate_ops": separate},
+    )
+
+
 def _silu_case(tokens: int, compile_peers: bool) -> tuple:
     xs = torch.randn(tokens, 2 * INTER, device=DEV, dtype=BF16)
     return (
@@ -325,6 +357,7 @@ def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
         yield _rms_case(tokens, big)
         yield _gated_case(tokens, big)
         yield from _rotary_cases(tokens, big)
+        yield _qk_prologue_case(tokens)
         yield _silu_case(tokens, big)
 
 
