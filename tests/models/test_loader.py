@@ -45,21 +45,38 @@ def test_every_layout_loads_to_the_same_logits(moe_variants):
         torch.testing.assert_close(logits(moe_variants[name]), ref, atol=1e-5, rtol=0, msg=name)
 
 
-def test_mismatch_names_missing_and_unexpected_keys(tiny_dense, tmp_path):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in tiny_dense.iterdir():
+def edited_copy(model_dir, dest, drop: str, add: dict | None = None):
+    """The checkpoint in model_dir without `model.language_model.<drop>` and with `add`."""
+    dest.mkdir()
+    for f in model_dir.iterdir():
         if f.suffix != ".safetensors":
-            (bad / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(tiny_dense / "model.safetensors"))
-    dropped = "model.language_model.layers.1.self_attn.k_proj.weight"
-    tensors.pop(dropped)
-    tensors["model.language_model.layers.0.bogus.weight"] = torch.zeros(2)
-    save_file(tensors, str(bad / "model.safetensors"))
+            (dest / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors.pop(f"model.language_model.{drop}")
+    save_file({**tensors, **(add or {})}, str(dest / "model.safetensors"))
+    return dest
+
+
+def test_mismatch_names_missing_and_unexpected_keys(tiny_dense, tmp_path):
+    bogus = {"model.language_model.layers.0.bogus.weight": torch.zeros(2)}
+    bad = edited_copy(tiny_dense, tmp_path / "bad", "layers.1.self_attn.k_proj.weight", bogus)
     with pytest.raises(CheckpointMismatch) as err:
         logits(bad)
     assert "layers.1.self_attn.k_proj.weight" in str(err.value)
     assert "layers.0.bogus.weight" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    ["layers.1.mlp.up_proj.weight", "layers.0.linear_attn.in_proj_z.weight"],
+    ids=["mlp_up", "gdn_z"],
+)
+def test_a_missing_part_of_a_fused_weight_is_named(tiny_dense, tmp_path, dropped):
+    """gate_up_proj and the GDN in_proj hold several checkpoint tensors: one absent must not load
+    as uninitialised rows but be named like any missing key."""
+    bad = edited_copy(tiny_dense, tmp_path / "bad", dropped)
+    with pytest.raises(CheckpointMismatch, match=rf"missing keys: .*{dropped.replace('.', '[.]')}"):
+        logits(bad)
 
 
 def test_unknown_architecture_is_refused(tiny_dense, tmp_path):

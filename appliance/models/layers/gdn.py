@@ -54,11 +54,21 @@ class GatedDeltaNet(nn.Module):
         ba = quant_for(quant, f"{prefix}.in_proj_b", f"{prefix}.in_proj_a")
         heads = [num_v_heads, num_v_heads]
         self.in_proj_ba = None
+        names = [*["in_proj_qkv"] * 3, "in_proj_z"]  # checkpoint modules, for a missing one
         if main is ba:
-            self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim, *heads], quant=main)
+            self.in_proj = ColumnLinear(
+                hidden,
+                [*self.segments, value_dim, *heads],
+                quant=main,
+                segment_names=[*names, "in_proj_b", "in_proj_a"],
+            )
         else:
-            self.in_proj = ColumnLinear(hidden, [*self.segments, value_dim], quant=main)
-            self.in_proj_ba = ColumnLinear(hidden, heads, quant=ba)
+            self.in_proj = ColumnLinear(
+                hidden, [*self.segments, value_dim], quant=main, segment_names=names
+            )
+            self.in_proj_ba = ColumnLinear(
+                hidden, heads, quant=ba, segment_names=["in_proj_b", "in_proj_a"]
+            )
         self.in_proj_split = [self.conv_dim, value_dim // size, self.num_v_heads, self.num_v_heads]
         self.conv1d_weight = nn.Parameter(
             torch.empty(self.conv_dim, conv_kernel), requires_grad=False

@@ -174,11 +174,12 @@ def unloaded_segments(name: str, param: torch.Tensor) -> list[str]:
     names = getattr(param, "segment_names", None) or []
     module, _, leaf = name.rpartition(".")
     parent = module.rpartition(".")[0]
-    return [
+    missing = [
         ".".join(p for p in (parent, segment, leaf) if p)
         for i, segment in enumerate(names)
         if i not in param.loaded_segments
     ]
+    return list(dict.fromkeys(missing))  # one name for a module that fills several segments
 
 
 class RowLinear(_QuantLinear):

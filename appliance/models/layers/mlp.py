@@ -22,7 +22,12 @@ class MLP(nn.Module):
         super().__init__()
         gate_up = quant_for(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
         # shard 0 gate, 1 up
-        self.gate_up_proj = ColumnLinear(hidden, [intermediate, intermediate], quant=gate_up)
+        self.gate_up_proj = ColumnLinear(
+            hidden,
+            [intermediate, intermediate],
+            quant=gate_up,
+            segment_names=["gate_proj", "up_proj"],
+        )
         down = quant_for(quant, f"{prefix}.down_proj")
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
