@@ -23,8 +23,8 @@ KERNEL_MODULES = (
     "kernels.triton_utils",
     "kernels.attention",
     "kernels.gdn_chunk",
+    "kernels.gdn_gate",  # before gdn: it binds gate_values at import
     "kernels.gdn",
-    "kernels.gdn_gate",
     "kernels.state_commit",
     "kernels.conv1d",
     "kernels.norm",
