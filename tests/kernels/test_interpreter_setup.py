@@ -20,20 +20,27 @@ def test_kernels_are_interpreted_and_the_flag_is_restored():
     )
 
 
-def test_every_module_with_triton_kernels_is_reimported_interpreted():
-    """conftest.KERNEL_MODULES must list each kernels/ module that defines a Triton kernel (a
-    missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
+def listed_modules() -> list[str]:
+    """conftest.KERNEL_MODULES, read from this directory's conftest.py (`import conftest` may
+    find another test directory's)."""
     import ast
     from pathlib import Path
 
-    # read from this directory's conftest.py (`import conftest` may find another test dir's)
     source = ast.parse((Path(__file__).parent / "conftest.py").read_text())
     listed = next(
         node.value
         for node in source.body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "KERNEL_MODULES"
     )
-    KERNEL_MODULES = ast.literal_eval(listed)
+    return ast.literal_eval(listed)
+
+
+def test_every_module_with_triton_kernels_is_reimported_interpreted():
+    """conftest.KERNEL_MODULES must list each kernels/ module that defines a Triton kernel (a
+    missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
+    from pathlib import Path
+
+    KERNEL_MODULES = listed_modules()
     root = Path(__file__).resolve().parents[2] / "kernels"
     with_kernels = {
         f"kernels.{path.stem}"
@@ -42,3 +49,34 @@ def test_every_module_with_triton_kernels_is_reimported_interpreted():
     }
     assert with_kernels, root
     assert not with_kernels - set(KERNEL_MODULES), sorted(with_kernels - set(KERNEL_MODULES))
+
+
+def test_a_module_binding_another_modules_jit_function_is_reloaded_after_it():
+    """`from kernels.x import some_jit_fn` binds the function at import: conftest must reload x
+    first, or the importer keeps the compiled-mode function and fails interpreted ("Cannot call
+    @triton.jit'd outside of the scope of a kernel") once both were imported before the tests."""
+    import ast
+    from pathlib import Path
+
+    order = {name: i for i, name in enumerate(listed_modules())}
+    root = Path(__file__).resolve().parents[2] / "kernels"
+
+    def jit_functions(module: str) -> set[str]:
+        tree = ast.parse((root / f"{module.split('.')[1]}.py").read_text())
+        return {
+            node.name
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef)
+            and any(getattr(d, "id", "") == "jit" for d in node.decorator_list)
+        }
+
+    late = []
+    for module in order:
+        tree = ast.parse((root / f"{module.split('.')[1]}.py").read_text())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "") in order):
+                continue
+            bound = {alias.name for alias in node.names} & jit_functions(node.module)
+            if bound and order[node.module] > order[module]:
+                late.append(f"{module} binds {sorted(bound)} of {node.module}, listed after it")
+    assert not late, late
