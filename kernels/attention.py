@@ -546,7 +546,7 @@ def _merge_splits_kernel(
 # 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x).
 # Run BF: widening V to fp16 before it is staged in shared memory (ldmatrix.trans instead of byte
 # loads for the PV dot) was slower at every tile (1.00x at (64, 3, 4)); flashinfer's fp8 decode
-# reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here at batch 64.
+# reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here (batch 64, batch 16 at 32k).
 ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
 
 
