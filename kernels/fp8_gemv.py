@@ -81,6 +81,7 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_ACC: tl.constexpr = False,  # sum each K step's products at once: a [BLOCK_N] accumulator
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -92,7 +93,10 @@ def _gemv_kernel(
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if ROW_ACC:
+        acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         if EVEN:
@@ -102,8 +106,14 @@ def _gemv_kernel(
             k_ok = k < k_size
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1)
+        if ROW_ACC:
+            acc_rows += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if ROW_ACC:
+        out = acc_rows
+    else:
+        out = tl.sum(acc, axis=1)
     if SCALED:
         if PER_COL:
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -183,9 +193,16 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
     return USE_GEMV and (m == 1 or (1 < m <= GEMV_MAX_ROWS and k >= 2 * n))
 
 
+# The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile): keys of
+# gemv_config plus "row_acc" (see _gemv_kernel's ROW_ACC).
+GEMV_TILE: dict[str, int] | None = None
+
+
 def gemv_config(n: int, k: int) -> dict[str, int]:
     """Tile, warps and K-loop stages: the H200 sweep's best at every 27B projection (8 x 512
     tiles, 3 stages of the K loop in flight; unpipelined, the same tiles were 10-40 % slower)."""
+    if GEMV_TILE is not None:
+        return dict(GEMV_TILE)
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
 
 
@@ -299,6 +316,7 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         EVEN=n % block_n == 0 and k % block_k == 0,
+        ROW_ACC=bool(cfg.get("row_acc", False)),
         **common,
     )
     return out
