@@ -65,6 +65,21 @@ def fp8_gemv_ref(
 
 
 @jit
+def _w_tile(w_rows, k, n_ok, k_size, EVEN: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile at columns k (masked unless EVEN)."""
+    if EVEN:
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_size)[None, :], other=0.0)
+
+
+@jit
+def _x_tile(x_ptr, k, k_size, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(x_ptr + k).to(tl.float32)
+    return tl.load(x_ptr + k, mask=k < k_size, other=0.0).to(tl.float32)
+
+
+@jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -81,7 +96,7 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    ROW_ACC: tl.constexpr = False,  # sum each K step's products at once: a [BLOCK_N] accumulator
+    PEEL: tl.constexpr = 0,  # 0-2 first weight tiles loaded before the PDL wait (K >= PEEL tiles)
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -92,28 +107,23 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    # The weights are no earlier kernel's output: under PDL the first tiles' DRAM latency can
+    # pass while the previous kernel finishes; only the row x waits for it.
+    if PEEL >= 1:
+        w_0 = _w_tile(w_rows, rk, n_ok, k_size, EVEN)
+    if PEEL >= 2:
+        w_1 = _w_tile(w_rows, BLOCK_K + rk, n_ok, k_size, EVEN)
     pdl_wait(PDL)
-    if ROW_ACC:
-        acc_rows = tl.zeros([BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PEEL >= 1:
+        acc += w_0.to(tl.float32) * _x_tile(x_ptr, rk, k_size, EVEN)[None, :]
+    if PEEL >= 2:
+        acc += w_1.to(tl.float32) * _x_tile(x_ptr, BLOCK_K + rk, k_size, EVEN)[None, :]
+    for k0 in tl.range(PEEL * BLOCK_K, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
-        if EVEN:
-            w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_ptr + k)
-        else:
-            k_ok = k < k_size
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
-        if ROW_ACC:
-            acc_rows += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        else:
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    if ROW_ACC:
-        out = acc_rows
-    else:
-        out = tl.sum(acc, axis=1)
+        w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
+    out = tl.sum(acc, axis=1)
     if SCALED:
         if PER_COL:
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -193,9 +203,12 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
     return USE_GEMV and (m == 1 or (1 < m <= GEMV_MAX_ROWS and k >= 2 * n))
 
 
-# The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile): keys of
-# gemv_config plus "row_acc" (see _gemv_kernel's ROW_ACC).
+# The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
+# gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
+# Weight tiles of a one-row GEMV loaded before its PDL wait (`_gemv_kernel`'s PEEL; bench_static.py
+# --gemv-peel).
+GEMV_PEEL = 0
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
@@ -316,7 +329,7 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         EVEN=n % block_n == 0 and k % block_k == 0,
-        ROW_ACC=bool(cfg.get("row_acc", False)),
+        PEEL=min(GEMV_PEEL, k // block_k),
         **common,
     )
     return out

@@ -293,14 +293,11 @@ PUBLISHED_ACCEPT = {1: 1.90, 2: 2.68, 3: 3.28}
 
 
 def parse_tile(text: str) -> dict | None:
-    """--fp8-gemv-tile's BLOCK_N,BLOCK_K,WARPS,STAGES[,row] as fp8_gemv.GEMV_TILE (default:
-    None)."""
+    """--fp8-gemv-tile's BLOCK_N,BLOCK_K,WARPS,STAGES as fp8_gemv.GEMV_TILE (default: None)."""
     if text == "default":
         return None
-    parts = text.split(",")
-    n, k, warps, stages = (int(v) for v in parts[:4])
-    tile = {"block_n": n, "block_k": k, "num_warps": warps, "stages": stages}
-    return tile | {"row_acc": 1} if parts[4:] == ["row"] else tile
+    n, k, warps, stages = (int(v) for v in text.split(","))
+    return {"block_n": n, "block_k": k, "num_warps": warps, "stages": stages}
 
 
 def kernel_switches() -> tuple:
@@ -313,6 +310,7 @@ def kernel_switches() -> tuple:
         gemv_swiglu.USE_SWIGLU,
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
+        fp8_gemv.GEMV_PEEL,
     )
 
 
@@ -395,8 +393,16 @@ def main() -> None:
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
-        help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES[,row] (row: a [BLOCK_N] "
-        "accumulator), or default; the decode graphs are captured again for each",
+        help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
+        "graphs are captured again for each",
+    )
+    ap.add_argument(
+        "--gemv-peel",
+        type=int,
+        nargs="+",
+        default=[fp8_gemv.GEMV_PEEL],
+        help="weight tiles a one-row GEMV loads before its PDL wait (0-2); the decode graphs are "
+        "captured again for each",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -423,8 +429,15 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, graphs in itertools.product(
-        args.pdl, args.gemv, args.rows, args.swiglu, args.moe_pairs, args.fp8_gemv_tile, args.graphs
+    for pdl, gemv, rows_on, swiglu, pairs, tile, peel, graphs in itertools.product(
+        args.pdl,
+        args.gemv,
+        args.rows,
+        args.swiglu,
+        args.moe_pairs,
+        args.fp8_gemv_tile,
+        args.gemv_peel,
+        args.graphs,
     ):
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
@@ -434,6 +447,7 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
+        fp8_gemv.GEMV_PEEL = peel
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -452,6 +466,8 @@ def main() -> None:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
             print(f"fp8 GEMV tile {tile}")
+        if len(args.gemv_peel) > 1 and graphs == args.graphs[0]:
+            print(f"GEMV weight tiles before the PDL wait: {peel}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -476,6 +492,7 @@ def main() -> None:
                     r["swiglu"] = swiglu
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
+                    r["gemv_peel"] = peel
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
