@@ -96,7 +96,6 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PEEL: tl.constexpr = 0,  # 0-2 first weight tiles loaded before the PDL wait (K >= PEEL tiles)
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -107,19 +106,9 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    # The weights are no earlier kernel's output: under PDL the first tiles' DRAM latency can
-    # pass while the previous kernel finishes; only the row x waits for it.
-    if PEEL >= 1:
-        w_0 = _w_tile(w_rows, rk, n_ok, k_size, EVEN)
-    if PEEL >= 2:
-        w_1 = _w_tile(w_rows, BLOCK_K + rk, n_ok, k_size, EVEN)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PEEL >= 1:
-        acc += w_0.to(tl.float32) * _x_tile(x_ptr, rk, k_size, EVEN)[None, :]
-    if PEEL >= 2:
-        acc += w_1.to(tl.float32) * _x_tile(x_ptr, BLOCK_K + rk, k_size, EVEN)[None, :]
-    for k0 in tl.range(PEEL * BLOCK_K, k_size, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
@@ -206,9 +195,6 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
 # The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
 # gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
-# Weight tiles of a one-row GEMV loaded before its PDL wait (`_gemv_kernel`'s PEEL; bench_static.py
-# --gemv-peel).
-GEMV_PEEL = 0
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
@@ -329,7 +315,6 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         EVEN=n % block_n == 0 and k % block_k == 0,
-        PEEL=min(GEMV_PEEL, k // block_k),
         **common,
     )
     return out

@@ -310,7 +310,6 @@ def kernel_switches() -> tuple:
         gemv_swiglu.USE_SWIGLU,
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
-        fp8_gemv.GEMV_PEEL,
     )
 
 
@@ -396,14 +395,6 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
         "graphs are captured again for each",
     )
-    ap.add_argument(
-        "--gemv-peel",
-        type=int,
-        nargs="+",
-        default=[fp8_gemv.GEMV_PEEL],
-        help="weight tiles a one-row GEMV loads before its PDL wait (0-2); the decode graphs are "
-        "captured again for each",
-    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -429,14 +420,13 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, peel, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
         args.swiglu,
         args.moe_pairs,
         args.fp8_gemv_tile,
-        args.gemv_peel,
         args.graphs,
     ):
         before = kernel_switches()
@@ -447,7 +437,6 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
-        fp8_gemv.GEMV_PEEL = peel
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -466,8 +455,6 @@ def main() -> None:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
             print(f"fp8 GEMV tile {tile}")
-        if len(args.gemv_peel) > 1 and graphs == args.graphs[0]:
-            print(f"GEMV weight tiles before the PDL wait: {peel}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -492,7 +479,6 @@ def main() -> None:
                     r["swiglu"] = swiglu
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
-                    r["gemv_peel"] = peel
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -1,9 +1,9 @@
 """Why the one-row fp8 GEMV reads 1.07-1.35x its floor when the bf16 one reads 1.0-1.1x: at the
-27B projections, times `kernels.fp8_gemv` over its tiles and K-loop stages, and with its first
-weight tiles loaded before the PDL wait (PEEL). Each call is timed inside a CUDA graph of 40
-launches over weight copies larger than L2, with programmatic dependent launch off and on (the
-decode step runs with it on). Run BJ (docs/benchmarks.md) also timed a [BLOCK_N] accumulator
-and weight tiles prefetched into registers, both slower; they were removed.
+27B projections, times `kernels.fp8_gemv` over its tiles and K-loop stages. Each call is timed
+inside a CUDA graph of 40 launches over weight copies larger than L2, with programmatic dependent
+launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md) also
+timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
+loaded before the PDL wait: slower or no faster, so they were removed.
 
   python3 ops/gpu/gemv_probe.py [--shapes ...] [--pdl off on]
 """
@@ -23,7 +23,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]  # bench_fp8_gemv import
 from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
 
 from kernels import fp8  # noqa: E402
-from kernels import fp8_gemv as fp8_gemv_mod  # noqa: E402
 from kernels import triton_utils as tu  # noqa: E402
 from kernels.fp8_gemv import fp8_gemv  # noqa: E402
 
@@ -38,20 +37,10 @@ def tile(n, k, w, st, **extra):
     return {"block_n": n, "block_k": k, "num_warps": w, "stages": st, **extra}
 
 
-def peeled(x, w_q, s, cfg):
-    """The default tile with cfg["peel"] weight tiles loaded before the PDL wait."""
-    before, fp8_gemv_mod.GEMV_PEEL = fp8_gemv_mod.GEMV_PEEL, cfg["peel"]
-    try:
-        return fp8_gemv(x, w_q, s, None, None)
-    finally:
-        fp8_gemv_mod.GEMV_PEEL = before
-
-
 VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (2, 3, 4, 5, 6)] + [
     ("stages", stages, tile(n, k, w, st))
     for n, k, w, st in ((16, 512, 4, 4), (8, 1024, 4, 4), (4, 512, 4, 5), (8, 256, 4, 8))
 ]
-VARIANTS += [("peel", peeled, {"peel": p}) for p in (1, 2)]
 
 
 def main() -> None:

@@ -57,23 +57,6 @@ def test_gemv_matches_reference_per_channel(n, k, per_channel, config, dtype):
     assert fp8_gemv(x[0], w_q, s, config=config).shape == (n,)  # a [K] row gives [N]
 
 
-@pytest.mark.parametrize("peel", [1, 2])
-@pytest.mark.parametrize("n,k", [(40, 300), (64, 256), (24, 100)])
-def test_gemv_with_weight_tiles_loaded_before_the_wait(monkeypatch, peel, n, k):
-    """PEEL: the first tiles come before the (PDL) wait and the K loop starts after them; K of
-    fewer tiles than PEEL (100 < 2 x 64) peels what there is, ragged K is masked."""
-    config = CONFIGS[1]
-    monkeypatch.setattr(kernels.fp8_gemv, "GEMV_PEEL", peel)
-    w_q, s = channel_weight(n, k, True, seed=n + k)
-    x = randn(1, k, dtype=torch.float32, seed=k)
-    expected = fp8_gemv_ref(x, w_q, s)
-    torch.testing.assert_close(fp8_gemv(x, w_q, s, config=config), expected, atol=1e-4, rtol=1e-4)
-    w16 = w_q.float().to(torch.bfloat16)
-    x16 = x.to(torch.bfloat16)
-    expected16 = (x16.float() @ w16.float().t()).to(torch.bfloat16)
-    assert_close(fp8_gemv(x16, w16, None, config=config), expected16, torch.bfloat16, name="peel")
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
 def test_gemv_of_a_bf16_weight_without_scales(config):
     w = randn(40, 300, dtype=torch.bfloat16, seed=4, scale=0.05)
