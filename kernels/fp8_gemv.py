@@ -80,6 +80,33 @@ def _x_tile(x_ptr, k, k_size, EVEN: tl.constexpr):
 
 
 @jit
+def _tail_rows(
+    x_ptr,
+    w2_ptr,
+    out2_ptr,
+    tid,
+    n2_size,
+    k_size,
+    stride_w2n,
+    STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """BLOCK_N rows (tile tid) of a small unscaled 16-bit weight read after a GEMV's own rows, in
+    the same launch (`tail`): out2 = x W2^T."""
+    rn = tid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < n2_size
+    w_rows = w2_ptr + rn.to(tl.int64)[:, None] * stride_w2n
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
+        k = k0 + rk
+        w = _w_tile(w_rows, k, n_ok, k_size, False)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, False)[None, :]
+    tl.store(out2_ptr + rn, tl.sum(acc, axis=1).to(out2_ptr.dtype.element_ty), mask=n_ok)
+
+
+@jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -89,6 +116,9 @@ def _gemv_kernel(
     n_size,
     k_size,
     stride_wn,
+    w2_ptr,  # TAIL: a 16-bit weight [n2, K] whose rows follow W's in out
+    n2_size,
+    stride_w2n,
     SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -96,12 +126,21 @@ def _gemv_kernel(
     STAGES: tl.constexpr,  # software pipelining of the K loop (1: none)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TAIL: tl.constexpr = False,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
     if RELEASE:
         pdl_release(PDL)
     pid = tl.program_id(0)
+    if TAIL:  # the tail's programs come first: scheduled in the first wave, done in its time
+        tail_programs = tl.cdiv(n2_size, BLOCK_N)
+        if pid < tail_programs:
+            pdl_wait(PDL)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
+            return
+        pid -= tail_programs
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
@@ -252,16 +291,35 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def _prepare(x, w_q, config, max_rows=1) -> tuple[int, int, dict[str, int], torch.Tensor]:
-    """Checks the rows against the weight; (N, K, the tile config, the output)."""
+def _prepare(
+    x, w_q, config, max_rows=1, tail=None
+) -> tuple[int, int, dict[str, int], torch.Tensor]:
+    """Checks the rows against the weight (and a tail weight); (N, K, the tile config, the
+    output: N columns, then the tail's)."""
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("w_q", w_q)
     n, k = w_q.shape
     if x.shape[-1] != k or x.numel() > max_rows * k:
         many = "one row" if max_rows == 1 else f"at most {max_rows} rows"
         raise ValueError(f"fp8 GEMV: x {tuple(x.shape)} w {tuple(w_q.shape)} ({many} of K)")
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    n2 = 0
+    if tail is not None:
+        check_last_dim_contiguous("tail", tail)
+        if tail.dim() != 2 or tail.shape[1] != k or tail.dtype != x.dtype or x.numel() != k:
+            raise ValueError(
+                f"fp8 GEMV: a tail {tuple(tail.shape)} {tail.dtype} needs one row x of K = {k} "
+                f"in its dtype (x {tuple(x.shape)} {x.dtype})"
+            )
+        n2 = tail.shape[0]
+    out = torch.empty(*x.shape[:-1], n + n2, dtype=x.dtype, device=x.device)
     return n, k, config or gemv_config(n, k), out
+
+
+def _tail_args(tail: torch.Tensor | None, w_q: torch.Tensor, block_n: int) -> tuple[tuple, int]:
+    """The kernels' (w2, n2, stride) arguments and the tail's program count."""
+    if tail is None:
+        return (w_q, 0, 0), 0
+    return (tail, tail.shape[0], tail.stride(0)), -(-tail.shape[0] // block_n)
 
 
 def fp8_gemv(
@@ -270,11 +328,14 @@ def fp8_gemv(
     scale: torch.Tensor | None,  # [N] / [N, 1] per channel, or [1] per tensor
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
+    tail: torch.Tensor | None = None,  # [N2, K] in x's dtype: its rows too, in the same launch
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
     16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
-    16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS)."""
-    n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS)
+    16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS).
+    With a `tail` (one row only): [.., N + N2], x W^T then x tail^T (unscaled, no bias), one
+    launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj."""
+    n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, tail)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
@@ -305,7 +366,8 @@ def fp8_gemv(
             **common,
         )
         return out
-    _gemv_kernel[(-(-n // block_n),)](
+    tail_args, tail_programs = _tail_args(tail, w_q, block_n)
+    _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
         s,
@@ -314,7 +376,9 @@ def fp8_gemv(
         n,
         k,
         w_q.stride(0),
+        *tail_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
+        TAIL=tail is not None,
         **common,
     )
     return out
@@ -346,6 +410,9 @@ def _gemv_block_kernel(
     k_size,
     stride_wn,
     stride_sn,
+    w2_ptr,  # TAIL, as in _gemv_kernel
+    n2_size,
+    stride_w2n,
     SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
     SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
     HAS_BIAS: tl.constexpr,
@@ -353,6 +420,7 @@ def _gemv_block_kernel(
     STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TAIL: tl.constexpr = False,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -363,6 +431,14 @@ def _gemv_block_kernel(
     if RELEASE:
         pdl_release(PDL)
     pid = tl.program_id(0)
+    if TAIL:  # the tail's programs come first: scheduled in the first wave, done in its time
+        tail_programs = tl.cdiv(n2_size, BLOCK_N)
+        if pid < tail_programs:
+            pdl_wait(PDL)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
+            return
+        pid -= tail_programs
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.arange(0, G)
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
@@ -397,17 +473,19 @@ def fp8_gemv_block(
     block: tuple[int, int],
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    tail: torch.Tensor | None = None,  # as in fp8_gemv
 ) -> torch.Tensor:
     """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
-    route)."""
-    n, k, _, out = _prepare(x, w_q, config)
+    route); a `tail` as in fp8_gemv."""
+    n, k, _, out = _prepare(x, w_q, config, 1, tail)
     cfg = config or block_gemv_config(n, k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     bn, bk = block
     if bn % block_n or block_k % bk or bk & (bk - 1):
         raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     s = scale.float().contiguous()
-    _gemv_block_kernel[(-(-n // block_n),)](
+    tail_args, tail_programs = _tail_args(tail, w_q, block_n)
+    _gemv_block_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
         s,
@@ -417,6 +495,7 @@ def fp8_gemv_block(
         k,
         w_q.stride(0),
         s.stride(0),
+        *tail_args,
         SCALE_N=bn,
         SCALE_K=bk,
         HAS_BIAS=bias is not None,
@@ -424,6 +503,7 @@ def fp8_gemv_block(
         STAGES=cfg.get("stages", 1),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TAIL=tail is not None,
         num_warps=cfg["num_warps"],
         **gemv_pdl(w_q),
     )

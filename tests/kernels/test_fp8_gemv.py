@@ -57,6 +57,71 @@ def test_gemv_matches_reference_per_channel(n, k, per_channel, config, dtype):
     assert fp8_gemv(x[0], w_q, s, config=config).shape == (n,)  # a [K] row gives [N]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n2", [5, 16])
+def test_a_tail_weight_is_read_in_the_same_launch(n2, dtype):
+    """`tail`: the rows of a small unscaled weight in x's dtype follow W's in the output, from
+    one launch, per channel (ragged N, K) and with block scales."""
+    x = randn(1, 300, dtype=dtype, seed=1)
+    tail = randn(n2, 300, dtype=dtype, seed=2, scale=0.05)
+    want_tail = (x.float() @ tail.float().t()).to(dtype)
+    w_q, s = channel_weight(40, 300, True, seed=3)
+    got = fp8_gemv(x, w_q, s, config=CONFIGS[1], tail=tail)
+    assert got.shape == (1, 40 + n2)
+    assert_close(got[:, :40], fp8_gemv_ref(x, w_q, s), dtype, name="main rows")
+    assert_close(got[:, 40:], want_tail, dtype, name="tail rows")
+    b_q, b_s = quantize_block_ref(randn(256, 512, seed=4, scale=0.05), (128, 128))
+    xb, tail_b = randn(1, 512, dtype=dtype, seed=5), randn(n2, 512, dtype=dtype, seed=6)
+    got = fp8_gemv_block(xb, b_q, b_s, (128, 128), tail=tail_b)
+    assert_close(got[:, :256], fp8_gemv_block_ref(xb, b_q, b_s, (128, 128)), dtype, name="block")
+    assert_close(got[:, 256:], (xb.float() @ tail_b.float().t()).to(dtype), dtype, name="tail")
+    with pytest.raises(ValueError, match="tail"):
+        fp8_gemv(x, w_q, s, tail=tail.to(torch.float16))  # not x's dtype
+
+
+@pytest.mark.parametrize("scheme", ["channel", "online", "block"])
+def test_column_linear_with_a_bf16_tail_layer(monkeypatch, scheme):
+    """ColumnLinear.with_tail (the GDN in_proj and its unquantised b / a) where the one-row GEMV
+    runs: [layer(x), tail(x)] of the weight-only products; None where it does not, or when the
+    tail layer is quantised too."""
+    from appliance.models.layers import quant_methods
+    from appliance.models.layers.linear import ColumnLinear
+    from appliance.models.layers.quant import QuantConfig
+
+    block = (16, 16) if scheme == "block" else None
+    kind = "fp8_block" if block else "fp8_channel"
+    quant = QuantConfig(kind, block, scheme == "online", (), "fp8")
+    main = ColumnLinear(64, [32, 48], quant=quant)
+    tail = ColumnLinear(64, [3, 3])
+    w = randn(80, 64, seed=7, scale=0.05)
+    with torch.no_grad():
+        if scheme == "online":
+            main.weight.copy_(w)
+            main.finish_loading()
+        elif block:
+            w_q, w_s = quantize_block_ref(w, block)
+            main.weight.copy_(w_q)
+            main.weight_scale.copy_(w_s)
+        else:
+            w_q, w_s = per_token_quant_ref(w)
+            main.weight.copy_(w_q)
+            main.weight_scale.copy_(w_s.reshape(-1))
+        tail.weight.copy_(randn(6, 64, seed=8, scale=0.05))
+    x = randn(1, 64, seed=9)
+    assert main.with_tail(x, tail) is None  # CPU: no Triton route, two GEMMs
+    monkeypatch.setattr(quant_methods, "use_triton", lambda t: True)
+    monkeypatch.setattr(quant_methods, "one_row_gemv", lambda x, w: True)
+    got = main.with_tail(x, tail)
+    if block:
+        want = fp8_gemv_block_ref(x, main.weight, main.weight_scale, block)
+    else:
+        want = fp8_gemv_ref(x, main.weight, main.weight_scale)
+    torch.testing.assert_close(got, torch.cat([want, x @ tail.weight.t()], -1), atol=1e-4, rtol=0)
+    assert main.with_tail(torch.cat([x, x]), tail) is None  # two rows
+    assert tail.with_tail(x, tail) is None  # an unquantised layer has no such GEMV
+    assert main.with_tail(x, main) is None  # a quantised tail
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=["plain", "pipelined"])
 def test_gemv_of_a_bf16_weight_without_scales(config):
     w = randn(40, 300, dtype=torch.bfloat16, seed=4, scale=0.05)

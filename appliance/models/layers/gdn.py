@@ -97,11 +97,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        projected = self.in_proj(x)
-        if self.in_proj_ba is None:
+        # b and a in their own bf16 layer: one launch with in_proj at one row where the GEMV
+        # runs (with_tail), else views of the two outputs (no concatenation kernel)
+        both = self.in_proj.with_tail(x, self.in_proj_ba) if self.in_proj_ba is not None else None
+        if self.in_proj_ba is None or both is not None:
+            projected = self.in_proj(x) if both is None else both
             qkv, z, b, a = projected.split(self.in_proj_split, dim=-1)
-        else:  # views of the two outputs: no concatenation kernel
-            qkv, z = projected.split(self.in_proj_split[:2], dim=-1)
+        else:
+            qkv, z = self.in_proj(x).split(self.in_proj_split[:2], dim=-1)
             b, a = self.in_proj_ba(x).split(self.in_proj_split[2:], dim=-1)
         mixed = self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)

@@ -16,7 +16,12 @@ from torch import nn
 
 from appliance.models.layers.parallel import all_reduce, shard_range, tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
-from appliance.models.layers.quant_methods import block_rows, channel_scale, linear_method
+from appliance.models.layers.quant_methods import (
+    Unquantized,
+    block_rows,
+    channel_scale,
+    linear_method,
+)
 from kernels.fp8 import FP8_DTYPE
 
 ShardFn = Callable[
@@ -158,6 +163,14 @@ class ColumnLinear(_QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
+
+    def with_tail(self, x: torch.Tensor, tail: ColumnLinear) -> torch.Tensor | None:
+        """[self(x), tail(x)] in one launch where the method's one-row GEMV can also read the
+        unquantised `tail` layer's weight (quant_methods.Unquantized.apply_with_tail); None: call
+        the two layers."""
+        if self.bias is not None or tail.bias is not None or type(tail.method) is not Unquantized:
+            return None
+        return self.method.apply_with_tail(x, self.weight, self.weight_scale, tail.weight)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see

@@ -13,8 +13,9 @@ from torch import nn
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
 from kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
 from kernels.fp8_block import fp8_block_linear
-from kernels.fp8_gemv import linear
+from kernels.fp8_gemv import block_gemv_fits, fp8_gemv, fp8_gemv_block, gemv_wins, linear
 from kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
+from kernels.triton_utils import use_triton
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -40,6 +41,12 @@ class Unquantized:
         """SiLU(gate) * up of a [gate; up] weight in one kernel where kernels.gemv_swiglu runs
         (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
         return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
+
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+        """[x W^T, x tail^T] for one row x and a small 16-bit weight `tail`, in one launch where
+        this method's one-row GEMV runs (the GDN layer's bf16 b / a beside its fp8 in_proj);
+        None: the caller runs two GEMMs."""
+        return None
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
@@ -67,6 +74,11 @@ class Fp8Channel(Unquantized):
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         if swiglu_fits(x, weight, scale) and one_row_gemv(x.reshape(1, -1), weight):
             return gemv_swiglu(x, weight, scale)
+        return None
+
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+        if _tail_fits(x, tail) and one_row_gemv(x.reshape(1, -1), weight):
+            return _flat(fp8_gemv, x, weight, scale, None, None, tail)
         return None
 
 
@@ -107,6 +119,23 @@ class Fp8Block(Unquantized):
 
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         return None  # block scales: the block GEMV, then silu_and_mul
+
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+        n, k = weight.shape
+        if _tail_fits(x, tail) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k):
+            return _flat(fp8_gemv_block, x, weight, scale, self.block, None, None, tail)
+        return None
+
+
+def _tail_fits(x: torch.Tensor, tail: torch.Tensor) -> bool:
+    """One row on the Triton route and a contiguous tail weight in x's dtype."""
+    return (
+        use_triton(x)
+        and x.numel() == x.shape[-1]
+        and x.stride(-1) == 1
+        and tail.dtype == x.dtype
+        and tail.is_contiguous()
+    )
 
 
 def linear_method(quant: QuantConfig | None) -> Unquantized:
