@@ -210,7 +210,7 @@ def _print_backends() -> int:
     except envs.EnvError as exc:
         _fail(str(exc), code=1, command="backends")
     from appliance.logging import setup_logging
-    from kernels.backends import detect_platform, resolve_backends
+    from appliance_kernels.backends import detect_platform, resolve_backends
 
     setup_logging()
     platform = detect_platform()

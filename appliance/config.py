@@ -8,7 +8,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field, fields
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # kernels.attention.KV_CACHE_DTYPES holds the torch dtypes
+# appliance_kernels.attention.KV_CACHE_DTYPES holds the torch dtypes
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 def _check(cond: bool, name: str, accepted: str) -> None:

@@ -161,7 +161,8 @@ def validate() -> None:
 
 
 def kernel_backends() -> dict[str, str]:
-    """The kernel backends the env flags ask for, as `kernels.backends.configure` keywords."""
+    """The kernel backends the env flags ask for, as `appliance_kernels.backends.configure`
+    keywords."""
     return {
         "gdn_prefill": get("APPLIANCE_GDN_PREFILL_BACKEND"),
         "fp8_gemm": get("APPLIANCE_FP8_GEMM"),

@@ -301,10 +301,10 @@ def resolved_backends(config: ServeConfig) -> dict[str, str]:
     """The kernel backend each op resolves to on this machine, as the workers will resolve it. The
     look-up is silent (a fallback warning is the worker's to give, once) and leaves CUDA
     uninitialised (device properties only, no context)."""
-    from kernels.backends import resolve_backends
+    from appliance_kernels.backends import resolve_backends
 
     requested = dict(envs.kernel_backends(), attention=config.engine.kernels.attention_backend)
-    quiet = logging.getLogger("kernels.backends")
+    quiet = logging.getLogger("appliance_kernels.backends")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:

@@ -26,7 +26,7 @@ PROBE_PATHS = ("/health", "/metrics", "/ping")
 _MAX_PATH = 200
 _MAX_REQUEST_ID = 80
 _configured = False
-LOGGER_TREES = ("appliance", "visual", "kernels")  # configured together by setup_logging
+LOGGER_TREES = ("appliance", "visual", "appliance_kernels")  # configured together by setup_logging
 # Other libraries (uvicorn, asyncio, huggingface_hub, `warnings`) reach the root logger: the same
 # format there, WARNING and above only. One handler of ours, so a reconfigure never doubles lines.
 _root_handler: logging.Handler | None = None

@@ -1,6 +1,7 @@
-"""The import rules of the tree: `kernels/` and `visual/` are libraries that import nothing of
-`appliance`, `kernels/` nothing of `visual`, and there is no import cycle between files or between
-`appliance` subpackages. Every `import` statement counts, also the ones inside functions."""
+"""The import rules of the tree: `appliance_kernels/` and `visual/` are libraries that import
+nothing of `appliance`, `appliance_kernels/` nothing of `visual`, and there is no import cycle
+between files or between `appliance` subpackages. Every `import` statement counts, also the ones
+inside functions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("appliance", "kernels", "visual")
+PACKAGES = ("appliance", "appliance_kernels", "visual")
 # Which top-level packages each one may import (besides itself).
-ALLOWED = {"kernels": set(), "visual": {"kernels"}, "appliance": {"kernels", "visual"}}
+ALLOWED = {
+    "appliance_kernels": set(),
+    "visual": {"appliance_kernels"},
+    "appliance": {"appliance_kernels", "visual"},
+}
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -143,15 +148,17 @@ BASE = {
     "appliance/router/__init__.py": "",
     "appliance/router/scheduler.py": "from appliance.messages import StepPlan\n",
     "appliance/engine/__init__.py": "",
-    "appliance/engine/runner.py": "from appliance.models import qwen\nimport kernels.norm\n",
+    "appliance/engine/runner.py": (
+        "from appliance.models import qwen\nimport appliance_kernels.norm\n"
+    ),
     "appliance/models/__init__.py": "",
-    "appliance/models/qwen.py": "from kernels import norm\nfrom . import context\n",
+    "appliance/models/qwen.py": "from appliance_kernels import norm\nfrom . import context\n",
     "appliance/models/context.py": "",
-    "kernels/__init__.py": "",
-    "kernels/norm.py": "import torch\n",
-    "kernels/sampling.py": "from kernels.norm import rms_norm\n",
+    "appliance_kernels/__init__.py": "",
+    "appliance_kernels/norm.py": "import torch\n",
+    "appliance_kernels/sampling.py": "from appliance_kernels.norm import rms_norm\n",
     "visual/__init__.py": "",
-    "visual/vit.py": "from kernels.norm import rms_norm\n",
+    "visual/vit.py": "from appliance_kernels.norm import rms_norm\n",
 }
 
 
@@ -159,7 +166,7 @@ def test_a_clean_tree_passes(tmp_path: Path) -> None:
     _write(tmp_path, BASE)
     assert violations(tmp_path) == []
     assert import_graph(tmp_path)["appliance.models.qwen"] == {
-        "kernels.norm",
+        "appliance_kernels.norm",
         "appliance.models.context",
     }
 
@@ -169,15 +176,23 @@ def test_a_clean_tree_passes(tmp_path: Path) -> None:
     [
         # a kernel reading the appliance's env module (lazily, inside a function)
         (
-            {"kernels/norm.py": "def f():\n    from appliance import envs\n"},
-            "upward import: kernels.norm imports appliance",
+            {"appliance_kernels/norm.py": "def f():\n    from appliance import envs\n"},
+            "upward import: appliance_kernels.norm imports appliance",
         ),
         ({"visual/vit.py": "from appliance.messages import X\n"}, "upward import: visual.vit"),
-        ({"kernels/norm.py": "import visual.vit\n"}, "upward import: kernels.norm imports visual"),
+        (
+            {"appliance_kernels/norm.py": "import visual.vit\n"},
+            "upward import: appliance_kernels.norm imports visual",
+        ),
         # two kernel files importing each other (one of them lazily)
         (
-            {"kernels/norm.py": "def f():\n    from kernels.sampling import s\n"},
-            "file cycle: kernels.norm -> kernels.sampling -> kernels.norm",
+            {
+                "appliance_kernels/norm.py": (
+                    "def f():\n    from appliance_kernels.sampling import s\n"
+                )
+            },
+            "file cycle: appliance_kernels.norm -> appliance_kernels.sampling"
+            " -> appliance_kernels.norm",
         ),
         # models reading the engine's forward context while the engine imports the models
         (

@@ -33,8 +33,8 @@ from appliance.engine.pools import Pools, PoolSizes
 from appliance.engine.requests import RequestTable
 from appliance.messages import ScheduledChunk
 from appliance.models.context import ForwardContext, forward_context
-from kernels.sampling import sample
-from kernels.token_bitmask import apply_token_bitmask, bitmask_words
+from appliance_kernels.sampling import sample
+from appliance_kernels.token_bitmask import apply_token_bitmask, bitmask_words
 
 
 def is_full_verify(chunks: list[ScheduledChunk], k: int) -> bool:

@@ -14,7 +14,7 @@ from appliance.engine.transfer import to_device
 from appliance.logging import get_logger
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.gdn import GatedDeltaNet
-from kernels.state_commit import commit_states
+from appliance_kernels.state_commit import commit_states
 
 log = get_logger(__name__)
 

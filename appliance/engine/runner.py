@@ -64,8 +64,8 @@ from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
-from kernels import backends, triton_utils
-from kernels.attention import KV_CACHE_DTYPES
+from appliance_kernels import backends, triton_utils
+from appliance_kernels.attention import KV_CACHE_DTYPES
 from visual.shm import SharedMemoryImageStore
 
 log = get_logger(__name__)

@@ -1,5 +1,5 @@
 """The worker's sampler: penalties, logprobs, then temperature/min-p/top-k/top-p sampling through
-`kernels.sampling`. Called by the model runner once per step on the rows that sample.
+`appliance_kernels.sampling`. Called by the model runner once per step on the rows that sample.
 
 Choices, documented here once:
 - Seeds: every request reaching the worker carries a seed. An unseeded request gets one drawn once,
@@ -30,8 +30,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from appliance.engine.transfer import to_device
 from appliance.messages import SamplingOptions
-from kernels.sampling import SAMPLING_EPS, sample
-from kernels.token_bitmask import apply_token_bitmask
+from appliance_kernels.sampling import SAMPLING_EPS, sample
+from appliance_kernels.token_bitmask import apply_token_bitmask
 
 LOGPROB_FLOOR = -9999.0  # the logprob reported for a token the grammar forbids (-inf)
 

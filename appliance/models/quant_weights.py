@@ -11,7 +11,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8 import FP8_DTYPE
 
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
 

@@ -26,8 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from appliance.testing.tiny import fuse_experts, split_experts
-from kernels.fp8 import per_token_quant_ref
-from kernels.fp8_block import dequantize_block, quantize_block_ref
+from appliance_kernels.fp8 import per_token_quant_ref
+from appliance_kernels.fp8_block import dequantize_block, quantize_block_ref
 
 LAYOUTS = ("fp8", "compressed-tensors")
 # what Qwen's fp8 repos keep in bf16 (matched on the module name)

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, conv1d, fp8, gdn, norm, qk_norm_rope, rotary
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from appliance_kernels import attention, conv1d, fp8, gdn, norm, qk_norm_rope, rotary
+from appliance_kernels.activation import silu_and_mul, silu_and_mul_ref
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -49,7 +49,7 @@ def _flashinfer_peer(args, scale, q_len) -> dict:
     plan is made on the first call and reused, as across a step's layers)."""
     if not has("flashinfer"):
         return {}
-    from kernels.adapters import paged_attention_flashinfer
+    from appliance_kernels.adapters import paged_attention_flashinfer
 
     def run():
         return paged_attention_flashinfer(*args, scale, max_q_len=q_len)
@@ -367,7 +367,7 @@ def elementwise_cases(compile_peers: bool) -> Iterator[tuple]:
 def _fp8_channel_peers(x, a_q, w_q, a_s, w_s, w_bf16) -> dict:
     """The per-channel fp8 GEMM's peers on the same operands: cuBLASLt (`torch._scaled_mm`), a
     bf16 GEMM (twice the weight bytes) and sglang-kernel when importable."""
-    from kernels import adapters
+    from appliance_kernels import adapters
 
     peers = {
         "torch._scaled_mm": lambda: adapters.fp8_scaled_mm_external(
@@ -397,7 +397,7 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
         "TFLOP/s",
         peers,
     )
-    from kernels import backends
+    from appliance_kernels import backends
 
     auto_case = (
         f"fp8_auto[{backends.selected('fp8_gemm')}]",
@@ -414,7 +414,7 @@ def _fp8_gemm_case(m: int, w_q, w_s, w_bf16) -> tuple[tuple, tuple]:
 def _fp8_block_case(m: int, w, block=(128, 128)) -> tuple:
     """The block GEMM of Qwen "-FP8" linears (activations quantised per token and 128-group)
     against the per-channel Triton GEMM at the same shape and bf16."""
-    from kernels import fp8_block
+    from appliance_kernels import fp8_block
 
     n, k = w.shape
     x = torch.randn(m, k, device=DEV, dtype=BF16)
@@ -439,7 +439,7 @@ def _fp8_block_case(m: int, w, block=(128, 128)) -> tuple:
 
 
 def _fp8_decode_case(m: int, w_q, w_s, b_q, b_s, w_bf16) -> tuple[tuple, tuple]:
-    from kernels import fp8_block, fp8_splitk
+    from appliance_kernels import fp8_block, fp8_splitk
 
     n, k = w_q.shape
     x = torch.randn(m, k, device=DEV, dtype=BF16)
@@ -478,7 +478,7 @@ def fp8_decode_cases(compile_peers: bool) -> Iterator[tuple]:
     """Decode-sized fp8 GEMMs as weight reads (GB/s of fp8 weight; the H200's HBM is ~4.8 TB/s):
     the split-K kernel the Triton route runs for M <= 16, per channel and block, against the
     tiled Triton kernels, cuBLASLt, sglang-kernel and a bf16 GEMM (which reads twice the bytes)."""
-    from kernels import fp8_block
+    from appliance_kernels import fp8_block
 
     for n, k in ((HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)):
         w = torch.randn(n, k, device=DEV) * 0.05
@@ -511,7 +511,7 @@ def fp8_cases(compile_peers: bool) -> Iterator[tuple]:
 
 
 def moe_cases(compile_peers: bool) -> Iterator[tuple]:
-    from kernels.moe import fused_moe, fused_moe_ref, moe_route_ref
+    from appliance_kernels.moe import fused_moe, fused_moe_ref, moe_route_ref
 
     experts, top_k, hidden, inter = 256, 8, 2048, 512  # Qwen3.5-35B-A3B
     w1 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden**-0.5
@@ -551,11 +551,11 @@ def moe_cases(compile_peers: bool) -> Iterator[tuple]:
 
 def moe_decode_cases(compile_peers: bool) -> Iterator[tuple]:
     """Decode-size MoE of Qwen3.5-35B-A3B as a weight read (GB/s of the touched experts' bytes):
-    the per-pair kernels (kernels/moe_gemv.py, what fused_moe runs for <= 16 pairs) against the
-    grouped GEMMs over rows sorted by expert."""
-    from kernels.moe import moe_route_ref
-    from kernels.moe_gemv import fused_moe_gemv
-    from kernels.moe_triton import fused_moe_grouped
+    the per-pair kernels (appliance_kernels/moe_gemv.py, what fused_moe runs for <= 16 pairs)
+    against the grouped GEMMs over rows sorted by expert."""
+    from appliance_kernels.moe import moe_route_ref
+    from appliance_kernels.moe_gemv import fused_moe_gemv
+    from appliance_kernels.moe_triton import fused_moe_grouped
 
     experts, top_k, hidden, inter = 256, 8, 2048, 512
     w1 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden**-0.5
@@ -580,10 +580,11 @@ def moe_decode_cases(compile_peers: bool) -> Iterator[tuple]:
 
 def moe_route_cases(compile_peers: bool) -> Iterator[tuple]:
     """Routing of Qwen3.5-35B-A3B (256 experts, top 8, renormalised) at decode and prefill sizes:
-    the one-kernel route (kernels/moe_route.py) against the reference's torch ops (softmax, topk,
-    sum, divide). GB/s of the logits read; at decode sizes the time is launch overhead."""
-    from kernels.moe import moe_route_ref
-    from kernels.moe_route import moe_route_triton
+    the one-kernel route (appliance_kernels/moe_route.py) against the reference's torch ops
+    (softmax, topk, sum, divide). GB/s of the logits read; at decode sizes the time is launch
+    overhead."""
+    from appliance_kernels.moe import moe_route_ref
+    from appliance_kernels.moe_route import moe_route_triton
 
     experts, top_k = 256, 8
     for tokens in (1, 16, 64, 2048):
@@ -610,8 +611,8 @@ def sampling_cases(compile_peers: bool) -> Iterator[tuple]:
     """Qwen3.5 vocabulary; greedy, temperature only, top-k 20 + top-p 0.95 (Qwen's defaults) and
     top-p alone. Peers: the torch reference (sort-based filtering, the same counter-based noise);
     for top-k rows, our kernel without the per-chunk candidates (the value search)."""
-    from kernels.sampling import sample_ref
-    from kernels.sampling_triton import sample_triton
+    from appliance_kernels.sampling import sample_ref
+    from appliance_kernels.sampling_triton import sample_triton
 
     vocab = 248320
     for batch in (1, 4, 64, 256):  # 4: an MTP verify (k = 3) at batch 1

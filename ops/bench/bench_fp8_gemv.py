@@ -1,7 +1,7 @@
 """Decode-sized fp8 linears as weight reads on the GPU: what fp8_linear runs, the fp8 x fp8 route
 (per-token activation quantisation + tiled / split-K fp8 GEMM) and, at one row, the weight-only
-GEMV of kernels/fp8_gemv.py over a sweep of its tiles; the block-scaled variants, a bf16 GEMM
-(cuBLAS, and the same GEMV reading the bf16 weight) and the copy bandwidth measured in the same
+GEMV of appliance_kernels/fp8_gemv.py over a sweep of its tiles; the block-scaled variants, a bf16
+GEMM (cuBLAS, and the same GEMV reading the bf16 weight) and the copy bandwidth measured in the same
 run (the floor: fp8 weight bytes / copy bandwidth, from bench_static.copy_bandwidth: copies timed
 outside any graph, where a captured copy becomes a memcpy node that ran at 2.7 TB/s against 4.2).
 
@@ -21,8 +21,8 @@ from functools import partial
 import torch
 from bench_static import copy_bandwidth  # ops/bench is on the path when run as a script
 
-from kernels import fp8, fp8_block
-from kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config, linear
+from appliance_kernels import fp8, fp8_block
+from appliance_kernels.fp8_gemv import GEMV_MAX_ROWS, fp8_gemv, fp8_gemv_block, gemv_config, linear
 
 SHAPES = {  # Qwen3.5-27B, TP1: (N, K)
     "gdn in_proj qkvz": (16384, 5120),

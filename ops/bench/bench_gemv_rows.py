@@ -1,8 +1,8 @@
-"""2-16 rows times a 27B weight on the GPU: the tensor-core rows GEMV (kernels/gemv_rows.py) over
-a sweep of its tiles, against what the layers run today (`linear`: cuBLAS or the FMA rows GEMV for
-16-bit weights; fp8_linear for fp8) and cuBLAS bf16, next to the weight-read floor measured in the
-same run (bytes / copy bandwidth). Timed as bench_fp8_gemv.py times (a CUDA graph of launches
-cycling over more weight copies than L2 holds).
+"""2-16 rows times a 27B weight on the GPU: the tensor-core rows GEMV
+(appliance_kernels/gemv_rows.py) over a sweep of its tiles, against what the layers run today
+(`linear`: cuBLAS or the FMA rows GEMV for 16-bit weights; fp8_linear for fp8) and cuBLAS bf16, next
+to the weight-read floor measured in the same run (bytes / copy bandwidth). Timed as
+bench_fp8_gemv.py times (a CUDA graph of launches cycling over more weight copies than L2 holds).
   python ops/bench/bench_gemv_rows.py --json rows.json
 """
 
@@ -17,11 +17,11 @@ import torch
 from bench_fp8_gemv import L2_BYTES, SHAPES, graph_time_us
 from bench_static import copy_bandwidth
 
-from kernels import fp8
-from kernels.activation import silu_and_mul
-from kernels.fp8_gemv import linear
-from kernels.gemv_rows import gemv_rows, rows_config
-from kernels.gemv_swiglu import gemv_swiglu, swiglu_config
+from appliance_kernels import fp8
+from appliance_kernels.activation import silu_and_mul
+from appliance_kernels.fp8_gemv import linear
+from appliance_kernels.gemv_rows import gemv_rows, rows_config
+from appliance_kernels.gemv_swiglu import gemv_swiglu, swiglu_config
 
 DEV = "cuda"
 
@@ -56,8 +56,8 @@ def sweep(x, weights, scale, configs) -> list[tuple[float, dict]]:
 
 
 def swiglu_rows(bw: float, full: bool) -> list[dict]:
-    """One row through the 27B MLP's gate_up + activation: kernels/gemv_swiglu.py over a few tiles
-    against the two kernels the step runs today (the gate_up GEMV, then silu_and_mul)."""
+    """One row through the 27B MLP's gate_up + activation: appliance_kernels/gemv_swiglu.py over a
+    few tiles against the two kernels the step runs today (the gate_up GEMV, then silu_and_mul)."""
     n, k = SHAPES["mlp gate_up"]
     w = torch.randn(n, k, device=DEV) * 0.05
     w_q, w_s = fp8.per_token_quant_ref(w)

@@ -22,7 +22,7 @@ import torch
 from appliance.engine.guided import GuidedDecoding
 from appliance.grammars import GrammarCompiler
 from appliance.messages import Guide
-from kernels.token_bitmask import apply_token_bitmask
+from appliance_kernels.token_bitmask import apply_token_bitmask
 
 
 def large_schema(fields: int) -> dict:

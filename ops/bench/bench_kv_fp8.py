@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels.attention as attn
-from kernels.attention import (
+import appliance_kernels.attention as attn
+from appliance_kernels.attention import (
     paged_attention_ref,
     paged_attention_triton,
     quantize_kv_ref,
 )
-from kernels.fp8 import FP8_MAX
+from appliance_kernels.fp8 import FP8_MAX
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def runners(inputs: dict, backends: list[str], device: torch.device) -> dict[str
                         v_scale=scales[1],
                     )
             elif backend == "flashinfer":
-                from kernels.adapters import paged_attention_flashinfer
+                from appliance_kernels.adapters import paged_attention_flashinfer
 
                 host = (float(k_scale), float(v_scale)) if kv == "fp8" else None
 
@@ -173,8 +173,8 @@ def print_compiled(device: torch.device) -> None:
     """Registers, spills and shared memory of each decode kernel Triton built since the last
     call (what the sweep's variants compiled to on this GPU)."""
     caches = getattr(attn._paged_attention_kernel, "device_caches", {})
-    for kernels in (entry[0] for entry in caches.values()):
-        for kernel in kernels.values():
+    for launchers in (entry[0] for entry in caches.values()):
+        for kernel in launchers.values():
             if id(kernel) in _SEEN_KERNELS or not hasattr(kernel, "n_regs"):
                 continue
             _SEEN_KERNELS.add(id(kernel))
@@ -196,9 +196,9 @@ _SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV")
 
 
 def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
-    """The Triton fp8 decode at each FP8_TILES entry (kernels.attention.ATTN_TUNING["fp8_tile"])
-    and the bf16 decode at its own tiles: one line of µs, fp8 GB/s and bf16 / fp8 per tile, then
-    what each variant compiled to."""
+    """The Triton fp8 decode at each FP8_TILES entry
+    (appliance_kernels.attention.ATTN_TUNING["fp8_tile"]) and the bf16 decode at its own tiles: one
+    line of µs, fp8 GB/s and bf16 / fp8 per tile, then what each variant compiled to."""
     inputs = make_inputs(case, device)
     call = runners(inputs, ["triton"], device)
     hq, hkv, dim = case.heads

@@ -1,6 +1,6 @@
-"""Per-op GPU benchmark: each kernels/ op at Qwen3.5 shapes, its achieved GB/s or TFLOP/s, and the
-ratio to the best peer present in the same run (torch reference, torch.compile'd reference, torch
-SDPA, torch._scaled_mm, fla-core, flashinfer, sgl_kernel when importable).
+"""Per-op GPU benchmark: each appliance_kernels/ op at Qwen3.5 shapes, its achieved GB/s or TFLOP/s,
+and the ratio to the best peer present in the same run (torch reference, torch.compile'd reference,
+torch SDPA, torch._scaled_mm, fla-core, flashinfer, sgl_kernel when importable).
 
 Run on the GPU machine: `PYTHONPATH=. python ops/bench/bench_ops.py [--ops gdn,fp8] [--out F]`.
 ratio = best peer time / our time (> 1: ours is faster). Results go to docs/benchmarks.md by hand.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from appliance import envs
-from kernels import backends
+from appliance_kernels import backends
 from ops.bench import bench_cases
 
 Fn = Callable[[], object]

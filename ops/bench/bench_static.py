@@ -38,7 +38,7 @@ from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers import row_norm
 from appliance.models.layers.moe import SparseMoE
-from kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
+from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -350,8 +350,8 @@ def main() -> None:
         nargs="+",
         default=["on"],
         choices=["on", "off"],
-        help="one-row linears: the GEMV of kernels/fp8_gemv.py (on) or the GEMM routes (off); "
-        "the decode graphs are captured again for each",
+        help="one-row linears: the GEMV of appliance_kernels/fp8_gemv.py (on) or the GEMM routes "
+        "(off); the decode graphs are captured again for each",
     )
     ap.add_argument(
         "--rows",
@@ -359,17 +359,17 @@ def main() -> None:
         default=["on"],
         choices=["on", "off"],
         help="2-8 row linears of 16-bit weights (an MTP verify, a small batch): the tensor-core "
-        "rows GEMV of kernels/gemv_rows.py (on) or cuBLAS / the FMA rows GEMV (off); the decode "
-        "graphs are captured again for each",
+        "rows GEMV of appliance_kernels/gemv_rows.py (on) or cuBLAS / the FMA rows GEMV (off); "
+        "the decode graphs are captured again for each",
     )
     ap.add_argument(
         "--swiglu",
         nargs="+",
         default=["off"],
         choices=["on", "off"],
-        help="one-row MLPs: gate_up and SiLU-and-mul as one kernel (kernels/gemv_swiglu.py, on) "
-        "or the GEMV then the activation (off, the default as served); the decode graphs are "
-        "captured again for each",
+        help="one-row MLPs: gate_up and SiLU-and-mul as one kernel "
+        "(appliance_kernels/gemv_swiglu.py, on) or the GEMV then the activation (off, the default "
+        "as served); the decode graphs are captured again for each",
     )
     ap.add_argument(
         "--pdl",
@@ -387,8 +387,8 @@ def main() -> None:
         nargs="+",
         default=[moe_gemv.GEMV_MAX_ROWS],
         help="MoE models: the most (token, slot) pairs that the per-pair decode kernels of "
-        "kernels/moe_gemv.py take (more: the grouped GEMMs); the decode graphs are captured "
-        "again for each",
+        "appliance_kernels/moe_gemv.py take (more: the grouped GEMMs); the decode graphs are "
+        "captured again for each",
     )
     ap.add_argument(
         "--fp8-gemv-tile",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for kernels/: the kernel tests (small and full-size `gpu` cases) and the per-op benchmark.
+# GPU check for appliance_kernels/: the kernel tests (small and full-size `gpu` cases) and the per-op benchmark.
 # Run on the H200 machine from the repo root: `bash ops/gpu/check_kernels.sh`; logs and the benchmark
 # table go to $OUT (default /tmp/kernel-check). Optional peers: wheels in .cache/gpu-wheels/ (e.g.
 # fla-core) are installed into a private site dir first.

@@ -1,6 +1,6 @@
 """GPU probe of the GDN chunked prefill: per-kernel times (prep / scan / out) of the launch variants
-in kernels.gdn_chunk.TUNING at Qwen3.5-27B shapes, each variant's error against the fp32 reference,
-and fla-core / flash-qla totals when importable. Prints one line per (shape, variant).
+in appliance_kernels.gdn_chunk.TUNING at Qwen3.5-27B shapes, each variant's error against the fp32
+reference, and fla-core / flash-qla totals when importable. Prints one line per (shape, variant).
 
   python ops/gpu/gdn_probe.py [--variants base,prep8,...]
 """
@@ -14,8 +14,8 @@ from functools import partial
 import torch
 import triton.testing
 
-from kernels import gdn_chunk, norm
-from kernels.gdn import gdn_chunked_ref
+from appliance_kernels import gdn_chunk, norm
+from appliance_kernels.gdn import gdn_chunked_ref
 from ops.bench.bench_cases import _gdn_inputs
 
 VARIANTS = {
@@ -66,7 +66,7 @@ def gated_norm_sweep() -> None:
 
 def attention_sweep() -> None:
     """Decode / verify launch knobs of the Triton paged attention against flashinfer, 27B heads."""
-    from kernels import attention
+    from appliance_kernels import attention
     from ops.bench.bench_cases import HEAD_DIM, _flashinfer_peer, _kv_batch
 
     scale = HEAD_DIM**-0.5

@@ -1,8 +1,8 @@
 """Why the one-row fp8 GEMV reads 1.07-1.35x its floor when the bf16 one reads 1.0-1.1x: at the
-27B projections, times `kernels.fp8_gemv` over its tiles and K-loop stages. Each call is timed
-inside a CUDA graph of 40 launches over weight copies larger than L2, with programmatic dependent
-launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md) also
-timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
+27B projections, times `appliance_kernels.fp8_gemv` over its tiles and K-loop stages. Each call is
+timed inside a CUDA graph of 40 launches over weight copies larger than L2, with programmatic
+dependent launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md)
+also timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
 loaded before the PDL wait: slower or no faster, so they were removed.
 
   python3 ops/gpu/gemv_probe.py [--shapes ...] [--pdl off on]
@@ -22,9 +22,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]  # bench_fp8_gemv import
 
 from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
 
-from kernels import fp8  # noqa: E402
-from kernels import triton_utils as tu  # noqa: E402
-from kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from appliance_kernels import fp8  # noqa: E402
+from appliance_kernels import triton_utils as tu  # noqa: E402
+from appliance_kernels.fp8_gemv import fp8_gemv  # noqa: E402
 
 L2_BYTES = 256 << 20
 

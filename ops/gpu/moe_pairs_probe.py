@@ -1,8 +1,8 @@
-"""How far the per-pair decode MoE (kernels/moe_gemv.py) should reach: fused_moe at 4-64 tokens of
-Qwen3.5-35B-A3B, bf16 and per-channel fp8 experts, with the per-pair kernels (any pair count)
-against the grouped GEMMs, next to the touched experts' bytes / 4.26 TB/s; then, with --static,
-bench_static.py (the remaining arguments go to it, e.g. its --moe-pairs to time the step at several
-limits).
+"""How far the per-pair decode MoE (appliance_kernels/moe_gemv.py) should reach: fused_moe at 4-64
+tokens of Qwen3.5-35B-A3B, bf16 and per-channel fp8 experts, with the per-pair kernels (any pair
+count) against the grouped GEMMs, next to the touched experts' bytes / 4.26 TB/s; then, with
+--static, bench_static.py (the remaining arguments go to it, e.g. its --moe-pairs to time the step
+at several limits).
   python ops/gpu/moe_pairs_probe.py [--static --config ... --batch 1 16 64 --moe-pairs 16 128]
 """
 
@@ -15,13 +15,15 @@ from functools import partial
 import torch
 from triton.testing import do_bench_cudagraph
 
-import kernels.moe_gemv as moe_gemv
-from kernels.fp8 import per_token_quant_ref
-from kernels.moe import fused_moe, moe_route_ref
+import appliance_kernels.moe_gemv as moe_gemv
+from appliance_kernels.fp8 import per_token_quant_ref
+from appliance_kernels.moe import fused_moe, moe_route_ref
 
 
 def set_limit(pairs: int) -> None:
-    moe_gemv.GEMV_MAX_ROWS = pairs  # kernels.moe_triton reads it from the module at each call
+    moe_gemv.GEMV_MAX_ROWS = (
+        pairs  # appliance_kernels.moe_triton reads it from the module at each call
+    )
 
 
 def main() -> None:

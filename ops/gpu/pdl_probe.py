@@ -15,10 +15,10 @@ import sys
 def case(dtype: str, rows: int, tf32: bool) -> None:
     import torch
 
-    import kernels.triton_utils as tu
+    import appliance_kernels.triton_utils as tu
 
     tu.USE_PDL = True
-    from kernels.norm import rms_norm
+    from appliance_kernels.norm import rms_norm
 
     torch.backends.cuda.matmul.allow_tf32 = tf32
     dt = getattr(torch, dtype)

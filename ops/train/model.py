@@ -5,9 +5,9 @@ names (`model.language_model.*`, `model.visual.*`, `lm_head.weight`, `mtp.*`).
 
 The serving model (appliance/models/qwen3_5.py) is inference-only (paged KV cache, fused
 projections, forward context); this one reuses the torch references of the same kernels
-(kernels/*.py `*_ref`), which autograd differentiates, so the trained weights load unchanged into
-the engine. Used by ops/train/train_default.py; tests/ops/test_train_default.py checks that the
-engine's greedy answers equal this model's.
+(appliance_kernels/*.py `*_ref`), which autograd differentiates, so the trained weights load
+unchanged into the engine. Used by ops/train/train_default.py; tests/ops/test_train_default.py
+checks that the engine's greedy answers equal this model's.
 """
 
 from __future__ import annotations
@@ -18,10 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.gdn import _chunked_one, _prep
-from kernels.gdn_gate import gdn_gating_ref
-from kernels.norm import gated_rms_norm_ref, rms_norm_ref
-from kernels.rotary import apply_rotary_ref, inv_freq, mrope_channel_rows, rotary_cos_sin_ref
+from appliance_kernels.gdn import _chunked_one, _prep
+from appliance_kernels.gdn_gate import gdn_gating_ref
+from appliance_kernels.norm import gated_rms_norm_ref, rms_norm_ref
+from appliance_kernels.rotary import (
+    apply_rotary_ref,
+    inv_freq,
+    mrope_channel_rows,
+    rotary_cos_sin_ref,
+)
 from visual.qwen_vit import QwenVisionTransformer, VisionConfig, apply_vision_rotary
 
 

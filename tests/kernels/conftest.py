@@ -20,31 +20,31 @@ import pytest
 import torch
 
 KERNEL_MODULES = (
-    "kernels.triton_utils",
-    "kernels.attention",
-    "kernels.gdn_chunk",
-    "kernels.gdn_gate",  # before gdn: it binds gate_values at import
-    "kernels.gdn",
-    "kernels.state_commit",
-    "kernels.conv1d",
-    "kernels.norm",
-    "kernels.rotary",
-    "kernels.qk_norm_rope",
-    "kernels.activation",
-    "kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
-    "kernels.gemv_swiglu",
-    "kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
-    "kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
-    "kernels.fp8",
-    "kernels.fp8_block",
-    "kernels.moe_route",
-    "kernels.moe",
-    "kernels.moe_sum",
-    "kernels.moe_gemv",  # before moe_triton: it binds fused_moe_gemv at import
-    "kernels.moe_triton",
-    "kernels.sampling_triton",
-    "kernels.sampling",  # after sampling_triton: it binds sample_triton at import
-    "kernels.token_bitmask",
+    "appliance_kernels.triton_utils",
+    "appliance_kernels.attention",
+    "appliance_kernels.gdn_chunk",
+    "appliance_kernels.gdn_gate",  # before gdn: it binds gate_values at import
+    "appliance_kernels.gdn",
+    "appliance_kernels.state_commit",
+    "appliance_kernels.conv1d",
+    "appliance_kernels.norm",
+    "appliance_kernels.rotary",
+    "appliance_kernels.qk_norm_rope",
+    "appliance_kernels.activation",
+    "appliance_kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
+    "appliance_kernels.gemv_swiglu",
+    "appliance_kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
+    "appliance_kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
+    "appliance_kernels.fp8",
+    "appliance_kernels.fp8_block",
+    "appliance_kernels.moe_route",
+    "appliance_kernels.moe",
+    "appliance_kernels.moe_sum",
+    "appliance_kernels.moe_gemv",  # before moe_triton: it binds fused_moe_gemv at import
+    "appliance_kernels.moe_triton",
+    "appliance_kernels.sampling_triton",
+    "appliance_kernels.sampling",  # after sampling_triton: it binds sample_triton at import
+    "appliance_kernels.token_bitmask",
 )
 INTERPRET = not torch.cuda.is_available()
 

@@ -7,7 +7,7 @@ import torch
 from kernel_cases import gpu, randn
 from tolerances import assert_close
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
+from appliance_kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,8 +9,8 @@ import torch
 from kernel_cases import DEVICE, generator, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
-import kernels.attention as attn
-from kernels.attention import (
+import appliance_kernels.attention as attn
+from appliance_kernels.attention import (
     KVScales,
     paged_attention,
     paged_attention_ref,
@@ -18,7 +18,7 @@ from kernels.attention import (
     store_kv_ref,
     store_kv_triton,
 )
-from kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8 import FP8_DTYPE
 
 
 def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed, q_view=False):
@@ -180,7 +180,7 @@ def test_full_size_qwen35_27b(q_lens, seq_lens, dtype):
 )
 def test_flashinfer_adapter_matches_reference(q_lens, seq_lens):
     """The flashinfer backend (page-size-1 view of our cache) == the reference, at 27B heads."""
-    from kernels.adapters import paged_attention_flashinfer
+    from appliance_kernels.adapters import paged_attention_flashinfer
 
     args = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=12)
     expected = paged_attention_ref(*args, 256**-0.5)
@@ -304,7 +304,7 @@ def test_full_size_fp8_kv(q_lens, seq_lens):
 )
 def test_flashinfer_fp8_kv_matches_reference(q_lens, seq_lens):
     """flashinfer with kv_data_type e4m3 and its k_scale / v_scale == our dequantising reference."""
-    from kernels.adapters import paged_attention_flashinfer
+    from appliance_kernels.adapters import paged_attention_flashinfer
 
     base = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=14)
     args, (k_scale, v_scale) = fp8_cache(base, 0.02, 0.03, torch.bfloat16)

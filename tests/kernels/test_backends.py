@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from kernels import backends
-from kernels.backends import Platform, resolve_backends
+from appliance_kernels import backends
+from appliance_kernels.backends import Platform, resolve_backends
 
 ALL = frozenset({"triton", "flashinfer", "fla", "flash_qla", "sgl_kernel", "vllm"})
 H200_ALL = Platform(True, (9, 0), ALL)
@@ -71,7 +71,7 @@ def warnings_of(caplog) -> list[str]:
     ],
 )
 def test_each_flag_value_selects_or_warns_once(kind, value, platform, expected, reason, caplog):
-    caplog.set_level(logging.WARNING, logger="kernels.backends")
+    caplog.set_level(logging.WARNING, logger="appliance_kernels.backends")
     table = resolve_backends(platform=platform, **{kind: value})
     assert table[kind] == expected
     mine = [w for w in warnings_of(caplog) if w.startswith(kind)]
@@ -82,7 +82,8 @@ def test_each_flag_value_selects_or_warns_once(kind, value, platform, expected, 
 
 
 def test_requests_default_to_auto_and_no_flag_is_read(monkeypatch):
-    """kernels/ reads no environment: the caller passes the flag values (appliance: envs)."""
+    """appliance_kernels/ reads no environment: the caller passes the flag values (appliance:
+    envs)."""
     monkeypatch.setenv("APPLIANCE_GDN_PREFILL_BACKEND", "fla")
     monkeypatch.setenv("APPLIANCE_FP8_GEMM", "sgl")
     expected = {"attention": "triton", "gdn_prefill": "triton", "fp8_gemm": "cutlass"}
@@ -103,7 +104,7 @@ def test_unknown_value_is_rejected(kind):
 
 
 def test_configure_logs_table_and_dispatchers_read_it(caplog):
-    caplog.set_level(logging.INFO, logger="kernels.backends")
+    caplog.set_level(logging.INFO, logger="appliance_kernels.backends")
     try:
         table = backends.configure(
             attention="torch", gdn_prefill="triton", fp8_gemm="torch", platform=H200_BARE
@@ -125,7 +126,7 @@ def test_configure_logs_table_and_dispatchers_read_it(caplog):
 def test_selected_without_configure_resolves_auto_once(monkeypatch, caplog):
     """A process that never configured (a benchmark, a test) gets the "auto" table, resolved on the
     first `selected` call and kept."""
-    caplog.set_level(logging.INFO, logger="kernels.backends")
+    caplog.set_level(logging.INFO, logger="appliance_kernels.backends")
     detected = []
     monkeypatch.setattr(backends, "detect_platform", lambda: detected.append(1) or H200_BARE)
     backends.reset()

@@ -1,6 +1,6 @@
-"""Every `from kernels... import name` in appliance/, visual/ and ops/ (those inside functions
-included, as in the benchmarks) names something kernels/ still has. The import direction and the
-absence of cycles are checked for the whole tree in tests/test_import_rules.py."""
+"""Every `from appliance_kernels... import name` in appliance/, visual/ and ops/ (those inside
+functions included, as in the benchmarks) names something appliance_kernels/ still has. The import
+direction and the absence of cycles are checked for the whole tree in tests/test_import_rules.py."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ CALLER_DIRS = ("appliance", "visual", "ops")
 
 
 def caller_imports() -> list[tuple[str, str, str]]:
-    """(file, module, name) of every `from kernels... import name` under CALLER_DIRS."""
+    """(file, module, name) of every `from appliance_kernels... import name` under CALLER_DIRS."""
     found = []
     for folder in CALLER_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kernels"):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "appliance_kernels"
+                ):
                     where = str(path.relative_to(ROOT))
                     found += [(where, node.module, alias.name) for alias in node.names]
     return found
@@ -34,7 +36,11 @@ CALLERS = caller_imports()
 
 def test_the_callers_import_from_kernels():
     modules = {module for _, module, _ in CALLERS}
-    assert {"kernels.backends", "kernels.sampling", "kernels.attention"} <= modules
+    assert {
+        "appliance_kernels.backends",
+        "appliance_kernels.sampling",
+        "appliance_kernels.attention",
+    } <= modules
 
 
 @pytest.mark.parametrize("where,module,name", CALLERS)

@@ -8,7 +8,7 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, poison
 
-from kernels.conv1d import (
+from appliance_kernels.conv1d import (
     causal_conv1d,
     causal_conv1d_ref,
     causal_conv1d_triton,
@@ -119,7 +119,7 @@ def test_layer_mixed_prefill_and_verify_batch_through_the_triton_kernels(monkeyp
     interpreted) give the reference path's output. The verify call's row bound is the window
     capacity, not the batch's longest chunk (a 6-row prefill beside 4-row verify requests once
     raised 'rows do not fit windows' on the GPU)."""
-    import kernels.conv1d as conv1d_module
+    import appliance_kernels.conv1d as conv1d_module
     from appliance.models.context import ForwardContext, forward_context
     from appliance.models.layers.gdn import GatedDeltaNet
 

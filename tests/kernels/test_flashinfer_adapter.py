@@ -11,7 +11,7 @@ import types
 import torch
 from test_attention import make_batch
 
-from kernels.attention import paged_attention_ref
+from appliance_kernels.attention import paged_attention_ref
 
 
 class _Wrapper:
@@ -62,7 +62,7 @@ def _install(monkeypatch) -> None:
         BatchDecodeWithPagedKVCacheWrapper=_Wrapper, BatchPrefillWithPagedKVCacheWrapper=_Wrapper
     )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    from kernels import adapters
+    from appliance_kernels import adapters
 
     monkeypatch.setattr(adapters, "_FI", adapters._FlashInferPlans())
     _Wrapper.plans = []
@@ -70,7 +70,7 @@ def _install(monkeypatch) -> None:
 
 def test_one_plan_per_forward_and_reference_results(monkeypatch):
     _install(monkeypatch)
-    from kernels.adapters import paged_attention_flashinfer
+    from appliance_kernels.adapters import paged_attention_flashinfer
 
     for q_lens, seq_lens in (([1, 1, 1], [5, 40, 9]), ([3, 3], [3, 20]), ([6, 0, 4], [30, 2, 4])):
         with torch.inference_mode():  # the engine's metadata are inference tensors
@@ -90,7 +90,7 @@ def test_fp8_cache_plans_e4m3_and_passes_the_scales(monkeypatch):
     from test_attention import fp8_cache
 
     _install(monkeypatch)
-    from kernels.adapters import paged_attention_flashinfer
+    from appliance_kernels.adapters import paged_attention_flashinfer
 
     for q_lens, seq_lens in (([1, 1], [7, 30]), ([3, 2], [9, 30])):  # decode and prefill wrappers
         base = make_batch(q_lens, seq_lens, 4, 2, 16, torch.float32, seed=5)

@@ -8,9 +8,9 @@ import torch
 from kernel_cases import DEVICE, ON_GPU, gpu, randn
 from tolerances import FP8_GEMM_TOLERANCE, FP8_REL_ERROR, assert_close, rel_error
 
-from kernels import backends
-from kernels.adapters import FP8_ADAPTERS, fp8_scaled_mm_external
-from kernels.fp8 import (
+from appliance_kernels import backends
+from appliance_kernels.adapters import FP8_ADAPTERS, fp8_scaled_mm_external
+from appliance_kernels.fp8 import (
     FP8_DTYPE,
     fp8_gemm_route,
     fp8_linear,

@@ -8,8 +8,8 @@ import torch
 from kernel_cases import DEVICE, randn
 from tolerances import FP8_GEMM_TOLERANCE, FP8_REL_ERROR, assert_close, rel_error
 
-from kernels.fp8 import FP8_DTYPE
-from kernels.fp8_block import (
+from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8_block import (
     dequantize_block,
     fp8_block_linear,
     fp8_block_mm_ref,

@@ -1,6 +1,6 @@
-"""The batch-1 weight-only fp8 GEMV (kernels/fp8_gemv.py) against its reference (the product with
-the dequantised weight), per channel and per tensor, ragged N and K, bias, pipelined or not;
-where fp8_linear, fp8_block_linear and the 16-bit `linear` route to it; 27B shapes on the GPU;
+"""The batch-1 weight-only fp8 GEMV (appliance_kernels/fp8_gemv.py) against its reference (the
+product with the dequantised weight), per channel and per tensor, ragged N and K, bias, pipelined or
+not; where fp8_linear, fp8_block_linear and the 16-bit `linear` route to it; 27B shapes on the GPU;
 the block-scaled variant."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, rel_error
 
-import kernels.fp8_block
-import kernels.fp8_gemv
-import kernels.gemv_rows
-from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
-from kernels.fp8_gemv import (
+import appliance_kernels.fp8_block
+import appliance_kernels.fp8_gemv
+import appliance_kernels.gemv_rows
+from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
+from appliance_kernels.fp8_gemv import (
     GEMV_MAX_ROWS,
     GemvNorm,
     block_gemv_fits,
@@ -26,7 +26,7 @@ from kernels.fp8_gemv import (
     gemv_wins,
     linear,
 )
-from kernels.norm import rms_norm_ref
+from appliance_kernels.norm import rms_norm_ref
 
 CONFIGS = [
     {"block_n": 8, "block_k": 128, "num_warps": 2, "stages": 1},
@@ -184,7 +184,7 @@ def test_gemv_of_a_bf16_weight_without_scales(config):
 
 
 def test_gemv_is_closer_to_the_full_precision_layer_than_fp8_activations():
-    from kernels.fp8 import fp8_linear
+    from appliance_kernels.fp8 import fp8_linear
 
     w = randn(96, 512, seed=1, scale=0.05)
     x = randn(1, 512, seed=2)
@@ -236,9 +236,9 @@ def count_calls(monkeypatch, module, name) -> list:
 
 
 def test_linear_takes_the_gemv_for_one_16bit_row_or_a_long_k(monkeypatch):
-    monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
-    monkeypatch.setattr(kernels.gemv_rows, "USE_ROWS", False)  # the routes without it
-    calls = count_calls(monkeypatch, kernels.fp8_gemv, "fp8_gemv")
+    monkeypatch.setattr(appliance_kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
+    monkeypatch.setattr(appliance_kernels.gemv_rows, "USE_ROWS", False)  # the routes without it
+    calls = count_calls(monkeypatch, appliance_kernels.fp8_gemv, "fp8_gemv")
     w = randn(48, 300, dtype=torch.bfloat16, seed=1, scale=0.05)
     bias = randn(48, dtype=torch.bfloat16, seed=2)
     x = randn(1, 300, dtype=torch.bfloat16, seed=3)
@@ -257,15 +257,15 @@ def test_linear_takes_the_gemv_for_one_16bit_row_or_a_long_k(monkeypatch):
     grid = randn(2, 4, 300, dtype=torch.bfloat16, seed=7)[:, 1:3]  # 4 rows, not one stride
     assert_close(linear(grid, w), torch.nn.functional.linear(grid, w), torch.bfloat16)
     assert len(calls) == 4
-    monkeypatch.setattr(kernels.fp8_gemv, "USE_GEMV", False)
+    monkeypatch.setattr(appliance_kernels.fp8_gemv, "USE_GEMV", False)
     linear(x, w)
     linear(rows, w)
     assert len(calls) == 4
 
 
 def test_block_linear_takes_the_gemv_at_one_row(monkeypatch):
-    monkeypatch.setattr(kernels.fp8_block, "use_triton", lambda t: t.shape[0] == 1)
-    calls = count_calls(monkeypatch, kernels.fp8_block, "fp8_gemv_block")
+    monkeypatch.setattr(appliance_kernels.fp8_block, "use_triton", lambda t: t.shape[0] == 1)
+    calls = count_calls(monkeypatch, appliance_kernels.fp8_block, "fp8_gemv_block")
     w_q, s = quantize_block_ref(randn(256, 384, seed=4, scale=0.05).cpu(), (128, 128))
     w_q, s = w_q.to(DEVICE), s.to(DEVICE)
     x = randn(1, 384, dtype=torch.bfloat16, seed=5)
@@ -295,7 +295,7 @@ def test_full_size_16bit_and_block_routes(n, k):
 @gpu
 @pytest.mark.parametrize("n,k", [(5120, 5120), (34816, 5120), (5120, 17408), (5120, 6144)])
 def test_full_size_27b_shapes(n, k):
-    from kernels.fp8 import fp8_linear
+    from appliance_kernels.fp8 import fp8_linear
 
     w_q, s = per_token_quant_ref(randn(n, k, seed=n, scale=0.05))
     x = randn(1, k, dtype=torch.bfloat16, seed=k)

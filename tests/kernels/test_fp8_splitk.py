@@ -1,5 +1,5 @@
-"""The decode-sized split-K fp8 GEMM (kernels/fp8_splitk.py) against the per-channel and block
-references, with K not a multiple of the split, rows up to its M limit, and full 27B shapes on
+"""The decode-sized split-K fp8 GEMM (appliance_kernels/fp8_splitk.py) against the per-channel and
+block references, with K not a multiple of the split, rows up to its M limit, and full 27B shapes on
 the GPU."""
 
 from __future__ import annotations
@@ -9,9 +9,18 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import FP8_GEMM_TOLERANCE, assert_close, rel_error
 
-from kernels.fp8 import fp8_scaled_mm_ref, per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_block import fp8_block_mm_ref, per_token_group_quant_ref, quantize_block_ref
-from kernels.fp8_splitk import SPLITK_MAX_M, fp8_splitk_block_mm, fp8_splitk_mm, num_splits
+from appliance_kernels.fp8 import fp8_scaled_mm_ref, per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.fp8_block import (
+    fp8_block_mm_ref,
+    per_token_group_quant_ref,
+    quantize_block_ref,
+)
+from appliance_kernels.fp8_splitk import (
+    SPLITK_MAX_M,
+    fp8_splitk_block_mm,
+    fp8_splitk_mm,
+    num_splits,
+)
 
 
 def channel_operands(m, n, k, per_channel, seed):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
-from kernels.gdn import (
+from appliance_kernels.gdn import (
     gdn,
     gdn_chunked_ref,
     gdn_chunked_triton,
@@ -25,7 +25,7 @@ from kernels.gdn import (
     gdn_verify_ref,
     gdn_verify_triton,
 )
-from kernels.gdn_gate import RawGates, gdn_gating_ref
+from appliance_kernels.gdn_gate import RawGates, gdn_gating_ref
 
 
 def make_inputs(lens, hk, hv, dk, dv, dtype, seed, has_init):
@@ -248,7 +248,7 @@ def test_fla_and_flashqla_each_run_their_own_chunk_kernel():
     backend must still run fla's own kernel (different rounding), and each stays near gdn_ref."""
     from fla.backends import _get_operation_registry
 
-    from kernels.adapters import FLA_FLASHQLA_SWITCH, gdn_chunked_external
+    from appliance_kernels.adapters import FLA_FLASHQLA_SWITCH, gdn_chunked_external
 
     lens, init = [3000, 2000], [True, False]
     inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=5, has_init=init)

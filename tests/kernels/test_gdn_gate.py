@@ -7,7 +7,7 @@ import torch
 from kernel_cases import gpu, randn
 from tolerances import assert_close
 
-from kernels.gdn_gate import gdn_gating, gdn_gating_ref, gdn_gating_triton
+from appliance_kernels.gdn_gate import gdn_gating, gdn_gating_ref, gdn_gating_triton
 
 
 def _inputs(rows: int, heads: int, dtype: torch.dtype, seed: int):

@@ -1,6 +1,6 @@
-"""The tensor-core rows GEMV (kernels/gemv_rows.py) against the product with the dequantised weight:
-16-bit, per-channel and per-tensor fp8 weights, 1-16 rows, ragged N and K, bias, leading shapes;
-where `linear` and fp8_linear route to it; 27B shapes on the GPU."""
+"""The tensor-core rows GEMV (appliance_kernels/gemv_rows.py) against the product with the
+dequantised weight: 16-bit, per-channel and per-tensor fp8 weights, 1-16 rows, ragged N and K, bias,
+leading shapes; where `linear` and fp8_linear route to it; 27B shapes on the GPU."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close
 
-import kernels.fp8_gemv
-import kernels.gemv_rows
-from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.fp8_gemv import fp8_gemv_ref, linear
-from kernels.gemv_rows import ROUTED_ROWS, ROWS_MAX, gemv_rows
+import appliance_kernels.fp8_gemv
+import appliance_kernels.gemv_rows
+from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.fp8_gemv import fp8_gemv_ref, linear
+from appliance_kernels.gemv_rows import ROUTED_ROWS, ROWS_MAX, gemv_rows
 
 CONFIGS = [
     {"block_n": 16, "block_k": 64, "num_warps": 4, "stages": 1},
@@ -66,10 +66,12 @@ def test_refuses_what_it_does_not_run():
 
 
 def test_linear_takes_it_for_a_few_16bit_rows(monkeypatch):
-    monkeypatch.setattr(kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
+    monkeypatch.setattr(appliance_kernels.fp8_gemv, "use_triton", lambda t: True)  # as on CUDA
     calls = []
-    real = kernels.fp8_gemv.gemv_rows
-    monkeypatch.setattr(kernels.fp8_gemv, "gemv_rows", lambda *a: calls.append(a) or real(*a))
+    real = appliance_kernels.fp8_gemv.gemv_rows
+    monkeypatch.setattr(
+        appliance_kernels.fp8_gemv, "gemv_rows", lambda *a: calls.append(a) or real(*a)
+    )
     w = randn(160, 300, dtype=torch.bfloat16, seed=1, scale=0.05)  # K < 2N
     bias = randn(160, dtype=torch.bfloat16, seed=2)
     lo, hi = ROUTED_ROWS
@@ -88,7 +90,7 @@ def test_linear_takes_it_for_a_few_16bit_rows(monkeypatch):
     assert len(calls) == 3
     assert_close(linear(x, long_k), torch.nn.functional.linear(x, long_k), torch.bfloat16)
     assert len(calls) == 4
-    monkeypatch.setattr(kernels.gemv_rows, "USE_ROWS", False)
+    monkeypatch.setattr(appliance_kernels.gemv_rows, "USE_ROWS", False)
     linear(randn(lo, 300, dtype=torch.bfloat16), w)
     assert len(calls) == 4
 

@@ -1,6 +1,7 @@
-"""The one-row gate_up + SiLU-and-mul kernel (kernels/gemv_swiglu.py) against the unfused math, for
-16-bit and fp8 (per channel, per tensor) weights, ragged sizes, pipelined or not; the MLP taking it
-only when enabled and where it fits, with the result of its unfused path; 27B shapes on the GPU."""
+"""The one-row gate_up + SiLU-and-mul kernel (appliance_kernels/gemv_swiglu.py) against the unfused
+math, for 16-bit and fp8 (per channel, per tensor) weights, ragged sizes, pipelined or not; the MLP
+taking it only when enabled and where it fits, with the result of its unfused path; 27B shapes on
+the GPU."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close
 
-import kernels.fp8
-import kernels.fp8_gemv
-import kernels.gemv_swiglu
+import appliance_kernels.fp8
+import appliance_kernels.fp8_gemv
+import appliance_kernels.gemv_swiglu
 from appliance.models.layers import quant_methods
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.quant import QuantConfig
-from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.gemv_swiglu import gemv_swiglu, gemv_swiglu_ref, swiglu_fits
+from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.gemv_swiglu import gemv_swiglu, gemv_swiglu_ref, swiglu_fits
 
 CONFIGS = [
     {"block_n": 4, "block_k": 64, "num_warps": 2, "stages": 1},
@@ -58,9 +59,9 @@ def test_fits_only_when_enabled_on_cuda_for_one_row(monkeypatch):
     x = randn(1, 128, dtype=torch.bfloat16)
     w = randn(64, 128, dtype=torch.bfloat16)
     assert not swiglu_fits(x, w, None)  # off by default
-    monkeypatch.setattr(kernels.gemv_swiglu, "USE_SWIGLU", True)
+    monkeypatch.setattr(appliance_kernels.gemv_swiglu, "USE_SWIGLU", True)
     assert not swiglu_fits(x, w, None) or x.is_cuda  # a CPU tensor runs the reference path
-    monkeypatch.setattr(kernels.gemv_swiglu, "use_triton", lambda t: True)
+    monkeypatch.setattr(appliance_kernels.gemv_swiglu, "use_triton", lambda t: True)
     assert swiglu_fits(x, w, None)
     assert not swiglu_fits(randn(2, 128, dtype=torch.bfloat16), w, None)
     assert not swiglu_fits(x.float(), w.float(), None)
@@ -82,11 +83,15 @@ def test_mlp_takes_it_with_its_unfused_result(monkeypatch, quant):
     if quant:  # the fp8 layers keep their e4m3 weights; only the scales stay fp32
         mlp.gate_up_proj.weight_scale.data = mlp.gate_up_proj.weight_scale.data.float()
     x = randn(1, 96, dtype=torch.bfloat16, seed=5)
-    for module in (kernels.gemv_swiglu, kernels.fp8, kernels.fp8_gemv):  # as on CUDA
+    for module in (
+        appliance_kernels.gemv_swiglu,
+        appliance_kernels.fp8,
+        appliance_kernels.fp8_gemv,
+    ):  # as on CUDA
         monkeypatch.setattr(module, "use_triton", lambda t: True)
-    monkeypatch.setattr(kernels.fp8, "fp8_gemm_route", lambda *a: "triton")
+    monkeypatch.setattr(appliance_kernels.fp8, "fp8_gemm_route", lambda *a: "triton")
     unfused = mlp(x)  # the one-row GEMVs and silu_and_mul
-    monkeypatch.setattr(kernels.gemv_swiglu, "USE_SWIGLU", True)
+    monkeypatch.setattr(appliance_kernels.gemv_swiglu, "USE_SWIGLU", True)
     calls, real = [], quant_methods.gemv_swiglu
     monkeypatch.setattr(quant_methods, "gemv_swiglu", lambda *a: calls.append(a) or real(*a))
     fused = mlp(x)

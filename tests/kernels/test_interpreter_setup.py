@@ -7,7 +7,7 @@ import os
 import pytest
 from kernel_cases import ON_GPU
 
-from kernels import attention
+from appliance_kernels import attention
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter is only used without CUDA")
@@ -36,14 +36,14 @@ def listed_modules() -> list[str]:
 
 
 def test_every_module_with_triton_kernels_is_reimported_interpreted():
-    """conftest.KERNEL_MODULES must list each kernels/ module that defines a Triton kernel (a
-    missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
+    """conftest.KERNEL_MODULES must list each appliance_kernels/ module that defines a Triton kernel
+    (a missing one keeps CUDA-only launchers: its tests fail on CPU with "0 active drivers")."""
     from pathlib import Path
 
     KERNEL_MODULES = listed_modules()
-    root = Path(__file__).resolve().parents[2] / "kernels"
+    root = Path(__file__).resolve().parents[2] / "appliance_kernels"
     with_kernels = {
-        f"kernels.{path.stem}"
+        f"appliance_kernels.{path.stem}"
         for path in root.glob("*.py")
         if "@jit" in path.read_text() and path.stem != "triton_utils"
     }
@@ -52,14 +52,15 @@ def test_every_module_with_triton_kernels_is_reimported_interpreted():
 
 
 def test_a_module_binding_another_modules_jit_function_is_reloaded_after_it():
-    """`from kernels.x import some_jit_fn` binds the function at import: conftest must reload x
-    first, or the importer keeps the compiled-mode function and fails interpreted ("Cannot call
-    @triton.jit'd outside of the scope of a kernel") once both were imported before the tests."""
+    """`from appliance_kernels.x import some_jit_fn` binds the function at import: conftest must
+    reload x first, or the importer keeps the compiled-mode function and fails interpreted ("Cannot
+    call @triton.jit'd outside of the scope of a kernel") once both were imported before the
+    tests."""
     import ast
     from pathlib import Path
 
     order = {name: i for i, name in enumerate(listed_modules())}
-    root = Path(__file__).resolve().parents[2] / "kernels"
+    root = Path(__file__).resolve().parents[2] / "appliance_kernels"
 
     def jit_functions(module: str) -> set[str]:
         tree = ast.parse((root / f"{module.split('.')[1]}.py").read_text())

@@ -7,9 +7,9 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import FP8_REL_ERROR, assert_close, rel_error
 
-from kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
-from kernels.moe import fused_moe, fused_moe_fp8_ref, fused_moe_ref, moe_route_ref
-from kernels.moe_triton import fused_moe_grouped, fused_moe_triton, moe_align
+from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.moe import fused_moe, fused_moe_fp8_ref, fused_moe_ref, moe_route_ref
+from appliance_kernels.moe_triton import fused_moe_grouped, fused_moe_triton, moe_align
 
 
 def moe_inputs(tokens, experts, top_k, hidden, inter, dtype, seed):

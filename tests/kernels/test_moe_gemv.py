@@ -1,5 +1,5 @@
-"""The decode-size MoE (kernels/moe_gemv.py: one program per (token, slot) pair) against the
-references: bf16 / fp32 and fp8 experts, the shared expert, sizes not multiples of its blocks,
+"""The decode-size MoE (appliance_kernels/moe_gemv.py: one program per (token, slot) pair) against
+the references: bf16 / fp32 and fp8 experts, the shared expert, sizes not multiples of its blocks,
 the dispatch from fused_moe_triton, and its limit."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from kernel_cases import randn
 from test_moe import moe_inputs, quant_experts
 from tolerances import FP8_REL_ERROR, assert_close, rel_error
 
-import kernels.moe_triton as moe_triton
-from kernels.moe import fused_moe_fp8_ref, fused_moe_ref
-from kernels.moe_gemv import GEMV_MAX_ROWS, fused_moe_gemv
-from kernels.moe_triton import fused_moe_triton
+import appliance_kernels.moe_triton as moe_triton
+from appliance_kernels.moe import fused_moe_fp8_ref, fused_moe_ref
+from appliance_kernels.moe_gemv import GEMV_MAX_ROWS, fused_moe_gemv
+from appliance_kernels.moe_triton import fused_moe_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

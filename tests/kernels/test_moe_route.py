@@ -1,6 +1,7 @@
-"""MoE routing in one kernel (kernels/moe_route.py) against the torch reference: Qwen3.5-MoE sizes
-(256 experts, top 8) and odd ones, bf16 and fp32 logits, renormalised or not, ties to the lower
-expert id, strided logits, the dispatch from kernels.moe.moe_route, and its limits."""
+"""MoE routing in one kernel (appliance_kernels/moe_route.py) against the torch reference:
+Qwen3.5-MoE sizes (256 experts, top 8) and odd ones, bf16 and fp32 logits, renormalised or not, ties
+to the lower expert id, strided logits, the dispatch from appliance_kernels.moe.moe_route, and its
+limits."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import pytest
 import torch
 from kernel_cases import DEVICE, randn
 
-from kernels.moe import moe_route_ref
-from kernels.moe_route import MAX_EXPERTS, moe_route_triton
+from appliance_kernels.moe import moe_route_ref
+from appliance_kernels.moe_route import MAX_EXPERTS, moe_route_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,7 +45,7 @@ def test_ties_go_to_the_lower_id_and_strided_rows():
 
 
 def test_dispatch_and_limits():
-    from kernels import moe
+    from appliance_kernels import moe
 
     logits = randn(4, 32, seed=3)
     expected = moe_route_ref(logits, 4, True)

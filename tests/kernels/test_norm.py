@@ -8,7 +8,7 @@ import torch
 from kernel_cases import gpu, randn
 from tolerances import assert_close
 
-from kernels.norm import (
+from appliance_kernels.norm import (
     gated_rms_norm,
     gated_rms_norm_ref,
     gated_rms_norm_triton,

@@ -1,10 +1,10 @@
 """Decoder layers at one decode row with their RMSNorms run inside the next GEMV
-(appliance/models/layers/row_norm.py, kernels.fp8_gemv.GemvNorm): the teacher-forced logits of
-tiny models, one token per step, equal those of the same steps with the norm kernels, every
-linear on the one-row GEMV in both (the Triton interpreter here, CUDA on the GPU). Covers the
-unquantised bf16 GEMV, fp8 per channel (checkpoint and online), block fp8 with the GDN layer's
-bf16 b / a as the in_proj's tail, the three-linear attention fallback and an MoE layer, which
-takes the normed row as it is."""
+(appliance/models/layers/row_norm.py, appliance_kernels.fp8_gemv.GemvNorm): the teacher-forced
+logits of tiny models, one token per step, equal those of the same steps with the norm kernels,
+every linear on the one-row GEMV in both (the Triton interpreter here, CUDA on the GPU). Covers the
+unquantised bf16 GEMV, fp8 per channel (checkpoint and online), block fp8 with the GDN layer's bf16
+b / a as the in_proj's tail, the three-linear attention fallback and an MoE layer, which takes the
+normed row as it is."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from fp8_cases import runner  # noqa: E402
 from test_qwen3_5_parity import engine_logits  # noqa: E402
 
-import kernels.fp8  # noqa: E402
-import kernels.fp8_block  # noqa: E402
+import appliance_kernels.fp8  # noqa: E402
+import appliance_kernels.fp8_block  # noqa: E402
 from appliance.models.layers import quant_methods, row_norm  # noqa: E402
 from appliance.testing.fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
 from appliance.testing.tiny import build_qwen3_5  # noqa: E402
@@ -46,9 +46,9 @@ def checkpoints(tmp_path_factory):
 
 def _one_row_gemvs_everywhere(monkeypatch) -> None:
     """Every one-row linear on the GEMV kernels (as on CUDA), fp32 rows included."""
-    for module in (quant_methods, kernels.fp8_block):
+    for module in (quant_methods, appliance_kernels.fp8_block):
         monkeypatch.setattr(module, "use_triton", lambda t: True)
-    monkeypatch.setattr(kernels.fp8, "one_row_gemv", lambda x, w: True)
+    monkeypatch.setattr(appliance_kernels.fp8, "one_row_gemv", lambda x, w: True)
     monkeypatch.setattr(quant_methods, "one_row_gemv", lambda x, w: True)
     monkeypatch.setattr(row_norm, "use_triton", lambda t: True)
 

@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (kernels.triton_utils): a kernel launched with it may run while
-the previous kernel of the stream finishes, so every kernel taking a `PDL` constexpr must wait
+"""Programmatic dependent launch (appliance_kernels.triton_utils): a kernel launched with it may run
+while the previous kernel of the stream finishes, so every kernel taking a `PDL` constexpr must wait
 (pdl_start / pdl_wait) before its first store and before it loads anything but its own constant
-inputs. Checked statically over kernels/*.py; launch options only on CUDA SM90+."""
+inputs. Checked statically over appliance_kernels/*.py; launch options only on CUDA SM90+."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import triton_utils
+from appliance_kernels import triton_utils
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "appliance_kernels"
 WAITS = {"pdl_start", "pdl_wait"}
 # what may come before the wait: index arithmetic, and letting the next kernel launch
 EARLY_CALLS = {
@@ -24,6 +24,7 @@ EARLY_CALLS = {
     "zeros",
     "to",
     "reshape",
+    "cdiv",
 }
 
 

@@ -7,14 +7,14 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import TOLERANCES, assert_close, poison, rel_error
 
-from kernels.attention import quantize_kv_ref
-from kernels.fp8 import FP8_DTYPE
-from kernels.qk_norm_rope import (
+from appliance_kernels.attention import quantize_kv_ref
+from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.qk_norm_rope import (
     qk_norm_rope_store,
     qk_norm_rope_store_ref,
     qk_norm_rope_store_triton,
 )
-from kernels.rotary import inv_freq, rotary_cos_sin_ref
+from appliance_kernels.rotary import inv_freq, rotary_cos_sin_ref
 
 
 def make_inputs(tokens, hq, hkv, d, rot, dtype, seed, cache_dtype=None):

@@ -7,7 +7,7 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close
 
-from kernels.rotary import (
+from appliance_kernels.rotary import (
     apply_rotary,
     apply_rotary_ref,
     apply_rotary_triton,

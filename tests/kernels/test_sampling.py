@@ -12,10 +12,10 @@ import torch
 from kernel_cases import DEVICE, generator, gpu
 from tolerances import poison
 
-import kernels.sampling_triton as sampling_triton
-from kernels.sampling import sample
-from kernels.sampling_ref import _mul32, mask_logits_ref, sample_ref, uniform_noise
-from kernels.sampling_triton import (
+import appliance_kernels.sampling_triton as sampling_triton
+from appliance_kernels.sampling import sample
+from appliance_kernels.sampling_ref import _mul32, mask_logits_ref, sample_ref, uniform_noise
+from appliance_kernels.sampling_triton import (
     argmax_chunks,
     sample_triton,
     topk_candidates,
@@ -37,7 +37,7 @@ def fmix_py(x: int) -> int:
 
 
 def uniform_py(seed: int, offset: int, v: int) -> float:
-    """The spec in kernels/sampling_ref.py's docstring, in plain Python integers."""
+    """The spec in appliance_kernels/sampling_ref.py's docstring, in plain Python integers."""
     seed &= (1 << 64) - 1
     offset &= (1 << 64) - 1
     key = fmix_py((seed >> 32) ^ 0x9E3779B9)
@@ -273,7 +273,7 @@ def test_triton_greedy_over_vocabulary_chunks(vocab: int, chunks: int) -> None:
 
 
 def test_argmax_chunks_only_for_few_rows_over_a_large_vocabulary() -> None:
-    from kernels.sampling_triton import ARGMAX_MAX_ROWS
+    from appliance_kernels.sampling_triton import ARGMAX_MAX_ROWS
 
     assert argmax_chunks(4, 248320, 1024) > 0
     assert argmax_chunks(ARGMAX_MAX_ROWS + 1, 248320, 1024) == 0

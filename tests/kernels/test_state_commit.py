@@ -1,6 +1,6 @@
-"""The MTP state commit (kernels/state_commit.py) against its torch reference: the accepted row's
-SSM candidate and conv window columns land in each request's pool slot, in every layer, and no
-other slot changes."""
+"""The MTP state commit (appliance_kernels/state_commit.py) against its torch reference: the
+accepted row's SSM candidate and conv window columns land in each request's pool slot, in every
+layer, and no other slot changes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, gpu, randn
 
-from kernels.state_commit import commit_states, commit_states_ref, commit_states_triton
+from appliance_kernels.state_commit import commit_states, commit_states_ref, commit_states_triton
 
 
 def _pools(layers, slots, rows, state, channels, width, conv_dtype, seed=0):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_cases import gpu
 
-from kernels.token_bitmask import (
+from appliance_kernels.token_bitmask import (
     apply_token_bitmask,
     apply_token_bitmask_ref,
     apply_token_bitmask_triton,

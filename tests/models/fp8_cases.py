@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from test_qwen3_5_parity import engine_logits
 
-import kernels.fp8_moe as fp8_moe
+import appliance_kernels.fp8_moe as fp8_moe
 from appliance.engine.runner import ModelRunner
 from appliance.models.layers import quant_methods
 from appliance.offline.llm import build_engine_config
-from kernels.fp8 import FP8_DTYPE
-from kernels.fp8_block import dequantize_block
+from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8_block import dequantize_block
 
 IDS = list(range(3, 120, 3))
 
@@ -40,7 +40,7 @@ def _block_exact(x, weight_q, weight_scale, block, bias=None):
 
 def without_activation_quant(monkeypatch) -> None:
     """fp8 weights dequantised, activations left in full precision (the per-channel expert
-    reference, kernels.moe.fused_moe_fp8_ref, already works this way)."""
+    reference, appliance_kernels.moe.fused_moe_fp8_ref, already works this way)."""
     monkeypatch.setattr(quant_methods, "fp8_linear", _linear_exact)
     monkeypatch.setattr(quant_methods, "fp8_block_linear", _block_exact)
     monkeypatch.setattr(fp8_moe, "fp8_block_linear", _block_exact)

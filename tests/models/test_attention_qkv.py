@@ -17,8 +17,8 @@ from appliance.models.layers.parallel import set_tp, tp_size
 from appliance.models.layers.quant import QuantConfig
 from appliance.models.loader import CheckpointMismatch, load_weights
 from appliance.models.qwen3_5 import map_layer_name
-from kernels.fp8 import per_token_quant_ref
-from kernels.fp8_block import quantize_block_ref
+from appliance_kernels.fp8 import per_token_quant_ref
+from appliance_kernels.fp8_block import quantize_block_ref
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 32
 ATTN = "layers.0.self_attn"

@@ -37,7 +37,7 @@ from appliance.testing.fp8_checkpoint import (
 )
 from appliance.testing.tiny import build_qwen3_5
 from appliance.testing.tiny_vl import build_tiny_qwen3_vl
-from kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8 import FP8_DTYPE
 
 PER = "per_expert"
 BLOCK = (16, 16)  # tiny models: every fused segment and TP shard falls on 16-row blocks

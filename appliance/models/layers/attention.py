@@ -16,8 +16,8 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear, blocks_fit, 
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.parallel import tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from kernels.attention import KVScales, paged_attention
-from kernels.qk_norm_rope import qk_norm_rope_store
+from appliance_kernels.attention import KVScales, paged_attention
+from appliance_kernels.qk_norm_rope import qk_norm_rope_store
 
 
 def kv_head_shard(num_kv_heads: int, head_dim: int):
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         scales = self.kv_scales
         # q_norm / k_norm, rotary on both, and k / v into the cache: one kernel reading the
-        # projection's views in place (kernels/qk_norm_rope.py)
+        # projection's views in place (appliance_kernels/qk_norm_rope.py)
         q = qk_norm_rope_store(
             q.view(num_tokens, self.num_heads, self.head_dim),
             k,

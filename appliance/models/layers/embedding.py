@@ -9,7 +9,7 @@ from torch import nn
 
 from appliance.models.layers.linear import copy_into
 from appliance.models.layers.parallel import all_gather_last, all_reduce, tp_rank, tp_size
-from kernels.fp8_gemv import linear
+from appliance_kernels.fp8_gemv import linear
 
 
 def _padded(vocab: int) -> int:

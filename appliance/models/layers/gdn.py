@@ -12,9 +12,9 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, e
 from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from kernels.conv1d import causal_conv1d, causal_conv1d_verify
-from kernels.gdn import gdn_gated, gdn_verify_gated
-from kernels.gdn_gate import RawGates
+from appliance_kernels.conv1d import causal_conv1d, causal_conv1d_verify
+from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
+from appliance_kernels.gdn_gate import RawGates
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}

@@ -23,7 +23,7 @@ from appliance.models.layers.quant_methods import (
     linear_method,
 )
 from appliance.models.layers.row_norm import RowNorm
-from kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8 import FP8_DTYPE
 
 ShardFn = Callable[
     [torch.Tensor, int], torch.Tensor

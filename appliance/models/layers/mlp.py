@@ -7,7 +7,7 @@ from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.quant import QuantConfig, quant_for
-from kernels.activation import silu_and_mul
+from appliance_kernels.activation import silu_and_mul
 
 
 class MLP(nn.Module):
@@ -32,7 +32,8 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.swiglu(x)  # one kernel where it runs (kernels/gemv_swiglu.py)
+        # one kernel where it runs (appliance_kernels/gemv_swiglu.py)
+        act = self.gate_up_proj.swiglu(x)
         if act is None:
             act = silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(act)

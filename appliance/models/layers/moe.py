@@ -17,9 +17,9 @@ from appliance.models.layers.parallel import all_reduce, tp_size
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization, quant_for
 from appliance.models.layers.quant_methods import channel_scale, linear_method
 from appliance.models.layers.row_norm import RowNorm
-from kernels.fp8 import FP8_DTYPE
-from kernels.fp8_moe import fused_moe_fp8_block
-from kernels.moe import fused_moe, moe_route
+from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8_moe import fused_moe_fp8_block
+from appliance_kernels.moe import fused_moe, moe_route
 
 
 class SparseMoE(nn.Module):

@@ -1,5 +1,5 @@
 """RMSNorm layers: zero-centred (Qwen3.5), ordinary (Qwen3-VL) with fused residual add, and the
-gated norm of the GDN output. Thin wrappers over kernels/norm.py."""
+gated norm of the GDN output. Thin wrappers over appliance_kernels/norm.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import copy_into
-from kernels.norm import gated_rms_norm, rms_norm
+from appliance_kernels.norm import gated_rms_norm, rms_norm
 
 
 def _replicated(shape: int, fill: float) -> nn.Parameter:

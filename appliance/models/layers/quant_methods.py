@@ -1,8 +1,8 @@
 """How a linear layer stores its weight and runs its GEMM, one strategy per quantization scheme:
 unquantised, fp8 with a scale per output channel (checkpoint or online), fp8 with a scale per
 [block_n, block_k] tile. Chosen by `linear_method`; used by linear.py (and the expert variants by
-moe.py). The kernels live in kernels/fp8.py (backend from APPLIANCE_FP8_GEMM via kernels.backends)
-and kernels/fp8_block.py.
+moe.py). The kernels live in appliance_kernels/fp8.py (backend from APPLIANCE_FP8_GEMM via
+appliance_kernels.backends) and appliance_kernels/fp8_block.py.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
-from kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
-from kernels.fp8_block import fp8_block_linear
-from kernels.fp8_gemv import (
+from appliance_kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
+from appliance_kernels.fp8_block import fp8_block_linear
+from appliance_kernels.fp8_gemv import (
     GEMV_DTYPES,
     bf16_gemv_config,
     bf16_gemv_wins,
@@ -23,8 +23,8 @@ from kernels.fp8_gemv import (
     gemv_wins,
     linear,
 )
-from kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
-from kernels.triton_utils import use_triton
+from appliance_kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
+from appliance_kernels.triton_utils import use_triton
 
 
 def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -32,7 +32,8 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 
 
 class Unquantized:
-    """Weight in the model dtype; F.linear (one row on CUDA: the GEMV of kernels/fp8_gemv.py)."""
+    """Weight in the model dtype; F.linear (one row on CUDA: the GEMV of
+    appliance_kernels/fp8_gemv.py)."""
 
     block: tuple[int, int] | None = None  # (block_n, block_k) of block-scaled weights
 
@@ -47,8 +48,8 @@ class Unquantized:
         return linear(x, weight, bias)
 
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
-        """SiLU(gate) * up of a [gate; up] weight in one kernel where kernels.gemv_swiglu runs
-        (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
+        """SiLU(gate) * up of a [gate; up] weight in one kernel where appliance_kernels.gemv_swiglu
+        runs (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
         return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
 
     def apply_one_row(self, x, weight, scale, bias, tail=None, norm=None) -> torch.Tensor | None:

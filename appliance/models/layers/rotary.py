@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rotary import inv_freq, mrope_channel_rows, rotary_cos_sin
+from appliance_kernels.rotary import inv_freq, mrope_channel_rows, rotary_cos_sin
 
 
 class Rotary(nn.Module):

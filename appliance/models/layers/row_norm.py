@@ -1,15 +1,15 @@
 """A decoder sublayer's input at one decode row before its RMSNorm: the first linear that reads it
-runs the norm (and the residual add) in its GEMV's K loop (kernels.fp8_gemv.GemvNorm), which
-saves the norm's launch, two per decoder layer; any other reader gets `normed()`, computed once.
-Built by the decoder layers where `fuses(h)`; the CPU and every batch of more rows keep the norm
-as its own kernel."""
+runs the norm (and the residual add) in its GEMV's K loop (appliance_kernels.fp8_gemv.GemvNorm),
+which saves the norm's launch, two per decoder layer; any other reader gets `normed()`, computed
+once. Built by the decoder layers where `fuses(h)`; the CPU and every batch of more rows keep the
+norm as its own kernel."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.fp8_gemv import GemvNorm
-from kernels.triton_utils import use_triton
+from appliance_kernels.fp8_gemv import GemvNorm
+from appliance_kernels.triton_utils import use_triton
 
 FUSE_NORMS = True  # ops/bench/bench_static.py --fuse-norms off: the norm kernels, as before
 

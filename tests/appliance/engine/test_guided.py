@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from appliance.engine.guided import GuidedDecoding
 from appliance.engine.sampler import Sampler
 from appliance.messages import Guide, SamplingOptions
-from kernels.token_bitmask import unpack_bitmask
+from appliance_kernels.token_bitmask import unpack_bitmask
 
 GUIDE = Guide("regex", r"(ab|cd)+[0-9]{2,4}")
 VOCAB = 2000

@@ -21,7 +21,7 @@ from appliance.models.loader import CheckpointMismatch
 from appliance.offline.llm import LLM, build_engine_config
 from appliance.sampling_params import SamplingParams
 from appliance.testing.fp8_checkpoint import add_kv_cache_scales, attention_prefixes
-from kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8 import FP8_DTYPE
 from tests.models.test_qwen3_5_parity import engine_logits
 
 FP8 = "fp8_e4m3"

@@ -17,7 +17,7 @@ from appliance.engine.guided import GuidedDecoding
 from appliance.parsers.qwen3_coder import parse_tool_calls
 from appliance.server.errors import BadRequest
 from appliance.server.guides import request_guide, tool_call_guide
-from kernels.token_bitmask import apply_token_bitmask
+from appliance_kernels.token_bitmask import apply_token_bitmask
 
 EOS = 1992  # <|im_end|> of the tiny BPE tokenizer
 TOOLS = [

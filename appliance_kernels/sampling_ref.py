@@ -1,7 +1,8 @@
 """Torch reference of token sampling: `sample_ref()`, its logit filters and counter-based noise.
 
-Called by the dispatcher `sample` in kernels/sampling.py; kernels/sampling_triton.py reproduces it
-(the same hash, filter order and tie rules) and takes SAMPLING_EPS from here.
+Called by the dispatcher `sample` in appliance_kernels/sampling.py;
+appliance_kernels/sampling_triton.py reproduces it (the same hash, filter order and tie rules) and
+takes SAMPLING_EPS from here.
 
 Randomness: no generator state. Each row's Gumbel noise is a pure function of (seed, offset, token
 id) through a 32-bit integer hash (below), so a row samples the same token alone or in any batch, a

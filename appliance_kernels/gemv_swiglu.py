@@ -3,13 +3,13 @@ out = silu(x Wg^T) * (x Wu^T) for W = [Wg; Wu] ([2I, K], gate rows first, as the
 ColumnLinear lays them out), W in the model's 16-bit dtype or fp8 e4m3 with per-channel /
 per-tensor scales, the row kept in bf16 / fp16.
 
-The batch-1 decode step runs the gate_up GEMV (kernels/fp8_gemv.py) and then
-kernels/activation.py's SiLU-and-mul: two launches per layer for what is one read of the weight.
-Here each program owns BLOCK_N activation channels, streams the BLOCK_N gate rows and the BLOCK_N
-up rows of the same channels over the whole K (so a program reads what two programs of the
-plain GEMV read) and finishes the activation in registers: one kernel, no [1, 2I] intermediate.
-The rounding follows the unfused path (gate and up rounded to the row's dtype as the GEMV stores
-them, the SiLU rounded as F.silu's output), so the result is the same up to summation order.
+The batch-1 decode step runs the gate_up GEMV (appliance_kernels/fp8_gemv.py) and then
+appliance_kernels/activation.py's SiLU-and-mul: two launches per layer for what is one read of the
+weight. Here each program owns BLOCK_N activation channels, streams the BLOCK_N gate rows and the
+BLOCK_N up rows of the same channels over the whole K (so a program reads what two programs of the
+plain GEMV read) and finishes the activation in registers: one kernel, no [1, 2I] intermediate. The
+rounding follows the unfused path (gate and up rounded to the row's dtype as the GEMV stores them,
+the SiLU rounded as F.silu's output), so the result is the same up to summation order.
 
 Off by default (USE_SWIGLU; bench_static.py --swiglu on): not yet timed on the GPU. Run AM
 (docs/benchmarks.md) fused the activation into the *down* projection instead, where every program
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.fp8_gemv import fp8_gemv_ref
-from kernels.triton_utils import (
+from appliance_kernels.activation import silu_and_mul_ref
+from appliance_kernels.fp8_gemv import fp8_gemv_ref
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
     jit,
@@ -108,7 +108,7 @@ def _gemv_swiglu_kernel(
 
 def swiglu_config(inter: int, k: int) -> dict[str, int]:
     """Half the plain GEMV's rows per program (each program reads gate and up rows): 4 + 4 rows
-    x 512 columns, 3 K steps in flight (the GEMV's 8 x 512 tiles, kernels/fp8_gemv.py)."""
+    x 512 columns, 3 K steps in flight (the GEMV's 8 x 512 tiles, appliance_kernels/fp8_gemv.py)."""
     return {"block_n": 4, "block_k": 512, "num_warps": 4, "stages": 3}
 
 

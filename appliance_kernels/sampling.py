@@ -2,17 +2,18 @@
 
 The dispatcher `sample()` (Triton on CUDA, the reference elsewhere), called by
 appliance/engine/sampler.py. The torch reference `sample_ref()`, the hash and SAMPLING_EPS live in
-kernels/sampling_ref.py, the Triton `sample_triton()` with the same signature and semantics in
-kernels/sampling_triton.py; this module re-exports what the engine and the benchmarks use.
+appliance_kernels/sampling_ref.py, the Triton `sample_triton()` with the same signature and
+semantics in appliance_kernels/sampling_triton.py; this module re-exports what the engine and the
+benchmarks use.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sampling_ref import SAMPLING_EPS, sample_ref
-from kernels.sampling_triton import sample_triton
-from kernels.triton_utils import use_triton
+from appliance_kernels.sampling_ref import SAMPLING_EPS, sample_ref
+from appliance_kernels.sampling_triton import sample_triton
+from appliance_kernels.triton_utils import use_triton
 
 __all__ = ["SAMPLING_EPS", "sample", "sample_ref"]
 

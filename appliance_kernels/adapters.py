@@ -1,8 +1,8 @@
 """Adapters that run an op through an optional external library behind the op's own signature
-(selected in kernels.backends): fp8 GEMM via torch._scaled_mm / sglang-kernel / vLLM cutlass, GDN
-chunked prefill via fla-core / flash-qla, paged attention via flashinfer. Called by the dispatchers
-in kernels/fp8.py, gdn.py and attention.py; imports no other kernels module (the dispatchers keep
-the fallbacks to our own kernels and references).
+(selected in appliance_kernels.backends): fp8 GEMM via torch._scaled_mm / sglang-kernel / vLLM
+cutlass, GDN chunked prefill via fla-core / flash-qla, paged attention via flashinfer. Called by the
+dispatchers in appliance_kernels/fp8.py, gdn.py and attention.py; imports no other kernels module
+(the dispatchers keep the fallbacks to our own kernels and references).
 """
 
 from __future__ import annotations
@@ -214,13 +214,13 @@ def paged_attention_flashinfer(
     max_q_len: int | None = None,
     kv_scales: tuple[float, float] | None = None,  # (k, v) dequantisation scales of an fp8 cache
 ) -> torch.Tensor:
-    """Same result as kernels.attention.paged_attention_ref through flashinfer's paged wrappers,
-    our token-granular cache viewed as pages of one token (no copy). Decode batches (one q row
-    per request) use the decode wrapper; verify rows and prefill the FA2 prefill wrapper, causal
+    """Same result as appliance_kernels.attention.paged_attention_ref through flashinfer's paged
+    wrappers, our token-granular cache viewed as pages of one token (no copy). Decode batches (one q
+    row per request) use the decode wrapper; verify rows and prefill the FA2 prefill wrapper, causal
     with the q rows as the last tokens of each sequence. An fp8 (e4m3) cache is planned with
-    kv_data_type e4m3 and its scales go to `run` as flashinfer's float `k_scale` / `v_scale`
-    (folded into sm_scale / applied to the output, the semantics of our kernels); the wrappers
-    never run inside CUDA graphs here, so host floats are safe."""
+    kv_data_type e4m3 and its scales go to `run` as flashinfer's float `k_scale` / `v_scale` (folded
+    into sm_scale / applied to the output, the semantics of our kernels); the wrappers never run
+    inside CUDA graphs here, so host floats are safe."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     if max_q_len is None:

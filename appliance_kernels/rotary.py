@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import (
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     jit,
     next_pow2,

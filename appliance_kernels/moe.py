@@ -73,10 +73,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """Dispatcher used by the MoE layer: Triton on CUDA, the references elsewhere. With
     shared_output, adds sigmoid(shared_gate) * shared_output (the Qwen3.5 shared expert)."""
-    from kernels.triton_utils import use_triton
+    from appliance_kernels.triton_utils import use_triton
 
     if use_triton(x):
-        from kernels.moe_triton import fused_moe_triton
+        from appliance_kernels.moe_triton import fused_moe_triton
 
         return fused_moe_triton(
             x,
@@ -107,14 +107,15 @@ def moe_route(
     out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher for routing (weights cast to `out_dtype`): one Triton kernel on CUDA
-    (kernels/moe_route.py), the reference's torch ops elsewhere and past the kernel's limits."""
-    from kernels.moe_route import MAX_EXPERTS, MAX_TOP_K
-    from kernels.triton_utils import use_triton
+    (appliance_kernels/moe_route.py), the reference's torch ops elsewhere and past the kernel's
+    limits."""
+    from appliance_kernels.moe_route import MAX_EXPERTS, MAX_TOP_K
+    from appliance_kernels.triton_utils import use_triton
 
     experts = router_logits.shape[-1]
     fits = experts <= MAX_EXPERTS and 0 < top_k <= min(experts, MAX_TOP_K)
     if use_triton(router_logits) and fits:
-        from kernels.moe_route import moe_route_triton
+        from appliance_kernels.moe_route import moe_route_triton
 
         return moe_route_triton(router_logits, top_k, renormalize, out_dtype)
     weights, ids = moe_route_ref(router_logits, top_k, renormalize)

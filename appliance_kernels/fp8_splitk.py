@@ -6,18 +6,19 @@ bf16 ones there. Here every program reads a [BLOCK_N, K / SPLIT] slice of the we
 programs for every SM, and writes fp32 partial sums; a second kernel adds the SPLIT partials,
 applies the scales and bias and casts. One kernel serves both weight layouts:
 - per channel (`fp8_splitk_mm`): per-token activation scale [M, 1] or [1], weight scale [N] or
-  [1], applied once by the reduction (kernels/fp8.py's fp8_scaled_mm_ref contract);
+  [1], applied once by the reduction (appliance_kernels/fp8.py's fp8_scaled_mm_ref contract);
 - block (`fp8_splitk_block_mm`): activation scales per [1, block_k] group, weight scales per
   [block_n, block_k] tile, applied to each K block's partial product in the first kernel
-  (kernels/fp8_block.py's fp8_block_mm_ref contract).
-The references stay in kernels/fp8.py and kernels/fp8_block.py; their dispatchers call this file.
+  (appliance_kernels/fp8_block.py's fp8_block_mm_ref contract).
+The references stay in appliance_kernels/fp8.py and appliance_kernels/fp8_block.py; their
+dispatchers call this file.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, num_sms, tl
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, num_sms, tl
 
 SPLITK_MAX_M = 16  # one 16-row MMA tile; above it the tiled kernels are no longer launch-starved
 # measured on the H200 (docs/benchmarks.md): split-K wins only where K is long against N (the
@@ -200,7 +201,7 @@ def fp8_splitk_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """Same result as kernels.fp8.fp8_scaled_mm_ref (fp32 accumulation)."""
+    """Same result as appliance_kernels.fp8.fp8_scaled_mm_ref (fp32 accumulation)."""
     sa, sb = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
     return _launch(a_q, b_q, sa, sb, out_dtype, bias, blocked=False)
 
@@ -214,8 +215,8 @@ def fp8_splitk_block_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """Same result as kernels.fp8_block.fp8_block_mm_ref; needs block_k == BLOCK_K and block_n a
-    multiple of BLOCK_N (Qwen's 128 x 128 blocks)."""
+    """Same result as appliance_kernels.fp8_block.fp8_block_mm_ref; needs block_k == BLOCK_K and
+    block_n a multiple of BLOCK_N (Qwen's 128 x 128 blocks)."""
     if block[1] != BLOCK_K or block[0] % BLOCK_N:
         raise ValueError(f"fp8 split-K block GEMM: block {block} (needs [k*{BLOCK_N}, {BLOCK_K}])")
     sa, sb = a_scale.float().contiguous(), b_scale.float().contiguous()

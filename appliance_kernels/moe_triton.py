@@ -1,18 +1,19 @@
 """Fused MoE in Triton: rows sorted by expert (no host sync), a grouped gate_up GEMM with
 SiLU-and-mul fused, a grouped down GEMM scaled by the routing weight, and a sum over the top-k rows
 that adds the sigmoid-gated shared expert. bf16 / fp16 weights, or e4m3 weights with per-channel or
-per-tensor scales (activations then quantised per token). Called by `fused_moe` in kernels/moe.py.
+per-tensor scales (activations then quantised per token). Called by `fused_moe` in
+appliance_kernels/moe.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-import kernels.moe_gemv as moe_gemv
-from kernels.fp8 import FP8_DTYPE, per_token_quant_triton
-from kernels.moe_gemv import expert_weight_scales, fused_moe_gemv, scale_args
-from kernels.moe_sum import moe_sum
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+import appliance_kernels.moe_gemv as moe_gemv
+from appliance_kernels.fp8 import FP8_DTYPE, per_token_quant_triton
+from appliance_kernels.moe_gemv import expert_weight_scales, fused_moe_gemv, scale_args
+from appliance_kernels.moe_sum import moe_sum
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 
 def moe_align(
@@ -145,7 +146,7 @@ def fused_moe_triton(
     shared_gate: torch.Tensor | None = None,  # [T, 1] shared expert gate logits (sigmoid applied)
 ) -> torch.Tensor:
     """Same result as fused_moe_ref (+ sigmoid(shared_gate) * shared_output when given); at
-    most moe_gemv.GEMV_MAX_ROWS (token, slot) pairs run kernels/moe_gemv.py instead."""
+    most moe_gemv.GEMV_MAX_ROWS (token, slot) pairs run appliance_kernels/moe_gemv.py instead."""
     kwargs = dict(
         w_gate_up_scale=w_gate_up_scale,
         w_down_scale=w_down_scale,

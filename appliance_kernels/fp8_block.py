@@ -1,8 +1,8 @@
 """Block-scaled fp8 (DeepSeek-V3 / Qwen "-FP8" checkpoints): e4m3 weights with one dequantisation
 scale per [block_n, block_k] tile, activations quantised per token and per group of block_k
 columns. References, the per-token-group quantiser in Triton, the block GEMM (the GEMM kernel of
-kernels/fp8.py with block scales) and the dispatcher `fp8_block_linear`. Called by
-appliance/models/layers/quant_methods.py and kernels/fp8_moe.py.
+appliance_kernels/fp8.py with block scales) and the dispatcher `fp8_block_linear`. Called by
+appliance/models/layers/quant_methods.py and appliance_kernels/fp8_moe.py.
 
 Scales are dequantisation scales (x ~= x_q * scale), as `weight_scale_inv` in the checkpoints.
 A weight [N, K] has scales [ceil(N / block_n), ceil(K / block_k)]; an activation [M, K] has
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
-from kernels.fp8_gemv import block_gemv_fits, fp8_gemv_block, gemv_wins
-from kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
-from kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
-from kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from appliance_kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
+from appliance_kernels.fp8_gemv import block_gemv_fits, fp8_gemv_block, gemv_wins
+from appliance_kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
+from appliance_kernels.fp8_splitk import BLOCK_N as SPLITK_BLOCK_N
+from appliance_kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 Block = tuple[int, int]  # (block_n, block_k)
 
@@ -163,7 +163,7 @@ def fp8_block_linear(
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
     block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); one row on CUDA runs
-    the weight-only GEMV of kernels/fp8_gemv.py instead (no activation quantisation)."""
+    the weight-only GEMV of appliance_kernels/fp8_gemv.py instead (no activation quantisation)."""
     n, k = weight_q.shape
     if use_triton(x) and gemv_wins(x.shape[0], n, k) and block_gemv_fits(block, n, k):
         return fp8_gemv_block(x, weight_q, weight_scale, block, bias)

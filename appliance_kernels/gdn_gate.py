@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import (
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     jit,
     next_pow2,
@@ -22,7 +22,7 @@ from kernels.triton_utils import (
 
 class RawGates(NamedTuple):
     """The gate inputs before gdn_gating. The GDN recurrence takes these at decode and computes g
-    and beta per row itself (kernels/gdn.py gdn_gated): one launch fewer per layer."""
+    and beta per row itself (appliance_kernels/gdn.py gdn_gated): one launch fewer per layer."""
 
     a: torch.Tensor  # [T, H] (row stride free, last dim contiguous)
     b: torch.Tensor  # [T, H]

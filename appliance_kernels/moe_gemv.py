@@ -1,14 +1,14 @@
 """Fused MoE for decode sizes: one program per (token, slot) pair and block of output columns,
 no sorting by expert.
 
-At batch 1 the grouped-GEMM path (kernels/moe_triton.py) launches its grids for the worst case
-(every expert padded to a 16-row block: 241 row blocks for 8 rows of Qwen3.5-35B-A3B, nearly all
-of them empty) after a dozen small sorting kernels, while the work is a read of 8 experts'
+At batch 1 the grouped-GEMM path (appliance_kernels/moe_triton.py) launches its grids for the worst
+case (every expert padded to a 16-row block: 241 row blocks for 8 rows of Qwen3.5-35B-A3B, nearly
+all of them empty) after a dozen small sorting kernels, while the work is a read of 8 experts'
 weights. Here the gate_up kernel computes silu(gate) * up for each pair as a matrix-vector product
 over its expert's weight rows, the down kernel multiplies by the routing weight, and
-kernels/moe_sum.py adds the top-k rows and the gated shared expert: three launches, each sized by
-the T * k pairs. fp8 weights are dequantised as they are read (per-channel or per-tensor
-scales), the math of kernels.moe.fused_moe_fp8_ref. Called by fused_moe_triton for at most
+appliance_kernels/moe_sum.py adds the top-k rows and the gated shared expert: three launches, each
+sized by the T * k pairs. fp8 weights are dequantised as they are read (per-channel or per-tensor
+scales), the math of appliance_kernels.moe.fused_moe_fp8_ref. Called by fused_moe_triton for at most
 GEMV_MAX_ROWS pairs.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe_sum import moe_sum
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+from appliance_kernels.moe_sum import moe_sum
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 # T * k pairs: 32 tokens of Qwen3.5-35B-A3B (top 8). On the H200 (docs/benchmarks.md, runs BB
 # and BC, in CUDA graphs) these kernels beat the grouped GEMMs up to 256 pairs (bf16 at 16 tokens

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention import _check_kv_scales, store_kv_ref
-from kernels.norm import rms_norm_ref
-from kernels.rotary import apply_rotary_ref
-from kernels.triton_utils import (
+from appliance_kernels.attention import _check_kv_scales, store_kv_ref
+from appliance_kernels.norm import rms_norm_ref
+from appliance_kernels.rotary import apply_rotary_ref
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     jit,
     next_pow2,

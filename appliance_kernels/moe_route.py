@@ -1,7 +1,7 @@
 """MoE routing in one kernel: softmax over the router logits, top-k, renormalisation and the cast
-of the weights to the activations' dtype (what the reference, kernels.moe.moe_route_ref followed
-by `.to(dtype)`, does in five or six small kernels per layer; at decode sizes each is a launch
-gap of its own, ~40 MoE layers a step on Qwen3.5-35B-A3B).
+of the weights to the activations' dtype (what the reference, appliance_kernels.moe.moe_route_ref
+followed by `.to(dtype)`, does in five or six small kernels per layer; at decode sizes each is a
+launch gap of its own, ~40 MoE layers a step on Qwen3.5-35B-A3B).
 
 The weights come out in the dtype the experts multiply them in (the reference's cast after it).
 One program per token: the row of E logits (E <= MAX_EXPERTS) in registers, softmax in fp32, then
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import jit, next_pow2, tl
+from appliance_kernels.triton_utils import jit, next_pow2, tl
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32

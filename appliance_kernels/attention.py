@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX
-from kernels.triton_utils import (
+from appliance_kernels.fp8 import FP8_DTYPE, FP8_MAX
+from appliance_kernels.triton_utils import (
     HAS_TRITON,
     check_last_dim_contiguous,
     jit,
@@ -743,18 +743,19 @@ def paged_attention(
     kv_scales: KVScales | None = None,  # an fp8 cache's scales (ignored by other caches)
     gate: torch.Tensor | None = None,  # [T, Hq, D] strided view: out * sigmoid(gate), fused
 ) -> torch.Tensor:
-    """Dispatcher used by the model layers: the backend chosen in kernels.backends on CUDA (Triton
-    by default, flashinfer's paged wrappers, or the torch reference); the reference on CPU."""
+    """Dispatcher used by the model layers: the backend chosen in appliance_kernels.backends on CUDA
+    (Triton by default, flashinfer's paged wrappers, or the torch reference); the reference on
+    CPU."""
     args = (q, k_cache, v_cache, req_to_token, req_slots, cu_seqlens_q, seq_lens, scale)
     fp8 = is_fp8_cache(k_cache)
     scales = (kv_scales.k, kv_scales.v) if fp8 and kv_scales is not None else (None, None)
     if not q.is_cuda:
         return paged_attention_ref(*args, *scales, gate)
-    from kernels import backends
+    from appliance_kernels import backends
 
     backend = backends.selected("attention")
     if backend == "flashinfer":
-        from kernels.adapters import paged_attention_flashinfer
+        from appliance_kernels.adapters import paged_attention_flashinfer
 
         host = (kv_scales.k_host, kv_scales.v_host) if fp8 and kv_scales is not None else None
         out = paged_attention_flashinfer(*args, max_q_len=max_q_len, kv_scales=host)

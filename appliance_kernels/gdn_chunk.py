@@ -1,13 +1,14 @@
 """Gated DeltaNet chunked prefill in Triton (three kernels: prep, scan, out) and its launcher, plus
-the helpers the recurrent kernels in kernels/gdn.py share. Reference: `kernels.gdn.gdn_chunked_ref`;
-dispatch: `kernels.gdn.gdn`. Split out of gdn.py to keep each file readable.
+the helpers the recurrent kernels in appliance_kernels/gdn.py share. Reference:
+`appliance_kernels.gdn.gdn_chunked_ref`; dispatch: `appliance_kernels.gdn.gdn`. Split out of gdn.py
+to keep each file readable.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl
 
 CHUNK = 64
 # Launch parameters of the chunk kernels; ops/gpu/gdn_probe.py times alternatives on the GPU

@@ -1,15 +1,15 @@
 """Triton sampling kernel: `sample_triton()`, the same signature and semantics as
-`kernels.sampling_ref.sample_ref` (the hash, the filter order and the tie rules are documented
-there), with seeds, offsets and parameters read from device tensors and no host sync, so a CUDA
-graph can hold it. Called by the dispatcher `kernels.sampling.sample`.
+`appliance_kernels.sampling_ref.sample_ref` (the hash, the filter order and the tie rules are
+documented there), with seeds, offsets and parameters read from device tensors and no host sync, so
+a CUDA graph can hold it. Called by the dispatcher `appliance_kernels.sampling.sample`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sampling_ref import SAMPLING_EPS
-from kernels.triton_utils import HAS_TRITON, check_last_dim_contiguous, jit, next_pow2, tl
+from appliance_kernels.sampling_ref import SAMPLING_EPS
+from appliance_kernels.triton_utils import HAS_TRITON, check_last_dim_contiguous, jit, next_pow2, tl
 
 if HAS_TRITON:  # precise fp32 log on CUDA (tl.log is lg2.approx-based); absent in the interpreter
     from triton.language.extra import libdevice

@@ -1,7 +1,7 @@
 """Experts with block-scaled fp8 weights (Qwen "-FP8" MoE checkpoints): the torch reference, which
 runs each routed expert through the block GEMM reference (activations quantised per token and
 group of block_k, as on the GPU), and the dispatcher `fused_moe_fp8_block` called by
-appliance/models/layers/moe.py. Per-channel fp8 experts go through kernels/moe.py instead.
+appliance/models/layers/moe.py. Per-channel fp8 experts go through appliance_kernels/moe.py instead.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_block import Block, fp8_block_linear
+from appliance_kernels.fp8_block import Block, fp8_block_linear
 
 
 def fused_moe_fp8_block_ref(

@@ -1,4 +1,4 @@
-"""Optional Triton import and launcher helpers shared by the kernel files in `kernels/`.
+"""Optional Triton import and launcher helpers shared by the kernel files in `appliance_kernels/`.
 
 Triton is an optional dependency (CPU-only installs lack it): kernels are decorated with `jit`,
 which is `triton.jit` when Triton imports and a no-op otherwise; dispatchers check `use_triton`.

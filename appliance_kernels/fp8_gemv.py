@@ -10,13 +10,14 @@ tile summed over K at the end (no tensor cores: one row). Each program owns BLOC
 channels and streams their whole K, so no partial sums leave the SM and there is no second
 kernel; the K loop is software-pipelined (`tl.range(num_stages=...)`), which is what keeps enough
 bytes in flight. More rows (batch > 1, an MTP verify) of an fp8 weight go through the fp8 x fp8
-kernels; of a 16-bit weight, 2-8 rows through kernels/gemv_rows.py (tensor cores) and 2-4 over a
-long K through `_gemv_rows_kernel` here, more through cuBLAS.
+kernels; of a 16-bit weight, 2-8 rows through appliance_kernels/gemv_rows.py (tensor cores) and 2-4
+over a long K through `_gemv_rows_kernel` here, more through cuBLAS.
 
 Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.md):
-- per-channel / per-tensor fp8 (`fp8_gemv`, from kernels.fp8.fp8_linear): 3.1-4.0 TB/s against
+- per-channel / per-tensor fp8 (`fp8_gemv`, from appliance_kernels.fp8.fp8_linear): 3.1-4.0 TB/s
+against
   1.5-3.3 for quantise + tiled / split-K;
-- block-scaled fp8 (`fp8_gemv_block`, from kernels.fp8_block.fp8_block_linear; Qwen's -FP8
+- block-scaled fp8 (`fp8_gemv_block`, from appliance_kernels.fp8_block.fp8_block_linear; Qwen's -FP8
   repos): a [BLOCK_N, G, 128] tile whose G scales are one vector load per K step: from 2 %
   slower (gate_up) to 1.8x faster (out_proj) than quantise + block GEMM, 0.6 ms off the 27B
   step (run AG; a scalar scale load per 128 columns was 1.2-2x slower, a per-element gather
@@ -24,7 +25,7 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
   than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
   rows over a long K (the down projection) with `_gemv_rows_kernel`, other 2-8 rows with
-  kernels.gemv_rows (run AV: the MTP k = 3 verify at batch 1 15.61 -> 15.03 ms).
+  appliance_kernels.gemv_rows (run AV: the MTP k = 3 verify at batch 1 15.61 -> 15.03 ms).
 The references are the products with the dequantised weight in fp32: what these kernels compute
 up to summation order (closer to the full-precision layer than the fp8 x fp8 GEMMs, which also
 round the activations).
@@ -37,8 +38,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.gemv_rows import gemv_rows, rows_wins, store_rows
-from kernels.triton_utils import (
+from appliance_kernels.gemv_rows import gemv_rows, rows_wins, store_rows
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
     jit,
@@ -344,7 +345,8 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear, except where a GEMV beats cuBLAS on CUDA: one row and 2-4 over a long K
-    (`bf16_gemv_wins`), else 2-8 rows on the tensor cores (kernels.gemv_rows.rows_wins)."""
+    (`bf16_gemv_wins`), else 2-8 rows on the tensor cores
+    (appliance_kernels.gemv_rows.rows_wins)."""
     m = x.numel() // x.shape[-1]
     if (
         use_triton(x)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import jit, next_pow2, tl, use_triton
+from appliance_kernels.triton_utils import jit, next_pow2, tl, use_triton
 
 SSM_BLOCK = 4096  # state elements per program (16 KB of fp32)
 

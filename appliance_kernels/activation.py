@@ -1,11 +1,12 @@
-"""SiLU-and-mul for SwiGLU MLPs. Called by appliance/models/layers/mlp.py and kernels/moe.py."""
+"""SiLU-and-mul for SwiGLU MLPs. Called by appliance/models/layers/mlp.py and
+appliance_kernels/moe.py."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import (
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     jit,
     next_pow2,

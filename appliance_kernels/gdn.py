@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
-from kernels.gdn_gate import RawGates, gate_values, gdn_gating
-from kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
+from appliance_kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
+from appliance_kernels.gdn_gate import RawGates, gate_values, gdn_gating
+from appliance_kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
 
 
 def _prep(q, k, v, g, beta, num_v_heads):
@@ -241,7 +241,7 @@ def _gdn_recurrent_kernel(
     BV: tl.constexpr,
     MAX_LEN: tl.constexpr,
     VERIFY: tl.constexpr,
-    RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (kernels.gdn_gate)
+    RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (gdn_gate.py)
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -449,7 +449,7 @@ def gdn(
 ) -> torch.Tensor:
     """Dispatcher used by the model layers (the gdn_ref contract). On CUDA, requests with at most
     RECURRENT_MAX_ROWS rows run the fused recurrent kernel and longer ones the chunked prefill
-    backend chosen in kernels.backends; on CPU the reference runs."""
+    backend chosen in appliance_kernels.backends; on CPU the reference runs."""
     args = (q, k, v, g, beta, ssm_states, state_slots, cu_seqlens, has_initial_state)
     if not use_triton(q):
         return gdn_ref(*args)
@@ -457,7 +457,7 @@ def gdn(
         max_q_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item()) if len(state_slots) else 0
     if max_q_len <= RECURRENT_MAX_ROWS:
         return gdn_recurrent_triton(*args)
-    from kernels import backends
+    from appliance_kernels import backends
 
     backend = backends.selected("gdn_prefill")
     if backend == "torch":
@@ -465,7 +465,7 @@ def gdn(
     out = gdn_recurrent_triton(*args, max_len=RECURRENT_MAX_ROWS)
     if backend == "triton":
         return gdn_chunked_triton(*args, min_len=RECURRENT_MAX_ROWS, out=out)
-    from kernels.adapters import gdn_chunked_external
+    from appliance_kernels.adapters import gdn_chunked_external
 
     return gdn_chunked_external(backend, *args, min_len=RECURRENT_MAX_ROWS, out=out)
 

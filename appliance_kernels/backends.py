@@ -7,7 +7,8 @@ read from APPLIANCE_GDN_PREFILL_BACKEND, APPLIANCE_FP8_GEMM and `--attention-bac
 
 Rules (a requested backend that cannot run falls back with exactly one warning naming the reason):
 - every kind resolves to `torch` (the reference ops) on a machine without CUDA;
-- attention: auto -> triton (own kernel); flashinfer (kernels.adapters: its paged decode / FA2
+- attention: auto -> triton (own kernel); flashinfer (appliance_kernels.adapters: its paged decode /
+FA2
   prefill wrappers over our cache viewed as one-token pages) on SM80+ when `flashinfer` imports;
 - gdn_prefill: auto -> triton; fla when `fla` imports; flashqla only on SM90+ with `flash_qla`
   importable (~2.9x faster than fla's Triton chunk kernel but less accurate, so never automatic);

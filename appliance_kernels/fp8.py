@@ -1,13 +1,13 @@
 """fp8 e4m3 activation quantisation (per token, per tensor) and the scaled GEMM of per-channel fp8
 linears and fp8 experts: references, Triton kernels and the dispatchers `fp8_quant`,
-`fp8_scaled_mm` and `fp8_linear` (the backend chosen in kernels.backends, APPLIANCE_FP8_GEMM).
-`fp8_linear` is what fp8 linear layers with per-channel weight scales run (compressed-tensors
-FP8_DYNAMIC checkpoints, online --quantization fp8: appliance/models/layers/quant_methods.py);
-block-scaled checkpoints (Qwen "-FP8") use kernels/fp8_block.py. On the Triton route, decode
-sizes run the weight-only GEMV of kernels/fp8_gemv.py (one row, where it wins: bf16
-activations, no quantisation kernel) or, with a long K (M <= 16, K >= 2N), the split-K kernel
-of kernels/fp8_splitk.py. Also called by kernels/moe_triton.py (per-token activation quantisation
-of fp8 experts).
+`fp8_scaled_mm` and `fp8_linear` (the backend chosen in appliance_kernels.backends,
+APPLIANCE_FP8_GEMM). `fp8_linear` is what fp8 linear layers with per-channel weight scales run
+(compressed-tensors FP8_DYNAMIC checkpoints, online --quantization fp8:
+appliance/models/layers/quant_methods.py); block-scaled checkpoints (Qwen "-FP8") use
+appliance_kernels/fp8_block.py. On the Triton route, decode sizes run the weight-only GEMV of
+appliance_kernels/fp8_gemv.py (one row, where it wins: bf16 activations, no quantisation kernel) or,
+with a long K (M <= 16, K >= 2N), the split-K kernel of appliance_kernels/fp8_splitk.py. Also called
+by appliance_kernels/moe_triton.py (per-token activation quantisation of fp8 experts).
 
 Scales are dequantisation scales: x ~= x_q * scale. Weights are [N, K] row-major e4m3 with a scale
 per output channel [N] or one per tensor [1].
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import backends
-from kernels.adapters import fp8_scaled_mm_external
-from kernels.fp8_gemv import fp8_gemv, gemv_wins
-from kernels.fp8_splitk import fp8_splitk_mm, splitk_wins
-from kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
+from appliance_kernels import backends
+from appliance_kernels.adapters import fp8_scaled_mm_external
+from appliance_kernels.fp8_gemv import fp8_gemv, gemv_wins
+from appliance_kernels.fp8_splitk import fp8_splitk_mm, splitk_wins
+from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -202,8 +202,8 @@ def _fp8_mm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     BLOCK_SCALES: tl.constexpr,  # False: one scale per row / column / tensor, applied after the
-    # K loop; True (kernels/fp8_block.py): the weight's scale per [SCALE_ROWS_N, BLOCK_K] tile and
-    # the activation's per row and BLOCK_K group, applied at every K step
+    # K loop; True (appliance_kernels/fp8_block.py): the weight's scale per [SCALE_ROWS_N, BLOCK_K]
+    # tile and the activation's per row and BLOCK_K group, applied at every K step
     SCALE_ROWS_N: tl.constexpr,  # block_n of the weight's block scales (1 without them)
 ):
     pid = tl.program_id(0)
@@ -345,7 +345,8 @@ def fp8_scaled_mm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The scaled GEMM through the backend chosen in kernels.backends (the reference on CPU)."""
+    """The scaled GEMM through the backend chosen in appliance_kernels.backends (the reference on
+    CPU)."""
     if not a_q.is_cuda:
         return fp8_scaled_mm_ref(a_q, b_q, scale_a, scale_b, out_dtype, bias)
     route = fp8_gemm_route(backends.selected("fp8_gemm"), a_q.shape[0], a_q.device)
@@ -360,7 +361,8 @@ def fp8_scaled_mm(
 
 def fp8_gemm_route(backend: str, m: int, device: torch.device) -> str:
     """Where one GEMM of M rows on a CUDA device runs, given the configured backend: "triton",
-    "reference", or an adapter of kernels.adapters ("torch" = cuBLASLt, "sgl", "cutlass")."""
+    "reference", or an adapter of appliance_kernels.adapters ("torch" = cuBLASLt, "sgl",
+    "cutlass")."""
     if backend == backends.MIXED_FP8:
         backend = "triton" if m <= backends.FP8_TRITON_MAX_M else "torch"
     if backend == "torch" and torch.cuda.get_device_capability(device) < (9, 0):
@@ -370,7 +372,7 @@ def fp8_gemm_route(backend: str, m: int, device: torch.device) -> str:
 
 def one_row_gemv(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
     """Whether fp8_linear reads this weight with the one-row GEMV (CUDA, the Triton route, where
-    kernels.fp8_gemv.gemv_wins)."""
+    appliance_kernels.fp8_gemv.gemv_wins)."""
     return (
         use_triton(x)
         and gemv_wins(x.shape[0], *weight_q.shape)
@@ -385,7 +387,8 @@ def fp8_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for an fp8 weight: dynamic per-token activation quant, then the scaled GEMM; at
-    batch 1 on the Triton route, where it wins, the weight-only GEMV of kernels/fp8_gemv.py."""
+    batch 1 on the Triton route, where it wins, the weight-only GEMV of
+    appliance_kernels/fp8_gemv.py."""
     if one_row_gemv(x, weight_q):
         return fp8_gemv(x, weight_q, weight_scale, bias=bias)
     x_q, x_scale = fp8_quant(x, per_token=True)

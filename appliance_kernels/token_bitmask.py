@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import check_dtype, check_last_dim_contiguous, jit, tl, use_triton
+from appliance_kernels.triton_utils import (
+    check_dtype,
+    check_last_dim_contiguous,
+    jit,
+    tl,
+    use_triton,
+)
 
 BITS = 32
 

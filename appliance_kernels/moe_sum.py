@@ -1,12 +1,12 @@
-"""The last step of both fused-MoE paths (kernels/moe_triton.py, kernels/moe_gemv.py): each token's
-top-k expert rows, already scaled by their routing weights, summed, plus the sigmoid-gated shared
-expert of Qwen3.5."""
+"""The last step of both fused-MoE paths (appliance_kernels/moe_triton.py,
+appliance_kernels/moe_gemv.py): each token's top-k expert rows, already scaled by their routing
+weights, summed, plus the sigmoid-gated shared expert of Qwen3.5."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import jit, next_pow2, tl
+from appliance_kernels.triton_utils import jit, next_pow2, tl
 
 
 @jit

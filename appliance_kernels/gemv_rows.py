@@ -3,7 +3,7 @@
 with per-channel / per-tensor scales (weight-only: the rows stay 16-bit).
 
 At these sizes the time is the weight's bytes over the bandwidth, as for one row
-(kernels/fp8_gemv.py); what changes is the arithmetic. The one-row GEMV's register tile
+(appliance_kernels/fp8_gemv.py); what changes is the arithmetic. The one-row GEMV's register tile
 ([BLOCK_N, BLOCK_K] fp32 multiply-adds) grows with every row (`_gemv_rows_kernel` holds
 [ROWS, BLOCK_N, BLOCK_K]), so past one row it runs out of registers or of issue slots before it
 runs out of bandwidth. Here each program owns BLOCK_N output channels, streams their whole K
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_utils import (
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
     jit,
@@ -103,8 +103,8 @@ def store_rows(
     PER_COL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    """The rows GEMVs' epilogue (this kernel's and kernels/fp8_gemv.py's FMA one): the weight's
-    scales, the bias, the masked store in the output's dtype."""
+    """The rows GEMVs' epilogue (this kernel's and appliance_kernels/fp8_gemv.py's FMA one): the
+    weight's scales, the bias, the masked store in the output's dtype."""
     if SCALED:
         if PER_COL:
             acc = acc * tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
@@ -121,12 +121,12 @@ def store_rows(
 
 def rows_wins(m: int, n: int, k: int) -> bool:
     """Where `linear` takes this kernel for a 16-bit weight (after the one-row GEMV and the FMA
-    rows GEMV of a long K, kernels.fp8_gemv.bf16_gemv_wins): 2-8 rows. On the H200 (run AU,
-    ops/bench/bench_gemv_rows.py, 27B projections at 2 / 4 / 8 rows, µs) it read gate_up in 85
-    against cuBLAS's 88, in_proj 40.8 / 41.2, qkv 36.3 / 36.6, out_proj 18.1 / 18.1, and the
-    down projection in 45 against cuBLAS's 52 (the FMA rows kernel: 42 at 2-4 rows). An fp8
-    weight stays on the fp8 x fp8 route: its e4m3 -> bf16 conversion made this kernel 1.3-2.9x
-    slower there (gate_up 65 µs against 53)."""
+    rows GEMV of a long K, appliance_kernels.fp8_gemv.bf16_gemv_wins): 2-8 rows. On the H200 (run
+    AU, ops/bench/bench_gemv_rows.py, 27B projections at 2 / 4 / 8 rows, µs) it read gate_up in 85
+    against cuBLAS's 88, in_proj 40.8 / 41.2, qkv 36.3 / 36.6, out_proj 18.1 / 18.1, and the down
+    projection in 45 against cuBLAS's 52 (the FMA rows kernel: 42 at 2-4 rows). An fp8 weight stays
+    on the fp8 x fp8 route: its e4m3 -> bf16 conversion made this kernel 1.3-2.9x slower there
+    (gate_up 65 µs against 53)."""
     return USE_ROWS and ROUTED_ROWS[0] <= m <= ROUTED_ROWS[1]
 
 
@@ -146,7 +146,7 @@ def gemv_rows(
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Same result as kernels.fp8_gemv.fp8_gemv_ref up to summation order; [..., N]."""
+    """Same result as appliance_kernels.fp8_gemv.fp8_gemv_ref up to summation order; [..., N]."""
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("w", w)
     n, k = w.shape

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_utils import (
+from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     jit,
     next_pow2,
