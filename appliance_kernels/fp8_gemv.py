@@ -33,8 +33,6 @@ round the activations).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -76,58 +74,10 @@ def _w_tile(w_rows, k, n_ok, k_size, EVEN: tl.constexpr):
 
 
 @jit
-def _row_in(
-    x_ptr,
-    k,
-    k_size,
-    res_ptr,
-    gamma_ptr,
-    EVEN: tl.constexpr,
-    NORM: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
-):
-    """The row's values at columns k in fp32, and their squares. With NORM (1; 2: after adding
-    the residual, rounded in x's dtype as rms_norm_ref adds it) they are the RMSNorm's input
-    times its weight (1 + w where ZERO_CENTERED): the 1 / rms factor is one number per row,
-    applied to the output (`_norm_scale`). No store here: a branch in the K loop slows it."""
+def _x_tile(x_ptr, k, k_size, EVEN: tl.constexpr):
     if EVEN:
-        x = tl.load(x_ptr + k)
-    else:
-        x = tl.load(x_ptr + k, mask=k < k_size, other=0.0)
-    if NORM == 2:
-        if EVEN:
-            r = tl.load(res_ptr + k)
-        else:
-            r = tl.load(res_ptr + k, mask=k < k_size, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    xf = x.to(tl.float32)
-    if NORM == 0:
-        return xf, xf
-    if EVEN:
-        g = tl.load(gamma_ptr + k).to(tl.float32)
-    else:
-        g = tl.load(gamma_ptr + k, mask=k < k_size, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        g = 1.0 + g
-    return xf * g, xf * xf
-
-
-@jit
-def _norm_scale(squares, k_size, eps):
-    """1 / rms of the row from its summed squares (the per-column partial sums)."""
-    return tl.rsqrt(tl.sum(tl.reshape(squares, [squares.numel]), 0) / k_size + eps)
-
-
-@jit
-def _store_residual(x_ptr, res_ptr, new_res_ptr, k_size, BLOCK_K: tl.constexpr):
-    """new_res = x + res, rounded as rms_norm_ref adds them: what NORM 2's extra program (the
-    last of the grid) does while the others run the GEMV."""
-    rk = tl.arange(0, BLOCK_K)
-    for k0 in range(0, k_size, BLOCK_K):
-        k = k0 + rk
-        x = tl.load(x_ptr + k, mask=k < k_size, other=0.0).to(tl.float32)
-        r = tl.load(res_ptr + k, mask=k < k_size, other=0.0).to(tl.float32)
-        tl.store(new_res_ptr + k, (x + r).to(new_res_ptr.dtype.element_ty), mask=k < k_size)
+        return tl.load(x_ptr + k).to(tl.float32)
+    return tl.load(x_ptr + k, mask=k < k_size, other=0.0).to(tl.float32)
 
 
 @jit
@@ -139,34 +89,22 @@ def _tail_rows(
     n2_size,
     k_size,
     stride_w2n,
-    res_ptr,
-    gamma_ptr,
-    eps,
     STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    ZERO_CENTERED: tl.constexpr,
 ):
     """BLOCK_N rows (tile tid) of a small unscaled 16-bit weight read after a GEMV's own rows, in
-    the same launch (`tail`): out2 = x W2^T (x normed as the GEMV's own)."""
+    the same launch (`tail`): out2 = x W2^T."""
     rn = tid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n2_size
     w_rows = w2_ptr + rn.to(tl.int64)[:, None] * stride_w2n
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, False)
-        x, sq = _row_in(x_ptr, k, k_size, res_ptr, gamma_ptr, False, NORM, ZERO_CENTERED)
-        acc += w.to(tl.float32) * x[None, :]
-        if NORM:
-            squares += sq
-    out = tl.sum(acc, axis=1)
-    if NORM:
-        out = out * _norm_scale(squares, k_size, eps)
-    tl.store(out2_ptr + rn, out.to(out2_ptr.dtype.element_ty), mask=n_ok)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, False)[None, :]
+    tl.store(out2_ptr + rn, tl.sum(acc, axis=1).to(out2_ptr.dtype.element_ty), mask=n_ok)
 
 
 @jit
@@ -182,10 +120,6 @@ def _gemv_kernel(
     w2_ptr,  # TAIL: a 16-bit weight [n2, K] whose rows follow W's in out
     n2_size,
     stride_w2n,
-    res_ptr,  # NORM: x is an RMSNorm's input (NORM 2: plus this residual) ...
-    gamma_ptr,  # ... its weight
-    new_res_ptr,  # ... where the extra last program stores x + residual (NORM 2)
-    eps,
     SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -194,8 +128,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
-    NORM: tl.constexpr = 0,  # 0 none; 1 RMSNorm of x; 2 of x + residual (see _row_in)
-    ZERO_CENTERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -207,32 +139,20 @@ def _gemv_kernel(
         if pid < tail_programs:
             pdl_wait(PDL)
             tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
-            norm_args = (res_ptr, gamma_ptr, eps)
-            _tail_rows(x_ptr, *tail_args, *norm_args, STAGES, BLOCK_N, BLOCK_K, NORM, ZERO_CENTERED)
+            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
             return
         pid -= tail_programs
-    if NORM == 2:
-        if pid == tl.cdiv(n_size, BLOCK_N):  # the extra program: x + residual for the next norm
-            pdl_wait(PDL)
-            _store_residual(x_ptr, res_ptr, new_res_ptr, k_size, BLOCK_K)
-            return
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    squares = tl.zeros([1, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
-        x, sq = _row_in(x_ptr, k[None, :], k_size, res_ptr, gamma_ptr, EVEN, NORM, ZERO_CENTERED)
-        acc += w.to(tl.float32) * x
-        if NORM:
-            squares += sq
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
-    if NORM:
-        out = out * _norm_scale(squares, k_size, eps)
     if SCALED:
         if PER_COL:
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -397,37 +317,6 @@ def _prepare(
     return n, k, config or gemv_config(n, k), out
 
 
-class GemvNorm(NamedTuple):
-    """An RMSNorm that a one-row GEMV applies to its input in its K loop (`norm=`): the GEMV of
-    rms_norm_ref(x, weight, eps, zero_centered, residual)[0], up to the rounding of the normed
-    row (not rounded to x's dtype here); with a residual, x + residual is stored to new_residual
-    (what rms_norm_ref returns second). Saves the norm's launch before the layer's first GEMV."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-    zero_centered: bool
-    residual: torch.Tensor | None = None  # [1, K] in x's dtype
-    new_residual: torch.Tensor | None = None  # [1, K]: receives x + residual
-
-
-def _norm_args(norm: GemvNorm | None, x: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernels' (res, gamma, new_res, eps) arguments and NORM / ZERO_CENTERED."""
-    if norm is None:
-        return (x, x, x, 0.0), {}
-    k = x.shape[-1]
-    for name, t in (("residual", norm.residual), ("new_residual", norm.new_residual)):
-        if (t is None) != (norm.residual is None):
-            raise ValueError("fp8 GEMV norm: residual and new_residual come together")
-        if t is not None and (t.numel() != k or t.dtype != x.dtype or t.stride(-1) != 1):
-            raise ValueError(f"fp8 GEMV norm: {name} {tuple(t.shape)} {t.dtype} for x of K = {k}")
-    if norm.weight.numel() != k or x.numel() != k:
-        raise ValueError(f"fp8 GEMV norm: one row x of K = {k} and a weight of K")
-    res = (norm.residual, norm.weight, norm.new_residual) if norm.residual is not None else None
-    ptrs = res or (x, norm.weight, x)
-    consts = {"NORM": 2 if res else 1, "ZERO_CENTERED": norm.zero_centered}
-    return (*ptrs, float(norm.eps)), consts
-
-
 def _tail_args(tail: torch.Tensor | None, w_q: torch.Tensor, block_n: int) -> tuple[tuple, int]:
     """The kernels' (w2, n2, stride) arguments and the tail's program count."""
     if tail is None:
@@ -442,7 +331,6 @@ def fp8_gemv(
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # [N2, K] in x's dtype: its rows too, in the same launch
-    norm: GemvNorm | None = None,  # one row: the GEMV of this RMSNorm of x (see GemvNorm)
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
     16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
@@ -450,7 +338,6 @@ def fp8_gemv(
     With a `tail` (one row only): [.., N + N2], x W^T then x tail^T (unscaled, no bias), one
     launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, tail)
-    norm_args, norm_consts = _norm_args(norm, x)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
@@ -482,8 +369,7 @@ def fp8_gemv(
         )
         return out
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    extra = 1 if norm_consts.get("NORM") == 2 else 0  # the program storing x + residual
-    _gemv_kernel[(-(-n // block_n) + tail_programs + extra,)](
+    _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
         s,
@@ -493,10 +379,8 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         *tail_args,
-        *norm_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
-        **norm_consts,
         **common,
     )
     return out
@@ -528,13 +412,9 @@ def _gemv_block_kernel(
     k_size,
     stride_wn,
     stride_sn,
-    w2_ptr,  # TAIL and NORM as in _gemv_kernel
+    w2_ptr,  # TAIL, as in _gemv_kernel
     n2_size,
     stride_w2n,
-    res_ptr,
-    gamma_ptr,
-    new_res_ptr,
-    eps,
     SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
     SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
     HAS_BIAS: tl.constexpr,
@@ -543,8 +423,6 @@ def _gemv_block_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
-    NORM: tl.constexpr = 0,
-    ZERO_CENTERED: tl.constexpr = False,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -560,15 +438,9 @@ def _gemv_block_kernel(
         if pid < tail_programs:
             pdl_wait(PDL)
             tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
-            norm_args = (res_ptr, gamma_ptr, eps)
-            _tail_rows(x_ptr, *tail_args, *norm_args, STAGES, BLOCK_N, BLOCK_K, NORM, ZERO_CENTERED)
+            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
             return
         pid -= tail_programs
-    if NORM == 2:
-        if pid == tl.cdiv(n_size, BLOCK_N):  # the extra program: x + residual for the next norm
-            pdl_wait(PDL)
-            _store_residual(x_ptr, res_ptr, new_res_ptr, k_size, BLOCK_K)
-            return
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rg = tl.arange(0, G)
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
@@ -577,23 +449,20 @@ def _gemv_block_kernel(
     pdl_wait(PDL)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
-    squares = tl.zeros([G, SCALE_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         g_ok = k0 + rg * SCALE_K < k_size
         sv = tl.load(s_row + k0 // SCALE_K + rg, mask=g_ok, other=0.0)
         if EVEN:
             w = tl.load(w_rows + k[None, :, :])
+            x = tl.load(x_ptr + k)
         else:
             k_ok = k < k_size
             w = tl.load(w_rows + k[None, :, :], mask=n_ok[:, None, None] & k_ok[None], other=0.0)
-        x, sq = _row_in(x_ptr, k, k_size, res_ptr, gamma_ptr, EVEN, NORM, ZERO_CENTERED)
-        acc += w.to(tl.float32) * (x * sv[:, None])[None, :, :]
-        if NORM:
-            squares += sq
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        xs = x.to(tl.float32) * sv[:, None]
+        acc += w.to(tl.float32) * xs[None, :, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if NORM:
-        out = out * _norm_scale(squares, k_size, eps)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -607,12 +476,10 @@ def fp8_gemv_block(
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # as in fp8_gemv
-    norm: GemvNorm | None = None,  # as in fp8_gemv
 ) -> torch.Tensor:
     """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
-    route); a `tail` and a `norm` as in fp8_gemv."""
+    route); a `tail` as in fp8_gemv."""
     n, k, _, out = _prepare(x, w_q, config, 1, tail)
-    norm_args, norm_consts = _norm_args(norm, x)
     cfg = config or block_gemv_config(n, k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     bn, bk = block
@@ -620,8 +487,7 @@ def fp8_gemv_block(
         raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     s = scale.float().contiguous()
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    extra = 1 if norm_consts.get("NORM") == 2 else 0
-    _gemv_block_kernel[(-(-n // block_n) + tail_programs + extra,)](
+    _gemv_block_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
         s,
@@ -632,7 +498,6 @@ def fp8_gemv_block(
         w_q.stride(0),
         s.stride(0),
         *tail_args,
-        *norm_args,
         SCALE_N=bn,
         SCALE_K=bk,
         HAS_BIAS=bias is not None,
@@ -641,7 +506,6 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TAIL=tail is not None,
-        **norm_consts,
         num_warps=cfg["num_warps"],
         **gemv_pdl(w_q),
     )

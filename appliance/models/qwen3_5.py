@@ -18,7 +18,6 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import SparseMoE
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.rotary import Rotary
-from appliance.models.layers.row_norm import RowNorm, fuses
 
 
 def make_mlp(cfg: TextConfig, prefix: str) -> nn.Module:
@@ -74,22 +73,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if fuses(h):  # one decode row: each norm runs in the next GEMV (layers/row_norm.py)
-            first = RowNorm(self.input_layernorm, h, residual)
-            mixed = self._mix(first, cos, sin)
-            second = RowNorm(self.post_attention_layernorm, mixed, first.new_residual())
-            return self.mlp(second), second.new_residual()
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h, residual = self.post_attention_layernorm(self._mix(h, cos, sin), residual)
-        return self.mlp(h), residual
-
-    def _mix(self, h, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.layer_type == "linear_attention":
-            return self.linear_attn(h)
-        return self.self_attn(h, cos, sin)
+            h = self.linear_attn(h)
+        else:
+            h = self.self_attn(h, cos, sin)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class TextModel(nn.Module):

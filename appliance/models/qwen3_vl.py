@@ -18,7 +18,6 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import SparseMoE
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.rotary import Rotary
-from appliance.models.layers.row_norm import RowNorm, fuses
 from appliance.models.qwen3_5 import map_layer_name
 
 
@@ -110,11 +109,6 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual); the layer's output hidden state is their sum."""
-        if fuses(h):  # one decode row: each norm runs in the next GEMV (layers/row_norm.py)
-            first = RowNorm(self.input_layernorm, h, residual)
-            mixed = self.self_attn(first, cos, sin)
-            second = RowNorm(self.post_attention_layernorm, mixed, first.new_residual())
-            return self.mlp(second), second.new_residual()
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:

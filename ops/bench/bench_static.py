@@ -36,7 +36,6 @@ from appliance.engine.mtp_graphs import MtpGraphs
 from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
-from appliance.models.layers import row_norm
 from appliance.models.layers.moe import SparseMoE
 from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
@@ -311,7 +310,6 @@ def kernel_switches() -> tuple:
         gemv_swiglu.USE_SWIGLU,
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
-        row_norm.FUSE_NORMS,
     )
 
 
@@ -397,15 +395,6 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
         "graphs are captured again for each",
     )
-    ap.add_argument(
-        "--fuse-norms",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="one-row steps: each decoder layer's RMSNorms inside the next GEMV "
-        "(appliance/models/layers/row_norm.py, on) or as their own kernels (off); the decode "
-        "graphs are captured again for each",
-    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -431,14 +420,13 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, fuse, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
         args.swiglu,
         args.moe_pairs,
         args.fp8_gemv_tile,
-        args.fuse_norms,
         args.graphs,
     ):
         before = kernel_switches()
@@ -449,7 +437,6 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
-        row_norm.FUSE_NORMS = fuse == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -468,8 +455,6 @@ def main() -> None:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
             print(f"fp8 GEMV tile {tile}")
-        if len(args.fuse_norms) > 1 and graphs == args.graphs[0]:
-            print(f"norms inside the GEMVs {fuse}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -494,7 +479,6 @@ def main() -> None:
                     r["swiglu"] = swiglu
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
-                    r["fuse_norms"] = fuse
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

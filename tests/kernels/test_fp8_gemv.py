@@ -17,7 +17,6 @@ from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
 from appliance_kernels.fp8_gemv import (
     GEMV_MAX_ROWS,
-    GemvNorm,
     block_gemv_fits,
     fp8_gemv,
     fp8_gemv_block,
@@ -26,7 +25,6 @@ from appliance_kernels.fp8_gemv import (
     gemv_wins,
     linear,
 )
-from appliance_kernels.norm import rms_norm_ref
 
 CONFIGS = [
     {"block_n": 8, "block_k": 128, "num_warps": 2, "stages": 1},
@@ -81,55 +79,6 @@ def test_a_tail_weight_is_read_in_the_same_launch(n2, dtype):
         fp8_gemv(x, w_q, s, tail=tail.to(torch.float16))  # not x's dtype
 
 
-@pytest.mark.parametrize("weight", ["channel", "bf16", "block"])
-@pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("zero_centered", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gemv_of_the_rms_norm_of_its_row(weight, residual, zero_centered, dtype):
-    """`norm`: the GEMV (and its tail) of rms_norm_ref(x, w, eps, zero_centered, residual)[0],
-    the normed row never stored; x + residual stored to new_residual. fp32: to float noise;
-    bf16: within the rounding of the normed row that the reference does and the kernel not."""
-    if weight == "bf16" and dtype == torch.float32:
-        pytest.skip("a 16-bit weight goes with a 16-bit row")
-    n, k, n2 = (256, 512, 5) if weight == "block" else (40, 300, 5)
-    x = randn(1, k, dtype=dtype, seed=11)
-    res = randn(1, k, dtype=dtype, seed=12) if residual else None
-    gamma = randn(k, seed=13, scale=0.1)
-    tail = randn(n2, k, dtype=dtype, seed=14, scale=0.05)
-    normed, want_res = rms_norm_ref(x, gamma, 1e-6, zero_centered, res)
-    new_res = torch.empty_like(x) if residual else None
-    norm = GemvNorm(gamma, 1e-6, zero_centered, res, new_res)
-    if weight == "block":
-        w_q, w_s = quantize_block_ref(randn(n, k, seed=15, scale=0.05), (128, 128))
-        got = fp8_gemv_block(x, w_q, w_s, (128, 128), tail=tail, norm=norm)
-        want = fp8_gemv_block_ref(normed, w_q, w_s, (128, 128))
-    elif weight == "channel":
-        w_q, w_s = channel_weight(n, k, True, seed=15)
-        got = fp8_gemv(x, w_q, w_s, config=CONFIGS[1], tail=tail, norm=norm)
-        want = fp8_gemv_ref(normed, w_q, w_s)
-    else:
-        w16 = randn(n, k, dtype=dtype, seed=15, scale=0.05)
-        got = fp8_gemv(x, w16, None, config=CONFIGS[0], tail=tail, norm=norm)
-        want = (normed.float() @ w16.float().t()).to(dtype)
-    want_tail = (normed.float() @ tail.float().t()).to(dtype)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.03, rtol=0.02)
-    torch.testing.assert_close(got[:, :n], want, **tol)
-    torch.testing.assert_close(got[:, n:], want_tail, **tol)
-    if residual:  # the add rounded in x's dtype, as the reference (one ulp: the interpreter's
-        # fp32 -> bf16 conversion does not round half to even)
-        torch.testing.assert_close(new_res, want_res, atol=0, rtol=2**-7)
-
-
-def test_gemv_norm_refuses_what_it_does_not_run():
-    w_q, w_s = channel_weight(40, 300, True, seed=1)
-    x = randn(1, 300, seed=2)
-    gamma = randn(300, seed=3)
-    with pytest.raises(ValueError, match="come together"):
-        fp8_gemv(x, w_q, w_s, norm=GemvNorm(gamma, 1e-6, True, randn(1, 300, seed=4)))
-    with pytest.raises(ValueError, match="one row"):
-        fp8_gemv(torch.cat([x, x]), w_q, w_s, norm=GemvNorm(gamma, 1e-6, True))
-
-
 @pytest.mark.parametrize("scheme", ["channel", "online", "block"])
 def test_column_linear_with_a_bf16_tail_layer(monkeypatch, scheme):
     """ColumnLinear.with_tail (the GDN in_proj and its unquantised b / a) where the one-row GEMV
@@ -171,7 +120,7 @@ def test_column_linear_with_a_bf16_tail_layer(monkeypatch, scheme):
         want = fp8_gemv_ref(x, main.weight, main.weight_scale)
     torch.testing.assert_close(got, torch.cat([want, x @ tail.weight.t()], -1), atol=1e-4, rtol=0)
     assert main.with_tail(torch.cat([x, x]), tail) is None  # two rows
-    assert tail.with_tail(x, tail) is None  # an fp32 row: the 16-bit weights' GEMV does not run
+    assert tail.with_tail(x, tail) is None  # an unquantised layer has no such GEMV
     assert main.with_tail(x, main) is None  # a quantised tail
 
 

@@ -22,7 +22,6 @@ from appliance.models.layers.quant_methods import (
     channel_scale,
     linear_method,
 )
-from appliance.models.layers.row_norm import RowNorm
 from appliance_kernels.fp8 import FP8_DTYPE
 
 ShardFn = Callable[
@@ -62,12 +61,7 @@ class _QuantLinear(nn.Module):
         if self.weight_scale is not None:
             self.weight_scale.weight_loader = loader
 
-    def _matmul(self, x: torch.Tensor | RowNorm, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, RowNorm):  # the norm in the one-row GEMV where it runs, else its own
-            out = self.method.apply_one_row(None, self.weight, self.weight_scale, bias, norm=x)
-            if out is not None:
-                return out
-            x = x.normed()
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.method.apply(x, self.weight, self.weight_scale, bias)
 
     def finish_loading(self) -> None:
@@ -170,22 +164,18 @@ class ColumnLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def with_tail(self, x: torch.Tensor | RowNorm, tail: ColumnLinear) -> torch.Tensor | None:
+    def with_tail(self, x: torch.Tensor, tail: ColumnLinear) -> torch.Tensor | None:
         """[self(x), tail(x)] in one launch where the method's one-row GEMV can also read the
-        unquantised `tail` layer's weight (quant_methods.Unquantized.apply_one_row); None: call
+        unquantised `tail` layer's weight (quant_methods.Unquantized.apply_with_tail); None: call
         the two layers."""
         if self.bias is not None or tail.bias is not None or type(tail.method) is not Unquantized:
             return None
-        row, norm = (None, x) if isinstance(x, RowNorm) else (x, None)
-        method, weight, scale = self.method, self.weight, self.weight_scale
-        return method.apply_one_row(row, weight, scale, None, tail.weight, norm)
+        return self.method.apply_with_tail(x, self.weight, self.weight_scale, tail.weight)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see
         quant_methods.Unquantized.swiglu); None: run forward, then silu_and_mul."""
         if self.bias is not None or len(self.local) != 2 or self.local[0] != self.local[1]:
-            return None
-        if isinstance(x, RowNorm):  # the norm's GEMV prologue goes first (forward)
             return None
         return self.method.swiglu(x, self.weight, self.weight_scale)
 

@@ -16,7 +16,6 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.parallel import all_reduce, tp_size
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization, quant_for
 from appliance.models.layers.quant_methods import channel_scale, linear_method
-from appliance.models.layers.row_norm import RowNorm
 from appliance_kernels.fp8 import FP8_DTYPE
 from appliance_kernels.fp8_moe import fused_moe_fp8_block
 from appliance_kernels.moe import fused_moe, moe_route
@@ -114,9 +113,7 @@ class SparseMoE(nn.Module):
         )
         self.w_down, self.w_down_scale = self.method.finish(self.w_down, self.w_down_scale)
 
-    def forward(self, x: torch.Tensor | RowNorm) -> torch.Tensor:
-        if isinstance(x, RowNorm):  # the router, the experts and the shared expert all read it
-            x = x.normed()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # (the block-fp8 path takes fp32 weights, the others the activations' dtype, as before)
         fp32 = self.method.block is not None
         weights, ids = moe_route(

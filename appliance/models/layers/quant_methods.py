@@ -13,16 +13,7 @@ from torch import nn
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
 from appliance_kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
 from appliance_kernels.fp8_block import fp8_block_linear
-from appliance_kernels.fp8_gemv import (
-    GEMV_DTYPES,
-    bf16_gemv_config,
-    bf16_gemv_wins,
-    block_gemv_fits,
-    fp8_gemv,
-    fp8_gemv_block,
-    gemv_wins,
-    linear,
-)
+from appliance_kernels.fp8_gemv import block_gemv_fits, fp8_gemv, fp8_gemv_block, gemv_wins, linear
 from appliance_kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
 from appliance_kernels.triton_utils import use_triton
 
@@ -52,25 +43,11 @@ class Unquantized:
         runs (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
         return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
 
-    def apply_one_row(self, x, weight, scale, bias, tail=None, norm=None) -> torch.Tensor | None:
-        """Where this method's one-row GEMV runs: x W^T (+ bias), followed by x tail^T for a small
-        16-bit weight `tail` in the same launch (the GDN layer's bf16 b / a beside its in_proj),
-        and with x the row of a pending RMSNorm `norm` (row_norm.RowNorm, applied in the GEMV);
-        None where it does not run (the caller runs the GEMMs, on the normed row)."""
-        row = norm.h if norm is not None else x
-        n, k = weight.shape
-        if not (
-            _one_row(row, tail)
-            and row.dtype in GEMV_DTYPES
-            and weight.dtype == row.dtype
-            and weight.stride(-1) == 1
-            and bf16_gemv_wins(1, n, k)
-        ):
-            return None
-        gemv_norm = norm.gemv_norm() if norm is not None else None
-        config = bf16_gemv_config(n, k)
-        out = fp8_gemv(row.reshape(1, k), weight, None, bias, config, tail, gemv_norm)
-        return out.reshape(*row.shape[:-1], -1)
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+        """[x W^T, x tail^T] for one row x and a small 16-bit weight `tail`, in one launch where
+        this method's one-row GEMV runs (the GDN layer's bf16 b / a beside its fp8 in_proj);
+        None: the caller runs two GEMMs."""
+        return None
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
@@ -100,12 +77,10 @@ class Fp8Channel(Unquantized):
             return gemv_swiglu(x, weight, scale)
         return None
 
-    def apply_one_row(self, x, weight, scale, bias, tail=None, norm=None) -> torch.Tensor | None:
-        row = norm.h if norm is not None else x
-        if not (_one_row(row, tail) and one_row_gemv(row.reshape(1, -1), weight)):
-            return None
-        gemv_norm = norm.gemv_norm() if norm is not None else None
-        return _flat(fp8_gemv, row, weight, scale, bias, None, tail, gemv_norm)
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+        if _tail_fits(x, tail) and one_row_gemv(x.reshape(1, -1), weight):
+            return _flat(fp8_gemv, x, weight, scale, None, None, tail)
+        return None
 
 
 class Fp8Online(Fp8Channel):
@@ -146,22 +121,21 @@ class Fp8Block(Unquantized):
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         return None  # block scales: the block GEMV, then silu_and_mul
 
-    def apply_one_row(self, x, weight, scale, bias, tail=None, norm=None) -> torch.Tensor | None:
-        row = norm.h if norm is not None else x
+    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
         n, k = weight.shape
-        if not (_one_row(row, tail) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k)):
-            return None
-        gemv_norm = norm.gemv_norm() if norm is not None else None
-        return _flat(fp8_gemv_block, row, weight, scale, self.block, bias, None, tail, gemv_norm)
+        if _tail_fits(x, tail) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k):
+            return _flat(fp8_gemv_block, x, weight, scale, self.block, None, None, tail)
+        return None
 
 
-def _one_row(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
-    """One row on the Triton route (and a contiguous tail weight in its dtype)."""
+def _tail_fits(x: torch.Tensor, tail: torch.Tensor) -> bool:
+    """One row on the Triton route and a contiguous tail weight in x's dtype."""
     return (
         use_triton(x)
         and x.numel() == x.shape[-1]
         and x.stride(-1) == 1
-        and (tail is None or (tail.dtype == x.dtype and tail.is_contiguous()))
+        and tail.dtype == x.dtype
+        and tail.is_contiguous()
     )
 
 
