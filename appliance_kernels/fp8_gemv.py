@@ -33,6 +33,8 @@ round the activations).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -108,6 +110,42 @@ def _tail_rows(
 
 
 @jit
+def _conv_epilogue(
+    out,  # [BLOCK_N] fp32: the GEMV's outputs at rows rn
+    rn,
+    n_ok,
+    conv_w_ptr,  # [C, CONV_W] the depthwise conv's weight
+    conv_s_ptr,  # [slots, C, CONV_W - 1] its state (the last inputs), updated here
+    slot_ptr,  # [1] the row's state slot
+    init_ptr,  # [1] whether that slot holds a state (else zeros)
+    conv_c,  # C: rows rn < C are conv channels
+    stride_cs,
+    stride_cc,
+    OUT_DTYPE: tl.constexpr,
+    CONV_W: tl.constexpr,
+):
+    """Rows rn < C of one row's projection go through the causal depthwise conv + SiLU of a GDN
+    layer (causal_conv1d_ref at one token) and the conv state shifts by that token; each channel
+    belongs to one program, so no program reads a state another one writes."""
+    c_ok = n_ok & (rn < conv_c)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    init = tl.load(init_ptr) != 0
+    has_init = rn < conv_c * init.to(tl.int32)  # the scalar flag as a vector (interpreter)
+    x = out.to(OUT_DTYPE).to(tl.float32)  # the projection as stored, the conv's input
+    s_row = conv_s_ptr + slot * stride_cs + rn.to(tl.int64) * stride_cc
+    w_row = conv_w_ptr + rn * CONV_W
+    y = x * tl.load(w_row + (CONV_W - 1), mask=c_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(CONV_W - 1):
+        sv = tl.load(s_row + j, mask=c_ok & has_init, other=0.0)
+        y += sv.to(tl.float32) * tl.load(w_row + j, mask=c_ok, other=0.0).to(tl.float32)
+        if j > 0:
+            tl.store(s_row + (j - 1), sv, mask=c_ok)
+    tl.store(s_row + (CONV_W - 2), x.to(conv_s_ptr.dtype.element_ty), mask=c_ok)
+    y = y / (1.0 + tl.exp(-y))
+    return tl.where(rn < conv_c, y, out)
+
+
+@jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -120,6 +158,13 @@ def _gemv_kernel(
     w2_ptr,  # TAIL: a 16-bit weight [n2, K] whose rows follow W's in out
     n2_size,
     stride_w2n,
+    conv_w_ptr,  # CONV_W > 0: a GDN conv over rows < conv_c (_conv_epilogue)
+    conv_s_ptr,
+    slot_ptr,
+    init_ptr,
+    conv_c,
+    stride_cs,
+    stride_cc,
     SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -128,6 +173,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
+    CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -160,6 +206,9 @@ def _gemv_kernel(
             out = out * tl.load(s_ptr)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if CONV_W > 0:
+        conv_args = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
+        out = _conv_epilogue(out, rn, n_ok, *conv_args, out_ptr.dtype.element_ty, CONV_W)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -317,6 +366,40 @@ def _prepare(
     return n, k, config or gemv_config(n, k), out
 
 
+class GemvConv(NamedTuple):
+    """A GDN layer's causal depthwise conv + SiLU that a one-row GEMV applies to its first C
+    outputs as it stores them (`conv=`), updating the conv state: causal_conv1d_ref at one token
+    of one request. Saves the conv's launch at batch-1 decode."""
+
+    weight: torch.Tensor  # [C, W]
+    states: torch.Tensor  # [slots, C, W - 1]
+    slot: torch.Tensor  # [1] int: the request's state slot
+    has_initial_state: torch.Tensor  # [1]: whether the slot holds a state (else zeros)
+
+
+def _conv_args(conv: GemvConv | None, x: torch.Tensor, n: int) -> tuple[tuple, dict]:
+    """The kernels' conv arguments and CONV_W (0 without a conv)."""
+    if conv is None:
+        return (x, x, x, x, 0, 0, 0), {}
+    c, width = conv.weight.shape
+    if (
+        x.numel() != x.shape[-1]
+        or c > n
+        or width < 2
+        or not conv.weight.is_contiguous()
+        or conv.states.shape[1:] != (c, width - 1)
+        or conv.states.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"fp8 GEMV conv: one row x, a [C <= {n}, W] weight and [slots, C, W - 1] states "
+            f"(x {tuple(x.shape)}, weight {tuple(conv.weight.shape)}, "
+            f"states {tuple(conv.states.shape)})"
+        )
+    states = conv.states
+    args = (conv.weight, states, conv.slot, conv.has_initial_state, c)
+    return (*args, states.stride(0), states.stride(1)), {"CONV_W": width}
+
+
 def _tail_args(tail: torch.Tensor | None, w_q: torch.Tensor, block_n: int) -> tuple[tuple, int]:
     """The kernels' (w2, n2, stride) arguments and the tail's program count."""
     if tail is None:
@@ -331,13 +414,16 @@ def fp8_gemv(
     bias: torch.Tensor | None = None,  # [N]
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # [N2, K] in x's dtype: its rows too, in the same launch
+    conv: GemvConv | None = None,  # one row: its first C outputs through this GDN conv
 ) -> torch.Tensor:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
     16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
     16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS).
     With a `tail` (one row only): [.., N + N2], x W^T then x tail^T (unscaled, no bias), one
-    launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj."""
+    launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj; with a `conv` (one row only),
+    the first C outputs leave through that GDN conv (GemvConv)."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, tail)
+    conv_args, conv_consts = _conv_args(conv, x, n)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
@@ -379,8 +465,10 @@ def fp8_gemv(
         k,
         w_q.stride(0),
         *tail_args,
+        *conv_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
+        **conv_consts,
         **common,
     )
     return out
@@ -412,9 +500,16 @@ def _gemv_block_kernel(
     k_size,
     stride_wn,
     stride_sn,
-    w2_ptr,  # TAIL, as in _gemv_kernel
+    w2_ptr,  # TAIL and CONV_W as in _gemv_kernel
     n2_size,
     stride_w2n,
+    conv_w_ptr,
+    conv_s_ptr,
+    slot_ptr,
+    init_ptr,
+    conv_c,
+    stride_cs,
+    stride_cc,
     SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
     SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
     HAS_BIAS: tl.constexpr,
@@ -423,6 +518,7 @@ def _gemv_block_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
+    CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -465,6 +561,9 @@ def _gemv_block_kernel(
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if CONV_W > 0:
+        conv_args = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
+        out = _conv_epilogue(out, rn, n_ok, *conv_args, out_ptr.dtype.element_ty, CONV_W)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -476,10 +575,12 @@ def fp8_gemv_block(
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # as in fp8_gemv
+    conv: GemvConv | None = None,  # as in fp8_gemv
 ) -> torch.Tensor:
     """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
-    route); a `tail` as in fp8_gemv."""
+    route); a `tail` and a `conv` as in fp8_gemv."""
     n, k, _, out = _prepare(x, w_q, config, 1, tail)
+    conv_args, conv_consts = _conv_args(conv, x, n)
     cfg = config or block_gemv_config(n, k)
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     bn, bk = block
@@ -498,6 +599,7 @@ def fp8_gemv_block(
         w_q.stride(0),
         s.stride(0),
         *tail_args,
+        *conv_args,
         SCALE_N=bn,
         SCALE_K=bk,
         HAS_BIAS=bias is not None,
@@ -506,6 +608,7 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TAIL=tail is not None,
+        **conv_consts,
         num_warps=cfg["num_warps"],
         **gemv_pdl(w_q),
     )

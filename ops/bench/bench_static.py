@@ -36,6 +36,7 @@ from appliance.engine.mtp_graphs import MtpGraphs
 from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
+from appliance.models.layers import gdn as gdn_layer
 from appliance.models.layers.moe import SparseMoE
 from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
@@ -310,6 +311,7 @@ def kernel_switches() -> tuple:
         gemv_swiglu.USE_SWIGLU,
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
+        gdn_layer.FUSE_CONV,
     )
 
 
@@ -389,6 +391,14 @@ def main() -> None:
         "captured again for each",
     )
     ap.add_argument(
+        "--gemv-conv",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="one row: the GDN conv inside the in_proj GEMV's store (on, as served) or its own "
+        "kernel (off); the decode graphs are captured again for each",
+    )
+    ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
@@ -420,13 +430,14 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
         args.swiglu,
         args.moe_pairs,
         args.fp8_gemv_tile,
+        args.gemv_conv,
         args.graphs,
     ):
         before = kernel_switches()
@@ -437,6 +448,7 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
+        gdn_layer.FUSE_CONV = conv == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -455,6 +467,8 @@ def main() -> None:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
             print(f"fp8 GEMV tile {tile}")
+        if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
+            print(f"GDN conv in the GEMV {conv}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -479,6 +493,7 @@ def main() -> None:
                     r["swiglu"] = swiglu
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
+                    r["gemv_conv"] = conv
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

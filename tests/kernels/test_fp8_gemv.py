@@ -13,10 +13,12 @@ from tolerances import assert_close, rel_error
 import appliance_kernels.fp8_block
 import appliance_kernels.fp8_gemv
 import appliance_kernels.gemv_rows
+from appliance_kernels.conv1d import causal_conv1d_ref
 from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import dequantize_block, fp8_block_linear, quantize_block_ref
 from appliance_kernels.fp8_gemv import (
     GEMV_MAX_ROWS,
+    GemvConv,
     block_gemv_fits,
     fp8_gemv,
     fp8_gemv_block,
@@ -77,6 +79,62 @@ def test_a_tail_weight_is_read_in_the_same_launch(n2, dtype):
     assert_close(got[:, 256:], (xb.float() @ tail_b.float().t()).to(dtype), dtype, name="tail")
     with pytest.raises(ValueError, match="tail"):
         fp8_gemv(x, w_q, s, tail=tail.to(torch.float16))  # not x's dtype
+
+
+def _conv_case(c, width, dtype, has_init, seed):
+    """A GDN conv's weight, states of 3 slots (the row's slot 1) and its GemvConv."""
+    weight = randn(c, width, dtype=dtype, seed=seed, scale=0.5)
+    states = randn(3, c, width - 1, dtype=dtype, seed=seed + 1)
+    slot = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([has_init], device=DEVICE)
+    return weight, states, GemvConv(weight, states, slot, init)
+
+
+@pytest.mark.parametrize("has_init", [True, False])
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [("channel", torch.bfloat16), ("channel", torch.float32), ("bf16", torch.bfloat16)],
+)
+def test_a_gdn_conv_runs_as_the_gemv_stores(kind, dtype, has_init):
+    """`conv`: the first C outputs of one row leave through the GDN layer's causal conv + SiLU
+    and the row's conv state shifts by them (causal_conv1d_ref at one token); the other outputs,
+    a tail's included, and the other slots' states are untouched. C ends inside a tile."""
+    n, k, c, width = 40, 300, 36, 4
+    if kind == "bf16":
+        w, s = randn(n, k, dtype=dtype, seed=7, scale=0.05), None
+    else:
+        w, s = channel_weight(n, k, True, seed=7)
+    x = randn(1, k, dtype=dtype, seed=8)
+    tail = randn(5, k, dtype=dtype, seed=9, scale=0.05)
+    weight, states, conv = _conv_case(c, width, dtype, has_init, seed=10)
+    want_states = states.clone()
+    plain = fp8_gemv(x, w, s, config=CONFIGS[0], tail=tail)  # the same sums, no conv
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    slots, init = conv.slot, conv.has_initial_state
+    want = causal_conv1d_ref(plain[:, :c], weight, want_states, slots, cu, init)
+    got = fp8_gemv(x, w, s, config=CONFIGS[0], tail=tail, conv=conv)
+    assert torch.equal(got[:, c:], plain[:, c:])
+    assert_close(got[:, :c], want, dtype, name="conv rows")
+    torch.testing.assert_close(states, want_states, atol=0, rtol=0)
+
+
+def test_a_gdn_conv_after_a_block_gemv_with_a_tail():
+    dtype = torch.bfloat16
+    b_q, b_s = quantize_block_ref(randn(256, 512, seed=4, scale=0.05), (128, 128))
+    x, tail = randn(1, 512, dtype=dtype, seed=5), randn(6, 512, dtype=dtype, seed=6)
+    weight, states, conv = _conv_case(200, 4, dtype, True, seed=11)
+    want_states = states.clone()
+    plain = fp8_gemv_block(x, b_q, b_s, (128, 128), tail=tail)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    want = causal_conv1d_ref(plain[:, :200], weight, want_states, conv.slot, cu, conv[3])
+    got = fp8_gemv_block(x, b_q, b_s, (128, 128), tail=tail, conv=conv)
+    assert torch.equal(got[:, 200:], plain[:, 200:])
+    assert_close(got[:, :200], want, dtype, name="conv rows")
+    torch.testing.assert_close(states, want_states, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="conv"):  # more conv channels than outputs
+        fp8_gemv_block(x, b_q, b_s, (128, 128), conv=_conv_case(300, 4, dtype, True, 12)[2])
+    with pytest.raises(ValueError, match="conv"):  # two rows
+        fp8_gemv(randn(2, 512, dtype=dtype), b_q.to(dtype), None, conv=conv)
 
 
 @pytest.mark.parametrize("scheme", ["channel", "online", "block"])

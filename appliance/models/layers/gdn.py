@@ -13,12 +13,15 @@ from appliance.models.layers.norm import GatedRMSNorm
 from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.conv1d import causal_conv1d, causal_conv1d_verify
+from appliance_kernels.fp8_gemv import GemvConv
 from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
 from appliance_kernels.gdn_gate import RawGates
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
 BA_SHARDS = {4: 0, 5: 1}  # in_proj segments b, a -> in_proj_ba's, when that layer is separate
+# ops/bench/bench_static.py --gemv-conv off: the conv as its own kernel at one row, as before
+FUSE_CONV = True
 
 
 class GatedDeltaNet(nn.Module):
@@ -97,16 +100,20 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         num_tokens = x.shape[0]
-        # b and a in their own bf16 layer: one launch with in_proj at one row where the GEMV
-        # runs (with_tail), else views of the two outputs (no concatenation kernel)
-        both = self.in_proj.with_tail(x, self.in_proj_ba) if self.in_proj_ba is not None else None
+        # At one row where the GEMV runs, one launch: in_proj, b and a (their own bf16 layer in
+        # fp8 checkpoints) and the conv as the GEMV stores q, k, v (with_tail, GemvConv); else
+        # views of the outputs (no concatenation kernel) and the conv kernel
+        conv = self._gemv_conv(num_tokens, ctx)
+        both = None
+        if self.in_proj_ba is not None or conv is not None:
+            both = self.in_proj.with_tail(x, self.in_proj_ba, conv)
         if self.in_proj_ba is None or both is not None:
             projected = self.in_proj(x) if both is None else both
             qkv, z, b, a = projected.split(self.in_proj_split, dim=-1)
         else:
             qkv, z = self.in_proj(x).split(self.in_proj_split[:2], dim=-1)
             b, a = self.in_proj_ba(x).split(self.in_proj_split[2:], dim=-1)
-        mixed = self._conv(qkv, ctx)
+        mixed = qkv if both is not None and conv is not None else self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
@@ -117,6 +124,13 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out)
+
+    def _gemv_conv(self, num_tokens: int, ctx) -> GemvConv | None:
+        """The conv for the in_proj GEMV to run as it stores, at one plain row (batch-1 decode)."""
+        if not FUSE_CONV or num_tokens != 1 or ctx.num_plain_tokens != 1:
+            return None
+        slots, init = ctx.req_slots[:1], ctx.has_initial_state[:1]
+        return GemvConv(self.conv1d_weight, self.conv_states, slots, init)
 
     # Plain rows (prefill chunks, decodes) come first in the batch and update the committed state;
     # MTP verify rows come last and only fill the per-row candidates (see engine/batch.py).

@@ -23,6 +23,7 @@ from appliance.models.layers.quant_methods import (
     linear_method,
 )
 from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.fp8_gemv import GemvConv
 
 ShardFn = Callable[
     [torch.Tensor, int], torch.Tensor
@@ -164,13 +165,18 @@ class ColumnLinear(_QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
-    def with_tail(self, x: torch.Tensor, tail: ColumnLinear) -> torch.Tensor | None:
+    def with_tail(
+        self, x: torch.Tensor, tail: ColumnLinear | None, conv: GemvConv | None = None
+    ) -> torch.Tensor | None:
         """[self(x), tail(x)] in one launch where the method's one-row GEMV can also read the
-        unquantised `tail` layer's weight (quant_methods.Unquantized.apply_with_tail); None: call
-        the two layers."""
-        if self.bias is not None or tail.bias is not None or type(tail.method) is not Unquantized:
+        unquantised `tail` layer's weight (or no tail), its first outputs through a GDN `conv`
+        (quant_methods.Unquantized.apply_with_tail); None: call the layers."""
+        if self.bias is not None:
             return None
-        return self.method.apply_with_tail(x, self.weight, self.weight_scale, tail.weight)
+        if tail is not None and (tail.bias is not None or type(tail.method) is not Unquantized):
+            return None
+        tail_weight = tail.weight if tail is not None else None
+        return self.method.apply_with_tail(x, self.weight, self.weight_scale, tail_weight, conv)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see

@@ -13,7 +13,17 @@ from torch import nn
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
 from appliance_kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
 from appliance_kernels.fp8_block import fp8_block_linear
-from appliance_kernels.fp8_gemv import block_gemv_fits, fp8_gemv, fp8_gemv_block, gemv_wins, linear
+from appliance_kernels.fp8_gemv import (
+    GEMV_DTYPES,
+    GemvConv,
+    bf16_gemv_config,
+    bf16_gemv_wins,
+    block_gemv_fits,
+    fp8_gemv,
+    fp8_gemv_block,
+    gemv_wins,
+    linear,
+)
 from appliance_kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
 from appliance_kernels.triton_utils import use_triton
 
@@ -43,11 +53,24 @@ class Unquantized:
         runs (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
         return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
 
-    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
-        """[x W^T, x tail^T] for one row x and a small 16-bit weight `tail`, in one launch where
-        this method's one-row GEMV runs (the GDN layer's bf16 b / a beside its fp8 in_proj);
-        None: the caller runs two GEMMs."""
-        return None
+    def apply_with_tail(
+        self, x, weight, scale, tail, conv: GemvConv | None = None
+    ) -> torch.Tensor | None:
+        """[x W^T, x tail^T] for one row x and a small 16-bit weight `tail` (or None), in one
+        launch where this method's one-row GEMV runs (the GDN layer's bf16 b / a beside its fp8
+        in_proj); with a `conv` the first C outputs leave through the GDN layer's conv
+        (fp8_gemv.GemvConv). None: the caller runs the layers. A 16-bit in_proj holds b / a
+        already, so this method takes the call only for its conv."""
+        n, k = weight.shape
+        if conv is None or not (
+            _tail_fits(x, tail)
+            and x.dtype in GEMV_DTYPES
+            and weight.dtype == x.dtype
+            and weight.stride(-1) == 1
+            and bf16_gemv_wins(1, n, k)
+        ):
+            return None
+        return _flat(fp8_gemv, x, weight, None, None, bf16_gemv_config(n, k), tail, conv)
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
@@ -77,9 +100,9 @@ class Fp8Channel(Unquantized):
             return gemv_swiglu(x, weight, scale)
         return None
 
-    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+    def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
         if _tail_fits(x, tail) and one_row_gemv(x.reshape(1, -1), weight):
-            return _flat(fp8_gemv, x, weight, scale, None, None, tail)
+            return _flat(fp8_gemv, x, weight, scale, None, None, tail, conv)
         return None
 
 
@@ -121,21 +144,20 @@ class Fp8Block(Unquantized):
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         return None  # block scales: the block GEMV, then silu_and_mul
 
-    def apply_with_tail(self, x, weight, scale, tail) -> torch.Tensor | None:
+    def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
         n, k = weight.shape
         if _tail_fits(x, tail) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k):
-            return _flat(fp8_gemv_block, x, weight, scale, self.block, None, None, tail)
+            return _flat(fp8_gemv_block, x, weight, scale, self.block, None, None, tail, conv)
         return None
 
 
-def _tail_fits(x: torch.Tensor, tail: torch.Tensor) -> bool:
-    """One row on the Triton route and a contiguous tail weight in x's dtype."""
+def _tail_fits(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
+    """One row on the Triton route and a contiguous tail weight (if any) in x's dtype."""
     return (
         use_triton(x)
         and x.numel() == x.shape[-1]
         and x.stride(-1) == 1
-        and tail.dtype == x.dtype
-        and tail.is_contiguous()
+        and (tail is None or (tail.dtype == x.dtype and tail.is_contiguous()))
     )
 
 
