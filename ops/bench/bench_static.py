@@ -393,10 +393,10 @@ def main() -> None:
     ap.add_argument(
         "--gemv-conv",
         nargs="+",
-        default=["on"],
+        default=["off"],
         choices=["on", "off"],
-        help="one row: the GDN conv inside the in_proj GEMV's store (on, as served) or its own "
-        "kernel (off); the decode graphs are captured again for each",
+        help="one row: the GDN conv inside the in_proj GEMV's store (on) or its own kernel (off, "
+        "as served until timed); the decode graphs are captured again for each",
     )
     ap.add_argument(
         "--fp8-gemv-tile",

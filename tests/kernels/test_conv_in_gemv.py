@@ -72,6 +72,7 @@ def test_the_conv_in_the_gemv_gives_the_conv_kernels_logits(
     checkpoints, monkeypatch, name, quantization, options
 ):
     convs = _one_row_gemvs_with_convs(monkeypatch)
+    monkeypatch.setattr(gdn, "FUSE_CONV", True)
     fused = runner(checkpoints[name], quantization, **options)
     got = engine_logits(fused, [IDS], chunk=1)[0]
     assert convs and set(convs) == {4}  # the convs did run inside the GEMVs

@@ -20,8 +20,9 @@ from appliance_kernels.gdn_gate import RawGates
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
 BA_SHARDS = {4: 0, 5: 1}  # in_proj segments b, a -> in_proj_ba's, when that layer is separate
-# ops/bench/bench_static.py --gemv-conv off: the conv as its own kernel at one row, as before
-FUSE_CONV = True
+# At one row, the conv inside the in_proj GEMV's store (GemvConv). Off until it has run on the
+# H200 (checked in the Triton interpreter only); ops/bench/bench_static.py --gemv-conv on off.
+FUSE_CONV = False
 
 
 class GatedDeltaNet(nn.Module):
