@@ -393,10 +393,11 @@ def main() -> None:
     ap.add_argument(
         "--gemv-conv",
         nargs="+",
-        default=["off"],
-        choices=["on", "off"],
-        help="one row: the GDN conv inside the in_proj GEMV's store (on) or its own kernel (off, "
-        "as served until timed); the decode graphs are captured again for each",
+        default=["auto"],
+        choices=["auto", "on", "off"],
+        help="one row: the GDN conv inside the in_proj GEMV's store (on), its own kernel (off) or "
+        "as served (auto: where the in_proj's quantisation measured faster, see "
+        "quant_methods.Unquantized.GEMV_CONV); the decode graphs are captured again for each",
     )
     ap.add_argument(
         "--fp8-gemv-tile",
@@ -448,7 +449,7 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
-        gdn_layer.FUSE_CONV = conv == "on"
+        gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:

@@ -20,9 +20,10 @@ from appliance_kernels.gdn_gate import RawGates
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
 BA_SHARDS = {4: 0, 5: 1}  # in_proj segments b, a -> in_proj_ba's, when that layer is separate
-# At one row, the conv inside the in_proj GEMV's store (GemvConv). Off until it has run on the
-# H200 (checked in the Triton interpreter only); ops/bench/bench_static.py --gemv-conv on off.
-FUSE_CONV = False
+# At one row, the conv inside the in_proj GEMV's store (GemvConv). None: where the in_proj's
+# quantisation method measured faster that way (quant_methods.Unquantized.GEMV_CONV); True / False:
+# always / never (tests, ops/bench/bench_static.py --gemv-conv).
+FUSE_CONV: bool | None = None
 
 
 class GatedDeltaNet(nn.Module):
@@ -128,7 +129,8 @@ class GatedDeltaNet(nn.Module):
 
     def _gemv_conv(self, num_tokens: int, ctx) -> GemvConv | None:
         """The conv for the in_proj GEMV to run as it stores, at one plain row (batch-1 decode)."""
-        if not FUSE_CONV or num_tokens != 1 or ctx.num_plain_tokens != 1:
+        wins = self.in_proj.method.GEMV_CONV if FUSE_CONV is None else FUSE_CONV
+        if not wins or num_tokens != 1 or ctx.num_plain_tokens != 1:
             return None
         slots, init = ctx.req_slots[:1], ctx.has_initial_state[:1]
         return GemvConv(self.conv1d_weight, self.conv_states, slots, init)

@@ -38,6 +38,12 @@ class Unquantized:
 
     block: tuple[int, int] | None = None  # (block_n, block_k) of block-scaled weights
 
+    # Whether the GDN conv runs inside this method's one-row in_proj GEMV by default
+    # (appliance/models/layers/gdn.py FUSE_CONV). 27B batch-1 step, H200, graphs (run BR in
+    # docs/benchmarks.md): fp8 per channel 8.36 ms with against 8.53 without; bf16 13.68 / 13.59
+    # and block fp8 9.33 / 9.24, within the spread, so those keep the conv kernel.
+    GEMV_CONV = False
+
     def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
         """[*lead, rows, cols]; `lead` = (num_experts,) for expert weights."""
         return _param(*lead, rows, cols)
@@ -85,6 +91,8 @@ def _flat(fn, x: torch.Tensor, *args) -> torch.Tensor:
 
 class Fp8Channel(Unquantized):
     """e4m3 weight [N, K], fp32 scale [N]; activations quantised per token on the fly."""
+
+    GEMV_CONV = True
 
     def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
         return _param(*lead, rows, cols, dtype=FP8_DTYPE)
