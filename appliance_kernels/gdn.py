@@ -9,22 +9,11 @@ when has_initial_state and overwritten with the final state.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from appliance_kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
 from appliance_kernels.gdn_gate import RawGates, gate_values, gdn_gating
-from appliance_kernels.norm import gated_rms_norm
-from appliance_kernels.triton_utils import (
-    arrival_counters,
-    jit,
-    next_pow2,
-    pdl,
-    pdl_start,
-    tl,
-    use_triton,
-)
+from appliance_kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
 
 
 def _prep(q, k, v, g, beta, num_v_heads):
@@ -210,49 +199,6 @@ def gdn_verify_ref(
 # -------------------------------------------------------------------------------------------------
 
 RECURRENT_MAX_ROWS = 8  # requests with at most this many rows use the recurrent kernel
-# The layer's gated output norm applied by the recurrence (GatedNorm): the last of a head's
-# programs (blocks of value columns) to store a row normalises the whole row (arrival counters,
-# triton_utils.arrival_counters), one launch fewer per GDN layer. A single program per head
-# holding the whole [Dk, Dv] state measured slower (run BS in docs/benchmarks.md: 27B online fp8
-# batch 1 8.41-8.53 ms against 8.34 with the norm's own kernel, batch 16 12.70-14.04 against
-# 12.52). Off until timed on the H200 (ops/bench/bench_static.py --gdn-norm on off).
-NORM_IN_RECURRENCE = False
-
-
-class GatedNorm(NamedTuple):
-    """The GDN layer's output norm, w * rmsnorm(o) * silu(z) per row and value head
-    (norm.gated_rms_norm_ref), handed to gdn_gated / gdn_verify_gated: applied inside the decode
-    recurrence where NORM_IN_RECURRENCE, after it otherwise."""
-
-    weight: torch.Tensor  # [Dv]
-    gate: torch.Tensor  # z [T, Hv, Dv] (token and head strides free, last dim contiguous)
-    eps: float
-
-    def rows(self, start: int, end: int | None = None) -> GatedNorm:
-        return GatedNorm(self.weight, self.gate[start:end], self.eps)
-
-    def apply(self, out: torch.Tensor) -> torch.Tensor:
-        """The norm of a recurrence's output [T, Hv, Dv] (its own kernel)."""
-        flat = gated_rms_norm(out.reshape(-1, out.shape[-1]), self.gate, self.weight, self.eps)
-        return flat.view(out.shape)
-
-
-@jit
-def _gated_norm_row(o_row_ptr, w_ptr, z_row_ptr, eps, DV: tl.constexpr, BD: tl.constexpr, ROUND_W):
-    """One stored output row of one value head through the gated norm, in place: the arithmetic
-    of norm._gated_rms_norm_kernel. The row's other columns were stored by other programs: read
-    past L1 (.cg) after the arrival counter's acquire."""
-    d = tl.arange(0, BD)
-    ok = d < DV
-    x = tl.load(o_row_ptr + d, mask=ok, other=0.0, cache_modifier=".cg")
-    dtype = x.dtype
-    x = x.to(tl.float32)
-    h = x / tl.sqrt(tl.sum(x * x, 0) / DV + eps)
-    y = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) * h.to(dtype).to(tl.float32)
-    if ROUND_W:
-        y = y.to(dtype).to(tl.float32)
-    z = tl.load(z_row_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    tl.store(o_row_ptr + d, (y * (z / (1.0 + tl.exp(-z)))).to(dtype), mask=ok)
 
 
 @jit
@@ -264,9 +210,6 @@ def _gdn_recurrent_kernel(
     beta_ptr,  # RAW_GATES: b [T, Hv]
     a_log_ptr,  # RAW_GATES: A_log [Hv], dt_bias [Hv] (else unread)
     dt_bias_ptr,
-    norm_w_ptr,  # NORM: the gated norm's weight [DV] and gate z [T, Hv, DV] (else unread)
-    norm_z_ptr,
-    arrivals_ptr,  # NORM: zeroed counters [B, Hv, NORM_ROWS]
     out_ptr,
     state_ptr,
     cand_ptr,
@@ -290,10 +233,7 @@ def _gdn_recurrent_kernel(
     stride_cs,
     stride_cr,
     stride_ch,
-    stride_zt,
-    stride_zh,
     scale,
-    norm_eps,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -302,10 +242,6 @@ def _gdn_recurrent_kernel(
     MAX_LEN: tl.constexpr,
     VERIFY: tl.constexpr,
     RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (gdn_gate.py)
-    NORM: tl.constexpr = False,  # the gated output norm per row, by the head's last program
-    NORM_ROUND_W: tl.constexpr = False,  # its weight product rounded to the output dtype
-    NORM_ROWS: tl.constexpr = 1,  # counters per (request, head): a bound on its rows
-    NORM_BD: tl.constexpr = 1,  # next_pow2(DV)
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -350,15 +286,9 @@ def _gdn_recurrent_kernel(
         delta = (v - tl.sum(h * k[:, None], 0)) * beta  # [BV]
         h = h + k[:, None] * delta[None, :]
         o = tl.sum(h * q[:, None], 0)
-        o_row = out_ptr + t * stride_ot + hv * stride_oh
-        tl.store(o_row + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
-        if NORM:  # the head's last program to store this row normalises all of it
-            tl.debug_barrier()  # every warp's store issued before the release
-            arrivals = arrivals_ptr + (b * tl.num_programs(1) + hv) * NORM_ROWS + i
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                z_row = norm_z_ptr + t * stride_zt + hv * stride_zh
-                _gated_norm_row(o_row, norm_w_ptr, z_row, norm_eps, DV, NORM_BD, NORM_ROUND_W)
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")  # ready for the next use
+        tl.store(
+            out_ptr + t * stride_ot + hv * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok
+        )
         if VERIFY:  # one candidate state per verify row; the committed state stays as it was
             tl.store(
                 cand_ptr + slot * stride_cs + i * stride_cr + hv * stride_ch + s_offs,
@@ -383,7 +313,6 @@ def _recurrent_launch(
     max_len,
     out,
     raw: RawGates | None = None,  # given: g / beta are its a / b, gated inside the kernel
-    norm: GatedNorm | None = None,  # given: applied to each row as it is stored
 ):
     _check_gdn(q, k, v, g, beta, ssm_states)
     if raw is not None and (
@@ -398,16 +327,6 @@ def _recurrent_launch(
         return out
     bk, bv = next_pow2(dk), min(next_pow2(dv), 32)
     verify = candidates is not None
-    norm_rows = candidates.shape[1] if verify else max(max_len, RECURRENT_MAX_ROWS)
-    arrivals = None
-    if norm is not None:
-        z = norm.gate
-        if z.shape != v.shape or z.stride(-1) != 1 or norm.weight.shape != (dv,):
-            raise ValueError(f"gdn: norm gate {tuple(z.shape)} weight {tuple(norm.weight.shape)}")
-        arrivals = arrival_counters(v.device, batch * num_v_heads * norm_rows)
-        if arrivals is None:  # no counters (first met inside a graph capture): norm after
-            plain = (ssm_states, candidates, state_slots, cu_seqlens, has_initial_state, max_len)
-            return norm.apply(_recurrent_launch(q, k, v, g, beta, *plain, out, raw))
     cand = candidates if verify else ssm_states
     _gdn_recurrent_kernel[(batch, num_v_heads, -(-dv // bv))](
         q,
@@ -417,9 +336,6 @@ def _recurrent_launch(
         beta,
         raw.A_log if raw is not None else g,
         raw.dt_bias if raw is not None else g,
-        norm.weight if norm is not None else g,
-        norm.gate if norm is not None else g,
-        arrivals if arrivals is not None else g,
         out,
         ssm_states,
         cand,
@@ -443,10 +359,7 @@ def _recurrent_launch(
         cand.stride(0),
         cand.stride(1) if verify else 0,
         cand.stride(2) if verify else 0,
-        norm.gate.stride(0) if norm is not None else 0,
-        norm.gate.stride(1) if norm is not None else 0,
         dk**-0.5,
-        norm.eps if norm is not None else 0.0,
         GROUP=num_v_heads // num_k_heads,
         DK=dk,
         DV=dv,
@@ -455,10 +368,6 @@ def _recurrent_launch(
         MAX_LEN=max_len,
         VERIFY=verify,
         RAW_GATES=raw is not None,
-        NORM=norm is not None,
-        NORM_ROUND_W=norm is not None and norm.weight.dtype == v.dtype != torch.float32,
-        NORM_ROWS=norm_rows if norm is not None else 1,
-        NORM_BD=next_pow2(dv) if norm is not None else 1,
         num_warps=4 if bk * bv <= 4096 else 8,
         **pdl(q),
     )
@@ -479,10 +388,9 @@ def gdn_recurrent_triton(
     max_len: int = 0,  # >0: skip requests with more rows (they go to the chunked kernels)
     out: torch.Tensor | None = None,  # [T, Hv, Dv]
     gates: RawGates | None = None,  # given: g / beta (None) are computed from these
-    norm: GatedNorm | None = None,  # given: the output leaves through this norm
 ) -> torch.Tensor:
     """Fused recurrent decode over varlen rows; same result as gdn_recurrent_ref (with `gates`:
-    as gdn_recurrent_ref on gdn_gating_ref(*gates); with `norm`: then norm.apply)."""
+    as gdn_recurrent_ref on gdn_gating_ref(*gates))."""
     if gates is not None:
         g, beta = gates.a, gates.b
     return _recurrent_launch(
@@ -499,7 +407,6 @@ def gdn_recurrent_triton(
         max_len,
         out,
         gates,
-        norm,
     )
 
 
@@ -516,29 +423,14 @@ def gdn_verify_triton(
     *,
     out: torch.Tensor | None = None,
     gates: RawGates | None = None,  # given: g / beta (None) are computed from these
-    norm: GatedNorm | None = None,  # given: the output leaves through this norm
 ) -> torch.Tensor:
-    """MTP verify rows: same result as gdn_verify_ref (candidates[slot, j] = state after row j),
-    then norm.apply with a `norm`."""
+    """MTP verify rows: same result as gdn_verify_ref (candidates[slot, j] = state after row j)."""
     if ssm_candidates.stride(-1) != 1 or ssm_candidates.shape[2:] != ssm_states.shape[1:]:
         raise ValueError(f"gdn_verify: candidates {ssm_candidates.shape} vs {ssm_states.shape}")
     if gates is not None:
         g, beta = gates.a, gates.b
     return _recurrent_launch(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        ssm_states,
-        ssm_candidates,
-        state_slots,
-        cu_seqlens,
-        None,
-        0,
-        out,
-        gates,
-        norm,
+        q, k, v, g, beta, ssm_states, ssm_candidates, state_slots, cu_seqlens, None, 0, out, gates
     )
 
 
@@ -608,20 +500,15 @@ def gdn_gated(
     has_initial_state: torch.Tensor,  # [B] bool
     *,
     max_q_len: int | None = None,  # host bound on rows per request; given: no device sync
-    norm: GatedNorm | None = None,  # given: the output leaves through the layer's gated norm
 ) -> torch.Tensor:
-    """gdn() on gdn_gating(*gates), then norm.apply. Decode-sized batches (every request at most
+    """gdn() on gdn_gating(*gates). Decode-sized batches (every request at most
     RECURRENT_MAX_ROWS rows, known from max_q_len) run the recurrence with the gates computed
-    inside it, one launch where the separate gating kernel made two, and the norm inside it too
-    where NORM_IN_RECURRENCE; others gate first and norm after."""
+    inside it, one launch where the separate gating kernel made two; others gate first."""
     state_args = (ssm_states, state_slots, cu_seqlens, has_initial_state)
     if use_triton(q) and max_q_len is not None and max_q_len <= RECURRENT_MAX_ROWS:
-        inside = norm if NORM_IN_RECURRENCE else None
-        out = gdn_recurrent_triton(q, k, v, None, None, *state_args, gates=gates, norm=inside)
-        return out if norm is None or inside is not None else norm.apply(out)
+        return gdn_recurrent_triton(q, k, v, None, None, *state_args, gates=gates)
     g, beta = gdn_gating(*gates)
-    out = gdn(q, k, v, g, beta, *state_args, max_q_len=max_q_len)
-    return out if norm is None else norm.apply(out)
+    return gdn(q, k, v, g, beta, *state_args, max_q_len=max_q_len)
 
 
 def gdn_verify_gated(
@@ -633,15 +520,9 @@ def gdn_verify_gated(
     ssm_candidates: torch.Tensor,  # [num_state_slots, max_rows, Hv, Dk, Dv]
     state_slots: torch.Tensor,  # [B]
     cu_seqlens: torch.Tensor,  # [B + 1]
-    *,
-    norm: GatedNorm | None = None,  # given: the output leaves through the layer's gated norm
 ) -> torch.Tensor:
-    """gdn_verify() on gdn_gating(*gates), then norm.apply; on CUDA the gates are computed inside
-    the kernel, and the norm too where NORM_IN_RECURRENCE."""
+    """gdn_verify() on gdn_gating(*gates); on CUDA the gates are computed inside the kernel."""
     args = (ssm_states, ssm_candidates, state_slots, cu_seqlens)
     if use_triton(q):
-        inside = norm if NORM_IN_RECURRENCE else None
-        out = gdn_verify_triton(q, k, v, None, None, *args, gates=gates, norm=inside)
-    else:
-        out, inside = gdn_verify(q, k, v, *gdn_gating(*gates), *args), None
-    return out if norm is None or inside is not None else norm.apply(out)
+        return gdn_verify_triton(q, k, v, None, None, *args, gates=gates)
+    return gdn_verify(q, k, v, *gdn_gating(*gates), *args)

@@ -15,7 +15,6 @@ from appliance.logging import get_logger
 from appliance.models.layers.attention import Attention
 from appliance.models.layers.gdn import GatedDeltaNet
 from appliance_kernels.state_commit import commit_states
-from appliance_kernels.triton_utils import arrival_counters
 
 log = get_logger(__name__)
 
@@ -202,8 +201,6 @@ class Pools:
                 continue  # the pool's own: layers never read snapshots
             for i, m in enumerate(self.gdn_layers):
                 setattr(m, name, self.stacked[name][i])
-        if device.type == "cuda":  # the decode kernels' arrival counters, before any graph capture
-            arrival_counters(device, 0)
 
     def commit_verify(self, slots: torch.Tensor, accepted_rows: torch.Tensor) -> None:
         """After MTP acceptance, in every GDN layer at once: the state after verify row

@@ -24,10 +24,10 @@ KERNEL_MODULES = (
     "appliance_kernels.attention",
     "appliance_kernels.gdn_chunk",
     "appliance_kernels.gdn_gate",  # before gdn: it binds gate_values at import
-    "appliance_kernels.norm",  # before gdn: it binds gated_rms_norm at import
     "appliance_kernels.gdn",
     "appliance_kernels.state_commit",
     "appliance_kernels.conv1d",
+    "appliance_kernels.norm",
     "appliance_kernels.rotary",
     "appliance_kernels.qk_norm_rope",
     "appliance_kernels.activation",

@@ -12,10 +12,7 @@ import torch.nn.functional as F
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
-import appliance_kernels.gdn as gdn_module
-from appliance_kernels import triton_utils
 from appliance_kernels.gdn import (
-    GatedNorm,
     gdn,
     gdn_chunked_ref,
     gdn_chunked_triton,
@@ -29,7 +26,6 @@ from appliance_kernels.gdn import (
     gdn_verify_triton,
 )
 from appliance_kernels.gdn_gate import RawGates, gdn_gating_ref
-from appliance_kernels.norm import gated_rms_norm_ref
 
 
 def make_inputs(lens, hk, hv, dk, dv, dtype, seed, has_init):
@@ -187,96 +183,6 @@ def test_gated_dispatchers_match_gating_then_reference():
     assert_close(got, expected, torch.float32, factor=ACCUMULATING)
 
 
-def gated_norm(total: int, hv: int, dv: int, dtype, weight_dtype, seed: int) -> GatedNorm:
-    """The layer's output norm: z a strided [T, Hv, Dv] view of a wider projection."""
-    proj = randn(total, hv * dv + 5, dtype=dtype, seed=seed) * 2
-    z = proj[:, 5:].view(total, hv, dv)
-    weight = (1.0 + 0.5 * randn(dv, seed=seed + 1)).to(weight_dtype)
-    return GatedNorm(weight, z, 1e-6)
-
-
-def norm_ref(out: torch.Tensor, norm: GatedNorm) -> torch.Tensor:
-    dv = out.shape[-1]
-    flat = gated_rms_norm_ref(out.reshape(-1, dv), norm.gate.reshape(-1, dv), norm.weight, norm.eps)
-    return flat.view(out.shape)
-
-
-@pytest.mark.parametrize(
-    "dtype,weight_dtype,dv",
-    [(torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 48)],
-)
-def test_the_gated_norm_inside_the_recurrence(monkeypatch, dtype, weight_dtype, dv):
-    """NORM_IN_RECURRENCE: the recurrence stores w * rmsnorm(o) * silu(z) per row and value head
-    (two programs per head, the last to arrive normalising the row; Dv 48 leaves masked lanes):
-    the same as the reference's o through gated_rms_norm_ref, and as the norm's own kernel after
-    the recurrence (decode and verify rows, the pool and candidates unchanged by the norm), the
-    arrival counters back at zero."""
-    lens = [1, 3, 2]
-    hv = 4
-    inputs = make_inputs(lens, 2, hv, 16, dv, dtype, seed=41, has_init=[True, False, True])
-    q, k, v, _, _, pool, slots, cu, init = inputs
-    gates = raw_gates(sum(lens), hv, dtype, seed=42)
-    norm = gated_norm(sum(lens), hv, dv, dtype, weight_dtype, seed=43)
-    g, beta = gdn_gating_ref(*gates)
-    ref_pool = pool.clone()
-    expected = norm_ref(gdn_recurrent_ref(q, k, v, g, beta, ref_pool, slots, cu, init), norm)
-    after_pool = pool.clone()
-    monkeypatch.setattr(gdn_module, "NORM_IN_RECURRENCE", False)
-    after = norm.apply(
-        gdn_recurrent_triton(q, k, v, None, None, after_pool, slots, cu, init, gates=gates)
-    )
-    monkeypatch.setattr(gdn_module, "NORM_IN_RECURRENCE", True)
-    out = poison(torch.empty(v.shape, dtype=dtype, device=DEVICE))
-    got = gdn_recurrent_triton(
-        q, k, v, None, None, pool, slots, cu, init, out=out, gates=gates, norm=norm
-    )
-    assert expected.std() > 0.3
-    assert_close(got, expected, dtype, factor=ACCUMULATING, name="o normed")
-    assert not triton_utils._arrivals[got.device].any()
-    assert_close(got, after, dtype, name="inside against after")
-    check_pool(pool, ref_pool, slots, dtype)
-
-    candidates = poison(torch.empty(pool.shape[0], 4, *pool.shape[1:], device=DEVICE))
-    ref_candidates = candidates.clone()
-    expected = norm_ref(gdn_verify_ref(q, k, v, g, beta, pool, ref_candidates, slots, cu), norm)
-    monkeypatch.setattr(gdn_module, "use_triton", lambda t: True)  # the dispatcher's kernel route
-    got = gdn_verify_gated(q, k, v, gates, pool, candidates, slots, cu, norm=norm)
-    assert_close(got, expected, dtype, factor=ACCUMULATING, name="verify o normed")
-    assert_close(
-        candidates, ref_candidates, dtype, factor=ACCUMULATING, name="candidates", equal_nan=True
-    )
-    assert not triton_utils._arrivals[got.device].any()
-
-
-def test_the_gated_dispatchers_apply_the_norm_on_every_route(monkeypatch):
-    """gdn_gated / gdn_verify_gated with a norm return the normed output whichever route runs: the
-    CPU reference (prefill and decode rows), the recurrence kernel with the norm inside or after."""
-    lens = [1, 70]
-    inputs = make_inputs(lens, 2, 4, 16, 16, torch.float32, seed=44, has_init=[True, False])
-    q, k, v, _, _, pool, slots, cu, init = inputs
-    gates = raw_gates(sum(lens), 4, torch.float32, seed=45)
-    norm = gated_norm(sum(lens), 4, 16, torch.float32, torch.float32, seed=46)
-    g, beta = gdn_gating_ref(*gates)
-    expected = norm_ref(gdn_ref(q, k, v, g, beta, pool.clone(), slots, cu, init), norm)
-    got = gdn_gated(q, k, v, gates, pool.clone(), slots, cu, init, max_q_len=70, norm=norm)
-    assert_close(got, expected, torch.float32, factor=ACCUMULATING)
-    one = [t[:1] for t in (q, k, v)]
-    gates1, norm1 = gates.rows(0, 1), norm.rows(0, 1)
-    cu1 = torch.tensor([0, 1], device=DEVICE, dtype=cu.dtype)
-    state = (pool, slots[:1], cu1, init[:1])
-    expected = norm_ref(gdn_ref(*one, g[:1], beta[:1], pool.clone(), *state[1:]), norm1)
-    got = gdn_gated(*one, gates1, pool.clone(), *state[1:], max_q_len=1, norm=norm1)
-    assert_close(got, expected, torch.float32, factor=ACCUMULATING, name="reference")
-    monkeypatch.setattr(gdn_module, "use_triton", lambda t: True)
-    candidates = torch.zeros(pool.shape[0], 2, *pool.shape[1:], device=DEVICE)
-    for inside in (False, True):
-        monkeypatch.setattr(gdn_module, "NORM_IN_RECURRENCE", inside)
-        got = gdn_gated(*one, gates1, pool.clone(), *state[1:], max_q_len=1, norm=norm1)
-        assert_close(got, expected, torch.float32, factor=ACCUMULATING, name=f"inside {inside}")
-        got = gdn_verify_gated(*one, gates1, pool, candidates, *state[1:3], norm=norm1)
-        assert_close(got, expected, torch.float32, factor=ACCUMULATING, name=f"verify {inside}")
-
-
 def test_dispatcher_matches_gdn_ref():
     inputs = make_inputs([1, 70], 2, 4, 16, 16, torch.float32, seed=4, has_init=[True, False])
     ref_inputs = list(inputs)
@@ -304,21 +210,15 @@ def test_full_size_qwen35_27b(lens):
 
 
 @gpu
-@pytest.mark.parametrize("norm_inside", [False, True])
-@pytest.mark.parametrize("batch", [1, 64])
-def test_full_size_decode_with_raw_gates(monkeypatch, batch, norm_inside):
-    """The layer's decode call on the GPU: the gates computed inside the recurrence, the gated
-    output norm inside it or after."""
-    monkeypatch.setattr(gdn_module, "NORM_IN_RECURRENCE", norm_inside)
-    lens = [1] * batch
-    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=3, has_init=[True] * batch)
+def test_full_size_decode_with_raw_gates():
+    """The layer's decode call on the GPU: the gates computed inside the recurrence."""
+    lens = [1] * 64
+    inputs = make_inputs(lens, 16, 48, 128, 128, torch.bfloat16, seed=3, has_init=[True] * 64)
     q, k, v, _, _, pool, slots, cu, init = inputs
-    gates = raw_gates(batch, 48, torch.bfloat16, seed=4)
-    norm = gated_norm(batch, 48, 128, torch.bfloat16, torch.bfloat16, seed=5)
+    gates = raw_gates(64, 48, torch.bfloat16, seed=4)
     ref_pool = pool.clone()
     expected = gdn_ref(q, k, v, *gdn_gating_ref(*gates), ref_pool, slots, cu, init)
-    expected = norm_ref(expected, norm)
-    got = gdn_gated(q, k, v, gates, pool, slots, cu, init, max_q_len=1, norm=norm)
+    got = gdn_gated(q, k, v, gates, pool, slots, cu, init, max_q_len=1)
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
     assert_close(pool[slots], ref_pool[slots], torch.bfloat16, factor=ACCUMULATING)
 
@@ -333,24 +233,6 @@ def test_full_size_verify_rows():
     got = gdn_verify(q, k, v, g, beta, pool, candidates, slots, cu)
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
     assert_close(candidates[slots], ref_candidates[slots], torch.bfloat16, factor=ACCUMULATING)
-
-
-@gpu
-def test_full_size_verify_rows_with_the_norm_inside(monkeypatch):
-    """Four verify rows per request, each row's gated norm done by the head's last program (one
-    arrival counter per row): the arrival order on the GPU, checked against the reference."""
-    monkeypatch.setattr(gdn_module, "NORM_IN_RECURRENCE", True)
-    inputs = make_inputs([4] * 64, 16, 48, 128, 128, torch.bfloat16, seed=6, has_init=[True] * 64)
-    q, k, v, _, _, pool, slots, cu, _ = inputs
-    gates = raw_gates(256, 48, torch.bfloat16, seed=7)
-    norm = gated_norm(256, 48, 128, torch.bfloat16, torch.bfloat16, seed=8)
-    candidates = torch.zeros(pool.shape[0], 4, *pool.shape[1:], device=DEVICE)
-    g, beta = gdn_gating_ref(*gates)
-    expected = gdn_verify_ref(q, k, v, g, beta, pool, candidates.clone(), slots, cu)
-    for _ in range(3):  # the counters are reused launch after launch
-        got = gdn_verify_gated(q, k, v, gates, pool, candidates, slots, cu, norm=norm)
-        assert_close(got, norm_ref(expected, norm), torch.bfloat16, factor=ACCUMULATING)
-    assert not triton_utils._arrivals[got.device].any()
 
 
 def _importable(name: str) -> bool:

@@ -14,7 +14,7 @@ from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.conv1d import causal_conv1d, causal_conv1d_verify
 from appliance_kernels.fp8_gemv import GemvConv
-from appliance_kernels.gdn import GatedNorm, gdn_gated, gdn_verify_gated
+from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
 from appliance_kernels.gdn_gate import RawGates
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
@@ -120,13 +120,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         k = k.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        # g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): inside the decode kernel, and
-        # the gated output norm as it stores (appliance_kernels.gdn.NORM_IN_RECURRENCE)
+        # g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): inside the decode kernel
         gates = RawGates(a, b, self.A_log, self.dt_bias)
+        out = self._delta_rule(q, k, v, gates, ctx)  # [T, Hv, Dv]
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
-        norm = GatedNorm(self.norm.weight, z, self.norm.eps)
-        out = self._delta_rule(q, k, v, gates, norm, ctx)  # [T, Hv, Dv], normed
-        return self.out_proj(out.reshape(num_tokens, -1))
+        out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
+        return self.out_proj(out)
 
     def _gemv_conv(self, num_tokens: int, ctx) -> GemvConv | None:
         """The conv for the in_proj GEMV to run as it stores, at one plain row (batch-1 decode)."""
@@ -174,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         )
         return torch.cat([plain, verify])
 
-    def _delta_rule(self, q, k, v, gates: RawGates, norm: GatedNorm, ctx) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, gates: RawGates, ctx) -> torch.Tensor:
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == q.shape[0]:
             return gdn_gated(
@@ -187,7 +186,6 @@ class GatedDeltaNet(nn.Module):
                 ctx.cu_seqlens_q,
                 ctx.has_initial_state,
                 max_q_len=ctx.max_q_len,
-                norm=norm,
             )
         verify = gdn_verify_gated(
             q[split:],
@@ -198,7 +196,6 @@ class GatedDeltaNet(nn.Module):
             self.ssm_candidates,
             ctx.req_slots[reqs:],
             ctx.verify_cu_seqlens,
-            norm=norm.rows(split),
         )
         if split == 0:
             return verify
@@ -212,7 +209,6 @@ class GatedDeltaNet(nn.Module):
             ctx.cu_seqlens_q[: reqs + 1],
             ctx.has_initial_state[:reqs],
             max_q_len=ctx.max_q_len,
-            norm=norm.rows(0, split),
         )
         return torch.cat([plain, verify])
 
