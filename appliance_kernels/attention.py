@@ -21,7 +21,6 @@ import torch
 from appliance_kernels.fp8 import FP8_DTYPE, FP8_MAX
 from appliance_kernels.triton_utils import (
     HAS_TRITON,
-    arrival_counters,
     check_last_dim_contiguous,
     jit,
     next_pow2,
@@ -308,7 +307,6 @@ def _paged_attention_kernel(
     k_scale_ptr,  # [1] fp32 dequantisation scales of an fp8 cache (FP8_KV)
     v_scale_ptr,
     gate_ptr,  # [T, Hq, D] output gate (GATED; the merge applies it when the KV is split)
-    arrivals_ptr,  # MERGE: zeroed int32 counters, one per (request, q block, kv head)
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -336,7 +334,6 @@ def _paged_attention_kernel(
     FP8_KV: tl.constexpr,
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
     GATED: tl.constexpr = False,  # out * sigmoid(gate)
-    MERGE: tl.constexpr = False,  # split KV: the last split program to finish merges (_merge_own)
     PDL: tl.constexpr = False,
 ):
     pdl_start(PDL)
@@ -469,26 +466,6 @@ def _paged_attention_kernel(
             mask=out_mask,
         )
         tl.store(part_lse_ptr + split * stride_ls + t_row * stride_lt + head, lse, mask=row_ok)
-        if MERGE:
-            tl.debug_barrier()  # every warp's partial stores issued before the release
-            group = (b * tl.num_programs(1) + q_block) * (tl.num_programs(2) // NUM_SPLITS)
-            arrivals = arrivals_ptr + group + kv_head
-            if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                _merge_own(
-                    part_o_ptr + t_row[:, None] * stride_pt + head[:, None] * HEAD_DIM + d[None, :],
-                    part_lse_ptr + t_row * stride_lt + head,
-                    out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                    gate_ptr + t_row[:, None] * stride_gt + head[:, None] * stride_gh + d[None, :],
-                    stride_ps,
-                    stride_ls,
-                    row_ok,
-                    out_mask,
-                    tl.minimum(tl.cdiv(kv_hi, tl.maximum(chunk, 1)), NUM_SPLITS),
-                    BLOCK_M,
-                    BLOCK_D,
-                    GATED,
-                )
-                tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")  # ready for the next use
 
 
 def _prefill_configs() -> list:
@@ -514,47 +491,6 @@ _paged_attention_prefill = (
     if HAS_TRITON
     else None
 )
-
-
-@jit
-def _merge_own(
-    o_ptrs,  # [BLOCK_M, BLOCK_D] pointers into split 0's partial outputs
-    lse_ptrs,  # [BLOCK_M] into split 0's log-sum-exps
-    out_ptrs,
-    gate_ptrs,
-    stride_ps,
-    stride_ls,
-    row_ok,
-    out_mask,
-    used,  # splits that had keys; the rest stored lse -inf (weight 0)
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    GATED: tl.constexpr,
-):
-    """_merge_splits_kernel's arithmetic for one program's rows, run by the last split program to
-    finish. The partials were stored by other programs: read past L1 (.cg) after the arrival
-    counter's acquire."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(0, used):
-        lse = tl.load(
-            lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
-        )
-        m = tl.maximum(m, lse)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    den = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(0, used):
-        lse = tl.load(
-            lse_ptrs + s * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg"
-        )
-        w = tl.exp2(lse - m)
-        o = tl.load(o_ptrs + s * stride_ps, mask=out_mask, other=0.0, cache_modifier=".cg")
-        acc += o * w[:, None]
-        den += w
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
-    if GATED:
-        o = o * tl.sigmoid(tl.load(gate_ptrs, mask=out_mask, other=0.0).to(tl.float32))
-    tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @jit
@@ -612,12 +548,6 @@ def _merge_splits_kernel(
 # loads for the PV dot) was slower at every tile (1.00x at (64, 3, 4)); flashinfer's fp8 decode
 # reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here (batch 64, batch 16 at 32k).
 ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
-# Split KV (decode / verify): the last split program of each (request, q block, kv head) to finish
-# merges the partials itself (arrival counters, triton_utils.arrival_counters), reading only the
-# splits that had keys, instead of the merge kernel's launch. Off until timed on the H200
-# (ops/bench/bench_static.py --attn-merge on off); where no counters are to be had (first met
-# inside a graph capture) the merge kernel runs.
-MERGE_IN_KERNEL = False
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
@@ -693,7 +623,7 @@ def paged_attention_triton(
     kv_scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unread without FP8_KV
     gated = gate is not None
     gate_t = gate if gated else q  # unread without GATED
-    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, *kv_scales, gate_t)
+    meta = (req_to_token, req_slots, cu_seqlens_q, seq_lens, *kv_scales, gate_t, scale * _LOG2E)
     if max_q_len > 16 and q.is_cuda and num_splits in (None, 1):
 
         def grid(cfg):
@@ -704,8 +634,6 @@ def paged_attention_triton(
             out,
             out,
             *meta,
-            gate_t,  # no arrival counters: one program per block of rows
-            scale * _LOG2E,
             *strides,
             0,
             0,
@@ -744,16 +672,11 @@ def paged_attention_triton(
         part_o = part_lse = out  # unused
         part_strides = (0, 0, 0, 0)
     grid = (batch, num_q_blocks, num_kv_heads * num_splits)
-    arrivals = None
-    if num_splits > 1 and MERGE_IN_KERNEL:
-        arrivals = arrival_counters(q.device, batch * num_q_blocks * num_kv_heads)
     _paged_attention_kernel[grid](
         *tensors,
         part_o,
         part_lse,
         *meta,
-        arrivals if arrivals is not None else gate_t,
-        scale * _LOG2E,
         *strides,
         *part_strides,
         0,
@@ -761,13 +684,12 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         GATED=gated,
-        MERGE=arrivals is not None,
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl(q),
     )
-    if num_splits > 1 and arrivals is None:
+    if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_o,
             part_lse,

@@ -113,26 +113,3 @@ def gemv_pdl(w: torch.Tensor) -> dict:
     """PDL launch options of a GEMV over weight w (GEMV_PDL; none off the GPU)."""
     options = pdl(w) if GEMV_PDL != "off" else {}
     return options | {"RELEASE": True} if options and GEMV_PDL == "full" else options
-
-
-# Arrival counters for kernels whose programs split one group's work (the KV splits of a head) and
-# whose last program to arrive finishes it (merges the splits' partial outputs): each program
-# adds one after its stores, the one that sees `programs - 1` does the rest and puts the counter
-# back to zero, so the zeroed buffer serves every launch and CUDA-graph replay without a memset.
-# One buffer per device, shared: kernels on one stream run one after another (a PDL kernel waits
-# for the previous one before its first access), which is how the model runs.
-ARRIVAL_COUNTERS = 1 << 17
-_arrivals: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed int32 counters, or None where `needed` exceeds them or they would first
-    be allocated inside a CUDA-graph capture (the caller then runs its unfused route)."""
-    counters = _arrivals.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _arrivals[device] = torch.zeros(
-            ARRIVAL_COUNTERS, dtype=torch.int32, device=device
-        )
-    return counters if needed <= counters.numel() else None

@@ -38,7 +38,6 @@ from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers import gdn as gdn_layer
 from appliance.models.layers.moe import SparseMoE
-from appliance_kernels import attention as attention_kernels
 from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
@@ -313,7 +312,6 @@ def kernel_switches() -> tuple:
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
         gdn_layer.FUSE_CONV,
-        attention_kernels.MERGE_IN_KERNEL,
     )
 
 
@@ -408,15 +406,6 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
         "graphs are captured again for each",
     )
-    ap.add_argument(
-        "--attn-merge",
-        nargs="+",
-        default=["served"],
-        choices=["served", "kernel", "last"],
-        help="split-KV decode attention: the partials merged by their own kernel, by the last "
-        "split program to finish (appliance_kernels.attention.MERGE_IN_KERNEL) or as served; the "
-        "decode graphs are captured again for each",
-    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -442,8 +431,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    served_merge = attention_kernels.MERGE_IN_KERNEL
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, merge, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -451,7 +439,6 @@ def main() -> None:
         args.moe_pairs,
         args.fp8_gemv_tile,
         args.gemv_conv,
-        args.attn_merge,
         args.graphs,
     ):
         before = kernel_switches()
@@ -463,7 +450,6 @@ def main() -> None:
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
-        attention_kernels.MERGE_IN_KERNEL = served_merge if merge == "served" else merge == "last"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -484,8 +470,6 @@ def main() -> None:
             print(f"fp8 GEMV tile {tile}")
         if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
             print(f"GDN conv in the GEMV {conv}")
-        if len(args.attn_merge) > 1 and graphs == args.graphs[0]:
-            print(f"attention splits merged by {merge}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -511,7 +495,6 @@ def main() -> None:
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
                     r["gemv_conv"] = conv
-                    r["attn_merge"] = merge
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -10,7 +10,6 @@ from kernel_cases import DEVICE, generator, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
 import appliance_kernels.attention as attn
-from appliance_kernels import triton_utils
 from appliance_kernels.attention import (
     KVScales,
     paged_attention,
@@ -86,35 +85,6 @@ def test_split_kv_gives_same_result(num_splits):
     expected = paged_attention_ref(*args, 0.2)
     got = paged_attention_triton(*args, 0.2, max_q_len=2, num_splits=num_splits)
     assert_close(got, expected, torch.float32, name=f"splits={num_splits}")
-
-
-def merge_in_kernel(monkeypatch) -> None:
-    """The split-KV kernel's last program merges (attention.MERGE_IN_KERNEL); the merge kernel
-    must not launch."""
-    monkeypatch.setattr(attn, "MERGE_IN_KERNEL", True)
-    monkeypatch.setattr(attn, "_merge_splits_kernel", None)
-
-
-def arrivals_clear(device: torch.device) -> bool:
-    counters = triton_utils._arrivals.get(device)
-    return counters is not None and not counters.any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [2, 8])
-def test_the_last_split_program_merges(monkeypatch, dtype, splits):
-    """MERGE_IN_KERNEL: decode and verify rows over contexts that leave some splits without keys,
-    with the output gate, twice over the same arrival counters: the reference's output, no merge
-    launch, the counters back at zero."""
-    merge_in_kernel(monkeypatch)
-    args = make_batch([1, 3, 1], [300, 90, 7], 4, 2, 32, dtype, seed=41)
-    gate = gate_view(args[0], seed=42)
-    expected = paged_attention_ref(*args, 0.2, gate=gate)
-    for _ in range(2):
-        out = poison(torch.empty(args[0].shape, dtype=dtype, device=DEVICE))
-        got = paged_attention_triton(*args, 0.2, max_q_len=3, num_splits=splits, gate=gate, out=out)
-        assert_close(got, expected, dtype, factor=ACCUMULATING, name=f"splits={splits}")
-    assert arrivals_clear(got.device)
 
 
 def gate_view(q: torch.Tensor, seed: int) -> torch.Tensor:
@@ -195,25 +165,6 @@ def test_full_size_qwen35_27b(q_lens, seq_lens, dtype):
 
 
 @gpu
-@pytest.mark.parametrize(
-    "q_lens,seq_lens",
-    [([1], [264]), ([1], [32768]), ([1] * 16, [8192] * 16), ([4] * 16, [2048] * 16)],
-    ids=["decode1x264", "decode1x32k", "decode16x8k", "verify16"],
-)
-def test_full_size_merge_by_the_last_split_program(monkeypatch, q_lens, seq_lens):
-    """The arrival order on the GPU (27B heads, the heuristic's splits, gated): the reference's
-    output three launches in a row, the counters back at zero."""
-    merge_in_kernel(monkeypatch)
-    args = make_batch(q_lens, seq_lens, 24, 4, 256, torch.bfloat16, seed=15)
-    gate = gate_view(args[0], seed=16)
-    expected = paged_attention_ref(*args, 256**-0.5, gate=gate)
-    for _ in range(3):
-        got = paged_attention_triton(*args, 256**-0.5, max_q_len=max(q_lens), gate=gate)
-        assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="merged")
-    assert arrivals_clear(got.device)
-
-
-@gpu
 @pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="optional flashinfer not installed"
 )
@@ -283,10 +234,7 @@ def test_fp8_kv_decode_tile_override(tile, monkeypatch):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name=f"fp8 tile {tile}")
 
 
-@pytest.mark.parametrize("merge", ["kernel", "last program"])
-def test_fp8_kv_split_kv_applies_v_scale_before_the_merge(monkeypatch, merge):
-    if merge != "kernel":
-        merge_in_kernel(monkeypatch)
+def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
     base = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=8)
     args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.float32)
     expected = paged_attention_ref(*args, 0.2, k_scale, v_scale)
