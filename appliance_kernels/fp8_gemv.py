@@ -68,13 +68,11 @@ def fp8_gemv_ref(
 
 
 @jit
-def _w_tile(w_rows, k, n_ok, k_size, EVEN: tl.constexpr, EVICT: tl.constexpr = ""):
-    """A [BLOCK_N, BLOCK_K] weight tile at columns k (masked unless EVEN); EVICT: the L2
-    eviction hint of the loads (WEIGHT_EVICT)."""
+def _w_tile(w_rows, k, n_ok, k_size, EVEN: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight tile at columns k (masked unless EVEN)."""
     if EVEN:
-        return tl.load(w_rows + k[None, :], eviction_policy=EVICT)
-    mask = n_ok[:, None] & (k < k_size)[None, :]
-    return tl.load(w_rows + k[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
+        return tl.load(w_rows + k[None, :])
+    return tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < k_size)[None, :], other=0.0)
 
 
 @jit
@@ -176,7 +174,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
     CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
-    EVICT: tl.constexpr = "",  # the weight loads' L2 eviction hint (WEIGHT_EVICT)
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -199,7 +196,7 @@ def _gemv_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
-        w = _w_tile(w_rows, k, n_ok, k_size, EVEN, EVICT)
+        w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
     if SCALED:
@@ -287,9 +284,6 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
 # The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
 # gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
-# The one-row GEMV's weight loads' L2 eviction hint ("" or "evict_first": each weight byte is read
-# once a step, so it need not stay in L2). Not yet timed (bench_static.py --gemv-evict).
-WEIGHT_EVICT = ""
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
@@ -474,7 +468,6 @@ def fp8_gemv(
         *conv_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
-        EVICT=WEIGHT_EVICT,
         **conv_consts,
         **common,
     )

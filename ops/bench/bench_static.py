@@ -312,7 +312,6 @@ def kernel_switches() -> tuple:
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
         gdn_layer.FUSE_CONV,
-        fp8_gemv.WEIGHT_EVICT,
     )
 
 
@@ -407,14 +406,6 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
         "graphs are captured again for each",
     )
-    ap.add_argument(
-        "--gemv-evict",
-        nargs="+",
-        default=["served"],
-        choices=["served", "none", "evict_first"],
-        help="the one-row GEMV's weight loads' L2 eviction hint (fp8_gemv.WEIGHT_EVICT); the "
-        "decode graphs are captured again for each",
-    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
@@ -440,8 +431,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    served_evict = fp8_gemv.WEIGHT_EVICT
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, evict, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -449,7 +439,6 @@ def main() -> None:
         args.moe_pairs,
         args.fp8_gemv_tile,
         args.gemv_conv,
-        args.gemv_evict,
         args.graphs,
     ):
         before = kernel_switches()
@@ -461,7 +450,6 @@ def main() -> None:
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
-        fp8_gemv.WEIGHT_EVICT = {"served": served_evict, "none": ""}.get(evict, evict)
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -482,8 +470,6 @@ def main() -> None:
             print(f"fp8 GEMV tile {tile}")
         if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
             print(f"GDN conv in the GEMV {conv}")
-        if len(args.gemv_evict) > 1 and graphs == args.graphs[0]:
-            print(f"GEMV weight eviction hint {evict}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -509,7 +495,6 @@ def main() -> None:
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
                     r["gemv_conv"] = conv
-                    r["gemv_evict"] = evict
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
