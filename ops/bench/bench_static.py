@@ -5,9 +5,9 @@ a real config.
 Prints, per batch size: plain decode step, verify step (k+1 rows per request), draft pass (extend +
 k-step chain), with MTP's fused device step on and off (host acceptance), the ratios verify/plain
 and draft/plain and the ITL implied at the published accept lengths, plus the HBM floor of a plain
-decode step measured in the same run: (weight bytes + KV bytes read + GDN state bytes read and
-written) / the device-to-device copy bandwidth measured here, so the plain step is read against
-physics.
+decode step measured in the same run: (the weight bytes it reads — the input embedding table only
+as the batch's rows — + KV bytes read + GDN state bytes read and written) / the device-to-device
+copy bandwidth measured here, so the plain step is read against physics.
   python ops/bench/bench_static.py --config ops/bench/configs/qwen3_5_27b.json --batch 1 16 64
 `--kv-cache-dtype fp8_e4m3` runs the same steps over fp8 KV pools (the floor counts their bytes).
 """
@@ -37,6 +37,7 @@ from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
 from appliance.models.layers import gdn as gdn_layer
+from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.moe import SparseMoE
 from appliance_kernels import (
     fp8_gemv,
@@ -157,11 +158,16 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 
 
 def active_weight_bytes(model: torch.nn.Module, batch: int) -> float:
-    """Weight bytes a decode step of `batch` tokens reads: everything but the routed experts, plus
-    the experts the batch is expected to touch (E * (1 - (1 - k/E)^batch) per MoE layer, uniform
-    routing as with dummy weights)."""
+    """Weight bytes a decode step of `batch` tokens reads: everything but the routed experts and
+    the input embedding table, plus the experts the batch is expected to touch (E * (1 - (1 -
+    k/E)^batch) per MoE layer, uniform routing as with dummy weights) and the batch's embedding
+    rows. A table tied to the LM head is read whole (as the head)."""
     total = float(weight_bytes(model))
+    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, LMHead)}
     for m in model.modules():
+        if isinstance(m, VocabEmbedding) and m.weight.data_ptr() not in heads:
+            rows, row_bytes = m.weight.shape[0], m.weight.shape[1] * m.weight.element_size()
+            total -= (rows - min(batch, rows)) * row_bytes
         if isinstance(m, SparseMoE):
             experts = sum(p.numel() * p.element_size() for p in (m.w_gate_up, m.w_down))
             touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** batch)
