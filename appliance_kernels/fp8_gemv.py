@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from appliance_kernels.gemv_rows import gemv_rows, rows_wins, store_rows
-from appliance_kernels.l2_prefetch import prefetch_args, prefetch_rows
 from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
@@ -166,9 +165,6 @@ def _gemv_kernel(
     conv_c,
     stride_cs,
     stride_cc,
-    pf_programs,  # PF > 0: these first programs ask L2 for their rows first (l2_prefetch)
-    pf_row_bytes,
-    pf_stride_bytes,
     SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -178,8 +174,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
     CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
-    PF: tl.constexpr = 0,
-    PF_LINES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -198,7 +192,6 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    prefetch_rows(w_ptr, rn, n_ok, pid, pf_programs, pf_row_bytes, pf_stride_bytes, PF, PF_LINES)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -462,7 +455,6 @@ def fp8_gemv(
         )
         return out
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    pf_args, pf_consts = prefetch_args(w_q, block_n, -(-n // block_n), common)
     _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
@@ -474,11 +466,9 @@ def fp8_gemv(
         w_q.stride(0),
         *tail_args,
         *conv_args,
-        *pf_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
         **conv_consts,
-        **pf_consts,
         **common,
     )
     return out
@@ -520,9 +510,6 @@ def _gemv_block_kernel(
     conv_c,
     stride_cs,
     stride_cc,
-    pf_programs,  # PF > 0: these first programs ask L2 for their rows first (l2_prefetch)
-    pf_row_bytes,
-    pf_stride_bytes,
     SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
     SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
     HAS_BIAS: tl.constexpr,
@@ -532,8 +519,6 @@ def _gemv_block_kernel(
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
     CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
-    PF: tl.constexpr = 0,
-    PF_LINES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -557,7 +542,6 @@ def _gemv_block_kernel(
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
-    prefetch_rows(w_ptr, rn, n_ok, pid, pf_programs, pf_row_bytes, pf_stride_bytes, PF, PF_LINES)
     pdl_wait(PDL)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
@@ -604,8 +588,6 @@ def fp8_gemv_block(
         raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     s = scale.float().contiguous()
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    launch = gemv_pdl(w_q)
-    pf_args, pf_consts = prefetch_args(w_q, block_n, -(-n // block_n), launch)
     _gemv_block_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
@@ -618,7 +600,6 @@ def fp8_gemv_block(
         s.stride(0),
         *tail_args,
         *conv_args,
-        *pf_args,
         SCALE_N=bn,
         SCALE_K=bk,
         HAS_BIAS=bias is not None,
@@ -628,8 +609,7 @@ def fp8_gemv_block(
         BLOCK_K=block_k,
         TAIL=tail is not None,
         **conv_consts,
-        **pf_consts,
         num_warps=cfg["num_warps"],
-        **launch,
+        **gemv_pdl(w_q),
     )
     return out

@@ -39,14 +39,7 @@ from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, Step
 from appliance.models.layers import gdn as gdn_layer
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.moe import SparseMoE
-from appliance_kernels import (
-    fp8_gemv,
-    gemv_rows,
-    gemv_swiglu,
-    l2_prefetch,
-    moe_gemv,
-    triton_utils,
-)
+from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -325,7 +318,6 @@ def kernel_switches() -> tuple:
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
         gdn_layer.FUSE_CONV,
-        l2_prefetch.GEMV_PREFETCH,
     )
 
 
@@ -420,18 +412,8 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
         "graphs are captured again for each",
     )
-    ap.add_argument(
-        "--gemv-prefetch",
-        nargs="+",
-        default=[l2_prefetch.GEMV_PREFETCH],
-        help="one-row GEMVs under PDL: their first programs ask L2 for their weight rows while "
-        "the previous kernel runs (appliance_kernels/l2_prefetch.py): off, line:MiB or bulk:MiB; "
-        "the decode graphs are captured again for each",
-    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    for spec in args.gemv_prefetch:
-        l2_prefetch.parse(spec)
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
     runner = build_runner(
         args.config,
@@ -455,7 +437,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, prefetch, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -463,7 +445,6 @@ def main() -> None:
         args.moe_pairs,
         args.fp8_gemv_tile,
         args.gemv_conv,
-        args.gemv_prefetch,
         args.graphs,
     ):
         before = kernel_switches()
@@ -475,7 +456,6 @@ def main() -> None:
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
-        l2_prefetch.GEMV_PREFETCH = prefetch
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -496,8 +476,6 @@ def main() -> None:
             print(f"fp8 GEMV tile {tile}")
         if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
             print(f"GDN conv in the GEMV {conv}")
-        if len(args.gemv_prefetch) > 1 and graphs == args.graphs[0]:
-            print(f"GEMV weight prefetch {prefetch}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -523,7 +501,6 @@ def main() -> None:
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
                     r["gemv_conv"] = conv
-                    r["gemv_prefetch"] = prefetch
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -25,7 +25,6 @@ EARLY_CALLS = {
     "to",
     "reshape",
     "cdiv",
-    "prefetch_rows",  # an L2 prefetch of the GEMV's weight: a constant input, no data moved
 }
 
 
