@@ -3,8 +3,7 @@
 timed inside a CUDA graph of 40 launches over weight copies larger than L2, with programmatic
 dependent launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md)
 also timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
-loaded before the PDL wait: slower or no faster, so they were removed. Run BZ timed a persistent
-form (one pipelined loop over each program's row blocks and K steps).
+loaded before the PDL wait: slower or no faster, so they were removed.
 
   python3 ops/gpu/gemv_probe.py [--shapes ...] [--pdl off on]
 """
@@ -26,7 +25,6 @@ from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
 from appliance_kernels import fp8  # noqa: E402
 from appliance_kernels import triton_utils as tu  # noqa: E402
 from appliance_kernels.fp8_gemv import fp8_gemv  # noqa: E402
-from appliance_kernels.triton_utils import jit, pdl_wait, tl  # noqa: E402
 
 L2_BYTES = 256 << 20
 
@@ -35,84 +33,13 @@ def stages(x, w_q, s, cfg):
     return fp8_gemv(x, w_q, s, None, cfg)
 
 
-@jit
-def _persistent_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    n_size,
-    k_size,
-    stride_wn,
-    nprog,
-    STAGES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Persistent form: `nprog` programs, each a contiguous run of row blocks, its (block, K step)
-    iterations one pipelined loop, so the K loop's stages stay full across its row blocks (the
-    plain kernel refills them in every program). N % BLOCK_N == 0, K % BLOCK_K == 0."""
-    pid = tl.program_id(0)
-    blocks = n_size // BLOCK_N
-    first = pid * blocks // nprog
-    k_steps = k_size // BLOCK_K
-    total = ((pid + 1) * blocks // nprog - first) * k_steps
-    rb = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for t in tl.range(0, total, num_stages=STAGES):
-        rn = (first + t // k_steps) * BLOCK_N + rb
-        k = (t % k_steps) * BLOCK_K + rk
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + k[None, :])
-        acc += w.to(tl.float32) * tl.load(x_ptr + k).to(tl.float32)[None, :]
-        if t % k_steps == k_steps - 1:
-            out = tl.sum(acc, axis=1) * tl.load(s_ptr + rn)
-            tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty))
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-
-
-def persistent(x, w_q, s, cfg):
-    n, k = w_q.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    nprog = min(n // cfg["block_n"], sms * cfg["per_sm"])
-    _persistent_kernel[(nprog,)](
-        x,
-        w_q,
-        s,
-        out,
-        n,
-        k,
-        w_q.stride(0),
-        nprog,
-        STAGES=cfg["stages"],
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"],
-        **tu.pdl(w_q),
-    )
-    return out
-
-
 def tile(n, k, w, st, **extra):
     return {"block_n": n, "block_k": k, "num_warps": w, "stages": st, **extra}
 
 
-VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (3, 4)] + [
-    ("persist", persistent, tile(n, k, w, st, per_sm=per))
-    for n, k, w, st, per in (
-        (8, 512, 4, 3, 2),
-        (8, 512, 4, 3, 4),
-        (8, 512, 4, 3, 8),
-        (8, 512, 4, 4, 4),
-        (8, 512, 4, 5, 4),
-        (4, 512, 4, 4, 4),
-        (4, 512, 4, 4, 8),
-        (8, 256, 4, 6, 4),
-        (8, 512, 8, 4, 2),
-    )
+VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (2, 3, 4, 5, 6)] + [
+    ("stages", stages, tile(n, k, w, st))
+    for n, k, w, st in ((16, 512, 4, 4), (8, 1024, 4, 4), (4, 512, 4, 5), (8, 256, 4, 8))
 ]
 
 
