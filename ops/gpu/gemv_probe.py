@@ -25,7 +25,6 @@ from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
 from appliance_kernels import fp8  # noqa: E402
 from appliance_kernels import triton_utils as tu  # noqa: E402
 from appliance_kernels.fp8_gemv import fp8_gemv  # noqa: E402
-from appliance_kernels.triton_utils import jit, pdl_wait, tl  # noqa: E402
 
 L2_BYTES = 256 << 20
 
@@ -34,82 +33,13 @@ def stages(x, w_q, s, cfg):
     return fp8_gemv(x, w_q, s, None, cfg)
 
 
-@jit
-def _math_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    out_ptr,
-    k_size,
-    stride_wn,
-    MATH: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """The plain kernel's loads with other arithmetic, to see whether the e4m3 -> fp32 conversion
-    and the fp32 multiply-add bound the fp8 GEMV: MATH 0 as fp8_gemv (e4m3 -> fp32, fp32 FMA);
-    1 e4m3 -> fp16 and an fp16 product widened to fp32; 2 the e4m3 bits moved into an fp32's by
-    integer ops (2^-120 times the value, subnormals included; the sum times 2^120 at the end); 3
-    no floating point at all (the bytes summed as integers: a wrong result, the load-only
-    time)."""
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    pdl_wait(PDL)
-    if MATH == 3:
-        iacc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.int32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
-        k = k0 + rk
-        w = tl.load(w_rows + k[None, :])
-        x = tl.load(x_ptr + k)
-        if MATH == 0:
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        elif MATH == 1:
-            acc += (w.to(tl.float16) * x.to(tl.float16)[None, :]).to(tl.float32)
-        elif MATH == 2:  # e4m3 bits placed in an fp32's: 2^-120 times the value (also subnormal)
-            b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
-            wf = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-            acc += wf * x.to(tl.float32)[None, :]
-        else:
-            iacc += w.to(tl.int8, bitcast=True).to(tl.int32)
-    if MATH == 3:
-        acc = iacc.to(tl.float32)
-    out = tl.sum(acc, axis=1) * tl.load(s_ptr + rn)
-    if MATH == 2:
-        out = out * 1.329227995784916e36  # 2^120
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty))
-
-
-def math_variant(x, w_q, s, cfg):
-    n, k = w_q.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _math_kernel[(n // cfg["block_n"],)](
-        x,
-        w_q,
-        s,
-        out,
-        k,
-        w_q.stride(0),
-        MATH=cfg["math"],
-        STAGES=cfg["stages"],
-        BLOCK_N=cfg["block_n"],
-        BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"],
-        **tu.pdl(w_q),
-    )
-    return out
-
-
 def tile(n, k, w, st, **extra):
     return {"block_n": n, "block_k": k, "num_warps": w, "stages": st, **extra}
 
 
-VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (3, 4)] + [
-    (f"math{m}", math_variant, tile(8, 512, 4, st, math=m)) for m in (0, 1, 2, 3) for st in (3, 4)
+VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (2, 3, 4, 5, 6)] + [
+    ("stages", stages, tile(n, k, w, st))
+    for n, k, w, st in ((16, 512, 4, 4), (8, 1024, 4, 4), (4, 512, 4, 5), (8, 256, 4, 8))
 ]
 
 
