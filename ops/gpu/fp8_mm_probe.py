@@ -44,6 +44,10 @@ def default(m: int, n: int, k: int, block: bool) -> dict[str, int]:
     return fp8._mm_config(m)
 
 
+def _run(a_q, a_s, w_s, extra, cfg, wq):
+    return fp8.launch_fp8_mm(a_q, wq, a_s, w_s, torch.bfloat16, None, cfg, **extra)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=int, nargs="+", default=[16, 64])
@@ -75,9 +79,7 @@ def main() -> None:
                     a_s, extra = a_s.reshape(m).float(), {}
                 a_s, w_s = a_s.float(), w_s.float()
 
-                def run(cfg, wq):
-                    return fp8.launch_fp8_mm(a_q, wq, a_s, w_s, torch.bfloat16, None, cfg, **extra)
-
+                run = partial(_run, a_q, a_s, w_s, extra)
                 ref = run(default(m, n, k, block), w_q).float()
                 results = []
                 cfgs = tiles(m, block)
