@@ -295,13 +295,24 @@ def launch_fp8_mm(
     return out
 
 
-def _mm_config(m: int) -> dict[str, int]:
-    """Block sizes per size class of M, fixed from H200 measurements (docs/benchmarks.md): an
-    autotuned variant picked slower tiles for small M at N = K = 5120 and was dropped."""
+def _mm_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Block sizes per size class of M (and at decode sizes of the weight's shape), fixed from H200
+    measurements (docs/benchmarks.md; an autotuned variant picked slower tiles for small M at
+    N = K = 5120 and was dropped). Decode sizes, ops/gpu/fp8_mm_probe.py at the 27B projections
+    (run CD): up to 16 rows 64 x 256 tiles, 4 stages, except the widest N (gate_up, 34816: 64 x 128,
+    3 stages, 47.1 µs against 51.3); 17-64 rows 64 x 256 tiles, 5 stages where K > 5120 (down 27.6
+    µs against 43.9 for 64 x 128 x 4, out_proj 11.6 against 16.7), 128 x 128 x 3 at the widest N
+    (gate_up 48.9 against 53.1), 64 x 256 x 3 elsewhere (in_proj 24.2 against 25.0)."""
     if m <= 16:
+        if n > 20000:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        if k > 5120:
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if n > 20000:
+            return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=3)
     if m <= 256:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
@@ -322,7 +333,7 @@ def fp8_scaled_mm_triton(
     if b_q.shape[1] != k:
         raise ValueError(f"fp8_scaled_mm: a {a_q.shape} b {b_q.shape}")
     sa, sb = scale_a.float().reshape(-1), scale_b.float().reshape(-1)
-    return launch_fp8_mm(a_q, b_q, sa, sb, out_dtype, bias, _mm_config(m))
+    return launch_fp8_mm(a_q, b_q, sa, sb, out_dtype, bias, _mm_config(m, b_q.shape[0], k))
 
 
 # ------------------------------------------ dispatchers ------------------------------------------

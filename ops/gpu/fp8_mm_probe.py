@@ -40,8 +40,8 @@ def tiles(m: int, block: bool) -> list[dict[str, int]]:
 
 def default(m: int, n: int, k: int, block: bool) -> dict[str, int]:
     if block:
-        return dict(fp8_block._block_mm_config(m), BLOCK_K=128)
-    return fp8._mm_config(m)
+        return dict(fp8_block._block_mm_config(m, n), BLOCK_K=128)
+    return fp8._mm_config(m, n, k)
 
 
 def _run(a_q, a_s, w_s, extra, cfg, wq):
