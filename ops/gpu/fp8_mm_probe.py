@@ -32,7 +32,7 @@ def tiles(m: int, block: bool) -> list[dict[str, int]]:
     out = []
     for bn in (32, 64, 128):
         for bk in (128,) if block else (128, 256):
-            for stages in (3, 4, 5):
+            for stages in (3, 4, 5, 6, 8) if block else (3, 4, 5):
                 out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages))
     out.append(dict(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=128, num_stages=3, num_warps=8))
     return [dict(GROUP_M=1, num_warps=4) | t for t in out]
