@@ -205,6 +205,7 @@ def _fp8_mm_kernel(
     # K loop; True (appliance_kernels/fp8_block.py): the weight's scale per [SCALE_ROWS_N, BLOCK_K]
     # tile and the activation's per row and BLOCK_K group, applied at every K step
     SCALE_ROWS_N: tl.constexpr,  # block_n of the weight's block scales (1 without them)
+    SUB: tl.constexpr = 1,  # block scales: K groups per loop step, their dots issued together
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(m_size, BLOCK_M)
@@ -223,18 +224,31 @@ def _fp8_mm_kernel(
     sa_ptrs = sa_ptr + rm.to(tl.int64) * stride_sam
     sb_ptrs = sb_ptr + (rn // SCALE_ROWS_N).to(tl.int64) * stride_sbn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, tl.cdiv(k_size, BLOCK_K)):
-        k_ok = rk + kb * BLOCK_K < k_size
+    groups = tl.cdiv(k_size, BLOCK_K)
+    for kb in range(0, tl.cdiv(groups, SUB)):
+        k_ok = rk + kb * SUB * BLOCK_K < k_size
         a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if BLOCK_SCALES:
-            sa = tl.load(sa_ptrs + kb, mask=m_ok, other=0.0)
-            sb = tl.load(sb_ptrs + kb, mask=n_ok, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+            g = kb * SUB
+            sa = tl.load(sa_ptrs + g, mask=m_ok, other=0.0)
+            sb = tl.load(sb_ptrs + g, mask=n_ok, other=0.0)
+            if SUB == 2:  # the second group's dot issued before the first is scaled
+                k1_ok = rk + (g + 1) * BLOCK_K < k_size
+                a1 = tl.load(a_ptrs + BLOCK_K, mask=m_ok[:, None] & k1_ok[None, :], other=0.0)
+                b1 = tl.load(b_ptrs + BLOCK_K, mask=n_ok[None, :] & k1_ok[:, None], other=0.0)
+                d0 = tl.dot(a, b)
+                d1 = tl.dot(a1, b1)
+                g1 = tl.minimum(g + 1, groups - 1)  # past the last group d1 is zero
+                sa1 = tl.load(sa_ptrs + g1, mask=m_ok, other=0.0)
+                sb1 = tl.load(sb_ptrs + g1, mask=n_ok, other=0.0)
+                acc += d0 * sa[:, None] * sb[None, :] + d1 * sa1[:, None] * sb1[None, :]
+            else:
+                acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
         else:
             acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+        a_ptrs += SUB * BLOCK_K
+        b_ptrs += SUB * BLOCK_K
     if not BLOCK_SCALES:
         if SA_PER_ROW:
             acc = acc * tl.load(sa_ptr + rm, mask=m_ok, other=0.0)[:, None]
@@ -269,6 +283,8 @@ def launch_fp8_mm(
     if m == 0:
         return out
     block = scale_block_n > 0
+    if cfg.get("SUB", 1) != 1 and not block:
+        raise ValueError(f"fp8 GEMM: SUB {cfg['SUB']} needs block scales")
     grid = (-(-m // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"]),)
     _fp8_mm_kernel[grid](
         a_q,

@@ -30,11 +30,19 @@ L2_BYTES = 256 << 20
 def tiles(m: int, block: bool) -> list[dict[str, int]]:
     bm = max(16, 1 << (m - 1).bit_length())
     out = []
-    for bn in (32, 64, 128):
-        for bk in (128,) if block else (128, 256):
-            for stages in (3, 4, 5, 6, 8) if block else (3, 4, 5):
-                out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages))
-    out.append(dict(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=128, num_stages=3, num_warps=8))
+    if block:  # BLOCK_K is the scales' 128; SUB groups of it per loop step (CF: 6-8 stages no help)
+        for bn in (32, 64, 128):
+            for stages in (3, 4, 5):
+                for sub in (1, 2):
+                    out.append(
+                        dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_stages=stages, SUB=sub)
+                    )
+    else:
+        for bn in (32, 64, 128):
+            for bk in (128, 256):
+                for stages in (3, 4, 5):
+                    out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages))
+        out.append(dict(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=128, num_stages=3, num_warps=8))
     return [dict(GROUP_M=1, num_warps=4) | t for t in out]
 
 
@@ -102,9 +110,10 @@ def main() -> None:
                 )
                 for us, cfg, err in results[: args.show]:
                     tile = (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"], cfg["num_warps"])
+                    tile += (cfg.get("SUB", 1),)
                     print(
                         f"   {us:6.1f} us {us / floor:5.2f}x {n * k / us / 1e3:5.0f} GB/s "
-                        f"BN,BK,stages,warps {tile} max|diff| {err:.1e}"
+                        f"BN,BK,stages,warps,SUB {tile} max|diff| {err:.1e}"
                     )
             del copies
             torch.cuda.empty_cache()

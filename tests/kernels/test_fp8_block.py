@@ -94,3 +94,20 @@ def test_block_linear_close_to_full_precision_linear():
     y = fp8_block_linear(x, w_q.to(DEVICE), w_s.to(DEVICE), (32, 128))
     assert y.dtype == torch.bfloat16 and y.shape == (5, 96)
     assert rel_error(y, x.float() @ w.t()) < FP8_REL_ERROR
+
+
+@pytest.mark.parametrize("m,n,k,block", [(5, 40, 300, (32, 64)), (17, 130, 384, (128, 128))])
+def test_two_scale_groups_per_step_give_the_same_product(m, n, k, block):
+    """SUB = 2 (two K groups' dots issued before either is scaled), odd group counts included."""
+    from appliance_kernels.fp8 import launch_fp8_mm
+
+    a_q, sa, b_q, sb = operands(m, n, k, block, seed=3)
+    expected = fp8_block_mm_ref(a_q, sa, b_q, sb, block, torch.float32)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block[1], GROUP_M=1, num_warps=4, num_stages=2)
+    args = (a_q, b_q, sa.float(), sb.float(), torch.float32, None)
+    for sub in (1, 2):
+        got = launch_fp8_mm(*args, dict(cfg, SUB=sub), scale_block_n=block[0])
+        atol, rtol = FP8_GEMM_TOLERANCE
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="SUB 2 needs block scales"):
+        launch_fp8_mm(*args, dict(cfg, SUB=2))
