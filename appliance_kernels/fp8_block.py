@@ -110,20 +110,25 @@ def per_token_group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Ten
     return q, scale
 
 
-def _block_mm_config(m: int, n: int) -> dict[str, int]:
+def _block_mm_config(m: int, n: int, k: int) -> dict[str, int]:
     """Tiles (BLOCK_K is the scales' block_k) from ops/gpu/fp8_mm_probe.py at the 27B projections on
-    the H200 (run CD, µs against the 4-stage tiles before): up to 16 rows 5 stages (in_proj 25.5 /
-    25.7, qkv 23.6 / 24.1), 32 columns at N <= 8192 (out_proj 19.0 / 20.0), 3 stages at the widest N
-    (gate_up 48.5 / 49.2); 17-64 rows 5 stages (in_proj 28.0 / 28.4, qkv 26.0 / 26.7) but 4 at the
-    widest N (gate_up: 59.9, against 66.1 with 3 and 69.7 with 5)."""
+    the H200 (runs CD, CF, CG; µs against the 4-stage, one-group tiles before). The kernel waits for
+    each group's dot before scaling it, so two groups a loop step (SUB = 2, their dots issued
+    together) pay except at the widest N: 64 rows in_proj 25.7 / 27.9, out_proj 18.0 / 20.7, qkv
+    24.2 / 25.9, down 45.3 / 55.9 (gate_up 59.3 with one group, 4 stages); 16 rows in_proj 24.5 /
+    25.7, qkv 22.8 / 23.5, out_proj 17.9 / 18.7 (32 columns), gate_up 48.3 (one group, 3 stages).
+    More stages (6, 8) changed nothing (CF)."""
     if m <= 16:
-        stages = 3 if n > 20000 else 5
-        return dict(
-            BLOCK_M=16, BLOCK_N=32 if n <= 8192 else 64, GROUP_M=1, num_warps=4, num_stages=stages
-        )
+        if n > 20000:
+            return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3)
+        if n <= 8192:
+            return dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4, SUB=2)
+        return dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3, SUB=2)
     if m <= 64:
-        stages = 4 if n > 20000 else 5
-        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=stages)
+        if n > 20000:
+            return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4)
+        stages = 4 if k > 5120 else 3
+        return dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=stages, SUB=2)
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
@@ -147,7 +152,7 @@ def fp8_block_mm_triton(
             f"fp8_block_mm: a {tuple(a_q.shape)} scale {tuple(a_scale.shape)} (want {want_a}), "
             f"b {tuple(b_q.shape)} scale {tuple(b_scale.shape)} (want {want_b}), block {block}"
         )
-    cfg = dict(_block_mm_config(m, n), BLOCK_K=block_k)
+    cfg = dict(_block_mm_config(m, n, k), BLOCK_K=block_k)
     return launch_fp8_mm(
         a_q, b_q, a_scale.float(), b_scale.float(), out_dtype, bias, cfg, scale_block_n=block_n
     )

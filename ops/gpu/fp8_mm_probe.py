@@ -48,7 +48,7 @@ def tiles(m: int, block: bool) -> list[dict[str, int]]:
 
 def default(m: int, n: int, k: int, block: bool) -> dict[str, int]:
     if block:
-        return dict(fp8_block._block_mm_config(m, n), BLOCK_K=128)
+        return dict(fp8_block._block_mm_config(m, n, k), BLOCK_K=128)
     return fp8._mm_config(m, n, k)
 
 
