@@ -111,3 +111,21 @@ def test_two_scale_groups_per_step_give_the_same_product(m, n, k, block):
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
     with pytest.raises(ValueError, match="SUB 2 needs block scales"):
         launch_fp8_mm(*args, dict(cfg, SUB=2))
+
+
+SHAPES_27B_35B = [(16384, 5120), (5120, 6144), (14336, 5120), (34816, 5120), (5120, 17408)]
+SHAPES_27B_35B += [(8192, 2048), (2048, 4096), (9216, 2048), (248320, 5120)]
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, 17, 32, 64, 65, 256, 2048])
+def test_decode_tiles_fit_the_h200_shared_memory(m):
+    """The per-shape tiles (fp8._mm_config, fp8_block._block_mm_config) stage A and B tiles of
+    every group a step in shared memory: within the H200's 227 KiB per block at every 27B /
+    35B-A3B projection (the sweep's out-of-resource tiles were 240 KiB)."""
+    from appliance_kernels.fp8 import _mm_config
+    from appliance_kernels.fp8_block import _block_mm_config
+
+    for n, k in SHAPES_27B_35B:
+        for cfg in (_mm_config(m, n, k), dict(_block_mm_config(m, n, k), BLOCK_K=128)):
+            stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * cfg.get("SUB", 1)
+            assert stage * cfg["num_stages"] <= 227 * 1024, (m, n, k, cfg)
