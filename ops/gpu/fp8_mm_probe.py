@@ -84,14 +84,12 @@ def main() -> None:
                     extra = {"scale_block_n": 128}
                 else:
                     a_q, a_s = fp8.per_token_quant_ref(x)
-                    a_s, extra = a_s.reshape(m).float(), {}
-                a_s, w_s = a_s.float(), w_s.float()
-
-                run = partial(_run, a_q, a_s, w_s, extra)
-                ref = run(default(m, n, k, block), w_q).float()
+                    a_s, extra = a_s.reshape(m), {}
+                run = partial(_run, a_q, a_s.float(), w_s.float(), extra)
+                base = default(m, n, k, block)
+                ref = run(base, w_q).float()
                 results = []
                 cfgs = tiles(m, block)
-                base = default(m, n, k, block)
                 if base not in cfgs:
                     cfgs.append(base)
                 for cfg in cfgs:
