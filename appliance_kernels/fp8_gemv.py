@@ -305,9 +305,13 @@ def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
 
 
 def block_gemv_config(n: int, k: int) -> dict[str, int]:
-    """Block scales: 16 x 512 tiles where there are enough programs to fill the GPU (N >= 8192),
-    8 x 512 below (runs AF, AG: 16 at N = 14336-34816, 8 at N = 5120)."""
-    return {"block_n": 16 if n >= 8192 else 8, "block_k": 512, "num_warps": 4, "stages": 3}
+    """Block scales (`ops/gpu/gemv_probe.py --block`, run CI, µs with PDL against the 16 x 512 x 3
+    tiles before): 32 x 256 tiles where there are enough programs to fill the GPU (N >= 8192;
+    in_proj 21.9 / 25.0, qkv 19.9 / 22.0 with 4 stages, gate_up 45.6 / 48.9 with 5), 8 x 512 with
+    4 stages below (down 27.1 / 28.0, out_proj 11.5 / 11.7)."""
+    if n >= 8192:
+        return {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5 if n > 20000 else 4}
+    return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 4}
 
 
 def block_gemv_fits(block: tuple[int, int], n: int, k: int) -> bool:
