@@ -547,14 +547,16 @@ def _merge_splits_kernel(
 # Run BF: widening V to fp16 before it is staged in shared memory (ldmatrix.trans instead of byte
 # loads for the PV dot) was slower at every tile (1.00x at (64, 3, 4)); flashinfer's fp8 decode
 # reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here (batch 64, batch 16 at 32k).
-ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4)}
+# fp8_split_factor: split_factor over an fp8 cache (a program's tile takes half the time there).
+ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4), "fp8_split_factor": 1}
 
 
-def _attention_splits(num_programs: int, max_q_len: int, device: torch.device) -> int:
-    """Split the KV only for short query blocks (decode, verify) that leave SMs idle."""
-    if max_q_len > 16 or num_programs >= num_sms(device):
+def _attention_splits(num_programs: int, max_q_len: int, device: torch.device, fp8: bool) -> int:
+    """Split the KV only for short query blocks (decode, verify) that leave SMs idle: until there
+    are split_factor programs per SM."""
+    wanted = ATTN_TUNING["fp8_split_factor" if fp8 else "split_factor"] * num_sms(device)
+    if max_q_len > 16 or num_programs >= wanted:
         return 1
-    wanted = ATTN_TUNING["split_factor"] * num_sms(device)
     return min(next_pow2(-(-wanted // num_programs)), 32)
 
 
@@ -652,7 +654,8 @@ def paged_attention_triton(
         block_m = max(block_m, min(ATTN_TUNING["max_block_m"], next_pow2(max_q_len * group)))
     num_q_blocks = -(-max_q_len // (block_m // group))
     if num_splits is None:
-        num_splits = _attention_splits(batch * num_q_blocks * num_kv_heads, max_q_len, q.device)
+        programs = batch * num_q_blocks * num_kv_heads
+        num_splits = _attention_splits(programs, max_q_len, q.device, fp8)
     if num_splits & (num_splits - 1):
         raise ValueError(f"paged_attention: num_splits {num_splits} must be a power of two")
     block_n = 64 if block_m >= 64 or block_d > 128 else 128

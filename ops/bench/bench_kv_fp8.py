@@ -164,6 +164,7 @@ FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an f
     (32, 3, 2),
     (128, 3, 8),
 ]
+FP8_SPLIT_FACTORS = (2, 4)  # ATTN_TUNING["fp8_split_factor"] also timed at the default tile
 
 
 _SEEN_KERNELS: set = set()
@@ -205,14 +206,23 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
     fp8_bytes = case.batch * case.context * hkv * dim * 2
     bf16_us = time_us(call["triton/bf16"], device, reps)
     timed, default = [], attn.ATTN_TUNING["fp8_tile"]
-    for tile in FP8_TILES:
-        attn.ATTN_TUNING["fp8_tile"] = tile
+    factor = attn.ATTN_TUNING["fp8_split_factor"]
+    variants = [(tile, factor) for tile in FP8_TILES]
+    variants += [(default, f) for f in FP8_SPLIT_FACTORS if f != factor]
+    for tile, f in variants:
+        attn.ATTN_TUNING["fp8_tile"], attn.ATTN_TUNING["fp8_split_factor"] = tile, f
+        name = f"{tile}" + (f" split x{f}" if f != factor else "")
         try:
             us = time_us(call["triton/fp8"], device, reps)
-            timed.append(f"{tile}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
+            timed.append(f"{name}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
         except Exception as exc:  # a tile Triton cannot build here: named, skipped
-            timed.append(f"{tile}: {type(exc).__name__}")
-    attn.ATTN_TUNING["fp8_tile"] = default
+            timed.append(f"{name}: {type(exc).__name__}")
+    attn.ATTN_TUNING["fp8_tile"], attn.ATTN_TUNING["fp8_split_factor"] = default, factor
+    bf16_factor = attn.ATTN_TUNING["split_factor"]
+    for f in FP8_SPLIT_FACTORS:  # the bf16 decode split further too: the fair comparison
+        attn.ATTN_TUNING["split_factor"] = f
+        timed.append(f"bf16 split x{f}: {time_us(call['triton/bf16'], device, reps):.1f} µs")
+    attn.ATTN_TUNING["split_factor"] = bf16_factor
     print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "

@@ -4,9 +4,10 @@ timed inside a CUDA graph of 40 launches over weight copies larger than L2, with
 dependent launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md)
 also timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
 loaded before the PDL wait: slower or no faster, so they were removed. `--block`: the block-scaled
-GEMV's (fp8_gemv_block) tiles and stages (run CI).
+GEMV's (fp8_gemv_block) tiles and stages (run CI); `--kind bf16`: a 16-bit weight's; `--tail 96`:
+the GDN in_proj with the b / a rows its launch also reads.
 
-  python3 ops/gpu/gemv_probe.py [--shapes ...] [--pdl off on]
+  python3 ops/gpu/gemv_probe.py [--kind channel|block|bf16] [--tail 96] [--shapes ...] [--pdl on]
 """
 
 from __future__ import annotations
@@ -26,32 +27,43 @@ from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
 from appliance_kernels import fp8  # noqa: E402
 from appliance_kernels import triton_utils as tu  # noqa: E402
 from appliance_kernels.fp8_block import quantize_block_ref  # noqa: E402
-from appliance_kernels.fp8_gemv import block_gemv_config, fp8_gemv, fp8_gemv_block  # noqa: E402
+from appliance_kernels.fp8_gemv import (  # noqa: E402
+    bf16_gemv_config,
+    block_gemv_config,
+    fp8_gemv,
+    fp8_gemv_block,
+    gemv_config,
+)
 
 L2_BYTES = 256 << 20
 
 
-def stages(x, w_q, s, cfg):
-    return fp8_gemv(x, w_q, s, None, cfg)
+def channel(x, w_q, s, cfg, tail=None):
+    return fp8_gemv(x, w_q, s, None, cfg, tail)
 
 
-def tile(n, k, w, st, **extra):
-    return {"block_n": n, "block_k": k, "num_warps": w, "stages": st, **extra}
+def block(x, w_q, s, cfg, tail=None):
+    return fp8_gemv_block(x, w_q, s, (128, 128), None, cfg, tail)
 
 
-VARIANTS = [("stages", stages, tile(8, 512, 4, st)) for st in (2, 3, 4, 5, 6)] + [
-    ("stages", stages, tile(n, k, w, st))
-    for n, k, w, st in ((16, 512, 4, 4), (8, 1024, 4, 4), (4, 512, 4, 5), (8, 256, 4, 8))
-]
+def tile(n, k, w, st):
+    return {"block_n": n, "block_k": k, "num_warps": w, "stages": st}
 
 
-def block(x, w_q, s, cfg):
-    return fp8_gemv_block(x, w_q, s, (128, 128), None, cfg)
+GRID = [tile(n, k, 4, st) for n in (8, 16, 32) for k in (256, 512) for st in (3, 4, 5)]
+DEFAULTS = {"channel": gemv_config, "block": block_gemv_config, "bf16": bf16_gemv_config}
+TAIL_SHAPE = "gdn in_proj qkvz"  # the GDN layer's bf16 b / a rows ride on this GEMV (`tail`)
 
 
-BLOCK_VARIANTS = [
-    ("block", block, tile(n, k, 4, st)) for n in (8, 16, 32) for k in (256, 512) for st in (3, 4, 5)
-]
+def weights(kind: str, n: int, k: int):
+    """The weight in `kind`'s layout, its scales (None for bf16) and the GEMV that reads it."""
+    w = torch.randn(n, k, device="cuda") * 0.05
+    if kind == "block":
+        return *quantize_block_ref(w, (128, 128)), block
+    if kind == "bf16":
+        return w.to(torch.bfloat16), None, channel
+    w_q, w_s = fp8.per_token_quant_ref(w)
+    return w_q, w_s.reshape(n).float(), channel
 
 
 def main() -> None:
@@ -59,44 +71,52 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--pdl", nargs="+", default=["off", "on"])
     p.add_argument(
-        "--block",
-        action="store_true",
-        help="128 x 128 block scales (fp8_gemv_block, Qwen's -FP8 layout): its tiles and stages",
+        "--kind",
+        default="channel",
+        choices=list(DEFAULTS),
+        help="per-channel fp8 (online fp8, FP8_DYNAMIC), 128 x 128 block fp8 (Qwen's -FP8 "
+        "repos) or a bf16 weight (scale None)",
+    )
+    p.add_argument(
+        "--tail",
+        type=int,
+        default=0,
+        help=f"bf16 rows read by the same launch at {TAIL_SHAPE!r} (27B: 96, the b / a rows)",
     )
     args = p.parse_args()
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {args.kind} weights")
     for name in args.shapes:
         n, k = SHAPES[name]
-        w = torch.randn(n, k, device="cuda") * 0.05
-        if args.block:
-            w_q, w_s = quantize_block_ref(w, (128, 128))
-            variants = BLOCK_VARIANTS + [("default", block, block_gemv_config(n, k))]
-        else:
-            w_q, w_s = fp8.per_token_quant_ref(w)
-            w_s = w_s.reshape(n).float()
-            variants = VARIANTS
-        wq = [w_q.clone() for _ in range(max(2, L2_BYTES // (n * k)))]
+        w_q, w_s, fn = weights(args.kind, n, k)
+        tail = None
+        if args.tail and name == TAIL_SHAPE:
+            tail = torch.randn(args.tail, k, device="cuda", dtype=torch.bfloat16) * 0.05
+        nbytes = w_q.numel() * w_q.element_size() + (tail.numel() * 2 if tail is not None else 0)
+        variants = GRID + [DEFAULTS[args.kind](n, k)]
+        wq = [w_q.clone() for _ in range(max(2, L2_BYTES // nbytes))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        ref = variants[-1][1](x, w_q, w_s, variants[-1][2]).float()
-        floor = n * k / bw * 1e6
+        ref = fn(x, w_q, w_s, variants[-1], tail).float()
+        floor = nbytes / bw * 1e6
         for pdl in args.pdl:
             tu.USE_PDL = pdl == "on"
             results = []
-            for kind, fn, cfg in variants:
+            for i, cfg in enumerate(variants):
+                label = "default" if i == len(variants) - 1 else ""
                 try:
-                    got = fn(x, w_q, w_s, cfg)
+                    got = fn(x, w_q, w_s, cfg, tail)
                     err = (got.float() - ref).abs().max().item() / ref.abs().max().item()
-                    us = graph_time_us([partial(fn, x, q, w_s, cfg) for q in wq])
-                    results.append((us, kind, cfg, err))
+                    us = graph_time_us([partial(fn, x, q, w_s, cfg, tail) for q in wq])
+                    results.append((us, label, cfg, err))
                 except Exception as exc:  # noqa: BLE001 - a variant Triton cannot build: shown
-                    print(f"  {name} {kind} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
+                    print(f"  {name} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
             results.sort(key=lambda r: r[0])
-            print(f"{name:20s} N={n} K={k} pdl={pdl} floor {floor:6.1f} us")
-            for us, kind, cfg, err in results:
+            extra = f" + {args.tail} bf16 tail rows" if tail is not None else ""
+            print(f"{name:20s} N={n} K={k}{extra} pdl={pdl} floor {floor:6.1f} us")
+            for us, label, cfg, err in results:
                 print(
-                    f"   {us:6.1f} us {us / floor:5.2f}x {n * k / us / 1e3:5.0f} GB/s"
-                    f"  {kind:6s} {tuple(cfg.values())} err {err:.1e}"
+                    f"   {us:6.1f} us {us / floor:5.2f}x {nbytes / us / 1e3:5.0f} GB/s"
+                    f"  {tuple(cfg.values())} err {err:.1e} {label}"
                 )
         tu.USE_PDL = False
         del wq
