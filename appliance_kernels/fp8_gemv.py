@@ -287,11 +287,18 @@ GEMV_TILE: dict[str, int] | None = None
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
-    """Tile, warps and K-loop stages: the H200 sweep's best at every 27B projection (8 x 512
-    tiles, 3 stages of the K loop in flight; unpipelined, the same tiles were 10-40 % slower)."""
+    """Tile, warps and K-loop stages (`ops/gpu/gemv_probe.py`, run CJ, µs with PDL against the
+    8 x 512 x 3 tiles before; unpipelined, tiles were 10-40 % slower): 8 x 512 with 5 stages at
+    the widest N (gate_up 44.0 / 45.1), 16 x 512 x 3 at N >= 8192 (the GDN in_proj with its bf16
+    b / a rows 22.8 / 24.7; qkv 20.6 / 20.2, within the spread), 8 x 512 with 4 stages below
+    (down 22.9 / 23.7, out_proj 9.8 / 10.0)."""
     if GEMV_TILE is not None:
         return dict(GEMV_TILE)
-    return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 3}
+    if n > 20000:
+        return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 5}
+    if n >= 8192:
+        return {"block_n": 16, "block_k": 512, "num_warps": 4, "stages": 3}
+    return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 4}
 
 
 def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
