@@ -540,8 +540,9 @@ def _merge_splits_kernel(
 # decode / verify launch knobs, swept by ops/gpu/gdn_probe.py on the H200 (27B heads, kv 4096):
 # split_factor 1 (split the KV until there is about one program per SM) 84.0 us at B=16 decode
 # vs 87.8 / 92.5 / 98.9 at 2 / 4 / 8; B=16 x 4 verify rows 93.5 vs 99.3 at 2
-# fp8_tile: (BLOCK_N, num_stages, num_warps) of decode / verify over an fp8 cache (None: the bf16
-# cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at half the GB/s).
+# fp8_tile: (BLOCK_N, num_stages, num_warps[, maxnreg]) of decode / verify over an fp8 cache
+# (None: the bf16 cache's tiles, which hold half the bytes per stage in e4m3: AD measured that at
+# half the GB/s).
 # Run AG's sweep (bench_kv_fp8.py --sweep, 27B heads): a third stage of 64-key tiles took batch
 # 16-64 at 8k-32k from 2.4-2.5 to 2.8-3.1 TB/s of fp8 bytes (1.21-1.37x bf16 against 1.01-1.15x).
 # Run BF: widening V to fp16 before it is staged in shared memory (ldmatrix.trans instead of byte
@@ -661,8 +662,11 @@ def paged_attention_triton(
     block_n = 64 if block_m >= 64 or block_d > 128 else 128
     num_warps = 8 if block_m * block_d >= 64 * 256 else 4
     num_stages = 2 if block_d >= 256 else 3
+    launch = {}
     if fp8 and ATTN_TUNING["fp8_tile"]:
-        block_n, num_stages, num_warps = ATTN_TUNING["fp8_tile"]
+        block_n, num_stages, num_warps, *maxnreg = ATTN_TUNING["fp8_tile"]
+        if maxnreg:  # a register cap (ptxas .maxnreg): more programs resident per SM
+            launch["maxnreg"] = maxnreg[0]
     if num_splits > 1:
         part_o = torch.empty(
             num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device
@@ -690,6 +694,7 @@ def paged_attention_triton(
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch,
         **pdl(q),
     )
     if num_splits > 1:

@@ -156,13 +156,16 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
     return lines
 
 
-FP8_TILES = [  # (BLOCK_N, num_stages, num_warps) of the Triton decode over an fp8 cache
+FP8_TILES = [  # (BLOCK_N, num_stages, num_warps[, maxnreg]) of the Triton decode over an fp8 cache
     (64, 2, 4),  # the bf16 cache's tiles
     (64, 3, 4),  # the default (run AG)
     (64, 3, 8),
     (32, 4, 4),
     (32, 3, 2),
     (128, 3, 8),
+    (64, 3, 4, 168),  # a register cap: 3 programs per SM instead of 2 (255 registers)
+    (64, 3, 4, 128),  # 4 per SM
+    (32, 3, 4, 168),
 ]
 FP8_SPLIT_FACTORS = (2, 4)  # ATTN_TUNING["fp8_split_factor"] also timed at the default tile
 
