@@ -11,8 +11,11 @@ A weight [N, K] has scales [ceil(N / block_n), ceil(K / block_k)]; an activation
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from appliance_kernels import backends
 from appliance_kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, launch_fp8_mm
 from appliance_kernels.fp8_gemv import block_gemv_fits, fp8_gemv_block, gemv_wins
 from appliance_kernels.fp8_splitk import BLOCK_K as SPLITK_BLOCK_K
@@ -21,6 +24,7 @@ from appliance_kernels.fp8_splitk import fp8_splitk_block_mm, splitk_wins
 from appliance_kernels.triton_utils import check_last_dim_contiguous, jit, next_pow2, tl, use_triton
 
 Block = tuple[int, int]  # (block_n, block_k)
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------- references -------------------------------------------
@@ -82,7 +86,7 @@ def fp8_block_mm_ref(
 
 @jit
 def _group_quant_kernel(
-    x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, GROUP: tl.constexpr
+    x_ptr, q_ptr, s_ptr, cols, stride_x, stride_q, stride_s, stride_sg, GROUP: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -90,22 +94,34 @@ def _group_quant_kernel(
     ok = offs < cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, 1e-12)
-    tl.store(s_ptr + row * stride_s + group, scale)
+    tl.store(s_ptr + row * stride_s + group * stride_sg, scale)
     q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
 
 
-def per_token_group_quant_triton(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_triton(
+    x: torch.Tensor,
+    group: int,
+    pad_rows_to: int = 1,  # rows allocated up to a multiple of this (left unwritten)
+    scale_column_major: bool = False,  # scales [rows, groups] with strides (1, rows)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [rows', K] e4m3, scale [rows', groups] fp32), rows' = rows rounded up to pad_rows_to;
+    only the first `rows` are written. The padded, column-major form is what cuBLASLt's 1 x 128
+    block scaling takes (`fp8_block_mm_torch`)."""
     check_last_dim_contiguous("x", x)
     if group != next_pow2(group):
         raise ValueError(f"per_token_group_quant: group {group} must be a power of two")
     rows, cols = x.shape
     num_groups = -(-cols // group)
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(rows, num_groups, dtype=torch.float32, device=x.device)
+    alloc = -(-rows // pad_rows_to) * pad_rows_to
+    q = torch.empty(alloc, cols, dtype=FP8_DTYPE, device=x.device)
+    if scale_column_major:
+        scale = torch.empty(num_groups, alloc, dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty(alloc, num_groups, dtype=torch.float32, device=x.device)
     if rows:
         _group_quant_kernel[(rows, num_groups)](
-            x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0), GROUP=group
+            x, q, scale, cols, x.stride(0), q.stride(0), *scale.stride(), GROUP=group
         )
     return q, scale
 
@@ -160,6 +176,94 @@ def fp8_block_mm_triton(
     )
 
 
+# ---------------------------------- cuBLASLt (torch) block GEMM ----------------------------------
+
+# cuBLASLt's DeepSeek recipe (1 x 128 activation groups, 128 x 128 weight blocks; CUDA 12.9+, SM90
+# only) through torch.nn.functional.scaled_mm, for more rows than the Triton tiles were tuned for
+# (prefill): see `block_mm_route`.
+TORCH_BLOCK = (128, 128)
+_TORCH_BLOCK_OK: dict[int, bool] = {}
+
+
+def torch_block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    """A weight's [N/128, K/128] scales in the layout cuBLASLt's 128 x 128 recipe reads: groups
+    padded to a multiple of 4, transposed to [L4, N/128] with strides (1, L4) (a view when K/128
+    is already a multiple of 4, as at every Qwen3.5 projection)."""
+    groups = w_scale.shape[1]
+    pad = -groups % 4
+    if pad:
+        w_scale = torch.nn.functional.pad(w_scale, (0, pad))
+    return w_scale.float().t()
+
+
+def fp8_block_mm_torch(
+    x: torch.Tensor,  # [M, K] bf16 / fp16
+    weight_q: torch.Tensor,  # [N, K] e4m3, N and K multiples of 128
+    weight_scale: torch.Tensor,  # [N/128, K/128]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x W^T with x quantised per token and group of 128 and the 128 x 128-block weight, in one
+    cuBLASLt call (rows padded to a multiple of 4, unwritten: each output row reads only its own
+    input row, and the padding rows are sliced away)."""
+    m = x.shape[0]
+    x_q, x_s = per_token_group_quant_triton(x, 128, pad_rows_to=4, scale_column_major=True)
+    f = torch.nn.functional
+    out = f.scaled_mm(
+        x_q,
+        weight_q.t(),
+        x_s,
+        f.ScalingType.BlockWise1x128,
+        torch_block_scales(weight_scale),
+        f.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )[:m]
+    return out + bias if bias is not None else out
+
+
+def _torch_block_works(device: torch.device) -> bool:
+    """Whether cuBLASLt's block recipe runs here (SM90, torch with the scaled_mm API, CUDA 12.9+):
+    tried once per device on a 128-wide problem against the reference, outside graph capture."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _TORCH_BLOCK_OK:
+        return _TORCH_BLOCK_OK[index]
+    if torch.cuda.is_current_stream_capturing():
+        return False  # decided by the first call outside a capture (the warm-up runs first)
+    ok = False
+    f = torch.nn.functional
+    if torch.cuda.get_device_capability(device) == (9, 0) and hasattr(f, "scaled_mm"):
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(8, 256, generator=gen).to(device, torch.bfloat16)
+            w_q, w_s = quantize_block_ref(torch.randn(128, 256, generator=gen) * 0.1, TORCH_BLOCK)
+            w_q, w_s = w_q.to(device), w_s.to(device)
+            got = fp8_block_mm_torch(x, w_q, w_s).float()
+            x_q, x_s = per_token_group_quant_ref(x, 128)
+            want = fp8_block_mm_ref(x_q, x_s, w_q, w_s, TORCH_BLOCK, torch.float32)
+            ok = bool(((got - want).abs().max() <= 2e-2 * want.abs().max()).item())
+            if not ok:
+                log.warning("cuBLASLt block-fp8 GEMM disagrees with the reference: not used")
+        except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
+            log.info("cuBLASLt block-fp8 GEMM unavailable (%s): Triton at every size", exc)
+    _TORCH_BLOCK_OK[index] = ok
+    return ok
+
+
+def block_mm_route(m: int, n: int, k: int, block: Block, device: torch.device) -> str:
+    """Where a block-scaled GEMM of M > 1 rows runs on CUDA: "torch" (cuBLASLt's block recipe)
+    above backends.FP8_TRITON_MAX_M rows when the fp8 backend is the default mixed one or torch
+    and the recipe runs here (128 x 128 blocks, N and K multiples of 128); else "triton"."""
+    if (
+        m > backends.FP8_TRITON_MAX_M
+        and backends.selected("fp8_gemm") in (backends.MIXED_FP8, "torch")
+        and block == TORCH_BLOCK
+        and n % 128 == 0
+        and k % 128 == 0
+        and _torch_block_works(device)
+    ):
+        return "torch"
+    return "triton"
+
+
 # ------------------------------------------ dispatchers ------------------------------------------
 
 
@@ -182,6 +286,8 @@ def fp8_block_linear(
     n, k = weight_q.shape
     if use_triton(x) and gemv_wins(x.shape[0], n, k) and block_gemv_fits(block, n, k):
         return fp8_gemv_block(x, weight_q, weight_scale, block, bias)
+    if use_triton(x) and block_mm_route(x.shape[0], n, k, block, x.device) == "torch":
+        return fp8_block_mm_torch(x, weight_q, weight_scale, bias)
     x_q, x_scale = per_token_group_quant(x, block[1])
     if use_triton(x):
         if (

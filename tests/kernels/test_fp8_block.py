@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import DEVICE, randn
+from kernel_cases import DEVICE, gpu, randn
 from tolerances import FP8_GEMM_TOLERANCE, FP8_REL_ERROR, assert_close, rel_error
 
 from appliance_kernels.fp8 import FP8_DTYPE
@@ -129,3 +129,76 @@ def test_decode_tiles_fit_the_h200_shared_memory(m):
         for cfg in (_mm_config(m, n, k), dict(_block_mm_config(m, n, k), BLOCK_K=128)):
             stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * cfg.get("SUB", 1)
             assert stage * cfg["num_stages"] <= 227 * 1024, (m, n, k, cfg)
+
+
+# ------------------------------- the cuBLASLt route (prefill sizes) -------------------------------
+
+
+def test_group_quant_pads_rows_and_writes_column_major_scales():
+    """The layout cuBLASLt's 1 x 128 recipe reads: rows allocated up to a multiple of 4, scales
+    [rows', groups] with strides (1, rows'); the written rows equal the plain quantiser's."""
+    x = randn(6, 384, dtype=torch.bfloat16, seed=4, scale=2.0)
+    q, s = per_token_group_quant_triton(x, 128, pad_rows_to=4, scale_column_major=True)
+    q_ref, s_ref = per_token_group_quant_ref(x, 128)
+    assert q.shape == (8, 384) and s.shape == (8, 3) and s.stride() == (1, 8)
+    torch.testing.assert_close(s[:6], s_ref, rtol=1e-6, atol=0)
+    assert (q[:6].float() == q_ref.float()).float().mean() > 0.97
+
+
+@pytest.mark.parametrize("groups,padded", [(3, 4), (4, 4), (40, 40), (137, 140)])
+def test_torch_block_scales_pad_groups_to_four_and_transpose(groups, padded):
+    from appliance_kernels.fp8_block import torch_block_scales
+
+    w_s = randn(5, groups, seed=groups).abs()
+    got = torch_block_scales(w_s)
+    assert got.shape == (padded, 5) and got.stride() == (1, padded)
+    torch.testing.assert_close(got[:groups], w_s.t())
+    assert (got[groups:] == 0).all()
+    if groups == padded:  # a view: nothing copied per GEMM
+        assert got.data_ptr() == w_s.data_ptr()
+
+
+def test_block_route_takes_cublaslt_above_the_triton_rows_only(monkeypatch):
+    """Rows > FP8_TRITON_MAX_M with the default (mixed) or torch backend, 128 x 128 blocks and
+    N, K multiples of 128 go to cuBLASLt where its recipe runs; everything else stays Triton."""
+    from appliance_kernels import backends, fp8_block
+
+    works = {"value": True}
+    monkeypatch.setattr(fp8_block, "_torch_block_works", lambda device: works["value"])
+    choice = {"fp8_gemm": backends.MIXED_FP8}
+    monkeypatch.setattr(backends, "selected", lambda kind: choice[kind])
+    cuda = torch.device("cuda", 0)
+    top = backends.FP8_TRITON_MAX_M
+    route = fp8_block.block_mm_route
+    assert route(top + 1, 5120, 6144, (128, 128), cuda) == "torch"
+    assert route(top, 5120, 6144, (128, 128), cuda) == "triton"
+    assert route(4096, 5120, 6144, (128, 64), cuda) == "triton"
+    assert route(4096, 5120 + 64, 6144, (128, 128), cuda) == "triton"
+    choice["fp8_gemm"] = "torch"
+    assert route(4096, 5120, 6144, (128, 128), cuda) == "torch"
+    for backend in ("triton", "sgl", "cutlass"):
+        choice["fp8_gemm"] = backend
+        assert route(4096, 5120, 6144, (128, 128), cuda) == "triton"
+    choice["fp8_gemm"] = backends.MIXED_FP8
+    works["value"] = False
+    assert route(4096, 5120, 6144, (128, 128), cuda) == "triton"
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k", [(5, 256, 384), (130, 384, 512), (1024, 5120, 6144)])
+def test_cublaslt_block_gemm_matches_reference(m, n, k):
+    """On the H200 (SM90, CUDA 12.9+) cuBLASLt's block recipe runs and gives the reference's
+    product: rows padded to 4 (m = 5, 130), groups padded to 4 (K = 384), a 27B projection."""
+    from appliance_kernels.fp8_block import _torch_block_works, fp8_block_mm_torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLASLt's block recipe is SM90 only")
+    assert _torch_block_works(DEVICE)
+    x = randn(m, k, dtype=torch.bfloat16, seed=m)
+    w_q, w_s = quantize_block_ref(randn(n, k, seed=n, scale=0.05), (128, 128))
+    bias = randn(n, dtype=torch.bfloat16, seed=3)
+    got = fp8_block_mm_torch(x, w_q, w_s, bias)
+    x_q, x_s = per_token_group_quant_ref(x, 128)
+    want = fp8_block_mm_ref(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16, bias)
+    assert got.shape == (m, n) and got.is_contiguous()
+    assert_close(got, want, torch.bfloat16, name="cublaslt block_mm")
