@@ -202,3 +202,8 @@ def test_cublaslt_block_gemm_matches_reference(m, n, k):
     want = fp8_block_mm_ref(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16, bias)
     assert got.shape == (m, n) and got.is_contiguous()
     assert_close(got, want, torch.bfloat16, name="cublaslt block_mm")
+    if m > 64:  # the layers' dispatcher routes these rows there (the default fp8 backend)
+        from appliance_kernels.fp8_block import block_mm_route
+
+        assert block_mm_route(m, n, k, (128, 128), DEVICE) == "torch"
+        torch.testing.assert_close(fp8_block_linear(x, w_q, w_s, (128, 128), bias), got)
