@@ -248,12 +248,24 @@ def _torch_block_works(device: torch.device) -> bool:
     return ok
 
 
+def cublaslt_block_wins(m: int, n: int, k: int) -> bool:
+    """Where cuBLASLt's block recipe beat the Triton block GEMM at the 27B projections on the H200
+    (ops/bench/bench_block_mm.py, run CO; µs with the activation quantisation, Triton / cuBLASLt):
+    from 512 rows at every projection (in_proj 152 / 144 at 512, 301 / 172 at 1024; gate_up 662 /
+    340 at 1024; 1.03-1.95x); over a long reduction (down, K = 17408) from 65 rows (112 / 64); at
+    the widest N (gate_up) from 256 (177 / 104). Below those the Triton tiles were faster (in_proj
+    at 256: 88 / 106; out_proj at 65-256: 96-113 / 152-163)."""
+    if m <= backends.FP8_TRITON_MAX_M:
+        return False
+    return m >= 512 or k >= 12288 or (m >= 256 and n >= 20000)
+
+
 def block_mm_route(m: int, n: int, k: int, block: Block, device: torch.device) -> str:
     """Where a block-scaled GEMM of M > 1 rows runs on CUDA: "torch" (cuBLASLt's block recipe)
-    above backends.FP8_TRITON_MAX_M rows when the fp8 backend is the default mixed one or torch
-    and the recipe runs here (128 x 128 blocks, N and K multiples of 128); else "triton"."""
+    where `cublaslt_block_wins`, the fp8 backend is the default mixed one or torch and the recipe
+    runs here (128 x 128 blocks, N and K multiples of 128); else "triton"."""
     if (
-        m > backends.FP8_TRITON_MAX_M
+        cublaslt_block_wins(m, n, k)
         and backends.selected("fp8_gemm") in (backends.MIXED_FP8, "torch")
         and block == TORCH_BLOCK
         and n % 128 == 0

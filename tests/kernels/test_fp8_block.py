@@ -158,9 +158,10 @@ def test_torch_block_scales_pad_groups_to_four_and_transpose(groups, padded):
         assert got.data_ptr() == w_s.data_ptr()
 
 
-def test_block_route_takes_cublaslt_above_the_triton_rows_only(monkeypatch):
-    """Rows > FP8_TRITON_MAX_M with the default (mixed) or torch backend, 128 x 128 blocks and
-    N, K multiples of 128 go to cuBLASLt where its recipe runs; everything else stays Triton."""
+def test_block_route_takes_cublaslt_where_it_was_measured_faster(monkeypatch):
+    """With the default (mixed) or torch backend, 128 x 128 blocks and N, K multiples of 128,
+    cuBLASLt takes 512+ rows, a long K from 65 rows and the widest N from 256 where its recipe
+    runs; everything else (decode sizes, other backends and blocks) stays Triton."""
     from appliance_kernels import backends, fp8_block
 
     works = {"value": True}
@@ -170,8 +171,12 @@ def test_block_route_takes_cublaslt_above_the_triton_rows_only(monkeypatch):
     cuda = torch.device("cuda", 0)
     top = backends.FP8_TRITON_MAX_M
     route = fp8_block.block_mm_route
-    assert route(top + 1, 5120, 6144, (128, 128), cuda) == "torch"
-    assert route(top, 5120, 6144, (128, 128), cuda) == "triton"
+    assert route(512, 5120, 6144, (128, 128), cuda) == "torch"
+    assert route(511, 5120, 6144, (128, 128), cuda) == "triton"
+    assert route(top + 1, 5120, 17408, (128, 128), cuda) == "torch"  # the long-K down projection
+    assert route(top, 5120, 17408, (128, 128), cuda) == "triton"
+    assert route(256, 34816, 5120, (128, 128), cuda) == "torch"  # gate_up
+    assert route(256, 16384, 5120, (128, 128), cuda) == "triton"  # in_proj
     assert route(4096, 5120, 6144, (128, 64), cuda) == "triton"
     assert route(4096, 5120 + 64, 6144, (128, 128), cuda) == "triton"
     choice["fp8_gemm"] = "torch"
@@ -185,10 +190,10 @@ def test_block_route_takes_cublaslt_above_the_triton_rows_only(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("m,n,k", [(5, 256, 384), (130, 384, 512), (1024, 5120, 6144)])
+@pytest.mark.parametrize("m,n,k", [(5, 256, 384), (520, 384, 512), (1024, 5120, 6144)])
 def test_cublaslt_block_gemm_matches_reference(m, n, k):
     """On the H200 (SM90, CUDA 12.9+) cuBLASLt's block recipe runs and gives the reference's
-    product: rows padded to 4 (m = 5, 130), groups padded to 4 (K = 384), a 27B projection."""
+    product: rows padded to 4 (m = 5), groups padded to 4 (K = 384), a 27B projection."""
     from appliance_kernels.fp8_block import _torch_block_works, fp8_block_mm_torch
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -202,7 +207,7 @@ def test_cublaslt_block_gemm_matches_reference(m, n, k):
     want = fp8_block_mm_ref(x_q, x_s, w_q, w_s, (128, 128), torch.bfloat16, bias)
     assert got.shape == (m, n) and got.is_contiguous()
     assert_close(got, want, torch.bfloat16, name="cublaslt block_mm")
-    if m > 64:  # the layers' dispatcher routes these rows there (the default fp8 backend)
+    if m >= 512:  # the layers' dispatcher routes these rows there (the default fp8 backend)
         from appliance_kernels.fp8_block import block_mm_route
 
         assert block_mm_route(m, n, k, (128, 128), DEVICE) == "torch"
