@@ -220,6 +220,11 @@ def fp8_block_mm_torch(
     return out + bias if bias is not None else out
 
 
+def cublaslt_block_ready(device: torch.device) -> bool:
+    """Decides (once per device, at model load) whether cuBLASLt's block recipe runs here."""
+    return _torch_block_works(device)
+
+
 def _torch_block_works(device: torch.device) -> bool:
     """Whether cuBLASLt's block recipe runs here (SM90, torch with the scaled_mm API, CUDA 12.9+):
     tried once per device on a 128-wide problem against the reference, outside graph capture."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from appliance.models.layers.quant import QuantConfig, UnsupportedQuantization
 from appliance_kernels.fp8 import FP8_DTYPE, fp8_linear, one_row_gemv, per_token_quant_ref
-from appliance_kernels.fp8_block import fp8_block_linear
+from appliance_kernels.fp8_block import cublaslt_block_ready, fp8_block_linear
 from appliance_kernels.fp8_gemv import (
     GEMV_DTYPES,
     GemvConv,
@@ -151,6 +151,13 @@ class Fp8Block(Unquantized):
 
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         return None  # block scales: the block GEMV, then silu_and_mul
+
+    def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
+        """On CUDA, decides now (not inside a graph capture) whether cuBLASLt's block recipe runs
+        here: the prefill graphs then capture the route eager prefill takes."""
+        if weight.is_cuda:
+            cublaslt_block_ready(weight.device)
+        return weight, scale
 
     def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
         n, k = weight.shape
