@@ -17,7 +17,9 @@ FA2
   to 1.8x cuBLASLt at decode sizes; the 15th, M = 256 x K = 17408, within 1-5% of cuBLASLt); else
   `MIXED_FP8` = our Triton kernel for M <= FP8_TRITON_MAX_M rows (1.0-1.5x cuBLASLt up to M = 64)
   and torch (`torch._scaled_mm`, cuBLASLt row-wise scales) above; triton on SM89; torch below SM89
-  (dequantise + matmul). docs/benchmarks.md has the figures behind the rule.
+  (dequantise + matmul). Block-scaled weights (Qwen's -FP8 repos) under the mixed default or torch
+  take cuBLASLt's 128 x 128 block recipe where `fp8_block.cublaslt_block_wins` (prefill sizes) and
+  the Triton block GEMM elsewhere. docs/benchmarks.md has the figures behind the rules.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Block-scaled fp8 (DeepSeek-V3 / Qwen "-FP8" checkpoints): e4m3 weights with one dequantisation
 scale per [block_n, block_k] tile, activations quantised per token and per group of block_k
 columns. References, the per-token-group quantiser in Triton, the block GEMM (the GEMM kernel of
-appliance_kernels/fp8.py with block scales) and the dispatcher `fp8_block_linear`. Called by
+appliance_kernels/fp8.py with block scales), cuBLASLt's 128 x 128 block recipe for prefill sizes
+(`fp8_block_mm_torch`, routed by `block_mm_route`) and the dispatcher `fp8_block_linear`. Called by
 appliance/models/layers/quant_methods.py and appliance_kernels/fp8_moe.py.
 
 Scales are dequantisation scales (x ~= x_q * scale), as `weight_scale_inv` in the checkpoints.
@@ -298,8 +299,9 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """y = x W^T for a block-scaled fp8 weight: activations quantised per token and group of
-    block_k, then the block GEMM (Triton on CUDA, the reference elsewhere); one row on CUDA runs
-    the weight-only GEMV of appliance_kernels/fp8_gemv.py instead (no activation quantisation)."""
+    block_k, then the block GEMM (on CUDA cuBLASLt's block recipe where `block_mm_route` says so,
+    else Triton; the reference elsewhere); one row on CUDA runs the weight-only GEMV of
+    appliance_kernels/fp8_gemv.py instead (no activation quantisation)."""
     n, k = weight_q.shape
     if use_triton(x) and gemv_wins(x.shape[0], n, k) and block_gemv_fits(block, n, k):
         return fp8_gemv_block(x, weight_q, weight_scale, block, bias)
