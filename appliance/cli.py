@@ -218,6 +218,10 @@ def _print_backends() -> int:
     table = resolve_backends(**requested, platform=platform)
     for kind, name in table.items():
         print(f"{kind:<12} {name}")
+    from appliance_kernels.fp8_block import block_route_summary
+
+    # block-scaled fp8 weights (Qwen's -FP8 repos): what their GEMMs of 2+ rows run on
+    print(f"{'fp8_block':<12} {block_route_summary(table['fp8_gemm'], platform.cuda)}")
     return 0
 
 

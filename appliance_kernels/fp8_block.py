@@ -226,6 +226,15 @@ def cublaslt_block_ready(device: torch.device) -> bool:
     return _torch_block_works(device)
 
 
+def block_route_summary(fp8_gemm: str, cuda: bool) -> str:
+    """What block-scaled weights run on, for `appliance backends` (fp8_gemm: its resolved name)."""
+    if not cuda:
+        return "torch"
+    if fp8_gemm in (backends.MIXED_FP8, "torch") and _torch_block_works(torch.device("cuda")):
+        return "triton(M<512)+cublaslt-block(M>=512; long K, wide N earlier)"
+    return "triton"
+
+
 def _torch_block_works(device: torch.device) -> bool:
     """Whether cuBLASLt's block recipe runs here (SM90, torch with the scaled_mm API, CUDA 12.9+):
     tried once per device on a 128-wide problem against the reference, outside graph capture."""
@@ -246,7 +255,9 @@ def _torch_block_works(device: torch.device) -> bool:
             x_q, x_s = per_token_group_quant_ref(x, 128)
             want = fp8_block_mm_ref(x_q, x_s, w_q, w_s, TORCH_BLOCK, torch.float32)
             ok = bool(((got - want).abs().max() <= 2e-2 * want.abs().max()).item())
-            if not ok:
+            if ok:
+                log.info("block fp8: cuBLASLt's 128 x 128 block recipe at prefill sizes")
+            else:
                 log.warning("cuBLASLt block-fp8 GEMM disagrees with the reference: not used")
         except (RuntimeError, NotImplementedError, TypeError, AttributeError) as exc:
             log.info("cuBLASLt block-fp8 GEMM unavailable (%s): Triton at every size", exc)

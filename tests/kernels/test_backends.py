@@ -152,4 +152,9 @@ def test_appliance_backends_command_passes_the_env_flags(monkeypatch, capsys):
     assert cli.main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"platform: {H200_ALL}"
-    assert lines[1:] == ["attention    triton", "gdn_prefill  fla", "fp8_gemm     sgl"]
+    assert lines[1:] == [
+        "attention    triton",
+        "gdn_prefill  fla",
+        "fp8_gemm     sgl",
+        "fp8_block    triton",  # block-scaled weights: sglang-kernel's GEMM is per channel only
+    ]

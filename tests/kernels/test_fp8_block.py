@@ -212,3 +212,19 @@ def test_cublaslt_block_gemm_matches_reference(m, n, k):
 
         assert block_mm_route(m, n, k, (128, 128), DEVICE) == "torch"
         torch.testing.assert_close(fp8_block_linear(x, w_q, w_s, (128, 128), bias), got)
+
+
+def test_backends_command_names_the_block_route(monkeypatch):
+    """`appliance backends` prints what block-scaled weights run on: the reference without CUDA,
+    cuBLASLt at prefill sizes only under the default / torch fp8 backend where its recipe runs."""
+    from appliance_kernels import backends, fp8_block
+
+    works = {"value": True}
+    monkeypatch.setattr(fp8_block, "_torch_block_works", lambda device: works["value"])
+    summary = fp8_block.block_route_summary
+    assert summary(backends.MIXED_FP8, cuda=False) == "torch"
+    assert "cublaslt-block" in summary(backends.MIXED_FP8, cuda=True)
+    assert "cublaslt-block" in summary("torch", cuda=True)
+    assert summary("sgl", cuda=True) == "triton"
+    works["value"] = False
+    assert summary(backends.MIXED_FP8, cuda=True) == "triton"
