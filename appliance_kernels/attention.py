@@ -548,7 +548,9 @@ def _merge_splits_kernel(
 # Run BF: widening V to fp16 before it is staged in shared memory (ldmatrix.trans instead of byte
 # loads for the PV dot) was slower at every tile (1.00x at (64, 3, 4)); flashinfer's fp8 decode
 # reached 1.24-1.34x its bf16 in the same run, against 1.28-1.38x here (batch 64, batch 16 at 32k).
-# fp8_split_factor: split_factor over an fp8 cache (a program's tile takes half the time there).
+# fp8_split_factor: split_factor over an fp8 cache. Runs CJ / CL: 2 or 4 programs per SM (1.22-1.32x
+# at batch 64 and 16 x 32k against 1.35-1.41x for 1) and a register cap (maxnreg 168 / 128: 1.12-
+# 1.17x / 0.75-0.94x) were slower; batch 16 at 8k stays erratic between runs whatever the setting.
 ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4), "fp8_split_factor": 1}
 
 
