@@ -58,6 +58,7 @@ def operands(m, n, k, block, seed):
         (20, 40, 300, (32, 64)),
         (17, 130, 256, (128, 128)),
         (150, 200, 64, (32, 32)),  # several M tiles: the grouped tile order of the shared kernel
+        (100, 160, 384, (128, 128)),  # 65-128 rows: the 64-row tiles, two M tiles paired
     ],
 )
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
