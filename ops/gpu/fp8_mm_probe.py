@@ -28,6 +28,8 @@ L2_BYTES = 256 << 20
 
 
 def tiles(m: int, block: bool) -> list[dict[str, int]]:
+    """The swept tiles: BLOCK_M the rows' power of two; above 64 rows also 64-row tiles over
+    several M tiles, in plain and paired (GROUP_M = 2) launch order."""
     bm = max(16, 1 << (m - 1).bit_length())
     out = []
     if block:  # BLOCK_K is the scales' 128; SUB groups of it per loop step (CF: 6-8 stages no help)
@@ -37,13 +39,17 @@ def tiles(m: int, block: bool) -> list[dict[str, int]]:
                     out.append(
                         dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_stages=stages, SUB=sub)
                     )
+                    if m > 64:
+                        for group_m in (1, 2):
+                            tile = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, num_stages=stages)
+                            out.append(dict(tile, SUB=sub, GROUP_M=group_m))
     else:
         for bn in (32, 64, 128):
             for bk in (128, 256):
                 for stages in (3, 4, 5):
                     out.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages))
         out.append(dict(BLOCK_M=bm, BLOCK_N=256, BLOCK_K=128, num_stages=3, num_warps=8))
-    return [dict(GROUP_M=1, num_warps=4) | t for t in out]
+    return [dict(GROUP_M=1, num_warps=4) | t for t in out]  # a tile's own GROUP_M wins
 
 
 def default(m: int, n: int, k: int, block: bool) -> dict[str, int]:
@@ -107,11 +113,11 @@ def main() -> None:
                     f"default {base_us:6.1f} us ({n * k / base_us / 1e3:4.0f} GB/s)"
                 )
                 for us, cfg, err in results[: args.show]:
-                    tile = (cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"], cfg["num_warps"])
-                    tile += (cfg.get("SUB", 1),)
+                    tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"])
+                    tile += (cfg["num_warps"], cfg.get("SUB", 1), cfg["GROUP_M"])
                     print(
                         f"   {us:6.1f} us {us / floor:5.2f}x {n * k / us / 1e3:5.0f} GB/s "
-                        f"BN,BK,stages,warps,SUB {tile} max|diff| {err:.1e}"
+                        f"BM,BN,BK,stages,warps,SUB,GROUP_M {tile} max|diff| {err:.1e}"
                     )
             del copies
             torch.cuda.empty_cache()
