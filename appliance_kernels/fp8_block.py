@@ -248,7 +248,7 @@ def _torch_block_works(device: torch.device) -> bool:
     if index in _TORCH_BLOCK_OK:
         return _TORCH_BLOCK_OK[index]
     if torch.cuda.is_current_stream_capturing():
-        return False  # decided by the first call outside a capture (the warm-up runs first)
+        return False  # not decided inside a capture (Fp8Block.finish decides at weight load)
     ok = False
     f = torch.nn.functional
     if torch.cuda.get_device_capability(device) == (9, 0) and hasattr(f, "scaled_mm"):
