@@ -312,10 +312,10 @@ def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
 
 
 def block_gemv_config(n: int, k: int) -> dict[str, int]:
-    """Block scales (`ops/gpu/gemv_probe.py --block`, run CI, µs with PDL against the 16 x 512 x 3
-    tiles before): 32 x 256 tiles where there are enough programs to fill the GPU (N >= 8192;
-    in_proj 21.9 / 25.0, qkv 19.9 / 22.0 with 4 stages, gate_up 45.6 / 48.9 with 5), 8 x 512 with
-    4 stages below (down 27.1 / 28.0, out_proj 11.5 / 11.7)."""
+    """Block scales (`ops/gpu/gemv_probe.py --kind block`, run CI, µs with PDL against the
+    16 x 512 x 3 tiles before): 32 x 256 tiles where there are enough programs to fill the GPU
+    (N >= 8192; in_proj 21.9 / 25.0, qkv 19.9 / 22.0 with 4 stages, gate_up 45.6 / 48.9 with 5),
+    8 x 512 with 4 stages below (down 27.1 / 28.0, out_proj 11.5 / 11.7)."""
     if n >= 8192:
         return {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5 if n > 20000 else 4}
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 4}
