@@ -227,23 +227,19 @@ def fp8_block_mm_torch(
     return out + bias if bias is not None else out
 
 
-def cublaslt_block_ready(device: torch.device) -> bool:
-    """Decides (once per device, at model load) whether cuBLASLt's block recipe runs here."""
-    return _torch_block_works(device)
-
-
 def block_route_summary(fp8_gemm: str, cuda: bool) -> str:
     """What block-scaled weights run on, for `appliance backends` (fp8_gemm: its resolved name)."""
     if not cuda:
         return "torch"
-    if fp8_gemm in (backends.MIXED_FP8, "torch") and _torch_block_works(torch.device("cuda")):
+    if fp8_gemm in (backends.MIXED_FP8, "torch") and cublaslt_block_ready(torch.device("cuda")):
         return "triton(M<512)+cublaslt-block(M>=512; long K, wide N earlier)"
     return "triton"
 
 
-def _torch_block_works(device: torch.device) -> bool:
+def cublaslt_block_ready(device: torch.device) -> bool:
     """Whether cuBLASLt's block recipe runs here (SM90, torch with the scaled_mm API, CUDA 12.9+):
-    tried once per device on a 128-wide problem against the reference, outside graph capture."""
+    tried once per device on a 128-wide problem against the reference, outside graph capture
+    (Fp8Block.finish asks at weight load)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _TORCH_BLOCK_OK:
         return _TORCH_BLOCK_OK[index]
@@ -293,7 +289,7 @@ def block_mm_route(m: int, n: int, k: int, block: Block, device: torch.device) -
         and block == TORCH_BLOCK
         and n % 128 == 0
         and k % 128 == 0
-        and _torch_block_works(device)
+        and cublaslt_block_ready(device)
     ):
         return "torch"
     return "triton"

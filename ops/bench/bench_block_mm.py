@@ -16,19 +16,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+
+from bench_fp8_gemv import SHAPES  # noqa: E402  (the 27B projections)
 
 from appliance_kernels import fp8_block  # noqa: E402
-
-# Qwen3.5-27B's projections at TP1, (N, K), as in bench_fp8_gemv.SHAPES (not imported: that module
-# pulls in the engine, which this kernel-only benchmark does not need)
-SHAPES = {
-    "gdn in_proj qkvz": (16384, 5120),
-    "gdn out_proj": (5120, 6144),
-    "attn qkv (gated q)": (14336, 5120),
-    "mlp gate_up": (34816, 5120),
-    "mlp down": (5120, 17408),
-}
 
 BLOCK = (128, 128)
 ORDER = ("triton", "cublaslt", "bf16")  # the TFLOP/s column's order
@@ -72,7 +64,7 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     args = p.parse_args()
     dev = torch.device("cuda")
-    ok = fp8_block._torch_block_works(dev)
+    ok = fp8_block.cublaslt_block_ready(dev)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuBLASLt block recipe: {ok}")
     print(
         "| shape | M | triton µs | cuBLASLt µs | bf16 µs | TFLOP/s (triton / cuBLASLt / bf16) |"

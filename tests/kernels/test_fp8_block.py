@@ -166,7 +166,7 @@ def test_block_route_takes_cublaslt_where_it_was_measured_faster(monkeypatch):
     from appliance_kernels import backends, fp8_block
 
     works = {"value": True}
-    monkeypatch.setattr(fp8_block, "_torch_block_works", lambda device: works["value"])
+    monkeypatch.setattr(fp8_block, "cublaslt_block_ready", lambda device: works["value"])
     choice = {"fp8_gemm": backends.MIXED_FP8}
     monkeypatch.setattr(backends, "selected", lambda kind: choice[kind])
     cuda = torch.device("cuda", 0)
@@ -195,11 +195,11 @@ def test_block_route_takes_cublaslt_where_it_was_measured_faster(monkeypatch):
 def test_cublaslt_block_gemm_matches_reference(m, n, k):
     """On the H200 (SM90, CUDA 12.9+) cuBLASLt's block recipe runs and gives the reference's
     product: rows padded to 4 (m = 5), groups padded to 4 (K = 384), a 27B projection."""
-    from appliance_kernels.fp8_block import _torch_block_works, fp8_block_mm_torch
+    from appliance_kernels.fp8_block import cublaslt_block_ready, fp8_block_mm_torch
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("cuBLASLt's block recipe is SM90 only")
-    assert _torch_block_works(DEVICE)
+    assert cublaslt_block_ready(DEVICE)
     x = randn(m, k, dtype=torch.bfloat16, seed=m)
     w_q, w_s = quantize_block_ref(randn(n, k, seed=n, scale=0.05), (128, 128))
     bias = randn(n, dtype=torch.bfloat16, seed=3)
@@ -221,7 +221,7 @@ def test_backends_command_names_the_block_route(monkeypatch):
     from appliance_kernels import backends, fp8_block
 
     works = {"value": True}
-    monkeypatch.setattr(fp8_block, "_torch_block_works", lambda device: works["value"])
+    monkeypatch.setattr(fp8_block, "cublaslt_block_ready", lambda device: works["value"])
     summary = fp8_block.block_route_summary
     assert summary(backends.MIXED_FP8, cuda=False) == "torch"
     assert "cublaslt-block" in summary(backends.MIXED_FP8, cuda=True)
