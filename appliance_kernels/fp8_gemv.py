@@ -38,6 +38,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from appliance_kernels.gemv_norm import (
+    AddNorm,
+    PendingNorm,
+    add_norm_args,
+    add_norm_epilogue,
+    check_pending,
+    load_partials,
+    norm_in_args,
+    pending,
+    producer_pdl,
+    rstd_of,
+)
 from appliance_kernels.gemv_rows import gemv_rows, rows_wins, store_rows
 from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
@@ -91,12 +103,13 @@ def _tail_rows(
     n2_size,
     k_size,
     stride_w2n,
+    row_scale,  # 1 / rms of a pending norm (norm_in), else 1
     STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """BLOCK_N rows (tile tid) of a small unscaled 16-bit weight read after a GEMV's own rows, in
-    the same launch (`tail`): out2 = x W2^T."""
+    the same launch (`tail`): out2 = x W2^T * row_scale."""
     rn = tid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n2_size
@@ -106,7 +119,8 @@ def _tail_rows(
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, False)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, False)[None, :]
-    tl.store(out2_ptr + rn, tl.sum(acc, axis=1).to(out2_ptr.dtype.element_ty), mask=n_ok)
+    out2 = tl.sum(acc, axis=1) * row_scale
+    tl.store(out2_ptr + rn, out2.to(out2_ptr.dtype.element_ty), mask=n_ok)
 
 
 @jit
@@ -165,6 +179,13 @@ def _gemv_kernel(
     conv_c,
     stride_cs,
     stride_cc,
+    np_ptr,  # NORM_IN: the producer's partial sums of squares (appliance_kernels/gemv_norm.py)
+    n_parts,
+    norm_eps,
+    res_ptr,  # ADD_NORM: residual in / out, the next norm's weight, this launch's partials
+    res_out_ptr,
+    nw_ptr,
+    po_ptr,
     SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -174,6 +195,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
     CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
+    NORM_IN: tl.constexpr = False,  # x is a pending norm's x_pre: outputs times its 1 / rms
+    PARTS: tl.constexpr = 1,  # power of two >= n_parts
+    ADD_NORM: tl.constexpr = False,  # outputs + residual, normed for the next GEMV (gemv_norm.py)
+    ZC: tl.constexpr = True,  # that norm's weight is zero-centred
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -184,7 +209,10 @@ def _gemv_kernel(
         tail_programs = tl.cdiv(n2_size, BLOCK_N)
         if pid < tail_programs:
             pdl_wait(PDL)
-            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            row_scale = 1.0
+            if NORM_IN:
+                row_scale = rstd_of(load_partials(np_ptr, n_parts, PARTS), k_size, norm_eps)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n, row_scale)
             _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
             return
         pid -= tail_programs
@@ -193,22 +221,59 @@ def _gemv_kernel(
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     pdl_wait(PDL)
+    if NORM_IN:  # loaded now, summed after the K loop: the load's latency hides behind it
+        partials = load_partials(np_ptr, n_parts, PARTS)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
+    if NORM_IN:
+        out = out * rstd_of(partials, k_size, norm_eps)
     if SCALED:
         if PER_COL:
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
         else:
             out = out * tl.load(s_ptr)
+    conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
+    norm = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
+    _finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
+
+
+@jit
+def _finish(
+    out,
+    rn,
+    n_ok,
+    pid,
+    out_ptr,
+    bias_ptr,
+    HAS_BIAS: tl.constexpr,
+    conv_w_ptr,
+    conv_s_ptr,
+    slot_ptr,
+    init_ptr,
+    conv_c,
+    stride_cs,
+    stride_cc,
+    CONV_W: tl.constexpr,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    po_ptr,
+    ADD_NORM: tl.constexpr,
+    ZC: tl.constexpr,
+):
+    """The one-row GEMVs' shared end after scaling: bias, a GDN conv, a split norm, the store."""
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if CONV_W > 0:
         conv_args = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
         out = _conv_epilogue(out, rn, n_ok, *conv_args, out_ptr.dtype.element_ty, CONV_W)
+    if ADD_NORM:
+        norm_args = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
+        out = add_norm_epilogue(out, rn, n_ok, pid, *norm_args, out_ptr.dtype.element_ty, ZC)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -426,15 +491,21 @@ def fp8_gemv(
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # [N2, K] in x's dtype: its rows too, in the same launch
     conv: GemvConv | None = None,  # one row: its first C outputs through this GDN conv
-) -> torch.Tensor:
+    norm_in: PendingNorm | None = None,  # one row: x is its x_pre (appliance_kernels/gemv_norm.py)
+    add_norm: AddNorm | None = None,  # one row: the output added and normed for the next GEMV
+) -> torch.Tensor | PendingNorm:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
     16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
     16-bit weights with K >= 2N only: slower than the fp8 x fp8 route and mostly than cuBLAS).
     With a `tail` (one row only): [.., N + N2], x W^T then x tail^T (unscaled, no bias), one
     launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj; with a `conv` (one row only),
-    the first C outputs leave through that GDN conv (GemvConv)."""
+    the first C outputs leave through that GDN conv (GemvConv). With `norm_in` every output (the
+    tail's too) is multiplied by the pending norm's 1 / rms; with `add_norm` the result is the
+    PendingNorm of (output + residual) for the next GEMV."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, tail)
     conv_args, conv_consts = _conv_args(conv, x, n)
+    if (norm_in is not None or add_norm is not None) and x.numel() != k:
+        raise ValueError(f"fp8 GEMV: norm_in / add_norm take one row (x {tuple(x.shape)})")
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
@@ -446,8 +517,8 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
-        **gemv_pdl(w_q),
     )
+    pdl_options = gemv_pdl(w_q) if add_norm is None else producer_pdl(gemv_pdl(w_q))
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
             x,
@@ -463,9 +534,11 @@ def fp8_gemv(
             out.stride(-2),
             ROWS=next_pow2(m),
             **common,
+            **pdl_options,
         )
         return out
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
+    norm_args, norm_consts, filled = _norm_args(x, out, norm_in, add_norm, -(-n // block_n))
     _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
@@ -477,12 +550,24 @@ def fp8_gemv(
         w_q.stride(0),
         *tail_args,
         *conv_args,
+        *norm_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
         **conv_consts,
+        **norm_consts,
         **common,
+        **pdl_options,
     )
-    return out
+    return out if add_norm is None else pending(out, add_norm, filled)
+
+
+def _norm_args(x, out, norm_in, add_norm, programs) -> tuple[tuple, dict, tuple | None]:
+    """The kernels' norm_in + add_norm arguments, constexprs and the add_norm outputs."""
+    if norm_in is not None:
+        check_pending(x, norm_in)
+    in_args, in_consts = norm_in_args(norm_in, out)
+    add_args, add_consts, filled = add_norm_args(add_norm, out, programs)
+    return (*in_args, *add_args), in_consts | add_consts, filled
 
 
 # ------------------------------------------ block scales ------------------------------------------
@@ -521,6 +606,13 @@ def _gemv_block_kernel(
     conv_c,
     stride_cs,
     stride_cc,
+    np_ptr,  # NORM_IN and ADD_NORM as in _gemv_kernel
+    n_parts,
+    norm_eps,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    po_ptr,
     SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
     SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
     HAS_BIAS: tl.constexpr,
@@ -530,6 +622,10 @@ def _gemv_block_kernel(
     BLOCK_K: tl.constexpr,
     TAIL: tl.constexpr = False,
     CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
+    NORM_IN: tl.constexpr = False,
+    PARTS: tl.constexpr = 1,
+    ADD_NORM: tl.constexpr = False,
+    ZC: tl.constexpr = True,
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -544,7 +640,10 @@ def _gemv_block_kernel(
         tail_programs = tl.cdiv(n2_size, BLOCK_N)
         if pid < tail_programs:
             pdl_wait(PDL)
-            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            row_scale = 1.0
+            if NORM_IN:
+                row_scale = rstd_of(load_partials(np_ptr, n_parts, PARTS), k_size, norm_eps)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n, row_scale)
             _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
             return
         pid -= tail_programs
@@ -554,6 +653,8 @@ def _gemv_block_kernel(
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
     pdl_wait(PDL)
+    if NORM_IN:
+        partials = load_partials(np_ptr, n_parts, PARTS)
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
     acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
@@ -570,12 +671,11 @@ def _gemv_block_kernel(
         xs = x.to(tl.float32) * sv[:, None]
         acc += w.to(tl.float32) * xs[None, :, :]
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    if CONV_W > 0:
-        conv_args = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
-        out = _conv_epilogue(out, rn, n_ok, *conv_args, out_ptr.dtype.element_ty, CONV_W)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if NORM_IN:
+        out = out * rstd_of(partials, k_size, norm_eps)
+    conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
+    norm = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
+    _finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
 
 
 def fp8_gemv_block(
@@ -587,9 +687,11 @@ def fp8_gemv_block(
     config: dict[str, int] | None = None,
     tail: torch.Tensor | None = None,  # as in fp8_gemv
     conv: GemvConv | None = None,  # as in fp8_gemv
-) -> torch.Tensor:
+    norm_in: PendingNorm | None = None,  # as in fp8_gemv
+    add_norm: AddNorm | None = None,  # as in fp8_gemv
+) -> torch.Tensor | PendingNorm:
     """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
-    route); a `tail` and a `conv` as in fp8_gemv."""
+    route); a `tail`, a `conv`, `norm_in` and `add_norm` as in fp8_gemv."""
     n, k, _, out = _prepare(x, w_q, config, 1, tail)
     conv_args, conv_consts = _conv_args(conv, x, n)
     cfg = config or block_gemv_config(n, k)
@@ -599,6 +701,7 @@ def fp8_gemv_block(
         raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     s = scale.float().contiguous()
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
+    norm_args, norm_consts, filled = _norm_args(x, out, norm_in, add_norm, -(-n // block_n))
     _gemv_block_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
@@ -611,6 +714,7 @@ def fp8_gemv_block(
         s.stride(0),
         *tail_args,
         *conv_args,
+        *norm_args,
         SCALE_N=bn,
         SCALE_K=bk,
         HAS_BIAS=bias is not None,
@@ -620,7 +724,8 @@ def fp8_gemv_block(
         BLOCK_K=block_k,
         TAIL=tail is not None,
         **conv_consts,
+        **norm_consts,
         num_warps=cfg["num_warps"],
-        **gemv_pdl(w_q),
+        **(gemv_pdl(w_q) if add_norm is None else producer_pdl(gemv_pdl(w_q))),
     )
-    return out
+    return out if add_norm is None else pending(out, add_norm, filled)

@@ -18,6 +18,12 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.moe import SparseMoE
 from appliance.models.layers.norm import RMSNorm
 from appliance.models.layers.rotary import Rotary
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
+
+# At one row where the GEMVs run, each RMSNorm between two projections is split across them
+# instead of running its own kernel (appliance_kernels/gemv_norm.py). False: the norm kernels
+# (tests, ops/bench/bench_static.py --split-norms).
+SPLIT_NORMS = True
 
 
 def make_mlp(cfg: TextConfig, prefix: str) -> nn.Module:
@@ -71,18 +77,46 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+        self,
+        h: torch.Tensor | PendingNorm,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        next_layer: DecoderLayer | None = None,
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """(MLP output, residual). At one row on the GEMVs each RMSNorm between two projections
+        is split across them (appliance_kernels/gemv_norm.py, SPLIT_NORMS): h may arrive as the
+        previous layer's PendingNorm (its input norm done) and the MLP output may leave as one
+        for `next_layer`'s input norm."""
+        if isinstance(h, PendingNorm):
+            residual = h.residual
+        elif residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
+        post = split_norm(self.post_attention_layernorm, residual, self.mlp)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h)
+            h = self.linear_attn(h, post)
         else:
-            h = self.self_attn(h, cos, sin)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            h = self.self_attn(h, cos, sin, post)
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        if next_layer is None or not isinstance(self.mlp, MLP):  # the MoE sum is no GEMV
+            return self.mlp(h), residual
+        return self.mlp(h, split_norm(next_layer.input_layernorm, residual, next_layer)), residual
+
+    def takes_pending(self, x: torch.Tensor) -> bool:
+        """Whether this layer's attention / GDN projections finish a PendingNorm."""
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        return mixer.takes_pending(x)
+
+
+def split_norm(norm: RMSNorm, residual: torch.Tensor, consumer: nn.Module) -> AddNorm | None:
+    """The AddNorm a one-row producing GEMV is handed (appliance_kernels/gemv_norm.py) where
+    the norm's consumer finishes it inside its own GEMV; None: the norm kernel runs."""
+    if not SPLIT_NORMS or residual.shape[0] != 1:
+        return None
+    takes = getattr(consumer, "takes_pending", None)
+    return norm.split(residual) if takes is not None and takes(residual) else None
 
 
 class TextModel(nn.Module):
@@ -119,8 +153,11 @@ class Qwen3_5ForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rotary(positions)
         residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, cos, sin)
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            h, residual = layer(
+                h, residual, cos, sin, layers[i + 1] if i + 1 < len(layers) else None
+            )
         h, _ = self.model.norm(h, residual)
         return h
 

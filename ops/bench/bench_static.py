@@ -36,10 +36,18 @@ from appliance.engine.mtp_graphs import MtpGraphs
 from appliance.engine.pools import kv_bytes_per_slot, state_bytes_per_slot
 from appliance.engine.runner import ModelRunner
 from appliance.messages import NewRequest, SamplingOptions, ScheduledChunk, StepPlan
+from appliance.models import qwen3_5
 from appliance.models.layers import gdn as gdn_layer
 from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.moe import SparseMoE
-from appliance_kernels import fp8_gemv, gemv_rows, gemv_swiglu, moe_gemv, triton_utils
+from appliance_kernels import (
+    fp8_gemv,
+    gemv_norm,
+    gemv_rows,
+    gemv_swiglu,
+    moe_gemv,
+    triton_utils,
+)
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -318,6 +326,8 @@ def kernel_switches() -> tuple:
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
         gdn_layer.FUSE_CONV,
+        qwen3_5.SPLIT_NORMS,
+        gemv_norm.RELEASE_PRODUCERS,
     )
 
 
@@ -406,6 +416,15 @@ def main() -> None:
         "quant_methods.Unquantized.GEMV_CONV); the decode graphs are captured again for each",
     )
     ap.add_argument(
+        "--split-norms",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off", "release"],
+        help="one row: each RMSNorm between two projections split across their GEMVs (on, "
+        "appliance_kernels/gemv_norm.py; release: the producing GEMV lets the next launch early, "
+        "gemv_norm.RELEASE_PRODUCERS) or its own kernel (off); graphs captured again for each",
+    )
+    ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
@@ -437,7 +456,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -445,6 +464,7 @@ def main() -> None:
         args.moe_pairs,
         args.fp8_gemv_tile,
         args.gemv_conv,
+        args.split_norms,
         args.graphs,
     ):
         before = kernel_switches()
@@ -456,6 +476,8 @@ def main() -> None:
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
+        qwen3_5.SPLIT_NORMS = norms != "off"
+        gemv_norm.RELEASE_PRODUCERS = norms == "release"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -476,6 +498,8 @@ def main() -> None:
             print(f"fp8 GEMV tile {tile}")
         if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
             print(f"GDN conv in the GEMV {conv}")
+        if len(args.split_norms) > 1 and graphs == args.graphs[0]:
+            print(f"norms split across the GEMVs {norms}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -501,6 +525,7 @@ def main() -> None:
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
                     r["gemv_conv"] = conv
+                    r["split_norms"] = norms
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -13,10 +13,11 @@ from torch import nn
 
 from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, blocks_fit, even_shard
-from appliance.models.layers.norm import RMSNorm
+from appliance.models.layers.norm import RMSNorm, rows
 from appliance.models.layers.parallel import tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.attention import KVScales, paged_attention
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 from appliance_kernels.qk_norm_rope import qk_norm_rope_store
 
 
@@ -129,16 +130,31 @@ class Attention(nn.Module):
     def kv_scales(self) -> KVScales:
         return KVScales(self.k_scale, self.v_scale, *self.kv_scales_host)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(
+        self, x: torch.Tensor | PendingNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, q_local], k, v [T, kv_local]; fused: column views of one
         [T, q_local + 2 kv_local] output (row stride wider than the view, last dim contiguous)."""
         if self.qkv_proj is not None:
             return self.qkv_proj(x).split(self.qkv_split, dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def takes_pending(self, x: torch.Tensor) -> bool:
+        """Whether every projection of x finishes a PendingNorm inside its GEMV."""
+        projections = [self.qkv_proj] if self.qkv_proj is not None else []
+        projections = projections or [self.q_proj, self.k_proj, self.v_proj]
+        return all(p.takes_pending(x) for p in projections)
+
+    def forward(
+        self,
+        x: torch.Tensor | PendingNorm,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        add_norm: AddNorm | None = None,
+    ) -> torch.Tensor | PendingNorm:
+        """x may be a PendingNorm; with `add_norm` o_proj may return one (RowLinear)."""
         ctx = get_forward_context()
-        num_tokens = x.shape[0]
+        num_tokens = rows(x)
         q, k, v = self.project_qkv(x)
         if self.gated:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -179,4 +195,4 @@ class Attention(nn.Module):
             kv_scales=scales,
             gate=gate,  # out * sigmoid(gate), applied where the output is stored
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), add_norm)

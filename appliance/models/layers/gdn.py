@@ -9,13 +9,14 @@ from torch import nn
 
 from appliance.models.context import get_forward_context
 from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, even_shard
-from appliance.models.layers.norm import GatedRMSNorm
+from appliance.models.layers.norm import GatedRMSNorm, rows
 from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.conv1d import causal_conv1d, causal_conv1d_verify
 from appliance_kernels.fp8_gemv import GemvConv
 from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
 from appliance_kernels.gdn_gate import RawGates
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
@@ -99,9 +100,19 @@ class GatedDeltaNet(nn.Module):
         parts = [even_shard(piece, 0) for piece in loaded.split(self.segments, dim=0)]
         copy_into(param, torch.cat(parts, dim=0))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_pending(self, x: torch.Tensor) -> bool:
+        """Whether every projection of x finishes a PendingNorm inside its GEMV."""
+        ba = self.in_proj_ba
+        if ba is None or not self.in_proj.takes_pending(x):
+            return self.in_proj.takes_pending(x)
+        return ba.takes_pending(x) or self.in_proj.takes_pending_with(x, ba)
+
+    def forward(
+        self, x: torch.Tensor | PendingNorm, add_norm: AddNorm | None = None
+    ) -> torch.Tensor | PendingNorm:
+        """x may be a PendingNorm; with `add_norm` out_proj may return one (RowLinear)."""
         ctx = get_forward_context()
-        num_tokens = x.shape[0]
+        num_tokens = rows(x)
         # At one row where the GEMV runs, one launch: in_proj, b and a (their own bf16 layer in
         # fp8 checkpoints) and the conv as the GEMV stores q, k, v (with_tail, GemvConv); else
         # views of the outputs (no concatenation kernel) and the conv kernel
@@ -125,7 +136,7 @@ class GatedDeltaNet(nn.Module):
         out = self._delta_rule(q, k, v, gates, ctx)  # [T, Hv, Dv]
         z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
         out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
-        return self.out_proj(out)
+        return self.out_proj(out, add_norm)
 
     def _gemv_conv(self, num_tokens: int, ctx) -> GemvConv | None:
         """The conv for the in_proj GEMV to run as it stores, at one plain row (batch-1 decode)."""

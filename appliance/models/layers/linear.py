@@ -21,9 +21,11 @@ from appliance.models.layers.quant_methods import (
     block_rows,
     channel_scale,
     linear_method,
+    tail_fits,
 )
 from appliance_kernels.fp8 import FP8_DTYPE
 from appliance_kernels.fp8_gemv import GemvConv
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 
 ShardFn = Callable[
     [torch.Tensor, int], torch.Tensor
@@ -62,8 +64,19 @@ class _QuantLinear(nn.Module):
         if self.weight_scale is not None:
             self.weight_scale.weight_loader = loader
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor | PendingNorm, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias); a PendingNorm x (appliance_kernels/gemv_norm.py) is finished inside
+        the one-row GEMV where that is the route, else normalised first."""
+        if isinstance(x, PendingNorm):
+            out = self.method.one_row(x.x_pre, self.weight, self.weight_scale, bias, norm_in=x)
+            if out is not None:
+                return out
+            x = x.materialize()
         return self.method.apply(x, self.weight, self.weight_scale, bias)
+
+    def takes_pending(self, x: torch.Tensor) -> bool:
+        """Whether a PendingNorm of rows like x is finished inside this layer's GEMV."""
+        return self.method.gemv_route(x, self.weight)
 
     def finish_loading(self) -> None:
         weight, scale = self.method.finish(self.weight, self.weight_scale)
@@ -162,25 +175,45 @@ class ColumnLinear(_QuantLinear):
         if hasattr(param, "loaded_segments"):
             param.loaded_segments.add(shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
     def with_tail(
-        self, x: torch.Tensor, tail: ColumnLinear | None, conv: GemvConv | None = None
+        self,
+        x: torch.Tensor | PendingNorm,
+        tail: ColumnLinear | None,
+        conv: GemvConv | None = None,
     ) -> torch.Tensor | None:
         """[self(x), tail(x)] in one launch where the method's one-row GEMV can also read the
         unquantised `tail` layer's weight (or no tail), its first outputs through a GDN `conv`
-        (quant_methods.Unquantized.apply_with_tail); None: call the layers."""
-        if self.bias is not None:
-            return None
-        if tail is not None and (tail.bias is not None or type(tail.method) is not Unquantized):
+        (quant_methods.Unquantized.apply_with_tail), a PendingNorm x finished inside it; None:
+        call the layers."""
+        if not self._takes_tail(tail):
             return None
         tail_weight = tail.weight if tail is not None else None
+        if isinstance(x, PendingNorm):
+            if conv is None and tail is None:
+                return None
+            if not self.method.gemv_route(x.x_pre, self.weight):
+                return None
+            return self.method.one_row(
+                x.x_pre, self.weight, self.weight_scale, tail=tail_weight, conv=conv, norm_in=x
+            )
         return self.method.apply_with_tail(x, self.weight, self.weight_scale, tail_weight, conv)
 
-    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _takes_tail(self, tail: ColumnLinear | None) -> bool:
+        no_bias = self.bias is None and (tail is None or tail.bias is None)
+        return no_bias and (tail is None or type(tail.method) is Unquantized)
+
+    def takes_pending_with(self, x: torch.Tensor, tail: ColumnLinear) -> bool:
+        """Whether with_tail finishes a PendingNorm of rows like x for this layer and `tail`."""
+        return self._takes_tail(tail) and self.takes_pending(x) and tail_fits(x, tail.weight)
+
+    def swiglu(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see
         quant_methods.Unquantized.swiglu); None: run forward, then silu_and_mul."""
+        if isinstance(x, PendingNorm):
+            return None
         if self.bias is not None or len(self.local) != 2 or self.local[0] != self.local[1]:
             return None
         return self.method.swiglu(x, self.weight, self.weight_scale)
@@ -235,8 +268,16 @@ class RowLinear(_QuantLinear):
         else:  # weight columns, or block-scale columns (aligned, checked at construction)
             copy_into(param, even_shard(loaded, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, add_norm: AddNorm | None = None
+    ) -> torch.Tensor | PendingNorm:
+        """With `add_norm` (one tensor-parallel rank): the PendingNorm of (x W^T + residual) where
+        the one-row GEMV is the route (appliance_kernels/gemv_norm.py), else x W^T as without."""
         bias = self.bias if (self.bias is not None and tp_rank() == 0) else None
+        if add_norm is not None and tp_size() == 1 and self.reduce:
+            out = self.method.one_row(x, self.weight, self.weight_scale, bias, add_norm=add_norm)
+            if out is not None:
+                return out
         y = self._matmul(x, bias)
         return all_reduce(y) if self.reduce else y
 

@@ -8,6 +8,7 @@ from torch import nn
 from appliance.models.layers.linear import ColumnLinear, RowLinear
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.activation import silu_and_mul
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 
 
 class MLP(nn.Module):
@@ -31,9 +32,16 @@ class MLP(nn.Module):
         down = quant_for(quant, f"{prefix}.down_proj")
         self.down_proj = RowLinear(intermediate, hidden, reduce=reduce, quant=down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | PendingNorm, add_norm: AddNorm | None = None
+    ) -> torch.Tensor | PendingNorm:
+        """x may be a PendingNorm; with `add_norm` the down projection may return one
+        (RowLinear.forward)."""
         # one kernel where it runs (appliance_kernels/gemv_swiglu.py)
         act = self.gate_up_proj.swiglu(x)
         if act is None:
             act = silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(act)
+        return self.down_proj(act, add_norm)
+
+    def takes_pending(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_pending(x)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import copy_into
+from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 from appliance_kernels.norm import gated_rms_norm, rms_norm
 
 
@@ -33,6 +34,24 @@ class RMSNorm(nn.Module):
         if residual is None:
             return out.view(shape)
         return out.view(shape), new_residual.view(shape)
+
+    def add(
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+        """forward(x, residual), unless the GEMV that made x did it (a PendingNorm made with
+        `split`): then x as it is and its residual."""
+        if isinstance(x, PendingNorm):
+            return x, x.residual
+        return self(x, residual)
+
+    def split(self, residual: torch.Tensor) -> AddNorm:
+        """This norm of (output + residual), for a one-row GEMV to start (gemv_norm.py)."""
+        return AddNorm(residual, self.weight, self.eps, self.zero_centered)
+
+
+def rows(x: torch.Tensor | PendingNorm) -> int:
+    """The token count of a layer input that may be a PendingNorm."""
+    return (x.x_pre if isinstance(x, PendingNorm) else x).shape[0]
 
 
 class GatedRMSNorm(nn.Module):

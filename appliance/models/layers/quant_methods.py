@@ -24,6 +24,7 @@ from appliance_kernels.fp8_gemv import (
     gemv_wins,
     linear,
 )
+from appliance_kernels.gemv_norm import PendingNorm
 from appliance_kernels.gemv_swiglu import gemv_swiglu, swiglu_fits
 from appliance_kernels.triton_utils import use_triton
 
@@ -54,6 +55,28 @@ class Unquantized:
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return linear(x, weight, bias)
 
+    def gemv_route(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `apply` reads this weight with the one-row GEMV of appliance_kernels/fp8_gemv.py
+        (the kernel that also takes a tail, a conv and a split norm)."""
+        n, k = weight.shape
+        return (
+            _one_row(x)
+            and x.dtype in GEMV_DTYPES
+            and weight.dtype == x.dtype
+            and weight.stride(-1) == 1
+            and bf16_gemv_wins(1, n, k)
+        )
+
+    def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
+        return fp8_gemv(x, weight, None, bias, bf16_gemv_config(*weight.shape), **extras)
+
+    def one_row(self, x, weight, scale, bias=None, **extras) -> torch.Tensor | PendingNorm | None:
+        """This method's one-row GEMV of x [1, K] with fp8_gemv's extras (tail, conv, norm_in,
+        add_norm); None where that GEMV is not its route for x."""
+        if not self.gemv_route(x, weight):
+            return None
+        return self._gemv(x.reshape(1, -1), weight, scale, bias, **extras)
+
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         """SiLU(gate) * up of a [gate; up] weight in one kernel where appliance_kernels.gemv_swiglu
         runs (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
@@ -67,16 +90,9 @@ class Unquantized:
         in_proj); with a `conv` the first C outputs leave through the GDN layer's conv
         (fp8_gemv.GemvConv). None: the caller runs the layers. A 16-bit in_proj holds b / a
         already, so this method takes the call only for its conv."""
-        n, k = weight.shape
-        if conv is None or not (
-            _tail_fits(x, tail)
-            and x.dtype in GEMV_DTYPES
-            and weight.dtype == x.dtype
-            and weight.stride(-1) == 1
-            and bf16_gemv_wins(1, n, k)
-        ):
+        if conv is None or not tail_fits(x, tail):
             return None
-        return _flat(fp8_gemv, x, weight, None, None, bf16_gemv_config(n, k), tail, conv)
+        return self.one_row(x, weight, scale, tail=tail, conv=conv)
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
         """Called once every tensor is loaded; returns the (weight, scale) to keep."""
@@ -103,14 +119,20 @@ class Fp8Channel(Unquantized):
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_linear, x, weight, scale, bias)
 
+    def gemv_route(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return _one_row(x) and one_row_gemv(x.reshape(1, -1), weight)
+
+    def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
+        return fp8_gemv(x, weight, scale, bias, **extras)
+
     def swiglu(self, x, weight, scale) -> torch.Tensor | None:
         if swiglu_fits(x, weight, scale) and one_row_gemv(x.reshape(1, -1), weight):
             return gemv_swiglu(x, weight, scale)
         return None
 
     def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
-        if _tail_fits(x, tail) and one_row_gemv(x.reshape(1, -1), weight):
-            return _flat(fp8_gemv, x, weight, scale, None, None, tail, conv)
+        if tail_fits(x, tail):
+            return self.one_row(x, weight, scale, tail=tail, conv=conv)
         return None
 
 
@@ -159,21 +181,28 @@ class Fp8Block(Unquantized):
             cublaslt_block_ready(weight.device)
         return weight, scale
 
-    def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
+    def gemv_route(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         n, k = weight.shape
-        if _tail_fits(x, tail) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k):
-            return _flat(fp8_gemv_block, x, weight, scale, self.block, None, None, tail, conv)
+        return _one_row(x) and gemv_wins(1, n, k) and block_gemv_fits(self.block, n, k)
+
+    def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
+        return fp8_gemv_block(x, weight, scale, self.block, bias, **extras)
+
+    def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
+        if tail_fits(x, tail):
+            return self.one_row(x, weight, scale, tail=tail, conv=conv)
         return None
 
 
-def _tail_fits(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
-    """One row on the Triton route and a contiguous tail weight (if any) in x's dtype."""
-    return (
-        use_triton(x)
-        and x.numel() == x.shape[-1]
-        and x.stride(-1) == 1
-        and (tail is None or (tail.dtype == x.dtype and tail.is_contiguous()))
-    )
+def _one_row(x: torch.Tensor) -> bool:
+    """One contiguous row on the Triton route."""
+    return use_triton(x) and x.numel() == x.shape[-1] and x.stride(-1) == 1
+
+
+def tail_fits(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
+    """Whether a one-row GEMV can read `tail` after its own weight: one row on the Triton route
+    and a contiguous tail weight (if any) in x's dtype."""
+    return _one_row(x) and (tail is None or (tail.dtype == x.dtype and tail.is_contiguous()))
 
 
 def linear_method(quant: QuantConfig | None) -> Unquantized:
