@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import DEVICE, gpu, randn
-from tolerances import assert_close
+from tolerances import assert_close, rel_error
 
 import appliance_kernels.fp8
 import appliance_kernels.fp8_gemv
@@ -17,6 +17,7 @@ from appliance.models.layers import quant_methods
 from appliance.models.layers.mlp import MLP
 from appliance.models.layers.quant import QuantConfig
 from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
+from appliance_kernels.gemv_norm import AddNorm, add_norm_ref
 from appliance_kernels.gemv_swiglu import gemv_swiglu, gemv_swiglu_ref, swiglu_fits
 
 CONFIGS = [
@@ -53,6 +54,22 @@ def test_refuses_what_it_does_not_run():
         gemv_swiglu(randn(1, 128, dtype=torch.bfloat16), w[:63])  # odd rows
     with pytest.raises(ValueError, match="16-bit row"):
         gemv_swiglu(randn(1, 128), w.float())
+
+
+@pytest.mark.parametrize("kind", ["bf16", "channel"])
+def test_a_pending_norm_is_finished_inside(kind):
+    """x as a split RMSNorm leaves it (appliance_kernels/gemv_norm.py): gate and up times its
+    1 / rms, against the norm kernel's row through the unfused math."""
+    hidden, inter = 96, 40
+    y = randn(1, hidden, dtype=torch.bfloat16, seed=1, scale=3.0)
+    add = AddNorm(randn(1, hidden, dtype=torch.bfloat16, seed=2), randn(hidden, seed=3), 1e-6, True)
+    pending = add_norm_ref(y, add)
+    pending = pending._replace(partials=pending.residual.float().reshape(4, -1).pow(2).sum(-1))
+    w, s = weight(kind, 2 * inter, hidden, seed=4)
+    got = gemv_swiglu(pending.x_pre, w, s, CONFIGS[1], norm_in=pending)
+    want = gemv_swiglu_ref(pending.materialize(), w, s)
+    assert rel_error(got, want) < 1e-2  # x_pre rounded before the 1 / rms factor, not after
+    assert rel_error(gemv_swiglu(pending.x_pre, w, s, CONFIGS[1]), want) > 0.05  # not a no-op
 
 
 def test_fits_only_when_enabled_on_cuda_for_one_row(monkeypatch):

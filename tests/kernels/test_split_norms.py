@@ -20,6 +20,7 @@ from test_qwen3_5_parity import engine_logits  # noqa: E402
 
 import appliance_kernels.fp8  # noqa: E402
 import appliance_kernels.fp8_block  # noqa: E402
+import appliance_kernels.gemv_swiglu  # noqa: E402
 from appliance.models import qwen3_5  # noqa: E402
 from appliance.models.layers import quant_methods  # noqa: E402
 from appliance.testing.fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
@@ -60,26 +61,41 @@ def _one_row_gemvs(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "name,quantization,options,splits_per_step",
+    "name,quantization,options,swiglu,splits_per_step",
     [
         # every layer's post-attention norm and every input norm but layer 0's: 2 L - 1
-        ("dense", "", {"dtype": "bfloat16"}, lambda layers: 2 * layers - 1),
-        ("dense", "fp8", {}, lambda layers: 2 * layers - 1),
-        ("block", "", {}, lambda layers: 2 * layers - 1),
+        ("dense", "", {"dtype": "bfloat16"}, False, lambda layers: 2 * layers - 1),
+        ("dense", "fp8", {}, False, lambda layers: 2 * layers - 1),
+        # the MLP's gate_up + activation as one kernel, finishing the norm (gemv_swiglu.py)
+        ("dense", "fp8", {"dtype": "bfloat16"}, True, lambda layers: 2 * layers - 1),
+        ("block", "", {}, False, lambda layers: 2 * layers - 1),
         # the post-attention norms feed the MoE, the input norms follow its sum: none split
-        ("moe", "fp8", {}, lambda layers: 0),
+        ("moe", "fp8", {}, False, lambda layers: 0),
     ],
 )
 def test_split_norms_give_the_norm_kernels_logits(
-    checkpoints, monkeypatch, name, quantization, options, splits_per_step
+    checkpoints, monkeypatch, name, quantization, options, swiglu, splits_per_step
 ):
     splits = _one_row_gemvs(monkeypatch)
+    swiglus = []
+    if swiglu:
+        monkeypatch.setattr(appliance_kernels.gemv_swiglu, "USE_SWIGLU", True)
+        monkeypatch.setattr(appliance_kernels.gemv_swiglu, "use_triton", lambda t: True)
+        real_swiglu = quant_methods.gemv_swiglu
+
+        def counted_swiglu(*args):
+            swiglus.append(args[-1] is not None)  # whether it finished a split norm
+            return real_swiglu(*args)
+
+        monkeypatch.setattr(quant_methods, "gemv_swiglu", counted_swiglu)
     assert qwen3_5.SPLIT_NORMS
     options = dict(options, disable_cuda_graph=True)  # one forward a step (no captures)
     model = runner(checkpoints[name], quantization, **options)
     got = engine_logits(model, [IDS], chunk=1)[0]
     layers = len(model.model.model.layers)
     assert len(splits) == len(IDS) * splits_per_step(layers)
+    if swiglu:  # every MLP's gate_up took the fused kernel, each with its split norm
+        assert swiglus == [True] * (len(IDS) * layers)
     monkeypatch.setattr(qwen3_5, "SPLIT_NORMS", False)
     splits.clear()
     want = engine_logits(runner(checkpoints[name], quantization, **options), [IDS], chunk=1)[0]

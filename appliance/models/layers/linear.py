@@ -212,10 +212,10 @@ class ColumnLinear(_QuantLinear):
     def swiglu(self, x: torch.Tensor | PendingNorm) -> torch.Tensor | None:
         """SiLU(gate) * up of this [gate, up] layer in one kernel where the method has one (see
         quant_methods.Unquantized.swiglu); None: run forward, then silu_and_mul."""
-        if isinstance(x, PendingNorm):
-            return None
         if self.bias is not None or len(self.local) != 2 or self.local[0] != self.local[1]:
             return None
+        if isinstance(x, PendingNorm):
+            return self.method.swiglu(x.x_pre, self.weight, self.weight_scale, norm_in=x)
         return self.method.swiglu(x, self.weight, self.weight_scale)
 
 

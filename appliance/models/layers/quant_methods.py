@@ -77,10 +77,13 @@ class Unquantized:
             return None
         return self._gemv(x.reshape(1, -1), weight, scale, bias, **extras)
 
-    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+    def swiglu(self, x, weight, scale, norm_in=None) -> torch.Tensor | None:
         """SiLU(gate) * up of a [gate; up] weight in one kernel where appliance_kernels.gemv_swiglu
-        runs (one row on CUDA, when enabled); None: the caller runs apply + silu_and_mul."""
-        return gemv_swiglu(x, weight) if swiglu_fits(x, weight, None) else None
+        runs (one row on CUDA, when enabled), x a PendingNorm's x_pre with `norm_in`; None: the
+        caller runs apply + silu_and_mul."""
+        if swiglu_fits(x, weight, None):
+            return gemv_swiglu(x, weight, None, None, norm_in)
+        return None
 
     def apply_with_tail(
         self, x, weight, scale, tail, conv: GemvConv | None = None
@@ -125,9 +128,9 @@ class Fp8Channel(Unquantized):
     def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
         return fp8_gemv(x, weight, scale, bias, **extras)
 
-    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+    def swiglu(self, x, weight, scale, norm_in=None) -> torch.Tensor | None:
         if swiglu_fits(x, weight, scale) and one_row_gemv(x.reshape(1, -1), weight):
-            return gemv_swiglu(x, weight, scale)
+            return gemv_swiglu(x, weight, scale, None, norm_in)
         return None
 
     def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
@@ -171,7 +174,7 @@ class Fp8Block(Unquantized):
     def apply(self, x, weight, scale, bias) -> torch.Tensor:
         return _flat(fp8_block_linear, x, weight, scale, self.block, bias)
 
-    def swiglu(self, x, weight, scale) -> torch.Tensor | None:
+    def swiglu(self, x, weight, scale, norm_in=None) -> torch.Tensor | None:
         return None  # block scales: the block GEMV, then silu_and_mul
 
     def finish(self, weight, scale) -> tuple[nn.Parameter, nn.Parameter | None]:
