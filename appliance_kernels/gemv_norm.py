@@ -29,7 +29,7 @@ from appliance_kernels.triton_utils import jit, next_pow2, tl
 # Under PDL (appliance_kernels/triton_utils.py) a GEMV does not let the next kernel launch early
 # (GEMV_PDL "wait"): the norm kernel between two GEMVs did, hiding the second GEMV's launch. True:
 # a producing GEMV (add_norm) lets the consuming GEMV launch as its own programs start (27B
-# batch-1 step, H200, runs CT-CU in docs/benchmarks.md: 0.02-0.10 ms faster than without).
+# batch-1 step with steps in flight, H200, run CT in docs/benchmarks.md: 0.04-0.10 ms faster).
 RELEASE_PRODUCERS = True
 
 
