@@ -51,21 +51,24 @@ def _weights(kind: str, n: int, k: int, seed: int):
     )
 
 
-def _add(zero_centered: bool, seed: int) -> AddNorm:
-    residual = randn(1, H, dtype=torch.bfloat16, seed=seed, scale=2.0)
-    weight = randn(H, seed=seed + 1, scale=0.3) + (0.0 if zero_centered else 1.0)
+def _add(zero_centered: bool, seed: int, hidden: int = H) -> AddNorm:
+    residual = randn(1, hidden, dtype=torch.bfloat16, seed=seed, scale=2.0)
+    weight = randn(hidden, seed=seed + 1, scale=0.3) + (0.0 if zero_centered else 1.0)
     return AddNorm(residual, weight, 1e-6, zero_centered)
 
 
 @pytest.mark.parametrize("zero_centered", [True, False])
-@pytest.mark.parametrize("kind", ["bf16", "channel", "block"])
-def test_producer_adds_the_residual_and_sums_squares(kind, zero_centered):
-    run, ref = _weights(kind, H, K, seed=3)
+@pytest.mark.parametrize(
+    "kind,hidden", [("bf16", H), ("channel", H), ("block", H), ("channel", 90)]
+)
+def test_producer_adds_the_residual_and_sums_squares(kind, hidden, zero_centered):
+    """90 rows: the last program's rows past the end are masked out of its partial."""
+    run, ref = _weights(kind, hidden, K, seed=3)
     x = randn(1, K, dtype=torch.bfloat16, seed=4)
-    add = _add(zero_centered, seed=7)
+    add = _add(zero_centered, seed=7, hidden=hidden)
     got = run(x, add_norm=add)
     assert isinstance(got, PendingNorm)
-    assert got.partials.numel() == -(-H // 8)  # one per program
+    assert got.partials.numel() == -(-hidden // 8)  # one per program
     want = add_norm_ref(ref(x), add)
     assert_close(got.residual, want.residual, torch.bfloat16, name="residual")
     assert_close(got.x_pre, want.x_pre, torch.bfloat16, name="x_pre")
@@ -75,13 +78,14 @@ def test_producer_adds_the_residual_and_sums_squares(kind, zero_centered):
     assert torch.equal(got.materialize(), normed)
 
 
-@pytest.mark.parametrize("kind", ["bf16", "channel", "block"])
-def test_consumer_scales_by_the_pending_rms(kind):
-    run, ref = _weights(kind, 72, H, seed=11)
-    y = randn(1, H, dtype=torch.bfloat16, seed=12, scale=3.0)
-    pending = add_norm_ref(y, _add(True, seed=13))
+@pytest.mark.parametrize("kind,hidden", [("bf16", H), ("channel", H), ("block", H), ("bf16", 90)])
+def test_consumer_scales_by_the_pending_rms(kind, hidden):
+    """90 columns: a K loop with a masked last step."""
+    run, ref = _weights(kind, 72, hidden, seed=11)
+    y = randn(1, hidden, dtype=torch.bfloat16, seed=12, scale=3.0)
+    pending = add_norm_ref(y, _add(True, seed=13, hidden=hidden))
     # split into several partials the way a producer leaves them
-    parts = pending.residual.float().reshape(-1, 16).pow(2).sum(-1)
+    parts = pending.residual.float().reshape(-1, hidden // 6).pow(2).sum(-1)
     pending = pending._replace(partials=parts)
     got = run(pending.x_pre, norm_in=pending)
     exact = (ref(pending.x_pre).float() * rstd_ref(pending)).to(torch.bfloat16)
