@@ -42,13 +42,10 @@ from appliance_kernels.gemv_norm import (
     AddNorm,
     PendingNorm,
     add_norm_args,
-    add_norm_epilogue,
     check_pending,
-    load_partials,
     norm_in_args,
     pending,
     producer_pdl,
-    rstd_of,
 )
 from appliance_kernels.gemv_rows import gemv_rows, rows_wins, store_rows
 from appliance_kernels.triton_utils import (
@@ -121,6 +118,49 @@ def _tail_rows(
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, False)[None, :]
     out2 = tl.sum(acc, axis=1) * row_scale
     tl.store(out2_ptr + rn, out2.to(out2_ptr.dtype.element_ty), mask=n_ok)
+
+
+# A split RMSNorm (appliance_kernels/gemv_norm.py): the consumer's 1 / rms from the producer's
+# partial sums of squares, and the producer's epilogue.
+
+
+@jit
+def load_partials(part_ptr, parts, PARTS: tl.constexpr):
+    """The producer's partial sums (issued before a GEMV's K loop, summed after it)."""
+    idx = tl.arange(0, PARTS)
+    return tl.load(part_ptr + idx, mask=idx < parts, other=0.0)
+
+
+@jit
+def rstd_of(partials, hidden, eps):
+    return 1.0 / tl.sqrt(tl.sum(partials, 0) / hidden + eps)
+
+
+@jit
+def add_norm_epilogue(
+    out,  # [BLOCK_N] fp32: the GEMV's outputs at rows rn
+    rn,
+    n_ok,
+    pid,
+    res_ptr,
+    res_out_ptr,
+    nw_ptr,
+    part_ptr,
+    OUT_DTYPE: tl.constexpr,
+    ZC: tl.constexpr,
+):
+    """New residual rows (stored), this program's partial sum of squares (stored at pid) and the
+    x_pre rows it returns for the caller to store as the GEMV's output."""
+    y = out.to(OUT_DTYPE).to(tl.float32)  # the projection as the unsplit path stores it
+    r = tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    s = (y + r).to(OUT_DTYPE)
+    tl.store(res_out_ptr + rn, s, mask=n_ok)
+    s = tl.where(n_ok, s.to(tl.float32), 0.0)
+    tl.store(part_ptr + pid, tl.sum(s * s, 0))
+    w = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if ZC:
+        return s * (1.0 + w)
+    return s * w.to(OUT_DTYPE).to(tl.float32)
 
 
 @jit
@@ -346,6 +386,11 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
     return USE_GEMV and (m == 1 or (1 < m <= GEMV_MAX_ROWS and k >= 2 * n))
 
 
+# Under PDL a GDN in_proj GEMV with its conv lets the recurrence launch as its programs start, so
+# the recurrence reads its state while the GEMV finishes (appliance_kernels/gdn.py PRELOAD_STATE;
+# off with it).
+CONV_RELEASE = False
+
 # The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
 # gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
@@ -518,7 +563,7 @@ def fp8_gemv(
         BLOCK_K=block_k,
         num_warps=cfg["num_warps"],
     )
-    pdl_options = gemv_pdl(w_q) if add_norm is None else producer_pdl(gemv_pdl(w_q))
+    pdl_options = _release(gemv_pdl(w_q), add_norm, conv)
     if m > 1:  # 2-4 rows: their own kernel (routed for a 16-bit weight with K >= 2N)
         _gemv_rows_kernel[(-(-n // block_n),)](
             x,
@@ -559,6 +604,14 @@ def fp8_gemv(
         **pdl_options,
     )
     return out if add_norm is None else pending(out, add_norm, filled)
+
+
+def _release(options: dict, add_norm: AddNorm | None, conv: GemvConv | None) -> dict:
+    """A one-row GEMV's PDL options: a split norm's producer (gemv_norm.producer_pdl) and a GDN
+    in_proj with its conv (CONV_RELEASE) let the next kernel launch as their programs start."""
+    if add_norm is not None:
+        return producer_pdl(options)
+    return options | {"RELEASE": True} if options and conv is not None and CONV_RELEASE else options
 
 
 def _norm_args(x, out, norm_in, add_norm, programs) -> tuple[tuple, dict, tuple | None]:
@@ -726,6 +779,6 @@ def fp8_gemv_block(
         **conv_consts,
         **norm_consts,
         num_warps=cfg["num_warps"],
-        **(gemv_pdl(w_q) if add_norm is None else producer_pdl(gemv_pdl(w_q))),
+        **_release(gemv_pdl(w_q), add_norm, conv),
     )
     return out if add_norm is None else pending(out, add_norm, filled)

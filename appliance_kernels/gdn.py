@@ -13,7 +13,15 @@ import torch
 
 from appliance_kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
 from appliance_kernels.gdn_gate import RawGates, gate_values, gdn_gating
-from appliance_kernels.triton_utils import jit, next_pow2, pdl, pdl_start, tl, use_triton
+from appliance_kernels.triton_utils import (
+    jit,
+    next_pow2,
+    pdl,
+    pdl_release,
+    pdl_wait,
+    tl,
+    use_triton,
+)
 
 
 def _prep(q, k, v, g, beta, num_v_heads):
@@ -199,6 +207,15 @@ def gdn_verify_ref(
 # -------------------------------------------------------------------------------------------------
 
 RECURRENT_MAX_ROWS = 8  # requests with at most this many rows use the recurrent kernel
+# Under PDL the recurrent kernel reads its programs' state (and the batch's row offsets, slots and
+# flags, which the host writes before the step) before it waits for the kernel before it: only
+# q, k, v and the gates come from that kernel (the GDN in_proj GEMV or the conv). The state was
+# last written by this layer's recurrence a step earlier (or between steps, by MTP's commit and
+# the prefix cache's copies), long finished by then: every kernel since has waited on the one
+# before it. Off by default: on the H200 (run CZ in docs/benchmarks.md, with
+# fp8_gemv.CONV_RELEASE) it took 0.04-0.06 ms off the overlapped 27B batch-1 step, and the engine's
+# GPU tests under PDL have not all run with it yet (ops/bench/bench_static.py --gdn-preload on).
+PRELOAD_STATE = False
 
 
 @jit
@@ -242,9 +259,12 @@ def _gdn_recurrent_kernel(
     MAX_LEN: tl.constexpr,
     VERIFY: tl.constexpr,
     RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (gdn_gate.py)
+    PRELOAD: tl.constexpr = False,  # the state read before the PDL wait (PRELOAD_STATE)
     PDL: tl.constexpr = False,
 ):
-    pdl_start(PDL)
+    pdl_release(PDL)
+    if not PRELOAD:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     hv = tl.program_id(1)
     start = tl.load(cu_ptr + b)
@@ -269,6 +289,8 @@ def _gdn_recurrent_kernel(
     if RAW_GATES:
         a_log = tl.load(a_log_ptr + hv).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+    if PRELOAD:  # q, k, v and the gates come from the kernel before this one
+        pdl_wait(PDL)
     for i in range(0, length):
         t = start.to(tl.int64) + i
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + kk, mask=k_ok, other=0.0)
@@ -368,6 +390,7 @@ def _recurrent_launch(
         MAX_LEN=max_len,
         VERIFY=verify,
         RAW_GATES=raw is not None,
+        PRELOAD=PRELOAD_STATE,
         num_warps=4 if bk * bv <= 4096 else 8,
         **pdl(q),
     )

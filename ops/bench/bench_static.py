@@ -48,6 +48,9 @@ from appliance_kernels import (
     moe_gemv,
     triton_utils,
 )
+from appliance_kernels import (
+    gdn as gdn_kernels,
+)
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -328,6 +331,8 @@ def kernel_switches() -> tuple:
         gdn_layer.FUSE_CONV,
         qwen3_5.SPLIT_NORMS,
         gemv_norm.RELEASE_PRODUCERS,
+        gdn_kernels.PRELOAD_STATE,
+        fp8_gemv.CONV_RELEASE,
     )
 
 
@@ -425,6 +430,15 @@ def main() -> None:
         "gemv_norm.RELEASE_PRODUCERS) or its own kernel (off); graphs captured again for each",
     )
     ap.add_argument(
+        "--gdn-preload",
+        nargs="+",
+        default=["off"],
+        choices=["on", "off"],
+        help="under PDL the GDN recurrence reads its state before waiting for the in_proj, which "
+        "releases it early when the conv is inside it (on: appliance_kernels/gdn.py "
+        "PRELOAD_STATE, fp8_gemv.CONV_RELEASE) or waits first (off); graphs captured again",
+    )
+    ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
@@ -456,7 +470,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, graphs in itertools.product(
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, graphs in itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -465,6 +479,7 @@ def main() -> None:
         args.fp8_gemv_tile,
         args.gemv_conv,
         args.split_norms,
+        args.gdn_preload,
         args.graphs,
     ):
         before = kernel_switches()
@@ -478,6 +493,7 @@ def main() -> None:
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
         qwen3_5.SPLIT_NORMS = norms != "off"
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
+        gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -500,6 +516,8 @@ def main() -> None:
             print(f"GDN conv in the GEMV {conv}")
         if len(args.split_norms) > 1 and graphs == args.graphs[0]:
             print(f"norms split across the GEMVs {norms}")
+        if len(args.gdn_preload) > 1 and graphs == args.graphs[0]:
+            print(f"GDN state read before the wait {preload}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -526,6 +544,7 @@ def main() -> None:
                     r["fp8_gemv_tile"] = tile
                     r["gemv_conv"] = conv
                     r["split_norms"] = norms
+                    r["gdn_preload"] = preload
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
