@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
 def split_norm(norm: RMSNorm, residual: torch.Tensor, consumer: nn.Module) -> AddNorm | None:
     """The AddNorm a one-row producing GEMV is handed (appliance_kernels/gemv_norm.py) where
     the norm's consumer finishes it inside its own GEMV; None: the norm kernel runs."""
-    if not SPLIT_NORMS or residual.shape[0] != 1:
+    if not SPLIT_NORMS or residual.shape[0] != 1 or not residual.is_contiguous():
         return None
     takes = getattr(consumer, "takes_pending", None)
     return norm.split(residual) if takes is not None and takes(residual) else None
