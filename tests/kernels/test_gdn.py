@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
+import appliance_kernels.gdn as gdn_kernels
 from appliance_kernels.gdn import (
     gdn,
     gdn_chunked_ref,
@@ -77,6 +78,20 @@ def test_recurrent_matches_reference(lens, has_init, dtype):
     )
     assert_close(got, expected, dtype, factor=ACCUMULATING, name="o")
     check_pool(pool, ref_pool, inputs[6], dtype)
+
+
+def test_recurrent_with_the_state_read_before_the_wait(monkeypatch):
+    """PRELOAD_STATE moves the state, slot and flag loads ahead of the PDL wait (a no-op without
+    PDL, as here and in the kernel tests on CUDA): the same kernel, the reference's result."""
+    monkeypatch.setattr(gdn_kernels, "PRELOAD_STATE", True)
+    lens, has_init = [1, 2, 0, 1], [True, False, True, True]
+    inputs = make_inputs(lens, 2, 4, 16, 32, torch.bfloat16, seed=9, has_init=has_init)
+    out = poison(torch.empty(inputs[2].shape, dtype=torch.bfloat16, device=DEVICE))
+    got, expected, pool, ref_pool = run_both(
+        gdn_recurrent_ref, gdn_kernels.gdn_recurrent_triton, inputs, out=out
+    )
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="o")
+    check_pool(pool, ref_pool, inputs[6], torch.bfloat16)
 
 
 @pytest.mark.parametrize("dv", [16, 32])  # 16 x 16 heads: the tiny test models' (bf16 tile floor)
