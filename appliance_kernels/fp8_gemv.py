@@ -100,13 +100,19 @@ def _tail_rows(
     n2_size,
     k_size,
     stride_w2n,
-    row_scale,  # 1 / rms of a pending norm (norm_in), else 1
+    np_ptr,  # NORM_IN: the pending norm's partials, their count, its eps (gemv_norm.py)
+    n_parts,
+    norm_eps,
     STAGES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NORM_IN: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
     """BLOCK_N rows (tile tid) of a small unscaled 16-bit weight read after a GEMV's own rows, in
-    the same launch (`tail`): out2 = x W2^T * row_scale."""
+    the same launch (`tail`): out2 = x W2^T (times the pending norm's 1 / rms with NORM_IN)."""
+    if NORM_IN:
+        partials = load_partials(np_ptr, n_parts, PARTS)
     rn = tid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n2_size
@@ -116,7 +122,9 @@ def _tail_rows(
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, False)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, False)[None, :]
-    out2 = tl.sum(acc, axis=1) * row_scale
+    out2 = tl.sum(acc, axis=1)
+    if NORM_IN:
+        out2 = out2 * rstd_of(partials, k_size, norm_eps)
     tl.store(out2_ptr + rn, out2.to(out2_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -249,11 +257,9 @@ def _gemv_kernel(
         tail_programs = tl.cdiv(n2_size, BLOCK_N)
         if pid < tail_programs:
             pdl_wait(PDL)
-            row_scale = 1.0
-            if NORM_IN:
-                row_scale = rstd_of(load_partials(np_ptr, n_parts, PARTS), k_size, norm_eps)
-            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n, row_scale)
-            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            norm_in = (np_ptr, n_parts, norm_eps)
+            _tail_rows(x_ptr, *tail_args, *norm_in, STAGES, BLOCK_N, BLOCK_K, NORM_IN, PARTS)
             return
         pid -= tail_programs
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -693,11 +699,9 @@ def _gemv_block_kernel(
         tail_programs = tl.cdiv(n2_size, BLOCK_N)
         if pid < tail_programs:
             pdl_wait(PDL)
-            row_scale = 1.0
-            if NORM_IN:
-                row_scale = rstd_of(load_partials(np_ptr, n_parts, PARTS), k_size, norm_eps)
-            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n, row_scale)
-            _tail_rows(x_ptr, *tail_args, STAGES, BLOCK_N, BLOCK_K)
+            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
+            norm_in = (np_ptr, n_parts, norm_eps)
+            _tail_rows(x_ptr, *tail_args, *norm_in, STAGES, BLOCK_N, BLOCK_K, NORM_IN, PARTS)
             return
         pid -= tail_programs
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -141,9 +141,9 @@ class Attention(nn.Module):
 
     def takes_pending(self, x: torch.Tensor) -> bool:
         """Whether every projection of x finishes a PendingNorm inside its GEMV."""
-        projections = [self.qkv_proj] if self.qkv_proj is not None else []
-        projections = projections or [self.q_proj, self.k_proj, self.v_proj]
-        return all(p.takes_pending(x) for p in projections)
+        if self.qkv_proj is not None:
+            return self.qkv_proj.takes_pending(x)
+        return all(p.takes_pending(x) for p in (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,

@@ -103,9 +103,9 @@ class GatedDeltaNet(nn.Module):
     def takes_pending(self, x: torch.Tensor) -> bool:
         """Whether every projection of x finishes a PendingNorm inside its GEMV."""
         ba = self.in_proj_ba
-        if ba is None or not self.in_proj.takes_pending(x):
-            return self.in_proj.takes_pending(x)
-        return ba.takes_pending(x) or self.in_proj.takes_pending_with(x, ba)
+        if not self.in_proj.takes_pending(x):
+            return False
+        return ba is None or ba.takes_pending(x) or self.in_proj.takes_pending_with(x, ba)
 
     def forward(
         self, x: torch.Tensor | PendingNorm, add_norm: AddNorm | None = None
