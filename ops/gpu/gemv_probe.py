@@ -83,17 +83,25 @@ def main() -> None:
         default=0,
         help=f"bf16 rows read by the same launch at {TAIL_SHAPE!r} (27B: 96, the b / a rows)",
     )
+    p.add_argument(
+        "--tiles",
+        nargs="+",
+        default=[],
+        help="BLOCK_N,BLOCK_K,WARPS,STAGES tiles timed instead of the default grid",
+    )
     args = p.parse_args()
+    grid = [tile(*map(int, t.split(","))) for t in args.tiles] or GRID
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, {args.kind} weights")
-    for name in args.shapes:
+    names = [s for s in SHAPES if any(want in s for want in args.shapes)]  # "out_proj" matches
+    for name in names:
         n, k = SHAPES[name]
         w_q, w_s, fn = weights(args.kind, n, k)
         tail = None
         if args.tail and name == TAIL_SHAPE:
             tail = torch.randn(args.tail, k, device="cuda", dtype=torch.bfloat16) * 0.05
         nbytes = w_q.numel() * w_q.element_size() + (tail.numel() * 2 if tail is not None else 0)
-        variants = GRID + [DEFAULTS[args.kind](n, k)]
+        variants = grid + [DEFAULTS[args.kind](n, k)]
         wq = [w_q.clone() for _ in range(max(2, L2_BYTES // nbytes))]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         ref = fn(x, w_q, w_s, variants[-1], tail).float()
