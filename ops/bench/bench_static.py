@@ -333,7 +333,19 @@ def kernel_switches() -> tuple:
         gemv_norm.RELEASE_PRODUCERS,
         gdn_kernels.PRELOAD_STATE,
         fp8_gemv.CONV_RELEASE,
+        fp8_gemv.GEMV_PEEL,
     )
+
+
+def switch(
+    ap: argparse.ArgumentParser,
+    flag: str,
+    default: str,
+    help: str,
+    choices: tuple[str, ...] = ("on", "off"),
+) -> None:
+    """A kernel switch: each value given is measured in turn, the graphs captured again."""
+    ap.add_argument(flag, nargs="+", default=[default], choices=list(choices), help=help)
 
 
 def main() -> None:
@@ -366,41 +378,38 @@ def main() -> None:
         help="weights: bf16, online fp8 per channel, or block fp8 as in Qwen's -FP8 repos",
     )
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
-    ap.add_argument(
+    switch(
+        ap,
         "--gemv",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="one-row linears: the GEMV of appliance_kernels/fp8_gemv.py (on) or the GEMM routes "
+        "on",
+        "one-row linears: the GEMV of appliance_kernels/fp8_gemv.py (on) or the GEMM routes "
         "(off); the decode graphs are captured again for each",
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--rows",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off"],
-        help="2-8 row linears of 16-bit weights (an MTP verify, a small batch): the tensor-core "
+        "on",
+        "2-8 row linears of 16-bit weights (an MTP verify, a small batch): the tensor-core "
         "rows GEMV of appliance_kernels/gemv_rows.py (on) or cuBLAS / the FMA rows GEMV (off); "
         "the decode graphs are captured again for each",
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--swiglu",
-        nargs="+",
-        default=["off"],
-        choices=["on", "off"],
-        help="one-row MLPs: gate_up and SiLU-and-mul as one kernel "
+        "off",
+        "one-row MLPs: gate_up and SiLU-and-mul as one kernel "
         "(appliance_kernels/gemv_swiglu.py, on) or the GEMV then the activation (off, the default "
         "as served); the decode graphs are captured again for each",
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--pdl",
-        nargs="+",
-        default=["on"],
-        choices=["off", "on", "small", "full"],
-        help="programmatic dependent launch of the Triton kernels: off (as served with "
+        "on",
+        "programmatic dependent launch of the Triton kernels: off (as served with "
         "APPLIANCE_ENABLE_PDL=0); on (the default: the GEMVs wait but do not let the next kernel "
         "launch early); small (not the GEMVs); full (the GEMVs too let the next kernel launch "
         "early); the decode graphs are captured again for each",
+        choices=("off", "on", "small", "full"),
     )
     ap.add_argument(
         "--moe-pairs",
@@ -411,32 +420,39 @@ def main() -> None:
         "appliance_kernels/moe_gemv.py take (more: the grouped GEMMs); the decode graphs are "
         "captured again for each",
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--gemv-conv",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "on", "off"],
-        help="one row: the GDN conv inside the in_proj GEMV's store (on), its own kernel (off) or "
+        "auto",
+        "one row: the GDN conv inside the in_proj GEMV's store (on), its own kernel (off) or "
         "as served (auto: where the in_proj's quantisation measured faster, see "
         "quant_methods.Unquantized.GEMV_CONV); the decode graphs are captured again for each",
+        choices=("auto", "on", "off"),
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--split-norms",
-        nargs="+",
-        default=["on"],
-        choices=["on", "off", "release"],
-        help="one row: each RMSNorm between two projections split across their GEMVs (on, "
-        "appliance_kernels/gemv_norm.py; release: the producing GEMV lets the next launch early, "
-        "gemv_norm.RELEASE_PRODUCERS) or its own kernel (off); graphs captured again for each",
+        "release",
+        "one row: each RMSNorm between two projections split across their GEMVs (on, "
+        "appliance_kernels/gemv_norm.py; release, as served: the producing GEMV also lets the "
+        "next launch early, gemv_norm.RELEASE_PRODUCERS) or its own kernel (off); graphs "
+        "captured again for each",
+        choices=("on", "off", "release"),
     )
-    ap.add_argument(
+    switch(
+        ap,
         "--gdn-preload",
-        nargs="+",
-        default=["off"],
-        choices=["on", "off"],
-        help="under PDL the GDN recurrence reads its state before waiting for the in_proj, which "
+        "off",
+        "under PDL the GDN recurrence reads its state before waiting for the in_proj, which "
         "releases it early when the conv is inside it (on: appliance_kernels/gdn.py "
         "PRELOAD_STATE, fp8_gemv.CONV_RELEASE) or waits first (off); graphs captured again",
+    )
+    switch(
+        ap,
+        "--gemv-peel",
+        "off",
+        "one-row GEMVs load their first weight tile before the PDL wait (on: "
+        "appliance_kernels/fp8_gemv.py GEMV_PEEL) or after it (off); graphs captured again",
     )
     ap.add_argument(
         "--fp8-gemv-tile",
@@ -470,7 +486,7 @@ def main() -> None:
         f"{'draft ms':>9} {'verify/plain':>12} {'draft/plain':>11} {'floor ms':>8} "
         f"{'plain/floor':>11} {'overlap ms':>10} {'overlap/floor':>13} {'ITL@pub ms':>10}"
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, graphs in itertools.product(
+    switches = itertools.product(
         args.pdl,
         args.gemv,
         args.rows,
@@ -480,8 +496,10 @@ def main() -> None:
         args.gemv_conv,
         args.split_norms,
         args.gdn_preload,
+        args.gemv_peel,
         args.graphs,
-    ):
+    )
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, peel, graphs in switches:
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
@@ -494,6 +512,7 @@ def main() -> None:
         qwen3_5.SPLIT_NORMS = norms != "off"
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
         gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
+        fp8_gemv.GEMV_PEEL = peel == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -518,6 +537,8 @@ def main() -> None:
             print(f"norms split across the GEMVs {norms}")
         if len(args.gdn_preload) > 1 and graphs == args.graphs[0]:
             print(f"GDN state read before the wait {preload}")
+        if len(args.gemv_peel) > 1 and graphs == args.graphs[0]:
+            print(f"GEMV first tile before the wait {peel}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -545,6 +566,7 @@ def main() -> None:
                     r["gemv_conv"] = conv
                     r["split_norms"] = norms
                     r["gdn_preload"] = preload
+                    r["gemv_peel"] = peel
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")
