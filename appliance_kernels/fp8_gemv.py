@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from appliance_kernels.gemv_epilogue import finish, load_partials, rstd_of
 from appliance_kernels.gemv_norm import (
     AddNorm,
     PendingNorm,
@@ -128,85 +129,6 @@ def _tail_rows(
     tl.store(out2_ptr + rn, out2.to(out2_ptr.dtype.element_ty), mask=n_ok)
 
 
-# A split RMSNorm (appliance_kernels/gemv_norm.py): the consumer's 1 / rms from the producer's
-# partial sums of squares, and the producer's epilogue.
-
-
-@jit
-def load_partials(part_ptr, parts, PARTS: tl.constexpr):
-    """The producer's partial sums (issued before a GEMV's K loop, summed after it)."""
-    idx = tl.arange(0, PARTS)
-    return tl.load(part_ptr + idx, mask=idx < parts, other=0.0)
-
-
-@jit
-def rstd_of(partials, hidden, eps):
-    return 1.0 / tl.sqrt(tl.sum(partials, 0) / hidden + eps)
-
-
-@jit
-def add_norm_epilogue(
-    out,  # [BLOCK_N] fp32: the GEMV's outputs at rows rn
-    rn,
-    n_ok,
-    pid,
-    res_ptr,
-    res_out_ptr,
-    nw_ptr,
-    part_ptr,
-    OUT_DTYPE: tl.constexpr,
-    ZC: tl.constexpr,
-):
-    """New residual rows (stored), this program's partial sum of squares (stored at pid) and the
-    x_pre rows it returns for the caller to store as the GEMV's output."""
-    y = out.to(OUT_DTYPE).to(tl.float32)  # the projection as the unsplit path stores it
-    r = tl.load(res_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    s = (y + r).to(OUT_DTYPE)
-    tl.store(res_out_ptr + rn, s, mask=n_ok)
-    s = tl.where(n_ok, s.to(tl.float32), 0.0)
-    tl.store(part_ptr + pid, tl.sum(s * s, 0))
-    w = tl.load(nw_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    if ZC:
-        return s * (1.0 + w)
-    return s * w.to(OUT_DTYPE).to(tl.float32)
-
-
-@jit
-def _conv_epilogue(
-    out,  # [BLOCK_N] fp32: the GEMV's outputs at rows rn
-    rn,
-    n_ok,
-    conv_w_ptr,  # [C, CONV_W] the depthwise conv's weight
-    conv_s_ptr,  # [slots, C, CONV_W - 1] its state (the last inputs), updated here
-    slot_ptr,  # [1] the row's state slot
-    init_ptr,  # [1] whether that slot holds a state (else zeros)
-    conv_c,  # C: rows rn < C are conv channels
-    stride_cs,
-    stride_cc,
-    OUT_DTYPE: tl.constexpr,
-    CONV_W: tl.constexpr,
-):
-    """Rows rn < C of one row's projection go through the causal depthwise conv + SiLU of a GDN
-    layer (causal_conv1d_ref at one token) and the conv state shifts by that token; each channel
-    belongs to one program, so no program reads a state another one writes."""
-    c_ok = n_ok & (rn < conv_c)
-    slot = tl.load(slot_ptr).to(tl.int64)
-    init = tl.load(init_ptr) != 0
-    has_init = rn < conv_c * init.to(tl.int32)  # the scalar flag as a vector (interpreter)
-    x = out.to(OUT_DTYPE).to(tl.float32)  # the projection as stored, the conv's input
-    s_row = conv_s_ptr + slot * stride_cs + rn.to(tl.int64) * stride_cc
-    w_row = conv_w_ptr + rn * CONV_W
-    y = x * tl.load(w_row + (CONV_W - 1), mask=c_ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(CONV_W - 1):
-        sv = tl.load(s_row + j, mask=c_ok & has_init, other=0.0)
-        y += sv.to(tl.float32) * tl.load(w_row + j, mask=c_ok, other=0.0).to(tl.float32)
-        if j > 0:
-            tl.store(s_row + (j - 1), sv, mask=c_ok)
-    tl.store(s_row + (CONV_W - 2), x.to(conv_s_ptr.dtype.element_ty), mask=c_ok)
-    y = y / (1.0 + tl.exp(-y))
-    return tl.where(rn < conv_c, y, out)
-
-
 @jit
 def _gemv_kernel(
     x_ptr,
@@ -220,7 +142,7 @@ def _gemv_kernel(
     w2_ptr,  # TAIL: a 16-bit weight [n2, K] whose rows follow W's in out
     n2_size,
     stride_w2n,
-    conv_w_ptr,  # CONV_W > 0: a GDN conv over rows < conv_c (_conv_epilogue)
+    conv_w_ptr,  # CONV_W > 0: a GDN conv over rows < conv_c (gemv_epilogue.conv_epilogue)
     conv_s_ptr,
     slot_ptr,
     init_ptr,
@@ -289,43 +211,7 @@ def _gemv_kernel(
             out = out * tl.load(s_ptr)
     conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
     norm = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
-    _finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
-
-
-@jit
-def _finish(
-    out,
-    rn,
-    n_ok,
-    pid,
-    out_ptr,
-    bias_ptr,
-    HAS_BIAS: tl.constexpr,
-    conv_w_ptr,
-    conv_s_ptr,
-    slot_ptr,
-    init_ptr,
-    conv_c,
-    stride_cs,
-    stride_cc,
-    CONV_W: tl.constexpr,
-    res_ptr,
-    res_out_ptr,
-    nw_ptr,
-    po_ptr,
-    ADD_NORM: tl.constexpr,
-    ZC: tl.constexpr,
-):
-    """The one-row GEMVs' shared end after scaling: bias, a GDN conv, a split norm, the store."""
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    if CONV_W > 0:
-        conv_args = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
-        out = _conv_epilogue(out, rn, n_ok, *conv_args, out_ptr.dtype.element_ty, CONV_W)
-    if ADD_NORM:
-        norm_args = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
-        out = add_norm_epilogue(out, rn, n_ok, pid, *norm_args, out_ptr.dtype.element_ty, ZC)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
 
 
 @jit
@@ -754,7 +640,7 @@ def _gemv_block_kernel(
         out = out * rstd_of(partials, k_size, norm_eps)
     conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
     norm = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
-    _finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
+    finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
 
 
 def fp8_gemv_block(

@@ -17,9 +17,9 @@ normed row). `PendingNorm.materialize` is the unsplit norm of the same residual 
 consumer that cannot take the split form).
 
 The kernels' side (the producer's epilogue, the consumer's factor) is in
-appliance_kernels/fp8_gemv.py beside its other epilogues; this module holds no Triton code, so the
-kernel tests' interpreter reloads (tests/kernels/conftest.py) leave one PendingNorm class for the
-layers' isinstance checks.
+appliance_kernels/gemv_epilogue.py beside the GEMVs' other epilogues; this module holds no Triton
+code, so the kernel tests' interpreter reloads (tests/kernels/conftest.py) leave one PendingNorm
+class for the layers' isinstance checks.
 """
 
 from __future__ import annotations

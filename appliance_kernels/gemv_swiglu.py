@@ -24,13 +24,8 @@ from __future__ import annotations
 import torch
 
 from appliance_kernels.activation import silu_and_mul_ref
-from appliance_kernels.fp8_gemv import (
-    bf16_gemv_config,
-    fp8_gemv_ref,
-    gemv_config,
-    load_partials,
-    rstd_of,
-)
+from appliance_kernels.fp8_gemv import bf16_gemv_config, fp8_gemv_ref, gemv_config
+from appliance_kernels.gemv_epilogue import load_partials, rstd_of
 from appliance_kernels.gemv_norm import PendingNorm, check_pending, norm_in_args
 from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,

@@ -32,6 +32,7 @@ KERNEL_MODULES = (
     "appliance_kernels.qk_norm_rope",
     "appliance_kernels.activation",
     "appliance_kernels.fp8_splitk",  # before fp8 and fp8_block: they bind its launchers at import
+    "appliance_kernels.gemv_epilogue",  # before fp8_gemv and gemv_swiglu: they bind its helpers
     "appliance_kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
     "appliance_kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
     "appliance_kernels.gemv_swiglu",  # after fp8_gemv: it binds its helpers at import
