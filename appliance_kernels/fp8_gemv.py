@@ -169,7 +169,6 @@ def _gemv_kernel(
     PARTS: tl.constexpr = 1,  # power of two >= n_parts
     ADD_NORM: tl.constexpr = False,  # outputs + residual, normed for the next GEMV (gemv_norm.py)
     ZC: tl.constexpr = True,  # that norm's weight is zero-centred
-    PEEL: tl.constexpr = False,  # the first weight tile loaded before the PDL wait (GEMV_PEEL)
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -189,18 +188,14 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    if PEEL:  # no kernel writes the weights: their first tile may load while the last one ends
-        w_first = _w_tile(w_rows, rk, n_ok, k_size, EVEN)
     pdl_wait(PDL)
     if NORM_IN:  # loaded now, summed after the K loop: the load's latency hides behind it
         partials = load_partials(np_ptr, n_parts, PARTS)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(PEEL * BLOCK_K, k_size, BLOCK_K, num_stages=STAGES):
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
         acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
-    if PEEL:  # after the loop, so that its first loads issue right after the wait
-        acc += w_first.to(tl.float32) * _x_tile(x_ptr, rk, k_size, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
     if NORM_IN:
         out = out * rstd_of(partials, k_size, norm_eps)
@@ -287,14 +282,6 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
 # the recurrence reads its state while the GEMV finishes (appliance_kernels/gdn.py PRELOAD_STATE;
 # off with it).
 CONV_RELEASE = False
-
-# Under PDL a one-row GEMV's programs may be resident while the kernel before it ends (it released
-# them early): they load their first weight tile before the wait and add it after the K loop,
-# whose own first loads then issue as the wait returns (`_gemv_kernel`'s PEEL;
-# ops/bench/bench_static.py --gemv-peel). Run BK's PEEL (12-03, no gain) added the early tile
-# before the loop, which held the loop's first loads behind the row's (x's) load. Off until the
-# H200 has timed this form.
-GEMV_PEEL = False
 
 # The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
 # gemv_config returns it.
@@ -503,7 +490,6 @@ def fp8_gemv(
         *norm_args,
         EVEN=n % block_n == 0 and k % block_k == 0,
         TAIL=tail is not None,
-        PEEL=GEMV_PEEL,
         **conv_consts,
         **norm_consts,
         **common,
@@ -545,14 +531,12 @@ def fp8_gemv_block_ref(
 
 
 @jit
-def _block_tile(w_rows, s_row, k0, kk, rg, n_ok, k_size, SCALE_K: tl.constexpr, EVEN: tl.constexpr):
-    """A [BLOCK_N, G, SCALE_K] weight tile at K offset k0 and its G scales."""
+def _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K: tl.constexpr, EVEN):
+    """x's BLOCK_K columns from k0 (kk: [G, SCALE_K]), each times its column block's scale: the
+    G scales are one small vector load broadcast over their columns; returned flat, [BLOCK_K]."""
     sv = tl.load(s_row + k0 // SCALE_K + rg, mask=k0 + rg * SCALE_K < k_size, other=0.0)
-    k = k0 + kk
-    if EVEN:
-        return tl.load(w_rows + k[None, :, :]), sv
-    w = tl.load(w_rows + k[None, :, :], mask=n_ok[:, None, None] & (k < k_size)[None], other=0.0)
-    return w, sv
+    xs = _x_tile(x_ptr, k0 + kk, k_size, EVEN) * sv[:, None]
+    return tl.reshape(xs, [BLOCK_K])
 
 
 @jit
@@ -596,13 +580,15 @@ def _gemv_block_kernel(
     PARTS: tl.constexpr = 1,
     ADD_NORM: tl.constexpr = False,
     ZC: tl.constexpr = True,
-    PEEL: tl.constexpr = False,  # as in _gemv_kernel, the first tile's scales too
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
-    """The weight tile as [BLOCK_N, G, SCALE_K] (G scale columns per K step): the G scales of a
-    step are one small vector load, broadcast over their columns of the activations; no gather,
-    no scalar load in the pipelined loop (measured slower in runs AD and AE, docs/benchmarks.md)."""
+    """The per-channel kernel's [BLOCK_N, BLOCK_K] weight tile and accumulator, with the scales
+    on the activations: a program's rows share one row of scales, so x's K step is loaded as
+    [G, SCALE_K], times its G scales (one small vector load), then laid out flat (`_scaled_x`).
+    Measured against a [BLOCK_N, G, SCALE_K] tile (10-20 % slower at the 5120-row projections,
+    run DH) and a per-column gather of the scales (2-4x slower; runs AD, AE, DH in
+    docs/benchmarks.md; ops/gpu/block_probe.py)."""
     G: tl.constexpr = BLOCK_K // SCALE_K
     if RELEASE:
         pdl_release(PDL)
@@ -620,22 +606,18 @@ def _gemv_block_kernel(
     rg = tl.arange(0, G)
     kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
     n_ok = rn < n_size
-    w_rows = w_ptr + rn.to(tl.int64)[:, None, None] * stride_wn
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    if PEEL:
-        w_first, s_first = _block_tile(w_rows, s_row, 0, kk, rg, n_ok, k_size, SCALE_K, EVEN)
     pdl_wait(PDL)
     if NORM_IN:
         partials = load_partials(np_ptr, n_parts, PARTS)
-    acc = tl.zeros([BLOCK_N, G, SCALE_K], dtype=tl.float32)
-    for k0 in tl.range(PEEL * BLOCK_K, k_size, BLOCK_K, num_stages=STAGES):
-        w, sv = _block_tile(w_rows, s_row, k0, kk, rg, n_ok, k_size, SCALE_K, EVEN)
-        xs = _x_tile(x_ptr, k0 + kk, k_size, EVEN) * sv[:, None]
-        acc += w.to(tl.float32) * xs[None, :, :]
-    if PEEL:
-        xs = _x_tile(x_ptr, kk, k_size, EVEN) * s_first[:, None]
-        acc += w_first.to(tl.float32) * xs[None, :, :]
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
+        w = _w_tile(w_rows, k0 + rk, n_ok, k_size, EVEN)
+        xs = _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K, EVEN)
+        acc += w.to(tl.float32) * xs[None, :]
+    out = tl.sum(acc, axis=1)
     if NORM_IN:
         out = out * rstd_of(partials, k_size, norm_eps)
     conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
@@ -688,7 +670,6 @@ def fp8_gemv_block(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TAIL=tail is not None,
-        PEEL=GEMV_PEEL,
         **conv_consts,
         **norm_consts,
         num_warps=cfg["num_warps"],

@@ -333,7 +333,6 @@ def kernel_switches() -> tuple:
         gemv_norm.RELEASE_PRODUCERS,
         gdn_kernels.PRELOAD_STATE,
         fp8_gemv.CONV_RELEASE,
-        fp8_gemv.GEMV_PEEL,
     )
 
 
@@ -447,13 +446,6 @@ def main() -> None:
         "releases it early when the conv is inside it (on: appliance_kernels/gdn.py "
         "PRELOAD_STATE, fp8_gemv.CONV_RELEASE) or waits first (off); graphs captured again",
     )
-    switch(
-        ap,
-        "--gemv-peel",
-        "off",
-        "one-row GEMVs load their first weight tile before the PDL wait (on: "
-        "appliance_kernels/fp8_gemv.py GEMV_PEEL) or after it (off); graphs captured again",
-    )
     ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
@@ -496,10 +488,9 @@ def main() -> None:
         args.gemv_conv,
         args.split_norms,
         args.gdn_preload,
-        args.gemv_peel,
         args.graphs,
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, peel, graphs in switches:
+    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, graphs in switches:
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
@@ -512,7 +503,6 @@ def main() -> None:
         qwen3_5.SPLIT_NORMS = norms != "off"
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
         gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
-        fp8_gemv.GEMV_PEEL = peel == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -537,8 +527,6 @@ def main() -> None:
             print(f"norms split across the GEMVs {norms}")
         if len(args.gdn_preload) > 1 and graphs == args.graphs[0]:
             print(f"GDN state read before the wait {preload}")
-        if len(args.gemv_peel) > 1 and graphs == args.graphs[0]:
-            print(f"GEMV first tile before the wait {peel}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -566,7 +554,6 @@ def main() -> None:
                     r["gemv_conv"] = conv
                     r["split_norms"] = norms
                     r["gdn_preload"] = preload
-                    r["gemv_peel"] = peel
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -3,10 +3,8 @@
 timed inside a CUDA graph of 40 launches over weight copies larger than L2, with programmatic
 dependent launch off and on (the decode step runs with it on). Runs BJ / BK (docs/benchmarks.md)
 also timed a [BLOCK_N] accumulator, weight tiles prefetched into registers and the first tiles
-loaded before the PDL wait: slower or no faster, so they were removed (the first tile before the
-wait is back as fp8_gemv.GEMV_PEEL, added after the K loop so the loop's loads do not queue behind
-the row's; a chain of the same GEMV never starts early, so only the step can time it:
-ops/bench/bench_static.py --gemv-peel). `--kind block`: the
+loaded before the PDL wait: slower or no faster, so they were removed (run DG timed the first tile
+before the wait again in the step, added after the K loop: slower). `--kind block`: the
 block-scaled GEMV's (fp8_gemv_block) tiles and stages (run CI); `--kind bf16`: a 16-bit
 weight's; `--tail 96`: the GDN in_proj with the b / a rows its launch also reads.
 

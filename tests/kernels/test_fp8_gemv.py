@@ -81,33 +81,6 @@ def test_a_tail_weight_is_read_in_the_same_launch(n2, dtype):
         fp8_gemv(x, w_q, s, tail=tail.to(torch.float16))  # not x's dtype
 
 
-@pytest.mark.parametrize("n,k", [(40, 300), (64, 256), (24, 50)])  # ragged, even, K < BLOCK_K
-def test_the_first_tile_loaded_before_the_wait_changes_no_result(n, k, monkeypatch):
-    """GEMV_PEEL: each program's first weight tile is loaded ahead (of the PDL wait) and added
-    after the K loop; per channel, 16-bit, with a tail, and with block scales."""
-    monkeypatch.setattr(appliance_kernels.fp8_gemv, "GEMV_PEEL", True)
-    x = randn(1, k, dtype=torch.bfloat16, seed=k)
-    w_q, s = channel_weight(n, k, True, seed=n)
-    for config in CONFIGS:
-        got = fp8_gemv(x, w_q, s, config=config)
-        assert_close(got, fp8_gemv_ref(x, w_q, s), torch.bfloat16, name="peeled gemv")
-    w16 = randn(n, k, dtype=torch.bfloat16, seed=n + 1, scale=0.05)
-    want16 = (x.float() @ w16.float().t()).to(torch.bfloat16)
-    assert_close(fp8_gemv(x, w16, None, config=CONFIGS[1]), want16, torch.bfloat16, name="16-bit")
-    tail = randn(5, k, dtype=torch.bfloat16, seed=2, scale=0.05)
-    got = fp8_gemv(x, w_q, s, config=CONFIGS[0], tail=tail)
-    assert_close(got[:, :n], fp8_gemv_ref(x, w_q, s), torch.bfloat16, name="main rows")
-    want_tail = (x.float() @ tail.float().t()).to(torch.bfloat16)
-    assert_close(got[:, n:], want_tail, torch.bfloat16, name="tail rows")
-    b_q, b_s = quantize_block_ref(randn(128, k, seed=4, scale=0.05).cpu(), (128, 128))
-    b_s = b_s * torch.linspace(0.5, 2.0, b_s.numel()).reshape(b_s.shape)
-    b_q, b_s = b_q.to(DEVICE), b_s.to(DEVICE)
-    config = {"block_n": 16, "block_k": 128, "num_warps": 2, "stages": 3}
-    got = fp8_gemv_block(x, b_q, b_s, (128, 128), config=config)
-    want = fp8_gemv_block_ref(x, b_q, b_s, (128, 128))
-    assert_close(got, want, torch.bfloat16, name="peeled block gemv")
-
-
 def _conv_case(c, width, dtype, has_init, seed):
     """A GDN conv's weight, states of 3 slots (the row's slot 1) and its GemvConv."""
     weight = randn(c, width, dtype=dtype, seed=seed, scale=0.5)

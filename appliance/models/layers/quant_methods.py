@@ -40,9 +40,10 @@ class Unquantized:
     block: tuple[int, int] | None = None  # (block_n, block_k) of block-scaled weights
 
     # Whether the GDN conv runs inside this method's one-row in_proj GEMV by default
-    # (appliance/models/layers/gdn.py FUSE_CONV). 27B batch-1 step, H200, graphs (run BR in
-    # docs/benchmarks.md): fp8 per channel 8.36 ms with against 8.53 without; bf16 13.68 / 13.59
-    # and block fp8 9.33 / 9.24, within the spread, so those keep the conv kernel.
+    # (appliance/models/layers/gdn.py FUSE_CONV). 27B batch-1 step, H200, graphs (docs/
+    # benchmarks.md): fp8 per channel 8.36 ms with against 8.53 without (run BR); block fp8 8.48 /
+    # 8.59 against 8.54 / 8.64 since its GEMV's flat tile (run DH; 9.33 / 9.24 before, BR); bf16
+    # 13.68 / 13.59 (BR), within the spread, so it keeps the conv kernel.
     GEMV_CONV = False
 
     def make_weight(self, rows: int, cols: int, lead: tuple[int, ...] = ()) -> nn.Parameter:
@@ -160,6 +161,8 @@ class Fp8Online(Fp8Channel):
 class Fp8Block(Unquantized):
     """e4m3 weight [N, K], fp32 scale [ceil(N/bn), ceil(K/bk)]; activations quantised per token
     and group of bk columns."""
+
+    GEMV_CONV = True
 
     def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
