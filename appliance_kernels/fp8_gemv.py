@@ -18,10 +18,12 @@ Where each is routed (ops/bench/bench_fp8_gemv.py on the H200, docs/benchmarks.m
 against
   1.5-3.3 for quantise + tiled / split-K;
 - block-scaled fp8 (`fp8_gemv_block`, from appliance_kernels.fp8_block.fp8_block_linear; Qwen's -FP8
-  repos): a [BLOCK_N, G, 128] tile whose G scales are one vector load per K step: from 2 %
-  slower (gate_up) to 1.8x faster (out_proj) than quantise + block GEMM, 0.6 ms off the 27B
-  step (run AG; a scalar scale load per 128 columns was 1.2-2x slower, a per-element gather
-  4x: runs AD, AE);
+  repos): the per-channel tile, with each K step's G scales (one vector load) on x's columns:
+  from 2 % slower (gate_up) to 1.8x faster (out_proj) than quantise + block GEMM, 0.6 ms off
+  the 27B step (run AG); as fast as per channel at every 27B projection since x is scaled as
+  [G, 128] and laid out flat (run DH; a [BLOCK_N, G, 128] tile was 10-20 % slower at down and
+  out_proj, a scalar scale load per 128 columns 1.2-2x, a per-element gather 2-4x: runs AD,
+  AE, DH);
 - a bf16 / fp16 weight (`linear`, from the unquantised layers and the LM head): 2-16 % faster
   than cuBLAS at every 27B projection (runs AF, AG; the bf16 27B step 15.00 -> 14.18 ms); 2-4
   rows over a long K (the down projection) with `_gemv_rows_kernel`, other 2-8 rows with
@@ -314,13 +316,16 @@ def bf16_gemv_config(n: int, k: int) -> dict[str, int]:
 
 
 def block_gemv_config(n: int, k: int) -> dict[str, int]:
-    """Block scales (`ops/gpu/gemv_probe.py --kind block`, run CI, µs with PDL against the
-    16 x 512 x 3 tiles before): 32 x 256 tiles where there are enough programs to fill the GPU
-    (N >= 8192; in_proj 21.9 / 25.0, qkv 19.9 / 22.0 with 4 stages, gate_up 45.6 / 48.9 with 5),
-    8 x 512 with 4 stages below (down 27.1 / 28.0, out_proj 11.5 / 11.7)."""
-    if n >= 8192:
-        return {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5 if n > 20000 else 4}
-    return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 4}
+    """Block scales: 32 x 256 with 5 stages at the widest N (gate_up 45.4 µs a launch in the
+    step's profile, 49.1 with the per-channel 8 x 512 x 5), else the per-channel tiles. Alone
+    (ops/gpu/gemv_probe.py --kind block, run DH) 32 x 256 tiles also read the in_proj and qkv
+    as fast or 0.3-0.8 µs faster, but in the step those GEMVs finish the pending norm, which
+    takes them to 144-168 registers and 3 programs per SM: 515 and 448 programs of 32 rows then
+    run in 1.3 and 1.1 waves (29.8 and 24.9 µs a launch against 27.4 and 21.1 with 16 x 512 x 3,
+    run DH, profiles without PDL)."""
+    if n > 20000:
+        return {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5}
+    return gemv_config(n, k)
 
 
 def block_gemv_fits(block: tuple[int, int], n: int, k: int) -> bool:
