@@ -1,12 +1,13 @@
-"""Why the one-row block-fp8 GEMV (fp8_gemv_block) reads the 27B's 5120-row projections (down,
-out_proj) 15-20 % slower than the per-channel one at the same tile: minimal K loops (no
-epilogues) that apply the 128 x 128 blocks' scales in different ways, against the production
-kernel at its default tile. All scale the activations, not the weight (a program's rows share one
-row of scales):
+"""How the one-row block-fp8 GEMV (fp8_gemv_block) applies its 128 x 128 blocks' scales: minimal
+K loops (no epilogues) against the production kernel at its default tile, at the 27B
+projections. Run DH (docs/benchmarks.md) found the [BLOCK_N, G, 128] tile the kernel had used
+10-20 % slower than per channel at down and out_proj, and the reshape form as fast as per
+channel; the kernel has used the reshape form since. All scale the activations, not the weight
+(a program's rows share one row of scales):
 
-  3d       the production form: the tile as [BLOCK_N, G, 128], G scales a step, one vector load
+  3d       the form before run DH: the tile as [BLOCK_N, G, 128], G scales a step, one vector load
   gather   a [BLOCK_N, BLOCK_K] tile as per channel; the scales gathered per column (k // 128)
-  reshape  a [BLOCK_N, BLOCK_K] tile; x loaded as [G, 128], scaled, reshaped to [BLOCK_K]
+  reshape  a [BLOCK_N, BLOCK_K] tile; x loaded as [G, 128], scaled, laid out flat (the kernel's)
   step128  BLOCK_K = 128: one scalar scale a K step (more stages keep the bytes in flight)
 
 Timed as ops/gpu/gemv_probe.py times (a CUDA graph of 40 launches over weight copies larger than
