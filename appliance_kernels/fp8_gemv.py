@@ -285,8 +285,8 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
 # off with it).
 CONV_RELEASE = False
 
-# The one-row fp8 GEMV's tile where set (ops/bench/bench_static.py --fp8-gemv-tile), as
-# gemv_config returns it.
+# The one-row fp8 GEMV's tile where set, per channel and block (ops/bench/bench_static.py
+# --fp8-gemv-tile), as gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
 
 
@@ -323,7 +323,7 @@ def block_gemv_config(n: int, k: int) -> dict[str, int]:
     takes them to 144-168 registers and 3 programs per SM: 515 and 448 programs of 32 rows then
     run in 1.3 and 1.1 waves (29.8 and 24.9 µs a launch against 27.4 and 21.1 with 16 x 512 x 3,
     run DH, profiles without PDL)."""
-    if n > 20000:
+    if n > 20000 and GEMV_TILE is None:
         return {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5}
     return gemv_config(n, k)
 

@@ -450,8 +450,8 @@ def main() -> None:
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
-        help="the one-row fp8 GEMV's tile, BLOCK_N,BLOCK_K,WARPS,STAGES, or default; the decode "
-        "graphs are captured again for each",
+        help="the one-row fp8 GEMV's tile (per channel and block), BLOCK_N,BLOCK_K,WARPS,STAGES, "
+        "or default; the decode graphs are captured again for each",
     )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
