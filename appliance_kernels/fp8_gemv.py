@@ -95,6 +95,15 @@ def _x_tile(x_ptr, k, k_size, EVEN: tl.constexpr):
 
 
 @jit
+def _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K: tl.constexpr, EVEN):
+    """x's BLOCK_K columns from k0 (kk: [G, SCALE_K]), each times its column block's scale: the
+    G scales are one small vector load broadcast over their columns; returned flat, [BLOCK_K]."""
+    sv = tl.load(s_row + k0 // SCALE_K + rg, mask=k0 + rg * SCALE_K < k_size, other=0.0)
+    xs = _x_tile(x_ptr, k0 + kk, k_size, EVEN) * sv[:, None]
+    return tl.reshape(xs, [BLOCK_K])
+
+
+@jit
 def _tail_rows(
     x_ptr,
     w2_ptr,
@@ -158,7 +167,7 @@ def _gemv_kernel(
     res_out_ptr,
     nw_ptr,
     po_ptr,
-    SCALED: tl.constexpr,  # an fp8 weight's scales (a bf16 / fp16 weight has none)
+    SCALED: tl.constexpr,  # an fp8 weight's per-channel / per-tensor scales, on the outputs
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % BLOCK_K == 0: no masks on the weight
@@ -171,9 +180,17 @@ def _gemv_kernel(
     PARTS: tl.constexpr = 1,  # power of two >= n_parts
     ADD_NORM: tl.constexpr = False,  # outputs + residual, normed for the next GEMV (gemv_norm.py)
     ZC: tl.constexpr = True,  # that norm's weight is zero-centred
+    SCALE_N: tl.constexpr = 0,  # contiguous block scales [ceil(N / SCALE_N), ceil(K / SCALE_K)]
+    SCALE_K: tl.constexpr = 0,  # 0: none; else BLOCK_K is a multiple of it, SCALE_N of BLOCK_N
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
+    """BLOCK_N output rows of x W^T, the whole K. Block scales (SCALE_K > 0) go on the
+    activations: a program's rows share one row of scales, so x's K step is loaded as [G,
+    SCALE_K], times its G scales (one small vector load), then laid out flat. Measured against a
+    [BLOCK_N, G, SCALE_K] tile (10-20 % slower at the 5120-row projections, run DH) and a
+    per-column gather of the scales (2-4x slower; runs AD, AE, DH in docs/benchmarks.md;
+    ops/gpu/block_probe.py)."""
     if RELEASE:
         pdl_release(PDL)
     pid = tl.program_id(0)
@@ -190,6 +207,10 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < n_size
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if SCALE_K:
+        rg = tl.arange(0, BLOCK_K // SCALE_K)
+        kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
+        s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * tl.cdiv(k_size, SCALE_K)  # contiguous
     pdl_wait(PDL)
     if NORM_IN:  # loaded now, summed after the K loop: the load's latency hides behind it
         partials = load_partials(np_ptr, n_parts, PARTS)
@@ -197,7 +218,11 @@ def _gemv_kernel(
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
-        acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
+        if SCALE_K:  # each branch keeps the op order that was timed (the compiled code follows it)
+            xs = _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K, EVEN)
+            acc += w.to(tl.float32) * xs[None, :]
+        else:
+            acc += w.to(tl.float32) * _x_tile(x_ptr, k, k_size, EVEN)[None, :]
     out = tl.sum(acc, axis=1)
     if NORM_IN:
         out = out * rstd_of(partials, k_size, norm_eps)
@@ -535,101 +560,6 @@ def fp8_gemv_block_ref(
     return fp8_gemv_ref(x, w_q.float() * s, s.new_ones(1), bias)
 
 
-@jit
-def _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K: tl.constexpr, EVEN):
-    """x's BLOCK_K columns from k0 (kk: [G, SCALE_K]), each times its column block's scale: the
-    G scales are one small vector load broadcast over their columns; returned flat, [BLOCK_K]."""
-    sv = tl.load(s_row + k0 // SCALE_K + rg, mask=k0 + rg * SCALE_K < k_size, other=0.0)
-    xs = _x_tile(x_ptr, k0 + kk, k_size, EVEN) * sv[:, None]
-    return tl.reshape(xs, [BLOCK_K])
-
-
-@jit
-def _gemv_block_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    bias_ptr,
-    out_ptr,
-    n_size,
-    k_size,
-    stride_wn,
-    stride_sn,
-    w2_ptr,  # TAIL and CONV_W as in _gemv_kernel
-    n2_size,
-    stride_w2n,
-    conv_w_ptr,
-    conv_s_ptr,
-    slot_ptr,
-    init_ptr,
-    conv_c,
-    stride_cs,
-    stride_cc,
-    np_ptr,  # NORM_IN and ADD_NORM as in _gemv_kernel
-    n_parts,
-    norm_eps,
-    res_ptr,
-    res_out_ptr,
-    nw_ptr,
-    po_ptr,
-    SCALE_N: tl.constexpr,  # block_n of the scales (a multiple of BLOCK_N)
-    SCALE_K: tl.constexpr,  # block_k of the scales (BLOCK_K is a multiple of it)
-    HAS_BIAS: tl.constexpr,
-    EVEN: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    TAIL: tl.constexpr = False,
-    CONV_W: tl.constexpr = 0,  # the conv's width; 0: no conv
-    NORM_IN: tl.constexpr = False,
-    PARTS: tl.constexpr = 1,
-    ADD_NORM: tl.constexpr = False,
-    ZC: tl.constexpr = True,
-    PDL: tl.constexpr = False,
-    RELEASE: tl.constexpr = False,
-):
-    """The per-channel kernel's [BLOCK_N, BLOCK_K] weight tile and accumulator, with the scales
-    on the activations: a program's rows share one row of scales, so x's K step is loaded as
-    [G, SCALE_K], times its G scales (one small vector load), then laid out flat (`_scaled_x`).
-    Measured against a [BLOCK_N, G, SCALE_K] tile (10-20 % slower at the 5120-row projections,
-    run DH) and a per-column gather of the scales (2-4x slower; runs AD, AE, DH in
-    docs/benchmarks.md; ops/gpu/block_probe.py)."""
-    G: tl.constexpr = BLOCK_K // SCALE_K
-    if RELEASE:
-        pdl_release(PDL)
-    pid = tl.program_id(0)
-    if TAIL:  # the tail's programs come first: scheduled in the first wave, done in its time
-        tail_programs = tl.cdiv(n2_size, BLOCK_N)
-        if pid < tail_programs:
-            pdl_wait(PDL)
-            tail_args = (w2_ptr, out_ptr + n_size, pid, n2_size, k_size, stride_w2n)
-            norm_in = (np_ptr, n_parts, norm_eps)
-            _tail_rows(x_ptr, *tail_args, *norm_in, STAGES, BLOCK_N, BLOCK_K, NORM_IN, PARTS)
-            return
-        pid -= tail_programs
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rg = tl.arange(0, G)
-    kk = rg[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [G, SCALE_K]
-    n_ok = rn < n_size
-    rk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    s_row = s_ptr + (pid * BLOCK_N // SCALE_N) * stride_sn
-    pdl_wait(PDL)
-    if NORM_IN:
-        partials = load_partials(np_ptr, n_parts, PARTS)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
-        w = _w_tile(w_rows, k0 + rk, n_ok, k_size, EVEN)
-        xs = _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K, EVEN)
-        acc += w.to(tl.float32) * xs[None, :]
-    out = tl.sum(acc, axis=1)
-    if NORM_IN:
-        out = out * rstd_of(partials, k_size, norm_eps)
-    conv = (conv_w_ptr, conv_s_ptr, slot_ptr, init_ptr, conv_c, stride_cs, stride_cc)
-    norm = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
-    finish(out, rn, n_ok, pid, out_ptr, bias_ptr, HAS_BIAS, *conv, CONV_W, *norm, ADD_NORM, ZC)
-
-
 def fp8_gemv_block(
     x: torch.Tensor,  # [1, K] (or [K])
     w_q: torch.Tensor,  # [N, K] e4m3
@@ -654,7 +584,7 @@ def fp8_gemv_block(
     s = scale.float().contiguous()
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
     norm_args, norm_consts, filled = _norm_args(x, out, norm_in, add_norm, -(-n // block_n))
-    _gemv_block_kernel[(-(-n // block_n) + tail_programs,)](
+    _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
         s,
@@ -663,12 +593,13 @@ def fp8_gemv_block(
         n,
         k,
         w_q.stride(0),
-        s.stride(0),
         *tail_args,
         *conv_args,
         *norm_args,
         SCALE_N=bn,
         SCALE_K=bk,
+        SCALED=False,
+        PER_COL=False,
         HAS_BIAS=bias is not None,
         EVEN=n % block_n == 0 and k % block_k == 0,
         STAGES=cfg.get("stages", 1),
