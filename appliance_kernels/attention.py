@@ -9,7 +9,9 @@ An fp8 (e4m3) cache holds k / k_scale and v / v_scale, saturated to +-448 (`--kv
 fp8_e4m3`); the scales are per layer (KVScales) and read through device pointers, so CUDA graphs
 replay with whatever the loader put there. Reads dequantise: k_scale folds into the softmax scale,
 v_scale into the output. With a bf16 q the dots of an fp8 cache run in fp16 (every e4m3 value is
-an fp16 one, and e4m3 -> fp16 is one conversion per pair where e4m3 -> bf16 goes through fp32).
+an fp16 one, and e4m3 -> fp16 is one conversion per pair where e4m3 -> bf16 goes through fp32);
+the decode reads the fp8 V as int16 words of two columns, so the PV dot's operand loads take whole
+words where e4m3 columns (keys along the dot's K) would be read a byte at a time.
 """
 
 from __future__ import annotations
@@ -235,6 +237,16 @@ def _check_kv_scales(op: str, k_cache, v_cache, k_scale, v_scale) -> bool:
 
 
 @jit
+def _e4m3_pairs_as_f16(v):
+    """int16 words each holding two e4m3 bytes -> (low byte, high byte) as fp16 times 2^-8: the
+    byte's sign, exponent and mantissa moved into fp16's fields by shifts and masks (e4m3's bias 7
+    read with fp16's 15; subnormals map the same way), so the fp16 tiles keep the pairs' layout."""
+    lo = ((v << 8) & -32768) | ((v << 7) & 0x3F80)
+    hi = (v & -32768) | ((v >> 1) & 0x3F80)
+    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@jit
 def _attend_block(
     q,
     m_i,
@@ -254,12 +266,17 @@ def _attend_block(
     qk_scale,
     d,
     d_ok,
+    acc_hi,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
+    V_PAIRS: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks."""
+    """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks.
+    V_PAIRS: the fp8 V read as int16 column pairs; acc holds the even columns, acc_hi the odd."""
     n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_ok = n < hi
@@ -273,14 +290,26 @@ def _attend_block(
         mask=kv_mask,
         other=0.0,
     )  # [BLOCK_N, BLOCK_D]
-    v = tl.load(
-        v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    if V_PAIRS:
+        d2 = tl.arange(0, BLOCK_D // 2)
+        v_mask = (d2 < HEAD_DIM // 2)[None, :]
+        if MASKED:
+            v_mask = n_ok[:, None] & v_mask
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d2[None, :],
+            mask=v_mask,
+            other=0,
+        )  # [BLOCK_N, BLOCK_D // 2] int16: columns 2j (low byte) and 2j + 1 (high byte)
+    else:
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_vcs + kv_head * stride_vch + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
     if FP8_KV:  # e4m3 tiles widened to q's dtype; their scales are folded in by the caller
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if not V_PAIRS:
+            v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -288,8 +317,14 @@ def _attend_block(
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
+    if V_PAIRS:
+        v_lo, v_hi = _e4m3_pairs_as_f16(v)
+        p = p.to(tl.float16)
+        acc = acc * alpha[:, None] + tl.dot(p, v_lo)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc, acc_hi
 
 
 @jit
@@ -335,6 +370,7 @@ def _paged_attention_kernel(
     F16_DOT: tl.constexpr,  # fp8 cache, bf16 q: dots in fp16 (one cvt per 2 e4m3 values)
     GATED: tl.constexpr = False,  # out * sigmoid(gate)
     PDL: tl.constexpr = False,
+    V_PAIRS: tl.constexpr = False,  # fp8 V given as int16 [slots, Hkv, D / 2] (_e4m3_pairs_as_f16)
 ):
     pdl_start(PDL)
     ROWS = BLOCK_M // GROUP  # query rows per program
@@ -385,10 +421,15 @@ def _paged_attention_kernel(
         v_scale = tl.load(v_scale_ptr)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if V_PAIRS:  # even and odd output columns
+        acc = tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, BLOCK_D // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_M, 1], dtype=tl.float32)  # unused
     r2t = req_to_token_ptr + req_slot * stride_r2t
     for start in range(lo, unmasked_hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
+        m_i, l_i, acc, acc_hi = _attend_block(
             q,
             m_i,
             l_i,
@@ -407,13 +448,17 @@ def _paged_attention_kernel(
             qk_scale,
             d,
             d_ok,
+            acc_hi,
+            HEAD_DIM,
+            BLOCK_D,
             BLOCK_N,
             False,
             PREC,
             FP8_KV,
+            V_PAIRS,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_block(
+        m_i, l_i, acc, acc_hi = _attend_block(
             q,
             m_i,
             l_i,
@@ -432,14 +477,21 @@ def _paged_attention_kernel(
             qk_scale,
             d,
             d_ok,
+            acc_hi,
+            HEAD_DIM,
+            BLOCK_D,
             BLOCK_N,
             True,
             PREC,
             FP8_KV,
+            V_PAIRS,
         )
 
     t_row = (q_start + q_row).to(tl.int64)
     out_mask = row_ok[:, None] & d_ok[None, :]
+    if V_PAIRS:  # columns 2j, 2j + 1 side by side; the pairs' fp16 were 2^-8 of the e4m3 values
+        acc = tl.reshape(tl.join(acc, acc_hi), [BLOCK_M, BLOCK_D])
+        v_scale = v_scale * 256.0
     o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         if GATED:
@@ -551,7 +603,13 @@ def _merge_splits_kernel(
 # fp8_split_factor: split_factor over an fp8 cache. Runs CJ / CL: 2 or 4 programs per SM (1.22-1.32x
 # at batch 64 and 16 x 32k against 1.35-1.41x for 1) and a register cap (maxnreg 168 / 128: 1.12-
 # 1.17x / 0.75-0.94x) were slower; batch 16 at 8k stays erratic between runs whatever the setting.
-ATTN_TUNING = {"max_block_m": 64, "split_factor": 1, "fp8_tile": (64, 3, 4), "fp8_split_factor": 1}
+ATTN_TUNING = {
+    "max_block_m": 64,
+    "split_factor": 1,
+    "fp8_tile": (64, 3, 4),
+    "fp8_split_factor": 1,
+    "fp8_v_pairs": True,  # decode reads an fp8 V as int16 column pairs (_e4m3_pairs_as_f16)
+}
 
 
 def _attention_splits(num_programs: int, max_q_len: int, device: torch.device, fp8: bool) -> int:
@@ -622,7 +680,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8,
-        F16_DOT=fp8 and q.dtype == torch.bfloat16,
+        F16_DOT=fp8 and q.dtype in (torch.bfloat16, torch.float16),
     )
     tensors = (q, k_cache, v_cache, out)
     kv_scales = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)  # unread without FP8_KV
@@ -681,6 +739,13 @@ def paged_attention_triton(
         part_o = part_lse = out  # unused
         part_strides = (0, 0, 0, 0)
     grid = (batch, num_q_blocks, num_kv_heads * num_splits)
+    # an fp8 V as int16 words of two columns: its PV dot reads whole words (ldmatrix) where e4m3
+    # columns are read a byte at a time (their keys are the dot's K dimension, not contiguous)
+    v_pairs = fixed["F16_DOT"] and ATTN_TUNING["fp8_v_pairs"] and head_dim % 2 == 0
+    if v_pairs:
+        v16 = v_cache.view(torch.int16)
+        tensors = (q, k_cache, v16, out)
+        strides = (*strides[:6], v16.stride(0), v16.stride(1), *strides[8:])
     _paged_attention_kernel[grid](
         *tensors,
         part_o,
@@ -693,6 +758,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         GATED=gated,
+        V_PAIRS=v_pairs,
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,

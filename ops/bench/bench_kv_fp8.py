@@ -159,15 +159,13 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
 FP8_TILES = [  # (BLOCK_N, num_stages, num_warps[, maxnreg]) of the Triton decode over an fp8 cache
     (64, 2, 4),  # the bf16 cache's tiles
     (64, 3, 4),  # the default (run AG)
+    (64, 4, 4),
     (64, 3, 8),
-    (32, 4, 4),
-    (32, 3, 2),
     (128, 3, 8),
-    (64, 3, 4, 168),  # a register cap: 3 programs per SM instead of 2 (255 registers)
-    (64, 3, 4, 128),  # 4 per SM
-    (32, 3, 4, 168),
+    (64, 3, 4, 168),  # a register cap (3 programs per SM; the byte-wise V read took 255)
 ]
-FP8_SPLIT_FACTORS = (2, 4)  # ATTN_TUNING["fp8_split_factor"] also timed at the default tile
+# ATTN_TUNING["fp8_split_factor"] values each tile is timed at (--sweep-splits)
+FP8_SPLIT_FACTORS = (1, 4)
 
 
 _SEEN_KERNELS: set = set()
@@ -196,10 +194,12 @@ def print_compiled(device: torch.device) -> None:
             )
 
 
-_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV")
+_SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV", "V_PAIRS")
 
 
-def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
+def sweep_fp8_tiles(
+    case: Case, device: torch.device, reps: int, split_factors=FP8_SPLIT_FACTORS
+) -> None:
     """The Triton fp8 decode at each FP8_TILES entry
     (appliance_kernels.attention.ATTN_TUNING["fp8_tile"]) and the bf16 decode at its own tiles: one
     line of µs, fp8 GB/s and bf16 / fp8 per tile, then what each variant compiled to."""
@@ -209,20 +209,23 @@ def sweep_fp8_tiles(case: Case, device: torch.device, reps: int) -> None:
     fp8_bytes = case.batch * case.context * hkv * dim * 2
     bf16_us = time_us(call["triton/bf16"], device, reps)
     timed, default = [], attn.ATTN_TUNING["fp8_tile"]
-    factor = attn.ATTN_TUNING["fp8_split_factor"]
-    variants = [(tile, factor) for tile in FP8_TILES]
-    variants += [(default, f) for f in FP8_SPLIT_FACTORS if f != factor]
-    for tile, f in variants:
+    factor, pairs = attn.ATTN_TUNING["fp8_split_factor"], attn.ATTN_TUNING["fp8_v_pairs"]
+    variants = [(tile, f, pairs) for f in split_factors for tile in FP8_TILES]
+    variants += [(default, factor, not pairs)]  # V read as column pairs or byte by byte
+    for tile, f, v_pairs in variants:
         attn.ATTN_TUNING["fp8_tile"], attn.ATTN_TUNING["fp8_split_factor"] = tile, f
+        attn.ATTN_TUNING["fp8_v_pairs"] = v_pairs
         name = f"{tile}" + (f" split x{f}" if f != factor else "")
+        name += f" v_pairs {v_pairs}" if v_pairs != pairs else ""
         try:
             us = time_us(call["triton/fp8"], device, reps)
             timed.append(f"{name}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
         except Exception as exc:  # a tile Triton cannot build here: named, skipped
             timed.append(f"{name}: {type(exc).__name__}")
     attn.ATTN_TUNING["fp8_tile"], attn.ATTN_TUNING["fp8_split_factor"] = default, factor
+    attn.ATTN_TUNING["fp8_v_pairs"] = pairs
     bf16_factor = attn.ATTN_TUNING["split_factor"]
-    for f in FP8_SPLIT_FACTORS:  # the bf16 decode split further too: the fair comparison
+    for f in (2, 4):  # the bf16 decode split further too: the fair comparison
         attn.ATTN_TUNING["split_factor"] = f
         timed.append(f"bf16 split x{f}: {time_us(call['triton/bf16'], device, reps):.1f} µs")
     attn.ATTN_TUNING["split_factor"] = bf16_factor
@@ -252,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep", action="store_true", help="also time the fp8 decode over FP8_TILES"
     )
+    parser.add_argument(
+        "--sweep-splits",
+        default=",".join(map(str, FP8_SPLIT_FACTORS)),
+        help="fp8_split_factor values the sweep times each tile at",
+    )
     args = parser.parse_args(argv)
+    split_factors = [int(x) for x in args.sweep_splits.split(",")]
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
@@ -265,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     heads = tuple(int(x) for x in args.heads.split(","))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, heads (q, kv, dim) {heads}", flush=True)
+    if device.type == "cuda":  # clocks up before the first (short, batch-1) case is timed
+        a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+        end = time.perf_counter() + 2.0
+        while time.perf_counter() < end:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize()
     lines = [
         "| backend | layout | batch | context | bf16 µs | bf16 GB/s | fp8 µs | fp8 GB/s | bf16/fp8 "
         "| fp8 rel. error |",
@@ -277,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 case = Case(batch, context, heads, layout)
                 lines += bench_case(case, backends, device, args.reps)
                 if args.sweep and device.type == "cuda":
-                    sweep_fp8_tiles(case, device, args.reps)
+                    sweep_fp8_tiles(case, device, args.reps, split_factors)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

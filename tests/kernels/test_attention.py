@@ -234,6 +234,26 @@ def test_fp8_kv_decode_tile_override(tile, monkeypatch):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name=f"fp8 tile {tile}")
 
 
+@pytest.mark.parametrize("v_pairs", [True, False])
+def test_fp8_v_read_as_pairs_is_exact_for_every_e4m3_value(v_pairs, monkeypatch):
+    """One key per request, so the output is that key's V row times v_scale, exactly (e4m3 values
+    are bf16 ones): every byte but the two NaNs, in even and odd columns, read as int16 column
+    pairs (ATTN_TUNING["fp8_v_pairs"], the decode default) and byte by byte."""
+    monkeypatch.setitem(attn.ATTN_TUNING, "fp8_v_pairs", v_pairs)
+    base = make_batch([1, 1], [1, 1], 2, 1, 256, torch.float32, seed=21)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.5, 0.25, torch.bfloat16)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0x7E, 0xFE])
+    v_bytes = args[2].view(torch.uint8)
+    slots = [int(args[3][int(args[4][b]), 0]) for b in range(2)]
+    for b, slot in enumerate(slots):  # the second request's row shifted by one column
+        v_bytes[slot, 0] = codes.roll(b).to(torch.uint8).to(DEVICE)
+    got = paged_attention_triton(*args, 0.1, k_scale=k_scale, v_scale=v_scale)
+    for b, slot in enumerate(slots):
+        row = (args[2][slot, 0].float() * 0.25).to(torch.bfloat16)
+        assert torch.equal(got[b], row.expand(2, -1)), f"request {b}"
+    assert got.float().abs().max() == 448 * 0.25 and (got == 2**-9 * 0.25).any()
+
+
 def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
     base = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=8)
     args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.float32)
