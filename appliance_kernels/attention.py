@@ -603,9 +603,13 @@ def _merge_splits_kernel(
 # fp8_split_factor: split_factor over an fp8 cache. Runs CJ / CL: 2 or 4 programs per SM (1.22-1.32x
 # at batch 64 and 16 x 32k against 1.35-1.41x for 1) and a register cap (maxnreg 168 / 128: 1.12-
 # 1.17x / 0.75-0.94x) were slower; batch 16 at 8k stays erratic between runs whatever the setting.
+# tile: the same override for a bf16 / fp16 cache (None: the tiles chosen below). Triton's software
+# pipeliner keeps a single K / V buffer for keys gathered through req_to_token (an indirect load)
+# below num_stages 5: the next tile is then fetched only after the current one's dots.
 ATTN_TUNING = {
     "max_block_m": 64,
     "split_factor": 1,
+    "tile": None,
     "fp8_tile": (64, 3, 4),
     "fp8_split_factor": 1,
     "fp8_v_pairs": True,  # decode reads an fp8 V as int16 column pairs (_e4m3_pairs_as_f16)
@@ -723,8 +727,9 @@ def paged_attention_triton(
     num_warps = 8 if block_m * block_d >= 64 * 256 else 4
     num_stages = 2 if block_d >= 256 else 3
     launch = {}
-    if fp8 and ATTN_TUNING["fp8_tile"]:
-        block_n, num_stages, num_warps, *maxnreg = ATTN_TUNING["fp8_tile"]
+    tile = ATTN_TUNING["fp8_tile" if fp8 else "tile"]
+    if tile:
+        block_n, num_stages, num_warps, *maxnreg = tile
         if maxnreg:  # a register cap (ptxas .maxnreg): more programs resident per SM
             launch["maxnreg"] = maxnreg[0]
     if num_splits > 1:

@@ -157,15 +157,17 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
 
 
 FP8_TILES = [  # (BLOCK_N, num_stages, num_warps[, maxnreg]) of the Triton decode over an fp8 cache
-    (64, 2, 4),  # the bf16 cache's tiles
-    (64, 3, 4),  # the default (run AG)
-    (64, 4, 4),
-    (64, 3, 8),
-    (128, 3, 8),
-    (64, 3, 4, 168),  # a register cap (3 programs per SM; the byte-wise V read took 255)
+    (64, 3, 4),  # the default (run AG): one K / V buffer (see ATTN_TUNING)
+    (64, 5, 4),  # two buffers: the next tile in flight during the current one's dots
+    (64, 5, 8),
+    (32, 5, 4),
+    (32, 7, 4),  # three buffers of 32 keys
 ]
 # ATTN_TUNING["fp8_split_factor"] values each tile is timed at (--sweep-splits)
-FP8_SPLIT_FACTORS = (1, 4)
+FP8_SPLIT_FACTORS = (1, 2, 4)
+# ATTN_TUNING["tile"]: the bf16 decode's tiles beside its default, so that bf16 / fp8 compares the
+# best of each
+BF16_TILES = [(64, 5, 4), (32, 5, 4), (32, 7, 4)]
 
 
 _SEEN_KERNELS: set = set()
@@ -229,6 +231,15 @@ def sweep_fp8_tiles(
         attn.ATTN_TUNING["split_factor"] = f
         timed.append(f"bf16 split x{f}: {time_us(call['triton/bf16'], device, reps):.1f} µs")
     attn.ATTN_TUNING["split_factor"] = bf16_factor
+    bf16_tile = attn.ATTN_TUNING["tile"]
+    for tile in BF16_TILES:
+        attn.ATTN_TUNING["tile"] = tile
+        try:
+            us = time_us(call["triton/bf16"], device, reps)
+            timed.append(f"bf16 {tile}: {us:.1f} µs {2 * fp8_bytes / us / 1e3:.0f} GB/s")
+        except Exception as exc:
+            timed.append(f"bf16 {tile}: {type(exc).__name__}")
+    attn.ATTN_TUNING["tile"] = bf16_tile
     print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "

@@ -222,7 +222,7 @@ def test_fp8_kv_attention_matches_dequantized_reference(case, dtype):
     assert_close(expected, plain, dtype, factor=ACCUMULATING, name=f"fp8 meaning {case}")
 
 
-@pytest.mark.parametrize("tile", [(128, 2, 4), (32, 3, 2)])
+@pytest.mark.parametrize("tile", [(128, 2, 4), (32, 3, 2), (64, 5, 4)])
 def test_fp8_kv_decode_tile_override(tile, monkeypatch):
     """ATTN_TUNING["fp8_tile"] (the fp8 cache's own decode tiles): same result, verify rows and a
     ragged last block included."""
@@ -252,6 +252,17 @@ def test_fp8_v_read_as_pairs_is_exact_for_every_e4m3_value(v_pairs, monkeypatch)
         row = (args[2][slot, 0].float() * 0.25).to(torch.bfloat16)
         assert torch.equal(got[b], row.expand(2, -1)), f"request {b}"
     assert got.float().abs().max() == 448 * 0.25 and (got == 2**-9 * 0.25).any()
+
+
+@pytest.mark.parametrize("tile", [(32, 7, 4), (64, 5, 4)])
+def test_bf16_kv_decode_tile_override(tile, monkeypatch):
+    """ATTN_TUNING["tile"] (a bf16 cache's decode tiles; 5+ stages double-buffer the gathered
+    keys): same result over verify rows and ragged last blocks."""
+    monkeypatch.setitem(attn.ATTN_TUNING, "tile", tile)
+    args = make_batch([1, 3, 1], [300, 77, 129], 4, 2, 32, torch.bfloat16, seed=10)
+    expected = paged_attention_ref(*args, 0.2)
+    got = paged_attention_triton(*args, 0.2, max_q_len=3)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name=f"bf16 tile {tile}")
 
 
 def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
