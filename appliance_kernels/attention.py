@@ -237,13 +237,34 @@ def _check_kv_scales(op: str, k_cache, v_cache, k_scale, v_scale) -> bool:
 
 
 @jit
-def _e4m3_pairs_as_f16(v):
-    """int16 words each holding two e4m3 bytes -> (low byte, high byte) as fp16 times 2^-8: the
-    byte's sign, exponent and mantissa moved into fp16's fields by shifts and masks (e4m3's bias 7
-    read with fp16's 15; subnormals map the same way), so the fp16 tiles keep the pairs' layout."""
-    lo = ((v << 8) & -32768) | ((v << 7) & 0x3F80)
-    hi = (v & -32768) | ((v >> 1) & 0x3F80)
-    return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+def _e4m3_pairs_as_f16(v, ASM: tl.constexpr):
+    """int16 words each holding two e4m3 bytes -> (low byte, high byte) as fp16, in the words'
+    layout (the dot operand they were loaded in). ASM (CUDA): a byte permute gathers two words' low
+    (high) bytes and one conversion widens the pair. Otherwise (the interpreter): shifts and masks
+    move each byte's sign, exponent and mantissa into fp16's fields (e4m3's bias 7 read with fp16's
+    15: 2^-8 of the value, subnormals included), then x 256."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t;
+            .reg .b16 l, h;
+            prmt.b32 t, $2, 0, 0x3320;
+            mov.b32 {l, h}, t;
+            cvt.rn.f16x2.e4m3x2 $0, l;
+            prmt.b32 t, $2, 0, 0x3331;
+            mov.b32 {l, h}, t;
+            cvt.rn.f16x2.e4m3x2 $1, l;
+            }""",
+            constraints="=r,=r,r",
+            args=[v],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+    else:
+        lo = (((v << 8) & -32768) | ((v << 7) & 0x3F80)).to(tl.float16, bitcast=True) * 256.0
+        hi = ((v & -32768) | ((v >> 1) & 0x3F80)).to(tl.float16, bitcast=True) * 256.0
+    return lo, hi
 
 
 @jit
@@ -274,6 +295,7 @@ def _attend_block(
     PREC: tl.constexpr,
     FP8_KV: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    PAIRS_ASM: tl.constexpr,
 ):
     """One online-softmax step over keys start .. start+BLOCK_N; MASKED adds causal / end masks.
     V_PAIRS: the fp8 V read as int16 column pairs; acc holds the even columns, acc_hi the odd."""
@@ -318,7 +340,7 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_PAIRS:
-        v_lo, v_hi = _e4m3_pairs_as_f16(v)
+        v_lo, v_hi = _e4m3_pairs_as_f16(v, PAIRS_ASM)
         p = p.to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p, v_lo)
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi)
@@ -371,6 +393,7 @@ def _paged_attention_kernel(
     GATED: tl.constexpr = False,  # out * sigmoid(gate)
     PDL: tl.constexpr = False,
     V_PAIRS: tl.constexpr = False,  # fp8 V given as int16 [slots, Hkv, D / 2] (_e4m3_pairs_as_f16)
+    PAIRS_ASM: tl.constexpr = False,  # their conversion in PTX (CUDA; not the interpreter)
 ):
     pdl_start(PDL)
     ROWS = BLOCK_M // GROUP  # query rows per program
@@ -456,6 +479,7 @@ def _paged_attention_kernel(
             PREC,
             FP8_KV,
             V_PAIRS,
+            PAIRS_ASM,
         )
     for start in range(unmasked_hi, hi, BLOCK_N):
         m_i, l_i, acc, acc_hi = _attend_block(
@@ -485,13 +509,13 @@ def _paged_attention_kernel(
             PREC,
             FP8_KV,
             V_PAIRS,
+            PAIRS_ASM,
         )
 
     t_row = (q_start + q_row).to(tl.int64)
     out_mask = row_ok[:, None] & d_ok[None, :]
-    if V_PAIRS:  # columns 2j, 2j + 1 side by side; the pairs' fp16 were 2^-8 of the e4m3 values
+    if V_PAIRS:  # columns 2j, 2j + 1 side by side
         acc = tl.reshape(tl.join(acc, acc_hi), [BLOCK_M, BLOCK_D])
-        v_scale = v_scale * 256.0
     o = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         if GATED:
@@ -764,6 +788,7 @@ def paged_attention_triton(
         NUM_SPLITS=num_splits,
         GATED=gated,
         V_PAIRS=v_pairs,
+        PAIRS_ASM=v_pairs and q.is_cuda,
         **fixed,
         num_warps=num_warps,
         num_stages=num_stages,
