@@ -157,8 +157,8 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
 
 
 FP8_TILES = [  # (BLOCK_N, num_stages, num_warps[, maxnreg]) of the Triton decode over an fp8 cache
-    (64, 3, 4),  # the default (run AG): one K / V buffer (see ATTN_TUNING)
-    (64, 5, 4),  # two buffers: the next tile in flight during the current one's dots
+    (64, 3, 4),  # run AG's default: one K / V buffer (see ATTN_TUNING)
+    (64, 5, 4),  # the default (run DK): two buffers, the next tile in flight during the dots
     (64, 5, 8),
     (32, 5, 4),
     (32, 7, 4),  # three buffers of 32 keys
