@@ -641,6 +641,9 @@ ATTN_TUNING = {
     "fp8_tile": (64, 5, 4),
     "fp8_split_factor": 1,
     "fp8_v_pairs": True,  # decode reads an fp8 V as int16 column pairs (_e4m3_pairs_as_f16)
+    # the most KV splits a short query block gets (batch 1 x 4 kv heads: 128 programs at 32; run
+    # DK.2 measured that decode latency-bound, bf16 at 0.2-0.9 TB/s; bench_kv_fp8.py --max-splits)
+    "max_splits": 32,
 }
 
 
@@ -650,7 +653,7 @@ def _attention_splits(num_programs: int, max_q_len: int, device: torch.device, f
     wanted = ATTN_TUNING["fp8_split_factor" if fp8 else "split_factor"] * num_sms(device)
     if max_q_len > 16 or num_programs >= wanted:
         return 1
-    return min(next_pow2(-(-wanted // num_programs)), 32)
+    return min(next_pow2(-(-wanted // num_programs)), ATTN_TUNING["max_splits"])
 
 
 def paged_attention_triton(
@@ -774,7 +777,14 @@ def paged_attention_triton(
     grid = (batch, num_q_blocks, num_kv_heads * num_splits)
     # an fp8 V as int16 words of two columns: its PV dot reads whole words (ldmatrix) where e4m3
     # columns are read a byte at a time (their keys are the dot's K dimension, not contiguous)
-    v_pairs = fixed["F16_DOT"] and ATTN_TUNING["fp8_v_pairs"] and head_dim % 2 == 0
+    v_pairs = (
+        fixed["F16_DOT"]
+        and ATTN_TUNING["fp8_v_pairs"]
+        and head_dim % 2 == 0
+        and v_cache.stride(0) % 2 == 0
+        and v_cache.stride(1) % 2 == 0
+        and v_cache.storage_offset() % 2 == 0
+    )
     if v_pairs:
         v16 = v_cache.view(torch.int16)
         tensors = (q, k_cache, v16, out)

@@ -200,7 +200,11 @@ _SHOWN = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "FP8_KV", "V_PAIRS")
 
 
 def sweep_fp8_tiles(
-    case: Case, device: torch.device, reps: int, split_factors=FP8_SPLIT_FACTORS
+    case: Case,
+    device: torch.device,
+    reps: int,
+    split_factors=FP8_SPLIT_FACTORS,
+    max_splits=(),
 ) -> None:
     """The Triton fp8 decode at each FP8_TILES entry
     (appliance_kernels.attention.ATTN_TUNING["fp8_tile"]) and the bf16 decode at its own tiles: one
@@ -240,6 +244,15 @@ def sweep_fp8_tiles(
         except Exception as exc:
             timed.append(f"bf16 {tile}: {type(exc).__name__}")
     attn.ATTN_TUNING["tile"] = bf16_tile
+    cap = attn.ATTN_TUNING["max_splits"]
+    for m in max_splits:  # more KV splits where the cap binds (batch 1): both dtypes
+        attn.ATTN_TUNING["max_splits"] = m
+        us = {kv: time_us(call[f"triton/{kv}"], device, reps) for kv in ("bf16", "fp8")}
+        timed.append(
+            f"max_splits {m}: bf16 {us['bf16']:.1f} µs, fp8 {us['fp8']:.1f} µs "
+            f"{us['bf16'] / us['fp8']:.2f}x"
+        )
+    attn.ATTN_TUNING["max_splits"] = cap
     print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
@@ -271,8 +284,14 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(map(str, FP8_SPLIT_FACTORS)),
         help="fp8_split_factor values the sweep times each tile at",
     )
+    parser.add_argument(
+        "--max-splits",
+        default="",
+        help="ATTN_TUNING['max_splits'] values the sweep also times both dtypes at, e.g. 64,128",
+    )
     args = parser.parse_args(argv)
     split_factors = [int(x) for x in args.sweep_splits.split(",")]
+    max_splits = [int(x) for x in args.max_splits.split(",") if x]
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
@@ -304,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 case = Case(batch, context, heads, layout)
                 lines += bench_case(case, backends, device, args.reps)
                 if args.sweep and device.type == "cuda":
-                    sweep_fp8_tiles(case, device, args.reps, split_factors)
+                    sweep_fp8_tiles(case, device, args.reps, split_factors, max_splits)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

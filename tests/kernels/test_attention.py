@@ -265,6 +265,28 @@ def test_bf16_kv_decode_tile_override(tile, monkeypatch):
     assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name=f"bf16 tile {tile}")
 
 
+def test_fp8_v_at_an_odd_byte_offset_is_read_byte_by_byte():
+    """A V cache that cannot be viewed as int16 words (odd storage offset) takes the byte read."""
+    base = make_batch([1, 1], [40, 9], 4, 2, 32, torch.float32, seed=22)
+    args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.bfloat16)
+    flat = torch.empty(args[2].numel() + 1, dtype=FP8_DTYPE, device=DEVICE)
+    v_odd = flat[1:].view(args[2].shape)
+    v_odd.copy_(args[2])
+    args = (args[0], args[1], v_odd, *args[3:])
+    expected = paged_attention_ref(*args, 0.2, k_scale, v_scale)
+    got = paged_attention_triton(*args, 0.2, k_scale=k_scale, v_scale=v_scale)
+    assert_close(got, expected, torch.bfloat16, factor=ACCUMULATING, name="odd offset")
+
+
+def test_max_splits_caps_the_split_heuristic(monkeypatch):
+    cpu = torch.device("cpu")  # the interpreter's machine: 8 SMs
+    assert attn._attention_splits(1, 1, cpu, False) == 8
+    monkeypatch.setitem(attn.ATTN_TUNING, "max_splits", 2)
+    assert attn._attention_splits(1, 1, cpu, False) == 2
+    assert attn._attention_splits(1, 1, cpu, True) == 2
+    assert attn._attention_splits(1, 17, cpu, False) == 1  # a long query block is not split
+
+
 def test_fp8_kv_split_kv_applies_v_scale_before_the_merge():
     base = make_batch([1, 2], [300, 90], 4, 2, 32, torch.float32, seed=8)
     args, (k_scale, v_scale) = fp8_cache(base, 0.05, 3.0, torch.float32)
