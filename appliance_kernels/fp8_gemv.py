@@ -313,6 +313,11 @@ CONV_RELEASE = False
 # The one-row fp8 GEMV's tile where set, per channel and block (ops/bench/bench_static.py
 # --fp8-gemv-tile), as gemv_config returns it.
 GEMV_TILE: dict[str, int] | None = None
+# The per-channel tile at the widest N (gate_up; gemv_config), settable on its own
+# (bench_static.py --fp8-gemv-wide-tile): in the step's profiles the block GEMV's 32 x 256 x 5
+# gate_up took 45.4 µs a launch where this took 47.0-47.5 (runs DH.4, DI.1), not yet timed per
+# channel in the step.
+WIDE_TILE: dict[str, int] = {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 5}
 
 
 def gemv_config(n: int, k: int) -> dict[str, int]:
@@ -324,7 +329,7 @@ def gemv_config(n: int, k: int) -> dict[str, int]:
     if GEMV_TILE is not None:
         return dict(GEMV_TILE)
     if n > 20000:
-        return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 5}
+        return dict(WIDE_TILE)
     if n >= 8192:
         return {"block_n": 16, "block_k": 512, "num_warps": 4, "stages": 3}
     return {"block_n": 8, "block_k": 512, "num_warps": 4, "stages": 4}

@@ -328,6 +328,7 @@ def kernel_switches() -> tuple:
         gemv_swiglu.USE_SWIGLU,
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
+        tuple(fp8_gemv.WIDE_TILE.values()),
         gdn_layer.FUSE_CONV,
         qwen3_5.SPLIT_NORMS,
         gemv_norm.RELEASE_PRODUCERS,
@@ -453,8 +454,16 @@ def main() -> None:
         help="the one-row fp8 GEMV's tile (per channel and block), BLOCK_N,BLOCK_K,WARPS,STAGES, "
         "or default; the decode graphs are captured again for each",
     )
+    ap.add_argument(
+        "--fp8-gemv-wide-tile",
+        nargs="+",
+        default=["default"],
+        help="the per-channel one-row fp8 GEMV's tile at the widest N (gate_up: "
+        "fp8_gemv.WIDE_TILE), BLOCK_N,BLOCK_K,WARPS,STAGES or default; graphs captured again",
+    )
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    default_wide = dict(fp8_gemv.WIDE_TILE)
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
     runner = build_runner(
         args.config,
@@ -485,12 +494,13 @@ def main() -> None:
         args.swiglu,
         args.moe_pairs,
         args.fp8_gemv_tile,
+        args.fp8_gemv_wide_tile,
         args.gemv_conv,
         args.split_norms,
         args.gdn_preload,
         args.graphs,
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, conv, norms, preload, graphs in switches:
+    for pdl, gemv, rows_on, swiglu, pairs, tile, wide, conv, norms, preload, graphs in switches:
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
@@ -499,6 +509,7 @@ def main() -> None:
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
+        fp8_gemv.WIDE_TILE = parse_tile(wide) or default_wide
         gdn_layer.FUSE_CONV = {"auto": None, "on": True, "off": False}[conv]
         qwen3_5.SPLIT_NORMS = norms != "off"
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
@@ -521,6 +532,8 @@ def main() -> None:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
             print(f"fp8 GEMV tile {tile}")
+        if len(args.fp8_gemv_wide_tile) > 1 and graphs == args.graphs[0]:
+            print(f"fp8 GEMV wide tile {wide}")
         if len(args.gemv_conv) > 1 and graphs == args.graphs[0]:
             print(f"GDN conv in the GEMV {conv}")
         if len(args.split_norms) > 1 and graphs == args.graphs[0]:
@@ -551,6 +564,7 @@ def main() -> None:
                     r["swiglu"] = swiglu
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
+                    r["fp8_gemv_wide_tile"] = wide
                     r["gemv_conv"] = conv
                     r["split_norms"] = norms
                     r["gdn_preload"] = preload

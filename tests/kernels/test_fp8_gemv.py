@@ -24,6 +24,7 @@ from appliance_kernels.fp8_gemv import (
     fp8_gemv_block,
     fp8_gemv_block_ref,
     fp8_gemv_ref,
+    gemv_config,
     gemv_wins,
     linear,
 )
@@ -297,6 +298,18 @@ def test_full_size_16bit_and_block_routes(n, k):
     w_q, s = quantize_block_ref(w.float(), (128, 128))
     expected = fp8_gemv_block_ref(x, w_q, s, (128, 128))
     assert rel_error(fp8_block_linear(x, w_q, s, (128, 128)), expected) < 1e-2
+
+
+def test_wide_tile_is_the_widest_projections_tile(monkeypatch):
+    """fp8_gemv.WIDE_TILE (bench_static.py --fp8-gemv-wide-tile) sets gate_up's tile alone; a
+    32-row tile reads per-channel weights right."""
+    wide = {"block_n": 32, "block_k": 256, "num_warps": 4, "stages": 5}
+    monkeypatch.setattr(appliance_kernels.fp8_gemv, "WIDE_TILE", wide)
+    assert gemv_config(34816, 5120) == wide and gemv_config(5120, 17408) != wide
+    w_q, s = channel_weight(96, 512, True, seed=3)
+    x = randn(1, 512, dtype=torch.bfloat16, seed=4)
+    got = fp8_gemv(x, w_q, s, config=wide)
+    assert_close(got, fp8_gemv_ref(x, w_q, s), torch.bfloat16, name="wide tile")
 
 
 @gpu
