@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field, fields
 
-# appliance_kernels.attention.KV_CACHE_DTYPES holds the torch dtypes
+# appliance_kernels.kv_cache.KV_CACHE_DTYPES holds the torch dtypes
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 

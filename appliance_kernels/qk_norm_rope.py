@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from appliance_kernels.attention import _check_kv_scales, store_kv_ref
+from appliance_kernels.kv_cache import check_kv_scales, store_kv_ref
 from appliance_kernels.norm import rms_norm_ref
 from appliance_kernels.rotary import apply_rotary_ref
 from appliance_kernels.triton_utils import (
@@ -186,7 +186,7 @@ def qk_norm_rope_store_triton(
         raise ValueError(f"qk_norm_rope: q {q.shape} k {k.shape} v {v.shape} cache {k_cache.shape}")
     if rot_dim % 2 or rot_dim > head_dim or sin.shape != cos.shape or cos.shape[0] != num_tokens:
         raise ValueError(f"qk_norm_rope: q {q.shape} cos {cos.shape} sin {sin.shape}")
-    fp8 = _check_kv_scales("qk_norm_rope", k_cache, v_cache, k_scale, v_scale)
+    fp8 = check_kv_scales("qk_norm_rope", k_cache, v_cache, k_scale, v_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out

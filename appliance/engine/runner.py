@@ -65,7 +65,7 @@ from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
 from appliance_kernels import backends, triton_utils
-from appliance_kernels.attention import KV_CACHE_DTYPES
+from appliance_kernels.kv_cache import KV_CACHE_DTYPES
 from visual.shm import SharedMemoryImageStore
 
 log = get_logger(__name__)

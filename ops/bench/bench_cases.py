@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from appliance_kernels import attention, conv1d, fp8, gdn, norm, qk_norm_rope, rotary
+from appliance_kernels import attention, conv1d, fp8, gdn, kv_cache, norm, qk_norm_rope, rotary
 from appliance_kernels.activation import silu_and_mul, silu_and_mul_ref
 
 DEV = "cuda"
@@ -323,7 +323,7 @@ def _qk_prologue_case(tokens: int) -> tuple:
         qn = norm.rms_norm(q.reshape(-1, HEAD_DIM), qw, 1e-6, True)[0].view(q.shape)
         kn = norm.rms_norm(k.reshape(-1, HEAD_DIM), kw, 1e-6, True)[0].view(k.shape)
         qr, kr = rotary.apply_rotary(qn, cos, sin), rotary.apply_rotary(kn, cos, sin)
-        attention.store_kv(kr, v, *caches, slots)
+        kv_cache.store_kv(kr, v, *caches, slots)
         return qr
 
     return (

@@ -24,12 +24,9 @@ from dataclasses import dataclass
 import torch
 
 import appliance_kernels.attention as attn
-from appliance_kernels.attention import (
-    paged_attention_ref,
-    paged_attention_triton,
-    quantize_kv_ref,
-)
+from appliance_kernels.attention import paged_attention_ref, paged_attention_triton
 from appliance_kernels.fp8 import FP8_MAX
+from appliance_kernels.kv_cache import quantize_kv_ref
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 
 KERNEL_MODULES = (
     "appliance_kernels.triton_utils",
+    "appliance_kernels.kv_cache",  # before attention and qk_norm_rope: they bind its helpers
     "appliance_kernels.attention",
     "appliance_kernels.gdn_chunk",
     "appliance_kernels.gdn_gate",  # before gdn: it binds gate_values at import

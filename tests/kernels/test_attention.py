@@ -1,4 +1,4 @@
-"""paged_attention_triton / store_kv_triton vs the torch references (decode, verify, prefill)."""
+"""paged_attention_triton and the KV store (kv_cache.py) vs the torch references."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ from kernel_cases import DEVICE, generator, gpu, randn
 from tolerances import ACCUMULATING, assert_close, poison
 
 import appliance_kernels.attention as attn
-from appliance_kernels.attention import (
-    KVScales,
-    paged_attention,
-    paged_attention_ref,
-    paged_attention_triton,
-    store_kv_ref,
-    store_kv_triton,
-)
+from appliance_kernels.attention import paged_attention, paged_attention_ref, paged_attention_triton
 from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.kv_cache import KVScales, store_kv_ref, store_kv_triton
 
 
 def make_batch(q_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, dtype, seed, q_view=False):

@@ -7,8 +7,8 @@ import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import TOLERANCES, assert_close, poison, rel_error
 
-from appliance_kernels.attention import quantize_kv_ref
 from appliance_kernels.fp8 import FP8_DTYPE
+from appliance_kernels.kv_cache import quantize_kv_ref
 from appliance_kernels.qk_norm_rope import (
     qk_norm_rope_store,
     qk_norm_rope_store_ref,

@@ -16,8 +16,9 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear, blocks_fit, 
 from appliance.models.layers.norm import RMSNorm, rows
 from appliance.models.layers.parallel import tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from appliance_kernels.attention import KVScales, paged_attention
+from appliance_kernels.attention import paged_attention
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
+from appliance_kernels.kv_cache import KVScales
 from appliance_kernels.qk_norm_rope import qk_norm_rope_store
 
 
