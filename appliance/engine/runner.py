@@ -213,7 +213,7 @@ class ModelRunner(RunnerMemory):
             tied = (
                 {"lm_head.weight": "model.embed_tokens.weight"} if cfg.tie_word_embeddings else {}
             )
-            load_weights(model, iter_tensors(self.model_dir), tied)
+            load_weights(model, iter_tensors(self.model_dir), tied, cfg.quant)
         log.info(
             "loaded %s (%s) in %.2fs on %s",
             cfg.architecture,
@@ -237,7 +237,8 @@ class ModelRunner(RunnerMemory):
             if self.config.model.load_format == "dummy":
                 init_dummy_weights(module, self.config.model.seed + 1)
             else:
-                load_weights(module, iter_tensors(self.model_dir, prefix="mtp."))
+                tensors = iter_tensors(self.model_dir, prefix="mtp.")
+                load_weights(module, tensors, quant=self.text_config.quant)
             module.eval()
         log.info(
             "MTP: %s mode, %d draft step(s), %d draft module(s)",

@@ -17,7 +17,9 @@ from torch import nn
 
 from appliance.logging import get_logger
 from appliance.models.layers.linear import unloaded_segments
+from appliance.models.layers.quant import QuantConfig
 from appliance.models.quant_weights import (
+    InputScales,
     KVScaleLoader,
     ScaleCheck,
     finish_loading,
@@ -76,21 +78,25 @@ def load_weights(
     model: nn.Module,
     tensors: Iterator[tuple[str, torch.Tensor]],
     tied: dict[str, str] | None = None,
+    quant: QuantConfig | None = None,
 ) -> None:
     """Feed checkpoint tensors through `model.map_weight_name` and each parameter's weight_loader.
 
     `tied` maps a parameter that may be absent from the checkpoint to the one it copies
     (e.g. lm_head.weight -> model.embed_tokens.weight with tie_word_embeddings). fp8 scale
     tensors load beside their weights (quant_weights.py); an fp8 tensor without one is refused.
-    KV-cache scales (`self_attn.k_scale` ...) go to their attention layer (1.0 where absent)."""
+    KV-cache scales (`self_attn.k_scale` ...) go to their attention layer (1.0 where absent);
+    static activation scales are checked and read past where `quant` says the checkpoint has them
+    (quant_weights.InputScales)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
     scales = ScaleCheck()
     kv_scales = KVScaleLoader(model)
+    input_scales = InputScales(model, params, quant is not None and quant.static_inputs)
     for name, tensor in tensors:
         try:
-            if kv_scales.take(name, tensor):
+            if kv_scales.take(name, tensor) or input_scales.take(name, tensor):
                 continue
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
@@ -128,6 +134,7 @@ def load_weights(
             parts.append(f"unexpected keys: {_short_list(unexpected)}")
         raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(parts))
     kv_scales.apply()
+    input_scales.report(log)
     finish_loading(model)
 
 

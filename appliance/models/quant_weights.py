@@ -1,8 +1,9 @@
 """The loader's side of fp8 checkpoints: scale tensors (`<weight>_scale_inv` in Qwen / DeepSeek
 block checkpoints, `<weight>_scale` in compressed-tensors ones) follow their weight's name mapping
 onto the layer's `<param>_scale`; every fp8 tensor must come with a scale; KV-cache scales go to
-their attention layer (`KVScaleLoader`); layers finish (online quantization) once all tensors are
-in. Called by appliance/models/loader.py."""
+their attention layer (`KVScaleLoader`); static activation scales (`input_scale`) are checked and
+read past (`InputScales`); layers finish (online quantization) once all tensors are in. Called by
+appliance/models/loader.py."""
 
 from __future__ import annotations
 
@@ -47,6 +48,48 @@ class ScaleCheck:
             if not any(name + suffix in self.scales for suffix in SCALE_SUFFIXES):
                 return name
         return None
+
+
+class InputScales:
+    """Static per-tensor activation scales (`<module>.input_scale`, fused experts'
+    `<experts>.gate_up_proj_input_scale`) of checkpoints calibrated for static activations
+    (AutoFP8 / `activation_scheme: static`, llm-compressor's FP8 scheme). Each must belong to a
+    quantised layer of the model and be finite and > 0; its value is not used: the fp8 x fp8
+    GEMMs quantise every token's activations with that token's own max (per 128-column group for
+    block weights) and the one-row GEMV reads them unquantised, both at least as precise as one
+    scale calibrated over a dataset (which exists so that a kernel can skip the max; here it is
+    fused into the quantisation kernel). Only taken when the quantization config says static."""
+
+    SUFFIXES = (".input_scale", "_input_scale")
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], static: bool) -> None:
+        self.model, self.params, self.static = model, params, static
+        self.count = 0
+
+    def take(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether `name` is a static activation scale of a quantised layer (consumed here)."""
+        suffix = next((s for s in self.SUFFIXES if name.endswith(s)), None)
+        if not self.static or suffix is None:
+            return False
+        base = name[: -len(suffix)]
+        mapped = self.model.map_weight_name(base + (".weight" if suffix[0] == "." else ""))
+        if mapped is None:  # another component's layer (the MTP head of the main model)
+            return True
+        if f"{mapped[0]}_scale" not in self.params:
+            return False  # an unquantised layer: left to the loader's unexpected keys
+        values = tensor.float().reshape(-1)
+        if values.numel() == 0 or not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"{name}: activation scale {values.tolist()} (expected finite, > 0)")
+        self.count += 1
+        return True
+
+    def report(self, log) -> None:
+        if self.count:
+            log.info(
+                "fp8 checkpoint: %d static activation scales (input_scale) checked and not used: "
+                "activations are quantised per token as they arrive",
+                self.count,
+            )
 
 
 def finish_loading(model: nn.Module) -> None:

@@ -8,8 +8,13 @@ the same model with the dequantised weights (the comparison model of the tests).
 - "compressed-tensors": llm-compressor FP8_DYNAMIC: e4m3 `weight` + `weight_scale` [out, 1] per
   channel, one config group (static symmetric float8 channel weights, dynamic per-token
   activations) and an `ignore` list of names and `re:` patterns.
-Fused experts get `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] / `gate_up_proj_scale` [E, 2I, 1];
-`expert_layout="per_expert"` splits them into `experts.{e}.{gate,up,down}_proj.weight` first.
+- `scales="tensor"`: one scale per weight tensor instead ("fp8": AutoFP8 / vLLM-exported
+  checkpoints, `weight_scale` [] and no `weight_block_size`; "compressed-tensors": weight strategy
+  tensor, `weight_scale` [1]). `activations="static"`: calibrated per-tensor `input_scale`s beside
+  every quantised weight (`activation_scheme: static`; llm-compressor's FP8 scheme).
+Fused experts get `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] / `gate_up_proj_scale` [E, 2I, 1]
+(per tensor [E]; static `gate_up_proj_input_scale` [E]); `expert_layout="per_expert"` splits them
+into `experts.{e}.{gate,up,down}_proj.weight` first.
 `add_kv_cache_scales` adds per-layer KV-cache scales under the names checkpoints use.
 Called by tests/models/test_fp8_checkpoints.py and tests/appliance/engine/test_kv_cache_fp8.py.
 """
@@ -26,10 +31,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from appliance.testing.tiny import fuse_experts, split_experts
-from appliance_kernels.fp8 import per_token_quant_ref
+from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import dequantize_block, quantize_block_ref
 
 LAYOUTS = ("fp8", "compressed-tensors")
+SCALES = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor")}  # first: default
+ACTIVATIONS = ("dynamic", "static")
 # what Qwen's fp8 repos keep in bf16 (matched on the module name)
 QWEN_KEEP = re.compile(
     r"(^lm_head$|embed_tokens$|visual\.|\.in_proj_[ab]$|\.mlp\.gate$|\.shared_expert_gate$)"
@@ -69,32 +76,65 @@ def _kept(name: str, layout: str, ignore: list[str]) -> bool:
     return False
 
 
-def _quantize(w: torch.Tensor, layout: str, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] or fused [E, N, K] -> (e4m3, scale) in the layout's scale shape."""
+def _quantize(w: torch.Tensor, scales: str, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] or fused [E, N, K] -> (e4m3, scale) in the scheme's scale shape."""
     if w.dim() == 3:
-        parts = [_quantize(w[e], layout, block) for e in range(w.shape[0])]
+        parts = [_quantize(w[e], scales, block) for e in range(w.shape[0])]
         return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
-    if layout == "fp8":
+    if scales == "block":
         return quantize_block_ref(w.float(), block)
+    if scales == "tensor":
+        return per_tensor_quant_ref(w.float())  # [1]
     return per_token_quant_ref(w.float())  # one scale per output channel: [N, 1]
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, layout: str, block) -> torch.Tensor:
-    if layout == "fp8":
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, scales: str, block) -> torch.Tensor:
+    if scales == "block":
         return dequantize_block(q, scale, block)
+    if scales == "tensor" and q.dim() == 3:
+        return q.float() * scale.float().reshape(-1, 1, 1)
     return q.float() * scale.float()
 
 
-def _quant_config(layout: str, block, kept: list[str], ignore: list[str]) -> dict:
+def _stored_scale(scale: torch.Tensor, layout: str, scales: str) -> torch.Tensor:
+    """A per-tensor scale as checkpoints store it: [] (AutoFP8), [1] (compressed-tensors), [E]
+    for fused experts."""
+    if scales != "tensor":
+        return scale.float()
+    if scale.dim() == 2:  # fused experts: [E, 1]
+        return scale.float().reshape(-1)
+    return scale.float().reshape(()) if layout == "fp8" else scale.float().reshape(1)
+
+
+def _input_scale(name: str, w: torch.Tensor, layout: str) -> tuple[str, torch.Tensor]:
+    """A calibrated-looking static activation scale for quantised weight `name` (value unused by
+    the loader, checked > 0): per expert for fused experts."""
+    seed = sum(name.encode()) % 7
+    value = torch.tensor(0.01 * (1 + seed), dtype=torch.float32)
+    if w.dim() == 3:
+        return name + "_input_scale", value.expand(w.shape[0]).clone()
+    stored = value.reshape(()) if layout == "fp8" else value.reshape(1)
+    return name.removesuffix(".weight") + ".input_scale", stored
+
+
+def _quant_config(
+    layout: str, block, kept: list[str], ignore: list[str], scales: str, activations: str
+) -> dict:
     if layout == "fp8":
-        return {
+        config = {
             "quant_method": "fp8",
             "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": list(block),
+            "activation_scheme": activations,
             "modules_to_not_convert": sorted(kept),
         }
+        if scales == "block":
+            config["weight_block_size"] = list(block)
+        return config
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    if activations == "static":
+        inputs = {**scheme, "strategy": "tensor", "dynamic": False}
+    else:
+        inputs = {**scheme, "strategy": "token", "dynamic": True}
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
@@ -102,8 +142,8 @@ def _quant_config(layout: str, block, kept: list[str], ignore: list[str]) -> dic
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {**scheme, "strategy": "channel", "dynamic": False},
-                "input_activations": {**scheme, "strategy": "token", "dynamic": True},
+                "weights": {**scheme, "strategy": scales, "dynamic": False},
+                "input_activations": inputs,
                 "output_activations": None,
             }
         },
@@ -133,9 +173,14 @@ def write_fp8_checkpoint(
     expert_layout: str = "same",
     transposed_experts: bool = False,
     ignore: list[str] | None = None,
+    scales: str | None = None,
+    activations: str = "dynamic",
 ) -> Path:
     """Quantise `src` into `out` (layout "fp8" or "compressed-tensors"); write the dequantised
     weights, in the source layout and dtype fp32, to `dequantized_out`.
+
+    scales: "block" (fp8's default), "channel" (compressed-tensors' default) or "tensor";
+    activations: "dynamic" or "static" (with `input_scale`s; see the module docstring).
 
     expert_layout: "same" (as in src), "per_expert" or "fused". transposed_experts: src holds
     Qwen3-VL-MoE's transposed fused experts ([E, H, 2I]); they are turned back first.
@@ -143,6 +188,12 @@ def write_fp8_checkpoint(
     ignore = list(COMPRESSED_IGNORE if ignore is None else ignore)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
+    scales = scales or SCALES[layout][0]
+    if scales not in SCALES[layout] or activations not in ACTIVATIONS:
+        raise ValueError(
+            f"{layout}: scales={scales!r} / activations={activations!r}; expected one of "
+            f"{SCALES[layout]} / {ACTIVATIONS}"
+        )
     src, out, deq_out = Path(src), Path(out), Path(dequantized_out)
     tensors = _read(src)
     if transposed_experts:
@@ -163,15 +214,19 @@ def write_fp8_checkpoint(
                 kept.append(name.removesuffix(".weight"))
             quantized[name] = dequantized[name] = w.float()
             continue
-        q, scale = _quantize(w, layout, block)
+        q, scale = _quantize(w, scales, block)
         quantized[name] = q
-        quantized[name + ("_scale_inv" if layout == "fp8" else "_scale")] = scale.float()
-        dequantized[name] = _dequantize(q, scale, layout, block)
+        suffix = "_scale_inv" if scales == "block" else "_scale"
+        quantized[name + suffix] = _stored_scale(scale, layout, scales)
+        dequantized[name] = _dequantize(q, scale, scales, block)
+        if activations == "static":
+            key, value = _input_scale(name, w, layout)
+            quantized[key] = value
     for folder, state in ((out, quantized), (deq_out, dequantized)):
         _copy_side_files(src, folder)
         save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _quant_config(layout, block, kept, ignore)
+    config["quantization_config"] = _quant_config(layout, block, kept, ignore, scales, activations)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 

@@ -40,6 +40,7 @@ from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from appliance_kernels.fp8 import FP8_DTYPE
 
 PER = "per_expert"
+STATIC = {"activations": "static"}
 BLOCK = (16, 16)  # tiny models: every fused segment and TP shard falls on 16-row blocks
 # hidden 128 etc.: Qwen's real 128 x 128 blocks, every fused segment a multiple of 128 rows
 SIZES_128 = dict(
@@ -84,6 +85,17 @@ CASES = {
         BLOCK,
         {"transposed_experts": True, "expert_layout": "per_expert"},
     ),
+    # static activation scales: AutoFP8 / vLLM-exported per-tensor fp8, llm-compressor's FP8
+    "dense-autofp8": ("dense", "fp8", None, {"scales": "tensor", "activations": "static"}),
+    "moe-autofp8-per-expert": (
+        "moe",
+        "fp8",
+        None,
+        {"scales": "tensor", **STATIC, "expert_layout": PER},
+    ),
+    "moe-ct-static-fused": ("moe", "compressed-tensors", None, {"scales": "tensor", **STATIC}),
+    "vl-ct-static": ("vl", "compressed-tensors", None, {"scales": "tensor", **STATIC}),
+    "dense-fp8-block-static": ("dense", "fp8", BLOCK, STATIC),
 }
 
 
@@ -211,8 +223,15 @@ def _ct_weights(**fields):
         ),
         (
             "dense-fp8",
-            lambda c: c["quantization_config"].update(activation_scheme="static"),
-            ["'static'", "dynamic"],
+            lambda c: c["quantization_config"].update(activation_scheme="per-token"),
+            ["'per-token'", "dynamic or static"],
+        ),
+        (
+            "dense-ct",
+            lambda c: c["quantization_config"]["config_groups"]["group_0"][
+                "input_activations"
+            ].update(dynamic=False),
+            ["'strategy': 'token'", "static per tensor"],
         ),
         ("dense-ct", _ct_weights(strategy="group"), ["'group'", "channel"]),
         (
@@ -268,6 +287,37 @@ def test_missing_scale_names_the_first_tensor(written, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(CheckpointMismatch, match=r"layers\.2\.mlp\.experts\.5\.up_proj\.weight "):
         runner(bad)
+
+
+def _edit_tensors(src, dst, edit) -> None:
+    _with_config(src, dst, lambda c: None)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+
+
+def test_static_activation_scales_are_checked(written, tmp_path):
+    """A static checkpoint's input_scales must be finite, > 0 and belong to quantised layers; a
+    dynamic checkpoint carrying them (a mislabelled config) names them as unexpected."""
+    src = written["dense-autofp8"][0]
+    name = "model.language_model.layers.1.mlp.down_proj.input_scale"
+    assert name in load_file(str(src / "model.safetensors"))
+
+    _edit_tensors(src, tmp_path / "zero", lambda t: t.update({name: torch.tensor(0.0)}))
+    with pytest.raises(CheckpointMismatch, match=f"{name}: activation scale.*> 0"):
+        runner(tmp_path / "zero")
+
+    stray = "model.language_model.layers.0.linear_attn.in_proj_a.input_scale"  # kept in bf16
+    _edit_tensors(src, tmp_path / "stray", lambda t: t.update({stray: torch.tensor(0.1)}))
+    with pytest.raises(CheckpointMismatch, match=f"unexpected keys: {stray}"):
+        runner(tmp_path / "stray")
+
+    dynamic = tmp_path / "dynamic"
+    _with_config(
+        src, dynamic, lambda c: c["quantization_config"].update(activation_scheme="dynamic")
+    )
+    with pytest.raises(CheckpointMismatch, match=r"unexpected keys: .*\.input_scale"):
+        runner(dynamic)
 
 
 def test_fp8_tensors_without_quantization_config_are_refused(written, tmp_path):

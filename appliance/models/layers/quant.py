@@ -16,10 +16,10 @@ SCHEMES = ("fp8_channel", "fp8_block")  # per-output-channel weight scales / [bn
 ONLINE = ("fp8",)  # values of --quantization
 BLOCK_SIZES = (16, 32, 64, 128)  # accepted block_n / block_k (Qwen's checkpoints use 128 x 128)
 SUPPORTED = (
-    'quant_method "fp8" (fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk] with '
-    f"bn, bk in {BLOCK_SIZES}, or none for per-tensor scales) and "
+    'quant_method "fp8" (fmt e4m3, activation_scheme dynamic or static, weight_block_size [bn, bk] '
+    f"with bn, bk in {BLOCK_SIZES}, or none for per-tensor scales) and "
     '"compressed-tensors" (format float-quantized: 8-bit float symmetric static weights with '
-    "strategy channel, tensor or block; dynamic 8-bit float activations)"
+    "strategy channel, tensor or block; 8-bit float activations, dynamic or static per tensor)"
 )
 # Online fp8 keeps what Qwen's own fp8 checkpoints keep in bf16: routers, gates and the
 # per-head GDN projections (a few rows each; quantising them saves nothing and costs accuracy).
@@ -42,6 +42,10 @@ class QuantConfig:
     online: bool  # weights arrive in bf16/fp32 and are quantised once loaded
     ignore: tuple[str, ...]  # module names kept unquantised: exact/dotted names or "re:<regex>"
     source: str  # "fp8", "compressed-tensors" or "online": named in messages
+    # the checkpoint calibrated static per-tensor activation scales (`input_scale`): the loader
+    # checks and reads past them; activations are quantised per token as for dynamic ones (see
+    # appliance/models/quant_weights.py InputScales)
+    static_inputs: bool = False
 
     def skips(self, name: str) -> bool:
         """Whether checkpoint module `name` stays unquantised. Our `model.layers.*` names are also
@@ -107,15 +111,17 @@ def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
     if fmt != "e4m3":
         raise UnsupportedQuantization(f"fp8 fmt {fmt!r} is not supported: expected e4m3")
     activations = qc.get("activation_scheme", "dynamic")
-    if activations != "dynamic":
+    if activations not in ("dynamic", "static"):
         raise UnsupportedQuantization(
-            f"fp8 activation_scheme {activations!r} is not supported: expected dynamic"
+            f"fp8 activation_scheme {activations!r} is not supported: expected dynamic or static"
         )
     ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+    static = activations == "static"
     block = qc.get("weight_block_size")
-    if block is None:  # per-tensor weight scales: loaded as per-channel ones
-        return QuantConfig("fp8_channel", None, False, ignore, "fp8")
-    return QuantConfig("fp8_block", _block(block, "fp8 weight_block_size"), False, ignore, "fp8")
+    if block is None:  # per-tensor weight scales (AutoFP8): loaded as per-channel ones
+        return QuantConfig("fp8_channel", None, False, ignore, "fp8", static)
+    block = _block(block, "fp8 weight_block_size")
+    return QuantConfig("fp8_block", block, False, ignore, "fp8", static)
 
 
 def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
@@ -137,23 +143,25 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
                 f"compressed-tensors weights {key}={weights.get(key)!r} is not supported "
                 f"(expected {value!r}); supported: {SUPPORTED}"
             )
+    static = bool(acts) and not acts.get("dynamic") and acts.get("strategy") == "tensor"
     if (
         not acts
         or acts.get("num_bits") != 8
         or acts.get("type") != "float"
-        or not acts.get("dynamic")
+        or not (acts.get("dynamic") or static)
     ):
         raise UnsupportedQuantization(
-            f"compressed-tensors input_activations {acts!r} are not supported: expected dynamic "
-            "8-bit float (FP8_DYNAMIC / FP8_BLOCK schemes)"
+            f"compressed-tensors input_activations {acts!r} are not supported: expected 8-bit "
+            "float, dynamic (FP8_DYNAMIC / FP8_BLOCK schemes) or static per tensor (FP8)"
         )
     ignore = tuple(qc.get("ignore") or ())
     strategy = weights.get("strategy")
+    source = "compressed-tensors"
     if strategy in ("channel", "tensor"):
-        return QuantConfig("fp8_channel", None, False, ignore, "compressed-tensors")
+        return QuantConfig("fp8_channel", None, False, ignore, source, static)
     if strategy == "block":
         block = _block(weights.get("block_structure"), "compressed-tensors block_structure")
-        return QuantConfig("fp8_block", block, False, ignore, "compressed-tensors")
+        return QuantConfig("fp8_block", block, False, ignore, source, static)
     raise UnsupportedQuantization(
         f"compressed-tensors weights strategy {strategy!r} is not supported: expected channel, "
         "tensor or block"
