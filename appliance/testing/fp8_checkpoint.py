@@ -12,6 +12,8 @@ the same model with the dequantised weights (the comparison model of the tests).
   checkpoints, `weight_scale` [] and no `weight_block_size`; "compressed-tensors": weight strategy
   tensor, `weight_scale` [1]). `activations="static"`: calibrated per-tensor `input_scale`s beside
   every quantised weight (`activation_scheme: static`; llm-compressor's FP8 scheme).
+  "compressed-tensors" with `scales="block"`: llm-compressor's FP8_BLOCK (`weight_scale` per
+  [block_n, block_k] tile, `block_structure`, dynamic activations per group of block_k).
 Fused experts get `gate_up_proj_scale_inv` [E, 2I/bn, H/bk] / `gate_up_proj_scale` [E, 2I, 1]
 (per tensor [E]; static `gate_up_proj_input_scale` [E]); `expert_layout="per_expert"` splits them
 into `experts.{e}.{gate,up,down}_proj.weight` first.
@@ -35,7 +37,8 @@ from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import dequantize_block, quantize_block_ref
 
 LAYOUTS = ("fp8", "compressed-tensors")
-SCALES = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor")}  # first: default
+# scale schemes per layout (the first is the default)
+SCALES = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor", "block")}
 ACTIVATIONS = ("dynamic", "static")
 # what Qwen's fp8 repos keep in bf16 (matched on the module name)
 QWEN_KEEP = re.compile(
@@ -131,8 +134,13 @@ def _quant_config(
             config["weight_block_size"] = list(block)
         return config
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    weights = {**scheme, "strategy": scales, "dynamic": False}
+    if scales == "block":  # FP8_BLOCK: activations per 1 x block_k group
+        weights["block_structure"] = list(block)
     if activations == "static":
         inputs = {**scheme, "strategy": "tensor", "dynamic": False}
+    elif scales == "block":
+        inputs = {**scheme, "strategy": "group", "group_size": block[1], "dynamic": True}
     else:
         inputs = {**scheme, "strategy": "token", "dynamic": True}
     return {
@@ -142,7 +150,7 @@ def _quant_config(
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {**scheme, "strategy": scales, "dynamic": False},
+                "weights": weights,
                 "input_activations": inputs,
                 "output_activations": None,
             }
@@ -216,7 +224,7 @@ def write_fp8_checkpoint(
             continue
         q, scale = _quantize(w, scales, block)
         quantized[name] = q
-        suffix = "_scale_inv" if scales == "block" else "_scale"
+        suffix = "_scale_inv" if layout == "fp8" and scales == "block" else "_scale"
         quantized[name + suffix] = _stored_scale(scale, layout, scales)
         dequantized[name] = _dequantize(q, scale, scales, block)
         if activations == "static":

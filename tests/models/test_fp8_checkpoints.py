@@ -96,6 +96,14 @@ CASES = {
     "moe-ct-static-fused": ("moe", "compressed-tensors", None, {"scales": "tensor", **STATIC}),
     "vl-ct-static": ("vl", "compressed-tensors", None, {"scales": "tensor", **STATIC}),
     "dense-fp8-block-static": ("dense", "fp8", BLOCK, STATIC),
+    # llm-compressor FP8_BLOCK
+    "moe-ct-block-per-expert": (
+        "moe",
+        "compressed-tensors",
+        BLOCK,
+        {"scales": "block", "expert_layout": PER},
+    ),
+    "vl-ct-block": ("vl", "compressed-tensors", BLOCK, {"scales": "block"}),
 }
 
 
