@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from appliance_kernels.gemv_epilogue import finish, load_partials, rstd_of
+from appliance_kernels.gemv_epilogue import finish, head_scaled, load_partials, rstd_of
 from appliance_kernels.gemv_norm import (
     AddNorm,
     PendingNorm,
@@ -51,6 +51,7 @@ from appliance_kernels.gemv_norm import (
     producer_pdl,
 )
 from appliance_kernels.gemv_rows import gemv_rows, rows_wins, store_rows
+from appliance_kernels.head_norm import PendingHeadNorm, head_norm_args
 from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
     gemv_pdl,
@@ -167,6 +168,9 @@ def _gemv_kernel(
     res_out_ptr,
     nw_ptr,
     po_ptr,
+    hp_ptr,  # HEAD_D > 0: a split GDN gated norm's per-head partials (head_norm.py)
+    h_parts,
+    h_eps,
     SCALED: tl.constexpr,  # an fp8 weight's per-channel / per-tensor scales, on the outputs
     PER_COL: tl.constexpr,  # per-channel scales (else one per tensor)
     HAS_BIAS: tl.constexpr,
@@ -182,6 +186,8 @@ def _gemv_kernel(
     ZC: tl.constexpr = True,  # that norm's weight is zero-centred
     SCALE_N: tl.constexpr = 0,  # contiguous block scales [ceil(N / SCALE_N), ceil(K / SCALE_K)]
     SCALE_K: tl.constexpr = 0,  # 0: none; else BLOCK_K is a multiple of it, SCALE_N of BLOCK_N
+    HEAD_D: tl.constexpr = 0,  # > 0: x's heads of HEAD_D columns each times its 1 / rms
+    HPARTS: tl.constexpr = 1,  # power of two >= h_parts
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,
 ):
@@ -218,7 +224,14 @@ def _gemv_kernel(
     for k0 in tl.range(0, k_size, BLOCK_K, num_stages=STAGES):
         k = k0 + rk
         w = _w_tile(w_rows, k, n_ok, k_size, EVEN)
-        if SCALE_K:  # each branch keeps the op order that was timed (the compiled code follows it)
+        if HEAD_D > 0:  # the split GDN gated norm: each head's columns times its 1 / rms
+            if SCALE_K:
+                xs = _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K, EVEN)
+            else:
+                xs = _x_tile(x_ptr, k, k_size, EVEN)
+            xs = head_scaled(xs, hp_ptr, k0, k_size, h_parts, h_eps, HEAD_D, HPARTS, BLOCK_K)
+            acc += w.to(tl.float32) * xs[None, :]
+        elif SCALE_K:  # each branch keeps the op order that was timed (the compiled code too)
             xs = _scaled_x(x_ptr, s_row, k0, kk, rg, k_size, SCALE_K, BLOCK_K, EVEN)
             acc += w.to(tl.float32) * xs[None, :]
         else:
@@ -465,6 +478,7 @@ def fp8_gemv(
     conv: GemvConv | None = None,  # one row: its first C outputs through this GDN conv
     norm_in: PendingNorm | None = None,  # one row: x is its x_pre (appliance_kernels/gemv_norm.py)
     add_norm: AddNorm | None = None,  # one row: the output added and normed for the next GEMV
+    head_norm: PendingHeadNorm | None = None,  # one row: x is its y (head_norm.py)
 ) -> torch.Tensor | PendingNorm:
     """Same result as fp8_gemv_ref up to summation order; [M, N] (or [N] for a [K] input). A
     16-bit weight goes with scale None (`linear`); 2-4 rows run `_gemv_rows_kernel` (routed for
@@ -473,11 +487,12 @@ def fp8_gemv(
     launch: the GDN layer's bf16 b / a rows beside an fp8 in_proj; with a `conv` (one row only),
     the first C outputs leave through that GDN conv (GemvConv). With `norm_in` every output (the
     tail's too) is multiplied by the pending norm's 1 / rms; with `add_norm` the result is the
-    PendingNorm of (output + residual) for the next GEMV."""
+    PendingNorm of (output + residual) for the next GEMV; with `head_norm` each head's columns of
+    x are multiplied by that head's 1 / rms as they are read (x W^T of head_norm.materialize())."""
     n, k, cfg, out = _prepare(x, w_q, config, GEMV_MAX_ROWS, tail)
     conv_args, conv_consts = _conv_args(conv, x, n)
-    if (norm_in is not None or add_norm is not None) and x.numel() != k:
-        raise ValueError(f"fp8 GEMV: norm_in / add_norm take one row (x {tuple(x.shape)})")
+    if (norm_in, add_norm, head_norm) != (None,) * 3 and x.numel() != k:
+        raise ValueError(f"fp8 GEMV: norm_in / add_norm / head_norm take one row (x {x.shape})")
     block_n, block_k = cfg["block_n"], cfg["block_k"]
     s = scale.float().reshape(-1) if scale is not None else out
     m = x.numel() // k
@@ -510,7 +525,8 @@ def fp8_gemv(
         )
         return out
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    norm_args, norm_consts, filled = _norm_args(x, out, norm_in, add_norm, -(-n // block_n))
+    norms = (norm_in, add_norm, head_norm)
+    norm_args, norm_consts, filled = _norm_args(x, out, *norms, block_k, -(-n // block_n))
     _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,
@@ -541,13 +557,19 @@ def _release(options: dict, add_norm: AddNorm | None, conv: GemvConv | None) -> 
     return options | {"RELEASE": True} if options and conv is not None and CONV_RELEASE else options
 
 
-def _norm_args(x, out, norm_in, add_norm, programs) -> tuple[tuple, dict, tuple | None]:
-    """The kernels' norm_in + add_norm arguments, constexprs and the add_norm outputs."""
+def _norm_args(
+    x, out, norm_in, add_norm, head_norm, block_k, programs
+) -> tuple[tuple, dict, tuple | None]:
+    """The kernels' norm_in + add_norm + head_norm arguments, constexprs and the add_norm
+    outputs."""
     if norm_in is not None:
         check_pending(x, norm_in)
+    if norm_in is not None and head_norm is not None:
+        raise ValueError("fp8 GEMV: norm_in and head_norm both scale the row; one at most")
     in_args, in_consts = norm_in_args(norm_in, out)
     add_args, add_consts, filled = add_norm_args(add_norm, out, programs)
-    return (*in_args, *add_args), in_consts | add_consts, filled
+    head_args, head_consts = head_norm_args(head_norm, x, block_k, out)
+    return (*in_args, *add_args, *head_args), in_consts | add_consts | head_consts, filled
 
 
 # ------------------------------------------ block scales ------------------------------------------
@@ -576,9 +598,10 @@ def fp8_gemv_block(
     conv: GemvConv | None = None,  # as in fp8_gemv
     norm_in: PendingNorm | None = None,  # as in fp8_gemv
     add_norm: AddNorm | None = None,  # as in fp8_gemv
+    head_norm: PendingHeadNorm | None = None,  # as in fp8_gemv
 ) -> torch.Tensor | PendingNorm:
     """Same result as fp8_gemv_block_ref up to summation order (fp8_block_linear's one-row
-    route); a `tail`, a `conv`, `norm_in` and `add_norm` as in fp8_gemv."""
+    route); a `tail`, a `conv`, `norm_in`, `add_norm` and `head_norm` as in fp8_gemv."""
     n, k, _, out = _prepare(x, w_q, config, 1, tail)
     conv_args, conv_consts = _conv_args(conv, x, n)
     cfg = config or block_gemv_config(n, k)
@@ -588,7 +611,8 @@ def fp8_gemv_block(
         raise ValueError(f"fp8 GEMV: block {block} with {block_n} x {block_k} tiles")
     s = scale.float().contiguous()
     tail_args, tail_programs = _tail_args(tail, w_q, block_n)
-    norm_args, norm_consts, filled = _norm_args(x, out, norm_in, add_norm, -(-n // block_n))
+    norms = (norm_in, add_norm, head_norm)
+    norm_args, norm_consts, filled = _norm_args(x, out, *norms, block_k, -(-n // block_n))
     _gemv_kernel[(-(-n // block_n) + tail_programs,)](
         x,
         w_q,

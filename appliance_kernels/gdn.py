@@ -13,6 +13,7 @@ import torch
 
 from appliance_kernels.gdn_chunk import CHUNK, _check_gdn, gdn_chunked_triton
 from appliance_kernels.gdn_gate import RawGates, gate_values, gdn_gating
+from appliance_kernels.head_norm import GateNorm, PendingHeadNorm, split_gated_norm_ref
 from appliance_kernels.triton_utils import (
     jit,
     next_pow2,
@@ -251,6 +252,11 @@ def _gdn_recurrent_kernel(
     stride_cr,
     stride_ch,
     scale,
+    z_ptr,  # GATE_NORM: the gate [T, Hv, Dv], the norm's weight [Dv], the partials [T, Hv, NB]
+    nw_ptr,
+    hp_ptr,
+    stride_zt,
+    stride_zh,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -260,6 +266,7 @@ def _gdn_recurrent_kernel(
     VERIFY: tl.constexpr,
     RAW_GATES: tl.constexpr = False,  # g / beta computed here from a, b (gdn_gate.py)
     PRELOAD: tl.constexpr = False,  # the state read before the PDL wait (PRELOAD_STATE)
+    GATE_NORM: tl.constexpr = False,  # the split gated norm's producer (head_norm.py)
     PDL: tl.constexpr = False,
 ):
     pdl_release(PDL)
@@ -308,6 +315,15 @@ def _gdn_recurrent_kernel(
         delta = (v - tl.sum(h * k[:, None], 0)) * beta  # [BV]
         h = h + k[:, None] * delta[None, :]
         o = tl.sum(h * q[:, None], 0)
+        if GATE_NORM:  # y = o * w * silu(z) and this block's sum of squares of o (as stored)
+            o = o.to(out_ptr.dtype.element_ty).to(tl.float32)
+            nb = tl.num_programs(2)
+            part = hp_ptr + (t * tl.num_programs(1) + hv) * nb + tl.program_id(2)
+            tl.store(part, tl.sum(o * o, 0))
+            z = tl.load(z_ptr + t * stride_zt + hv * stride_zh + vv, mask=v_ok, other=0.0)
+            z = z.to(tl.float32)
+            nw = tl.load(nw_ptr + vv, mask=v_ok, other=0.0).to(tl.float32)
+            o = o * nw * (z / (1.0 + tl.exp(-z)))
         tl.store(
             out_ptr + t * stride_ot + hv * stride_oh + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok
         )
@@ -335,6 +351,7 @@ def _recurrent_launch(
     max_len,
     out,
     raw: RawGates | None = None,  # given: g / beta are its a / b, gated inside the kernel
+    gate_norm: GateNorm | None = None,  # given: the split gated norm's producer (head_norm.py)
 ):
     _check_gdn(q, k, v, g, beta, ssm_states)
     if raw is not None and (
@@ -345,12 +362,21 @@ def _recurrent_launch(
     num_v_heads, dv = v.shape[1], v.shape[2]
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     batch = state_slots.shape[0]
+    if gate_norm is not None and max_len:
+        raise ValueError("gdn: a gate norm needs every row in the recurrence (max_len 0)")
     if batch == 0 or num_tokens == 0:
-        return out
+        return out if gate_norm is None else split_gated_norm_ref(out, gate_norm, 1)
     bk, bv = next_pow2(dk), min(next_pow2(dv), 32)
     verify = candidates is not None
     cand = candidates if verify else ssm_states
-    _gdn_recurrent_kernel[(batch, num_v_heads, -(-dv // bv))](
+    nb = -(-dv // bv)
+    z = nw = partials = out
+    if gate_norm is not None:
+        z, nw = gate_norm.z, gate_norm.weight
+        if z.shape != v.shape or z.stride(-1) != 1 or nw.shape != (dv,):
+            raise ValueError(f"gdn: gate norm z {tuple(z.shape)} weight {tuple(nw.shape)}")
+        partials = torch.empty(num_tokens, num_v_heads, nb, dtype=torch.float32, device=v.device)
+    _gdn_recurrent_kernel[(batch, num_v_heads, nb)](
         q,
         k,
         v,
@@ -382,6 +408,11 @@ def _recurrent_launch(
         cand.stride(1) if verify else 0,
         cand.stride(2) if verify else 0,
         dk**-0.5,
+        z,
+        nw,
+        partials,
+        z.stride(0) if gate_norm is not None else 0,
+        z.stride(1) if gate_norm is not None else 0,
         GROUP=num_v_heads // num_k_heads,
         DK=dk,
         DV=dv,
@@ -391,9 +422,12 @@ def _recurrent_launch(
         VERIFY=verify,
         RAW_GATES=raw is not None,
         PRELOAD=PRELOAD_STATE,
+        GATE_NORM=gate_norm is not None,
         num_warps=4 if bk * bv <= 4096 else 8,
         **pdl(q),
     )
+    if gate_norm is not None:
+        return PendingHeadNorm(out.reshape(num_tokens, -1), partials, gate_norm.eps)
     return out
 
 
@@ -411,9 +445,11 @@ def gdn_recurrent_triton(
     max_len: int = 0,  # >0: skip requests with more rows (they go to the chunked kernels)
     out: torch.Tensor | None = None,  # [T, Hv, Dv]
     gates: RawGates | None = None,  # given: g / beta (None) are computed from these
-) -> torch.Tensor:
+    gate_norm: GateNorm | None = None,  # given: a PendingHeadNorm (appliance_kernels/head_norm.py)
+) -> torch.Tensor | PendingHeadNorm:
     """Fused recurrent decode over varlen rows; same result as gdn_recurrent_ref (with `gates`:
-    as gdn_recurrent_ref on gdn_gating_ref(*gates))."""
+    as gdn_recurrent_ref on gdn_gating_ref(*gates); with `gate_norm`: as split_gated_norm_ref of
+    that output)."""
     if gates is not None:
         g, beta = gates.a, gates.b
     return _recurrent_launch(
@@ -430,6 +466,7 @@ def gdn_recurrent_triton(
         max_len,
         out,
         gates,
+        gate_norm,
     )
 
 
@@ -523,15 +560,22 @@ def gdn_gated(
     has_initial_state: torch.Tensor,  # [B] bool
     *,
     max_q_len: int | None = None,  # host bound on rows per request; given: no device sync
-) -> torch.Tensor:
+    gate_norm: GateNorm | None = None,  # given: a PendingHeadNorm (appliance_kernels/head_norm.py)
+) -> torch.Tensor | PendingHeadNorm:
     """gdn() on gdn_gating(*gates). Decode-sized batches (every request at most
     RECURRENT_MAX_ROWS rows, known from max_q_len) run the recurrence with the gates computed
-    inside it, one launch where the separate gating kernel made two; others gate first."""
+    inside it, one launch where the separate gating kernel made two; others gate first. With
+    `gate_norm` the output is split_gated_norm_ref's (inside the recurrence where it runs)."""
     state_args = (ssm_states, state_slots, cu_seqlens, has_initial_state)
     if use_triton(q) and max_q_len is not None and max_q_len <= RECURRENT_MAX_ROWS:
-        return gdn_recurrent_triton(q, k, v, None, None, *state_args, gates=gates)
+        return gdn_recurrent_triton(
+            q, k, v, None, None, *state_args, gates=gates, gate_norm=gate_norm
+        )
     g, beta = gdn_gating(*gates)
-    return gdn(q, k, v, g, beta, *state_args, max_q_len=max_q_len)
+    out = gdn(q, k, v, g, beta, *state_args, max_q_len=max_q_len)
+    if gate_norm is None:
+        return out
+    return split_gated_norm_ref(out, gate_norm, 1)
 
 
 def gdn_verify_gated(

@@ -1,7 +1,8 @@
 """The one-row GEMVs' shared epilogues (appliance_kernels/fp8_gemv.py, gemv_swiglu.py): bias, a GDN
 conv over the first rows as they are stored, a split RMSNorm's two halves (the consumer's 1 / rms
 from the producer's partial sums, the producer's residual add and partials;
-appliance_kernels/gemv_norm.py holds the host side) and the store."""
+appliance_kernels/gemv_norm.py holds the host side) and the store; and one prologue, the split
+GDN gated norm's per-head factor on the row (`head_scaled`; host side in head_norm.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,27 @@ def load_partials(part_ptr, parts, PARTS: tl.constexpr):
 @jit
 def rstd_of(partials, hidden, eps):
     return 1.0 / tl.sqrt(tl.sum(partials, 0) / hidden + eps)
+
+
+@jit
+def head_scaled(
+    xs,  # [BLOCK_K] fp32: the row's columns from k0
+    hp_ptr,  # [H, parts] fp32: each head's partial sums of squares (appliance_kernels/head_norm.py)
+    k0,
+    k_size,  # a multiple of HEAD_D
+    parts,
+    eps,
+    HEAD_D: tl.constexpr,
+    HPARTS: tl.constexpr,  # power of two >= parts
+    BLOCK_K: tl.constexpr,  # a multiple of HEAD_D
+):
+    """The row's BLOCK_K columns from k0 (whole heads; 0 past K), each head's times its 1 / rms."""
+    heads = k0 // HEAD_D + tl.arange(0, BLOCK_K // HEAD_D)
+    rp = tl.arange(0, HPARTS)
+    ok = (heads < k_size // HEAD_D)[:, None] & (rp < parts)[None, :]
+    p = tl.load(hp_ptr + heads[:, None] * parts + rp[None, :], mask=ok, other=0.0)
+    r = 1.0 / tl.sqrt(tl.sum(p, 1) / HEAD_D + eps)
+    return tl.reshape(tl.reshape(xs, [BLOCK_K // HEAD_D, HEAD_D]) * r[:, None], [BLOCK_K])
 
 
 @jit

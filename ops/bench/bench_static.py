@@ -334,6 +334,7 @@ def kernel_switches() -> tuple:
         gemv_norm.RELEASE_PRODUCERS,
         gdn_kernels.PRELOAD_STATE,
         fp8_gemv.CONV_RELEASE,
+        gdn_layer.SPLIT_GATED_NORM,
     )
 
 
@@ -447,6 +448,14 @@ def main() -> None:
         "releases it early when the conv is inside it (on: appliance_kernels/gdn.py "
         "PRELOAD_STATE, fp8_gemv.CONV_RELEASE) or waits first (off); graphs captured again",
     )
+    switch(
+        ap,
+        "--gdn-split-norm",
+        "off",
+        "one row: the GDN gated output norm split between the recurrence and the out_proj GEMV "
+        "(on: appliance_kernels/head_norm.py, gdn.SPLIT_GATED_NORM) or its own kernel (off); "
+        "graphs captured again",
+    )
     ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
@@ -498,9 +507,23 @@ def main() -> None:
         args.gemv_conv,
         args.split_norms,
         args.gdn_preload,
+        args.gdn_split_norm,
         args.graphs,
     )
-    for pdl, gemv, rows_on, swiglu, pairs, tile, wide, conv, norms, preload, graphs in switches:
+    for (
+        pdl,
+        gemv,
+        rows_on,
+        swiglu,
+        pairs,
+        tile,
+        wide,
+        conv,
+        norms,
+        preload,
+        split_norm,
+        graphs,
+    ) in switches:
         before = kernel_switches()
         triton_utils.USE_PDL = pdl != "off"
         triton_utils.GEMV_PDL = {"small": "off", "full": "full"}.get(pdl, "wait")
@@ -514,6 +537,7 @@ def main() -> None:
         qwen3_5.SPLIT_NORMS = norms != "off"
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
         gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
+        gdn_layer.SPLIT_GATED_NORM = split_norm == "on"
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -540,6 +564,8 @@ def main() -> None:
             print(f"norms split across the GEMVs {norms}")
         if len(args.gdn_preload) > 1 and graphs == args.graphs[0]:
             print(f"GDN state read before the wait {preload}")
+        if len(args.gdn_split_norm) > 1 and graphs == args.graphs[0]:
+            print(f"GDN gated norm split across recurrence and out_proj {split_norm}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -568,6 +594,7 @@ def main() -> None:
                     r["gemv_conv"] = conv
                     r["split_norms"] = norms
                     r["gdn_preload"] = preload
+                    r["gdn_split_norm"] = split_norm
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -17,6 +17,7 @@ from appliance_kernels.fp8_gemv import GemvConv
 from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
 from appliance_kernels.gdn_gate import RawGates
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
+from appliance_kernels.head_norm import GateNorm
 
 # checkpoint projection -> the fused in_proj's segments it fills (shard ids of ColumnLinear)
 IN_PROJ_SHARDS = {"in_proj_qkv": (0, 1, 2), "in_proj_z": 3, "in_proj_b": 4, "in_proj_a": 5}
@@ -25,6 +26,10 @@ BA_SHARDS = {4: 0, 5: 1}  # in_proj segments b, a -> in_proj_ba's, when that lay
 # quantisation method measured faster that way (quant_methods.Unquantized.GEMV_CONV); True / False:
 # always / never (tests, ops/bench/bench_static.py --gemv-conv).
 FUSE_CONV: bool | None = None
+# At one row, the gated output norm split between the recurrence and the out_proj GEMV
+# (appliance_kernels/head_norm.py): one launch fewer a layer. Off until the H200 has timed it
+# (ops/bench/bench_static.py --gdn-split-norm).
+SPLIT_GATED_NORM = False
 
 
 class GatedDeltaNet(nn.Module):
@@ -133,10 +138,22 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         # g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b): inside the decode kernel
         gates = RawGates(a, b, self.A_log, self.dt_bias)
-        out = self._delta_rule(q, k, v, gates, ctx)  # [T, Hv, Dv]
-        z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
-        out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
+        gate_norm = None
+        if self._split_norm(num_tokens, ctx, z):
+            gate_norm = GateNorm(z.reshape(v.shape), self.norm.weight, self.norm.eps)
+        out = self._delta_rule(q, k, v, gates, ctx, gate_norm)  # [T, Hv, Dv]
+        if gate_norm is None:  # (else a PendingHeadNorm: the norm finishes in out_proj's GEMV)
+            z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
+            out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
         return self.out_proj(out, add_norm)
+
+    def _split_norm(self, num_tokens: int, ctx, z: torch.Tensor) -> bool:
+        """Whether the gated norm splits between the recurrence and out_proj's one-row GEMV
+        (SPLIT_GATED_NORM): one plain row whose out_proj takes a head norm; z [1, Hv * Dv]
+        stands in for the row out_proj will read (same dtype, device, one row)."""
+        if not SPLIT_GATED_NORM or num_tokens != 1 or ctx.num_plain_tokens != 1:
+            return False
+        return self.out_proj.takes_head_norm(z, self.head_v_dim)
 
     def _gemv_conv(self, num_tokens: int, ctx) -> GemvConv | None:
         """The conv for the in_proj GEMV to run as it stores, at one plain row (batch-1 decode)."""
@@ -184,7 +201,8 @@ class GatedDeltaNet(nn.Module):
         )
         return torch.cat([plain, verify])
 
-    def _delta_rule(self, q, k, v, gates: RawGates, ctx) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, gates: RawGates, ctx, gate_norm: GateNorm | None = None):
+        """[T, Hv, Dv], or with `gate_norm` (plain rows only) a PendingHeadNorm."""
         split, reqs = ctx.num_plain_tokens, ctx.num_plain_reqs
         if split == q.shape[0]:
             return gdn_gated(
@@ -197,7 +215,10 @@ class GatedDeltaNet(nn.Module):
                 ctx.cu_seqlens_q,
                 ctx.has_initial_state,
                 max_q_len=ctx.max_q_len,
+                gate_norm=gate_norm,
             )
+        if gate_norm is not None:
+            raise ValueError("GDN: the split gated norm takes plain rows only")
         verify = gdn_verify_gated(
             q[split:],
             k[split:],

@@ -26,6 +26,7 @@ from appliance.models.layers.quant_methods import (
 from appliance_kernels.fp8 import FP8_DTYPE
 from appliance_kernels.fp8_gemv import GemvConv
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
+from appliance_kernels.head_norm import PendingHeadNorm, head_norm_fits
 
 ShardFn = Callable[
     [torch.Tensor, int], torch.Tensor
@@ -267,17 +268,33 @@ class RowLinear(_QuantLinear):
             copy_into(param, even_shard(loaded, 1))
 
     def forward(
-        self, x: torch.Tensor, add_norm: AddNorm | None = None
+        self, x: torch.Tensor | PendingHeadNorm, add_norm: AddNorm | None = None
     ) -> torch.Tensor | PendingNorm:
         """With `add_norm` (one tensor-parallel rank): the PendingNorm of (x W^T + residual) where
-        the one-row GEMV is the route (appliance_kernels/gemv_norm.py), else x W^T as without."""
+        the one-row GEMV is the route (appliance_kernels/gemv_norm.py), else x W^T as without.
+        x may be a PendingHeadNorm (the GDN layer's split gated norm): finished inside the
+        one-row GEMV where that is the route (`takes_head_norm`), else materialised first."""
         bias = self.bias if (self.bias is not None and tp_rank() == 0) else None
-        if add_norm is not None and tp_size() == 1 and self.reduce:
+        fused_add = add_norm is not None and tp_size() == 1 and self.reduce
+        if isinstance(x, PendingHeadNorm):
+            extras = {"head_norm": x, "add_norm": add_norm if fused_add else None}
+            out = self.method.one_row(x.y, self.weight, self.weight_scale, bias, **extras)
+            if out is not None:
+                return all_reduce(out) if self.reduce and not fused_add else out
+            x = x.materialize()
+        if fused_add:
             out = self.method.one_row(x, self.weight, self.weight_scale, bias, add_norm=add_norm)
             if out is not None:
                 return out
         y = self._matmul(x, bias)
         return all_reduce(y) if self.reduce else y
+
+    def takes_head_norm(self, x: torch.Tensor, head_dim: int) -> bool:
+        """Whether forward finishes a PendingHeadNorm over heads of head_dim inside its one-row
+        GEMV, for a row like x (dtype, device, one contiguous row)."""
+        if not self.method.gemv_route(x, self.weight):
+            return False
+        return head_norm_fits(self.weight.shape[1], head_dim, self.method.gemv_block_k(self.weight))
 
 
 class ReplicatedLinear(_QuantLinear):

@@ -18,9 +18,11 @@ from appliance_kernels.fp8_gemv import (
     GemvConv,
     bf16_gemv_config,
     bf16_gemv_wins,
+    block_gemv_config,
     block_gemv_fits,
     fp8_gemv,
     fp8_gemv_block,
+    gemv_config,
     gemv_wins,
     linear,
 )
@@ -70,6 +72,10 @@ class Unquantized:
 
     def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
         return fp8_gemv(x, weight, None, bias, bf16_gemv_config(*weight.shape), **extras)
+
+    def gemv_block_k(self, weight: torch.Tensor) -> int:
+        """The K step of this method's one-row GEMV over `weight`."""
+        return bf16_gemv_config(*weight.shape)["block_k"]
 
     def one_row(self, x, weight, scale, bias=None, **extras) -> torch.Tensor | PendingNorm | None:
         """This method's one-row GEMV of x [1, K] with fp8_gemv's extras (tail, conv, norm_in,
@@ -128,6 +134,9 @@ class Fp8Channel(Unquantized):
 
     def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
         return fp8_gemv(x, weight, scale, bias, **extras)
+
+    def gemv_block_k(self, weight: torch.Tensor) -> int:
+        return gemv_config(*weight.shape)["block_k"]
 
     def swiglu(self, x, weight, scale, norm_in=None) -> torch.Tensor | None:
         if swiglu_fits(x, weight, scale) and one_row_gemv(x.reshape(1, -1), weight):
@@ -193,6 +202,9 @@ class Fp8Block(Unquantized):
 
     def _gemv(self, x, weight, scale, bias, **extras) -> torch.Tensor | PendingNorm:
         return fp8_gemv_block(x, weight, scale, self.block, bias, **extras)
+
+    def gemv_block_k(self, weight: torch.Tensor) -> int:
+        return block_gemv_config(*weight.shape)["block_k"]
 
     def apply_with_tail(self, x, weight, scale, tail, conv=None) -> torch.Tensor | None:
         if tail_fits(x, tail):
