@@ -65,11 +65,15 @@ def _read(src: Path) -> dict[str, torch.Tensor]:
 def _is_linear(name: str, tensor: torch.Tensor) -> bool:
     if name.endswith(_FUSED):
         return True
-    return name.endswith(".weight") and tensor.dim() == 2 and "embed_tokens" not in name
+    embedding = "embed_tokens" in name or "pos_embed" in name
+    return name.endswith(".weight") and tensor.dim() == 2 and not embedding
 
 
-def _kept(name: str, layout: str, ignore: list[str]) -> bool:
+def _kept(name: str, layout: str, ignore: list[str], visual: bool = False) -> bool:
+    """Whether the linear `name` stays unquantised (`visual`: the vision tower is quantised)."""
     module = name.removesuffix(".weight")
+    if visual and "visual." in module:
+        return False
     if layout == "fp8":
         return QWEN_KEEP.search(module) is not None
     for pattern in ignore:
@@ -183,12 +187,14 @@ def write_fp8_checkpoint(
     ignore: list[str] | None = None,
     scales: str | None = None,
     activations: str = "dynamic",
+    quantize_visual: bool = False,
 ) -> Path:
     """Quantise `src` into `out` (layout "fp8" or "compressed-tensors"); write the dequantised
     weights, in the source layout and dtype fp32, to `dequantized_out`.
 
     scales: "block" (fp8's default), "channel" (compressed-tensors' default) or "tensor";
     activations: "dynamic" or "static" (with `input_scale`s; see the module docstring).
+    quantize_visual: the vision tower's linears quantised too (the loader dequantises them).
 
     expert_layout: "same" (as in src), "per_expert" or "fused". transposed_experts: src holds
     Qwen3-VL-MoE's transposed fused experts ([E, H, 2I]); they are turned back first.
@@ -217,7 +223,7 @@ def write_fp8_checkpoint(
     dequantized: dict[str, torch.Tensor] = {}
     kept: list[str] = []
     for name, w in sorted(tensors.items()):
-        if not _is_linear(name, w) or _kept(name, layout, ignore):
+        if not _is_linear(name, w) or _kept(name, layout, ignore, quantize_visual):
             if _is_linear(name, w):
                 kept.append(name.removesuffix(".weight"))
             quantized[name] = dequantized[name] = w.float()

@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from appliance.models.layers.quant import ONLINE_IGNORE
 from appliance.models.loader import CheckpointMismatch
 from appliance.testing.fp8_checkpoint import (
+    COMPRESSED_IGNORE,
     add_kv_cache_scales,
     attention_prefixes,
     write_fp8_checkpoint,
@@ -38,6 +39,8 @@ from appliance.testing.fp8_checkpoint import (
 from appliance.testing.tiny import build_qwen3_5
 from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from appliance_kernels.fp8 import FP8_DTYPE
+from visual.encoder import VisionEncoder
+from visual.weights import VisionCheckpointError
 
 PER = "per_expert"
 STATIC = {"activations": "static"}
@@ -326,6 +329,40 @@ def test_static_activation_scales_are_checked(written, tmp_path):
     )
     with pytest.raises(CheckpointMismatch, match=r"unexpected keys: .*\.input_scale"):
         runner(dynamic)
+
+
+@pytest.mark.parametrize(
+    "layout,options",
+    [
+        ("fp8", {"block": BLOCK}),
+        ("compressed-tensors", {}),
+        ("compressed-tensors", {"scales": "tensor", "activations": "static"}),
+        ("compressed-tensors", {"scales": "block", "block": BLOCK}),
+    ],
+)
+def test_quantised_vision_tower_loads_dequantised(layout, options, sources, tmp_path):
+    """A checkpoint that quantised the vision tower too: its encoder holds exactly the
+    dequantised twin's weights (the tower runs in 16-bit), and the text model still loads."""
+    q, d = tmp_path / "q", tmp_path / "d"
+    ignore = [p for p in COMPRESSED_IGNORE if "visual" not in p]
+    write_fp8_checkpoint(
+        sources["vl"], q, d, layout=layout, ignore=ignore, quantize_visual=True, **options
+    )
+    stored = load_file(str(q / "model.safetensors"))
+    assert stored["model.visual.blocks.0.attn.qkv.weight"].dtype == FP8_DTYPE
+    got = dict(VisionEncoder.from_pretrained(q).tower.named_parameters())
+    want = dict(VisionEncoder.from_pretrained(d).tower.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=0, rtol=0, msg=name)
+    _expect_close_real_path(logits(q), logits(d))
+
+    bad = tmp_path / "bad"
+    _edit_tensors(
+        q, bad, lambda t: t.pop(next(k for k in t if ".visual." in k and "weight_scale" in k))
+    )
+    with pytest.raises(VisionCheckpointError, match="fp8 tensor .* needs .* a scale"):
+        VisionEncoder.from_pretrained(bad)
 
 
 def test_fp8_tensors_without_quantization_config_are_refused(written, tmp_path):
