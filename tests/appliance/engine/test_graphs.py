@@ -134,9 +134,14 @@ def test_graph_step_matches_eager_and_padding_stays_apart(fixture, kv, request):
     assert k_cache[pad_kv].float().abs().sum() > 0  # the padding row wrote its own slot
 
 
-def _gpu_runner(model_dir, graphs: bool, kv_cache_dtype: str = "auto") -> ModelRunner:
+def _gpu_runner(
+    model_dir, graphs: bool, kv_cache_dtype: str = "auto", quantization: str = ""
+) -> ModelRunner:
+    model = ModelConfig(
+        model_dir=str(model_dir), max_model_len=256, dtype="bfloat16", quantization=quantization
+    )
     config = EngineConfig(
-        model=ModelConfig(model_dir=str(model_dir), max_model_len=256, dtype="bfloat16"),
+        model=model,
         scheduler=SchedulerConfig(max_num_seqs=16, num_kv_slots=4096),
         parallel=ParallelConfig(device="cuda"),
         cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
@@ -196,3 +201,32 @@ def test_captured_graphs_replay_the_eager_tokens(family, num_prompts, tmp_path):
     runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
     assert _generate(runner, prompts, options, steps=12) == eager
     assert replays == ([] if num_prompts > 8 else [num_prompts] * 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("quantization", ["", "fp8"])
+def test_captured_graphs_with_the_split_gated_norm(quantization, tmp_path, monkeypatch):
+    """One request (the one-row GEMVs, PDL on for bf16): with gdn.SPLIT_GATED_NORM the captured
+    decode graphs replay the eager tokens, and the norm did finish inside out_proj's GEMV."""
+    from appliance.models.layers import gdn
+    from appliance.testing.tiny import build_qwen3_5
+    from appliance_kernels import fp8_gemv
+
+    model_dir = build_qwen3_5(tmp_path / "dense", seed=3)
+    monkeypatch.setattr(gdn, "SPLIT_GATED_NORM", True)
+    taken = []
+    real = fp8_gemv.head_norm_args
+
+    def spy(pending, *args):
+        taken.append(pending is not None)
+        return real(pending, *args)
+
+    monkeypatch.setattr(fp8_gemv, "head_norm_args", spy)
+    prompts, options = [list(range(3, 14))], [GREEDY]
+    results = []
+    for graphs in (False, True):
+        runner = _gpu_runner(model_dir, graphs, quantization=quantization)
+        results.append(_generate(runner, prompts, options, steps=12))
+    assert results[0] == results[1]
+    assert any(taken), "no GEMV took the head norm"
