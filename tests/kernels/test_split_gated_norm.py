@@ -186,3 +186,17 @@ def test_full_size_27b_decode_split_norm():
         w, s = _weights(kind, 5120, 6144, seed=74)
         out = fp8_gemv(got.y, w, s, head_norm=got)
         assert_close(out, fp8_gemv(got.materialize(), w, s), torch.bfloat16, factor=ACCUMULATING)
+
+
+def test_row_linear_materialises_a_head_norm_off_the_gemv_route():
+    """Where out_proj's one-row GEMV is not the route (a CPU tensor: the torch path), a
+    PendingHeadNorm is materialised first: the same output as the materialised row."""
+    from appliance.models.layers.linear import RowLinear
+
+    pending = PendingHeadNorm(*(t.cpu() for t in _pending(4, 64, 2, seed=81)[:2]), 1e-6)
+    layer = RowLinear(256, 48)
+    with torch.no_grad():
+        layer.weight.copy_(randn(48, 256, seed=82, scale=0.06).cpu())
+    layer = layer.to(torch.bfloat16)
+    assert not layer.takes_head_norm(pending.y, 64)
+    torch.testing.assert_close(layer(pending), layer(pending.materialize()), rtol=0, atol=0)
