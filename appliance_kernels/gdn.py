@@ -217,6 +217,22 @@ RECURRENT_MAX_ROWS = 8  # requests with at most this many rows use the recurrent
 # fp8_gemv.CONV_RELEASE) it took 0.04-0.06 ms off the overlapped 27B batch-1 step, and the engine's
 # GPU tests under PDL have not all run with it yet (ops/bench/bench_static.py --gdn-preload on).
 PRELOAD_STATE = False
+# The recurrent kernel's value columns a program (BV) and warps. Default (None): 32 columns, 4 warps
+# ([128, 32] of fp32 state a program; 8 warps above 4096 elements): 192 programs for the 27B's 48
+# value heads at batch 1, under two an SM. Narrower blocks give more programs (more loads in flight
+# at batch 1, the q / k normalisation repeated by each); `ops/bench/bench_static.py --gdn-tile`
+# sets it (not yet timed on the H200).
+RECURRENT_TILE: dict[str, int] | None = None
+
+
+def recurrent_tile(dk: int, dv: int) -> tuple[int, int, int]:
+    """(BK, BV, warps) of the recurrent kernel for heads of dk x dv."""
+    bk = next_pow2(dk)
+    if RECURRENT_TILE is not None:
+        bv = min(next_pow2(dv), RECURRENT_TILE["bv"])
+        return bk, bv, RECURRENT_TILE["warps"]
+    bv = min(next_pow2(dv), 32)
+    return bk, bv, 4 if bk * bv <= 4096 else 8
 
 
 @jit
@@ -366,7 +382,7 @@ def _recurrent_launch(
         raise ValueError("gdn: a gate norm needs every row in the recurrence (max_len 0)")
     if batch == 0 or num_tokens == 0:
         return out if gate_norm is None else split_gated_norm_ref(out, gate_norm, 1)
-    bk, bv = next_pow2(dk), min(next_pow2(dv), 32)
+    bk, bv, warps = recurrent_tile(dk, dv)
     verify = candidates is not None
     cand = candidates if verify else ssm_states
     nb = -(-dv // bv)
@@ -423,7 +439,7 @@ def _recurrent_launch(
         RAW_GATES=raw is not None,
         PRELOAD=PRELOAD_STATE,
         GATE_NORM=gate_norm is not None,
-        num_warps=4 if bk * bv <= 4096 else 8,
+        num_warps=warps,
         **pdl(q),
     )
     if gate_norm is not None:

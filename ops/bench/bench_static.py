@@ -318,6 +318,14 @@ def parse_tile(text: str) -> dict | None:
     return {"block_n": n, "block_k": k, "num_warps": warps, "stages": stages}
 
 
+def parse_gdn_tile(text: str) -> dict | None:
+    """--gdn-tile's BV,WARPS as gdn.RECURRENT_TILE (default: None)."""
+    if text == "default":
+        return None
+    bv, warps = (int(v) for v in text.split(","))
+    return {"bv": bv, "warps": warps}
+
+
 def kernel_switches() -> tuple:
     """The module switches that the captured decode graphs bake in (captured again on a change)."""
     return (
@@ -335,6 +343,7 @@ def kernel_switches() -> tuple:
         gdn_kernels.PRELOAD_STATE,
         fp8_gemv.CONV_RELEASE,
         gdn_layer.SPLIT_GATED_NORM,
+        gdn_kernels.RECURRENT_TILE,
     )
 
 
@@ -457,6 +466,13 @@ def main() -> None:
         "graphs captured again",
     )
     ap.add_argument(
+        "--gdn-tile",
+        nargs="+",
+        default=["default"],
+        help="the GDN decode recurrence's value columns a program and warps, BV,WARPS, or "
+        "default (gdn.RECURRENT_TILE); the decode graphs are captured again for each",
+    )
+    ap.add_argument(
         "--fp8-gemv-tile",
         nargs="+",
         default=["default"],
@@ -508,6 +524,7 @@ def main() -> None:
         args.split_norms,
         args.gdn_preload,
         args.gdn_split_norm,
+        args.gdn_tile,
         args.graphs,
     )
     for (
@@ -522,6 +539,7 @@ def main() -> None:
         norms,
         preload,
         split_norm,
+        gdn_tile,
         graphs,
     ) in switches:
         before = kernel_switches()
@@ -538,6 +556,7 @@ def main() -> None:
         gemv_norm.RELEASE_PRODUCERS = norms == "release"
         gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
         gdn_layer.SPLIT_GATED_NORM = split_norm == "on"
+        gdn_kernels.RECURRENT_TILE = parse_gdn_tile(gdn_tile)
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -564,6 +583,8 @@ def main() -> None:
             print(f"norms split across the GEMVs {norms}")
         if len(args.gdn_preload) > 1 and graphs == args.graphs[0]:
             print(f"GDN state read before the wait {preload}")
+        if len(args.gdn_tile) > 1 and graphs == args.graphs[0]:
+            print(f"GDN recurrence tile {gdn_tile}")
         if len(args.gdn_split_norm) > 1 and graphs == args.graphs[0]:
             print(f"GDN gated norm split across recurrence and out_proj {split_norm}")
         runner.graphs = captured if graphs == "on" else None
@@ -595,6 +616,7 @@ def main() -> None:
                     r["split_norms"] = norms
                     r["gdn_preload"] = preload
                     r["gdn_split_norm"] = split_norm
+                    r["gdn_tile"] = gdn_tile
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

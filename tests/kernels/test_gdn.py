@@ -80,6 +80,16 @@ def test_recurrent_matches_reference(lens, has_init, dtype):
     check_pool(pool, ref_pool, inputs[6], dtype)
 
 
+@pytest.mark.parametrize("tile", [{"bv": 16, "warps": 4}, {"bv": 8, "warps": 2}])
+def test_recurrent_with_narrower_value_blocks(tile, monkeypatch):
+    """gdn.RECURRENT_TILE: more programs a head, each fewer value columns; the same results."""
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_TILE", tile)
+    inputs = make_inputs([1, 3, 2], 2, 4, 16, 40, torch.float32, seed=19, has_init=[1, 0, 1])
+    got, expected, pool, ref_pool = run_both(gdn_recurrent_ref, gdn_recurrent_triton, inputs)
+    assert_close(got, expected, torch.float32, factor=ACCUMULATING)
+    check_pool(pool, ref_pool, inputs[6], torch.float32)
+
+
 def test_recurrent_with_the_state_read_before_the_wait(monkeypatch):
     """PRELOAD_STATE moves the state, slot and flag loads ahead of the PDL wait (a no-op without
     PDL, as here and in the kernel tests on CUDA): the same kernel, the reference's result."""

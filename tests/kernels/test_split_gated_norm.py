@@ -21,6 +21,7 @@ from test_conv_in_gemv import _one_row_gemvs_with_convs, checkpoints  # noqa: E4
 from test_gdn import make_inputs, raw_gates  # noqa: E402
 from test_qwen3_5_parity import engine_logits  # noqa: E402
 
+import appliance_kernels.gdn as gdn_kernels  # noqa: E402
 from appliance.models.layers import gdn  # noqa: E402
 from appliance_kernels.fp8 import per_token_quant_ref  # noqa: E402
 from appliance_kernels.fp8_block import quantize_block_ref  # noqa: E402
@@ -45,8 +46,16 @@ def _gate_norm(total: int, hv: int, dv: int, dtype, seed: int) -> GateNorm:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dv", [64, 48])  # two full value blocks; a masked second block
-def test_recurrence_produces_the_split_norm(dtype, dv):
+@pytest.mark.parametrize(
+    "dv,tile,parts",
+    [
+        (64, None, 2),  # two full value blocks of 32
+        (48, None, 2),  # a masked second block
+        (64, {"bv": 16, "warps": 2}, 4),  # narrower blocks (gdn.RECURRENT_TILE): more partials
+    ],
+)
+def test_recurrence_produces_the_split_norm(dtype, dv, tile, parts, monkeypatch):
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_TILE", tile)
     lens = [1, 1, 2]
     inputs = make_inputs(lens, 2, 4, 16, dv, dtype, seed=31, has_init=[True, False, True])
     q, k, v, _, _, pool, slots, cu, init = inputs
@@ -59,7 +68,7 @@ def test_recurrence_produces_the_split_norm(dtype, dv):
     got = gdn_recurrent_triton(
         q, k, v, None, None, pool, slots, cu, init, out=out, gates=gates, gate_norm=gate
     )
-    assert isinstance(got, PendingHeadNorm) and got.partials.shape == (4, 4, 2)
+    assert isinstance(got, PendingHeadNorm) and got.partials.shape == (4, 4, parts)
     assert_close(got.y, want.y, dtype, factor=ACCUMULATING, name="y")
     torch.testing.assert_close(got.partials.sum(-1), want.partials.sum(-1), rtol=1e-2, atol=1e-3)
     assert_close(got.materialize(), want.materialize(), dtype, factor=ACCUMULATING, name="normed")
