@@ -2,7 +2,10 @@
 in appliance_kernels.gdn_chunk.TUNING at Qwen3.5-27B shapes, each variant's error against the fp32
 reference, and fla-core / flash-qla totals when importable. Prints one line per (shape, variant).
 
-  python ops/gpu/gdn_probe.py [--variants base,prep8,...]
+  python ops/gpu/gdn_probe.py [--variants base,prep8,...] [--skip norm,attention,gdn,decode]
+
+Also the decode recurrence's tiles (gdn.RECURRENT_TILE) at batch 1 and 16, with and without the
+split gated norm (`decode_sweep`).
 """
 
 from __future__ import annotations
@@ -100,12 +103,77 @@ def attention_sweep() -> None:
     attention.ATTN_TUNING.update(default)
 
 
+DECODE_TILES = (None, (16, 4), (16, 2), (8, 2), (8, 1), (32, 8))  # gdn.RECURRENT_TILE (BV, warps)
+
+
+def decode_sweep(batches=(1, 16)) -> None:
+    """The decode recurrence at 27B shapes (16 key / 48 value heads of 128), one row a request,
+    gates computed inside, with and without the split gated norm: µs a launch (CUDA graph replay)
+    per gdn.RECURRENT_TILE, against the state's read + write at the copy bandwidth."""
+    from appliance_kernels import gdn as gdn_kernels
+    from appliance_kernels.gdn_gate import RawGates
+    from appliance_kernels.head_norm import GateNorm
+
+    dev, bf16 = "cuda", torch.bfloat16
+    buf = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    copy_us = triton.testing.do_bench_cudagraph(lambda: buf[: 1 << 27].copy_(buf[1 << 27 :]))
+    bandwidth = 2 * (1 << 27) / (copy_us * 1e-3)  # bytes / s, read + write
+    for batch in batches:
+        q, k = (torch.randn(batch, 16, 128, device=dev, dtype=bf16) for _ in range(2))
+        v = torch.randn(batch, 48, 128, device=dev, dtype=bf16)
+        a, b = (torch.randn(batch, 48, device=dev, dtype=bf16) for _ in range(2))
+        gates = RawGates(
+            a, b, torch.rand(48, device=dev).log().to(bf16), torch.zeros(48, device=dev)
+        )
+        pool = torch.randn(batch + 1, 48, 128, 128, device=dev) * 0.1
+        slots = torch.arange(1, batch + 1, device=dev)
+        cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+        init = torch.ones(batch, dtype=torch.bool, device=dev)
+        gate = GateNorm(
+            torch.randn(batch, 48, 128, device=dev, dtype=bf16),
+            torch.ones(128, device=dev, dtype=bf16),
+            1e-6,
+        )
+        floor_us = 2 * batch * 48 * 128 * 128 * 4 / bandwidth * 1e6
+        default = gdn_kernels.RECURRENT_TILE
+        for tile in DECODE_TILES:
+            gdn_kernels.RECURRENT_TILE = None if tile is None else {"bv": tile[0], "warps": tile[1]}
+            for norm_in in (None, gate):
+                run = partial(
+                    gdn_kernels.gdn_recurrent_triton,
+                    q,
+                    k,
+                    v,
+                    None,
+                    None,
+                    pool,
+                    slots,
+                    cu,
+                    init,
+                    gates=gates,
+                    gate_norm=norm_in,
+                )
+                try:
+                    us = triton.testing.do_bench_cudagraph(run) * 1e3
+                    print(
+                        f"gdn decode B={batch} tile {tile or 'default'} "
+                        f"{'split norm' if norm_in else 'plain'}: {us:.2f} us "
+                        f"(state floor {floor_us:.2f} us, {us / floor_us:.2f}x)",
+                        flush=True,
+                    )
+                except Exception as exc:
+                    print(f"gdn decode B={batch} tile {tile}: FAILED {exc}"[:300], flush=True)
+        gdn_kernels.RECURRENT_TILE = default
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--skip", default="", help="comma-separated: norm,attention,gdn")
+    ap.add_argument("--skip", default="", help="comma-separated: norm,attention,gdn,decode")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
+    if "decode" not in skip:
+        decode_sweep()
     if "norm" not in skip:
         gated_norm_sweep()
     if "attention" not in skip:
