@@ -9,7 +9,7 @@ import ipaddress
 from dataclasses import dataclass, field, fields
 
 # appliance_kernels.kv_cache.KV_CACHE_DTYPES holds the torch dtypes
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8: fp8_e4m3 (vLLM's spelling of it)
 
 
 def _check(cond: bool, name: str, accepted: str) -> None:
@@ -81,7 +81,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 (half the bytes per KV slot)
+    # auto (the model dtype) | fp8_e4m3 (half the bytes per KV slot; "fp8" is read as fp8_e4m3)
+    kv_cache_dtype: str = "auto"
     # prefix-cache GDN state snapshot slots (one request's conv + SSM state each); 0 = auto:
     # 4 x max_num_seqs, on a GPU at most snapshot_mem_fraction of the pool memory
     snapshot_slots: int = 0
@@ -93,9 +94,9 @@ class CacheConfig:
             0.0 <= self.snapshot_mem_fraction < 1.0, "snapshot_mem_fraction", "a number in [0, 1)"
         )
         _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")
-        _check(
-            self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " or ".join(KV_CACHE_DTYPES)
-        )
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "auto, fp8 or fp8_e4m3")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,13 @@ def test_flags_override_fields():
     assert config.launch.transport == "tcp"
 
 
+def test_kv_cache_dtype_fp8_is_read_as_e4m3():
+    """vLLM's spelling: --kv-cache-dtype fp8 is fp8_e4m3 (the config, its log and the pools)."""
+    for value in ("fp8", "fp8_e4m3"):
+        config = _build(["serve", "/models/x", "--kv-cache-dtype", value])
+        assert config.engine.cache.kv_cache_dtype == "fp8_e4m3"
+
+
 def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["serve", str(tmp_path), "--transport", "carrier-pigeon"])
@@ -85,9 +92,10 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err == "appliance serve: error: --transport carrier-pigeon: expected ipc or tcp\n"
     with pytest.raises(SystemExit):
-        main(["serve", str(tmp_path), "--kv-cache-dtype", "fp8"])
+        main(["serve", str(tmp_path), "--kv-cache-dtype", "fp8_e5m2"])
     err = capsys.readouterr().err
-    assert err == "appliance serve: error: --kv-cache-dtype fp8: expected auto or fp8_e4m3\n"
+    expected = "--kv-cache-dtype fp8_e5m2: expected auto, fp8 or fp8_e4m3"
+    assert err == f"appliance serve: error: {expected}\n"
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--tp", "two"])
     err = capsys.readouterr().err
