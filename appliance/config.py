@@ -9,6 +9,7 @@ import ipaddress
 from dataclasses import dataclass, field, fields
 
 # appliance_kernels.kv_cache.KV_CACHE_DTYPES holds the torch dtypes
+QUANTIZATION_FLAGS = ("", "fp8", "compressed-tensors")  # appliance.models.layers.quant checks them
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8: fp8_e4m3 (vLLM's spelling of it)
 
 
@@ -24,14 +25,16 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
     max_model_len: int = 0  # context length; 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
-    quantization: str = ""  # "" (as the checkpoint says) | fp8 (bf16 weights to fp8 at load)
+    # "" (as the checkpoint says) | fp8 (a bf16 checkpoint's weights to fp8 at load; an fp8
+    # checkpoint as it says) | compressed-tensors (the checkpoint's own method, as vLLM takes it)
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
         _check(
-            self.quantization in ("", "fp8"),
+            self.quantization in QUANTIZATION_FLAGS,
             f"quantization {self.quantization!r}",
-            "fp8 or empty (as the checkpoint says)",
+            "fp8, compressed-tensors or empty (as the checkpoint says)",
         )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),

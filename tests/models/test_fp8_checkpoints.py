@@ -289,6 +289,17 @@ def test_unknown_quantization_flag_is_refused(sources):
         runner(sources["dense"], quantization="int4")
 
 
+def test_quantization_flag_may_name_the_checkpoints_own_method(sources, written):
+    """--quantization compressed-tensors (as vLLM commands pass it) loads a compressed-tensors
+    checkpoint as without the flag; on another checkpoint it names both sides."""
+    q = written["dense-ct"][0]
+    torch.testing.assert_close(logits(q, "compressed-tensors"), logits(q), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="'compressed-tensors' does not match .*'fp8'"):
+        runner(written["dense-fp8"][0], quantization="compressed-tensors")
+    with pytest.raises(ValueError, match="no quantization_config .* use fp8"):
+        runner(sources["dense"], quantization="compressed-tensors")
+
+
 def test_missing_scale_names_the_first_tensor(written, tmp_path):
     bad = tmp_path / "bad"
     _with_config(written["moe-fp8-per-expert"][0], bad, lambda c: None)

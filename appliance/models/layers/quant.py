@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEMES = ("fp8_channel", "fp8_block")  # per-output-channel weight scales / [bn, bk] tile scales
-ONLINE = ("fp8",)  # values of --quantization
+ONLINE = ("fp8",)  # values of --quantization that quantise a 16-bit checkpoint at load
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # --quantization naming the checkpoint's own
 BLOCK_SIZES = (16, 32, 64, 128)  # accepted block_n / block_k (Qwen's checkpoints use 128 x 128)
 SUPPORTED = (
     'quant_method "fp8" (fmt e4m3, activation_scheme dynamic or static, weight_block_size [bn, bk] '
@@ -78,15 +79,22 @@ def _matches(pattern: str, name: str) -> bool:
 def parse_quant_config(raw: dict[str, Any], requested: str | None) -> QuantConfig | None:
     """`raw` is the checkpoint's config.json; `requested` the --quantization value ("" = none)."""
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    if requested and requested not in ONLINE:
+    method = str(qc.get("quant_method", "")).lower() if qc else ""
+    if requested and requested not in ONLINE and requested not in CHECKPOINT_METHODS:
         raise UnsupportedQuantization(
             f"quantization {requested!r}: expected one of {', '.join(ONLINE)} (or none)"
+        )
+    if requested in CHECKPOINT_METHODS and requested not in ONLINE and requested != method:
+        found = f"quant_method {method!r}" if qc else "no quantization_config (a 16-bit one)"
+        raise UnsupportedQuantization(
+            f"quantization {requested!r} does not match the checkpoint, which has {found}; "
+            f"leave --quantization empty to load it as it says"
+            + ("" if qc else ", or use fp8 to quantise it at load")
         )
     if not qc:
         if not requested:
             return None
         return QuantConfig("fp8_channel", None, True, ONLINE_IGNORE, "online")
-    method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
         return _parse_fp8(qc)
     if method == "compressed-tensors":
