@@ -255,7 +255,11 @@ def _resolve_model(config: ServeConfig, revision: str) -> ServeConfig:
 def _check_quantization(config: ServeConfig) -> None:
     """A checkpoint whose quantization_config cannot load (method, scheme, block size) fails here
     in one line naming it and what is supported, before any process starts."""
-    from appliance.models.layers.quant import UnsupportedQuantization, parse_quant_config
+    from appliance.models.layers.quant import (
+        UnsupportedQuantization,
+        checkpoint_quant_config,
+        parse_quant_config,
+    )
 
     model = config.engine.model
     path = Path(model.model_dir) / "config.json"
@@ -264,7 +268,7 @@ def _check_quantization(config: ServeConfig) -> None:
     except (OSError, ValueError):
         return  # the worker reports an unreadable config with its own error
     try:
-        parse_quant_config(raw, model.quantization)
+        parse_quant_config(checkpoint_quant_config(path.parent, raw), model.quantization)
     except UnsupportedQuantization as exc:
         _fail(f"{path.parent.name}: {exc}")
 

@@ -9,7 +9,8 @@ import ipaddress
 from dataclasses import dataclass, field, fields
 
 # appliance_kernels.kv_cache.KV_CACHE_DTYPES holds the torch dtypes
-QUANTIZATION_FLAGS = ("", "fp8", "compressed-tensors")  # appliance.models.layers.quant checks them
+# appliance.models.layers.quant checks them against the checkpoint
+QUANTIZATION_FLAGS = ("", "fp8", "compressed-tensors", "modelopt")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8: fp8_e4m3 (vLLM's spelling of it)
 
 
@@ -26,7 +27,8 @@ class ModelConfig:
     max_model_len: int = 0  # context length; 0 = the checkpoint's max_position_embeddings
     seed: int = 0  # seed for dummy weights
     # "" (as the checkpoint says) | fp8 (a bf16 checkpoint's weights to fp8 at load; an fp8
-    # checkpoint as it says) | compressed-tensors (the checkpoint's own method, as vLLM takes it)
+    # checkpoint as it says) | compressed-tensors | modelopt (the checkpoint's own method, as vLLM
+    # takes it)
     quantization: str = ""
 
     def __post_init__(self) -> None:
@@ -34,7 +36,7 @@ class ModelConfig:
         _check(
             self.quantization in QUANTIZATION_FLAGS,
             f"quantization {self.quantization!r}",
-            "fp8, compressed-tensors or empty (as the checkpoint says)",
+            "fp8, compressed-tensors, modelopt or empty (as the checkpoint says)",
         )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -17,11 +17,13 @@ from appliance.progress import Progress
 
 logger = get_logger(__name__)
 
-# What the appliance reads from a checkpoint folder: model and generation config, tokenizer (fast
-# tokenizer or its sources), chat template, image/video preprocessing.
+# What the appliance reads from a checkpoint folder: model and generation config (and a ModelOpt
+# export's quantization config), tokenizer (fast tokenizer or its sources), chat template,
+# image/video preprocessing.
 SERVING_FILES = (
     "config.json",
     "generation_config.json",
+    "hf_quant_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.models.layers.quant import QuantConfig, parse_quant_config
+from appliance.models.layers.quant import QuantConfig, checkpoint_quant_config, parse_quant_config
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,6 @@ def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfi
         shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0),
         norm_topk_prob=text.get("norm_topk_prob", True),
         mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
-        quant=parse_quant_config(raw, quantization),
+        quant=parse_quant_config(checkpoint_quant_config(model_dir, raw), quantization),
         raw=raw,
     )

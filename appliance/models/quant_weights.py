@@ -102,10 +102,11 @@ def finish_loading(model: nn.Module) -> None:
 
 # KV-cache scales as checkpoints name them: llm-compressor / compressed-tensors kv_cache_scheme
 # (`self_attn.k_scale`, `v_scale`), AutoFP8 / older vLLM (`self_attn.kv_scale`, both), Quark and
-# older compressed-tensors (`k_proj.output_scale`), vLLM's module names (`self_attn.attn.k_scale`)
+# older compressed-tensors (`k_proj.output_scale`), vLLM's module names (`self_attn.attn.k_scale`),
+# NVIDIA ModelOpt (`k_proj.k_scale`, `v_proj.v_scale`)
 _KV_SCALE = re.compile(
     r"^(?P<attn>.*\.self_attn)\.(?:attn\.)?"
-    r"(?:(?P<kv>[kv])_scale|kv_scale|(?P<proj>[kv])_proj\.output_scale)$"
+    r"(?:(?P<kv>[kv])_scale|kv_scale|(?P<proj>[kv])_proj\.(?:output_scale|(?P=proj)_scale))$"
 )
 # scales of fp8 attention arithmetic (vLLM's q_scale / prob_scale): attention here computes in
 # the model dtype, so they are read past

@@ -8,6 +8,10 @@ the same model with the dequantised weights (the comparison model of the tests).
 - "compressed-tensors": llm-compressor FP8_DYNAMIC: e4m3 `weight` + `weight_scale` [out, 1] per
   channel, one config group (static symmetric float8 channel weights, dynamic per-token
   activations) and an `ignore` list of names and `re:` patterns.
+- "modelopt": NVIDIA ModelOpt FP8: e4m3 `weight` + `weight_scale` [] per tensor + calibrated
+  `input_scale` [] (`quant_algo: FP8`; `scales="channel"`: FP8_PER_CHANNEL_PER_TOKEN, dynamic),
+  `exclude_modules` as shell wildcards (MODELOPT_EXCLUDE), in config.json or, with
+  `modelopt_file=True`, in `hf_quant_config.json` as older exports ship it.
 - `scales="tensor"`: one scale per weight tensor instead ("fp8": AutoFP8 / vLLM-exported
   checkpoints, `weight_scale` [] and no `weight_block_size`; "compressed-tensors": weight strategy
   tensor, `weight_scale` [1]). `activations="static"`: calibrated per-tensor `input_scale`s beside
@@ -23,6 +27,7 @@ Called by tests/models/test_fp8_checkpoints.py and tests/appliance/engine/test_k
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 import shutil
@@ -36,9 +41,21 @@ from appliance.testing.tiny import fuse_experts, split_experts
 from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import dequantize_block, quantize_block_ref
 
-LAYOUTS = ("fp8", "compressed-tensors")
+LAYOUTS = ("fp8", "compressed-tensors", "modelopt")
 # scale schemes per layout (the first is the default)
-SCALES = {"fp8": ("block", "tensor"), "compressed-tensors": ("channel", "tensor", "block")}
+SCALES = {
+    "fp8": ("block", "tensor"),
+    "compressed-tensors": ("channel", "tensor", "block"),
+    "modelopt": ("tensor", "channel"),
+}
+MODELOPT_EXCLUDE = [
+    "lm_head",
+    "*.mlp.gate",
+    "*shared_expert_gate",
+    "*linear_attn.in_proj_a",
+    "*linear_attn.in_proj_b",
+    "model.visual*",
+]
 ACTIVATIONS = ("dynamic", "static")
 # what Qwen's fp8 repos keep in bf16 (matched on the module name)
 QWEN_KEEP = re.compile(
@@ -76,6 +93,8 @@ def _kept(name: str, layout: str, ignore: list[str], visual: bool = False) -> bo
         return False
     if layout == "fp8":
         return QWEN_KEEP.search(module) is not None
+    if layout == "modelopt":
+        return any(fnmatch.fnmatchcase(module, p) for p in MODELOPT_EXCLUDE)
     for pattern in ignore:
         hit = re.match(pattern[3:], module) if pattern.startswith("re:") else module == pattern
         if hit:
@@ -110,7 +129,7 @@ def _stored_scale(scale: torch.Tensor, layout: str, scales: str) -> torch.Tensor
         return scale.float()
     if scale.dim() == 2:  # fused experts: [E, 1]
         return scale.float().reshape(-1)
-    return scale.float().reshape(()) if layout == "fp8" else scale.float().reshape(1)
+    return scale.float().reshape(()) if layout != "compressed-tensors" else scale.float().reshape(1)
 
 
 def _input_scale(name: str, w: torch.Tensor, layout: str) -> tuple[str, torch.Tensor]:
@@ -120,7 +139,7 @@ def _input_scale(name: str, w: torch.Tensor, layout: str) -> tuple[str, torch.Te
     value = torch.tensor(0.01 * (1 + seed), dtype=torch.float32)
     if w.dim() == 3:
         return name + "_input_scale", value.expand(w.shape[0]).clone()
-    stored = value.reshape(()) if layout == "fp8" else value.reshape(1)
+    stored = value.reshape(()) if layout != "compressed-tensors" else value.reshape(1)
     return name.removesuffix(".weight") + ".input_scale", stored
 
 
@@ -137,6 +156,13 @@ def _quant_config(
         if scales == "block":
             config["weight_block_size"] = list(block)
         return config
+    if layout == "modelopt":
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "FP8" if scales == "tensor" else "FP8_PER_CHANNEL_PER_TOKEN",
+            "kv_cache_quant_algo": None,
+            "exclude_modules": list(MODELOPT_EXCLUDE),
+        }
     scheme = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
     weights = {**scheme, "strategy": scales, "dynamic": False}
     if scales == "block":  # FP8_BLOCK: activations per 1 x block_k group
@@ -188,6 +214,7 @@ def write_fp8_checkpoint(
     scales: str | None = None,
     activations: str = "dynamic",
     quantize_visual: bool = False,
+    modelopt_file: bool = False,
 ) -> Path:
     """Quantise `src` into `out` (layout "fp8" or "compressed-tensors"); write the dequantised
     weights, in the source layout and dtype fp32, to `dequantized_out`.
@@ -195,6 +222,7 @@ def write_fp8_checkpoint(
     scales: "block" (fp8's default), "channel" (compressed-tensors' default) or "tensor";
     activations: "dynamic" or "static" (with `input_scale`s; see the module docstring).
     quantize_visual: the vision tower's linears quantised too (the loader dequantises them).
+    modelopt_file: "modelopt" only: the config in hf_quant_config.json, none in config.json.
 
     expert_layout: "same" (as in src), "per_expert" or "fused". transposed_experts: src holds
     Qwen3-VL-MoE's transposed fused experts ([E, H, 2I]); they are turned back first.
@@ -203,6 +231,8 @@ def write_fp8_checkpoint(
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
     scales = scales or SCALES[layout][0]
+    if layout == "modelopt":  # FP8: static per-tensor activations; per channel: dynamic
+        activations = "static" if scales == "tensor" else "dynamic"
     if scales not in SCALES[layout] or activations not in ACTIVATIONS:
         raise ValueError(
             f"{layout}: scales={scales!r} / activations={activations!r}; expected one of "
@@ -240,7 +270,16 @@ def write_fp8_checkpoint(
         _copy_side_files(src, folder)
         save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = _quant_config(layout, block, kept, ignore, scales, activations)
+    quant = _quant_config(layout, block, kept, ignore, scales, activations)
+    if modelopt_file:
+        producer = {"name": "modelopt", "version": "0.29.0"}
+        hf_quant = {
+            "producer": producer,
+            "quantization": {k: v for k, v in quant.items() if k != "quant_method"},
+        }
+        (out / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+    else:
+        config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -250,6 +289,7 @@ KV_SCALE_NAMINGS = {  # how checkpoints name a full-attention layer's KV-cache s
     "attn.k_scale": (".self_attn.attn.k_scale", ".self_attn.attn.v_scale"),  # vLLM module names
     "kv_scale": (".self_attn.kv_scale",),  # AutoFP8 / older vLLM: one scale for both
     "output_scale": (".self_attn.k_proj.output_scale", ".self_attn.v_proj.output_scale"),  # Quark
+    "proj.k_scale": (".self_attn.k_proj.k_scale", ".self_attn.v_proj.v_scale"),  # ModelOpt
 }
 KV_CACHE_SCHEME = {
     "num_bits": 8,
@@ -291,7 +331,9 @@ def add_kv_cache_scales(
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") == "compressed-tensors":
         quant["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
-        (ckpt / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if quant.get("quant_method") == "modelopt":
+        quant["kv_cache_quant_algo"] = "FP8"
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return expected
 
 

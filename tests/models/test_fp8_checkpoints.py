@@ -107,6 +107,16 @@ CASES = {
         {"scales": "block", "expert_layout": PER},
     ),
     "vl-ct-block": ("vl", "compressed-tensors", BLOCK, {"scales": "block"}),
+    # NVIDIA ModelOpt: FP8 (per tensor, static) in config.json or hf_quant_config.json, and
+    # FP8_PER_CHANNEL_PER_TOKEN
+    "dense-modelopt": ("dense", "modelopt", None, {}),
+    "moe-modelopt-file": ("moe", "modelopt", None, {"modelopt_file": True, "expert_layout": PER}),
+    "vl-moe-modelopt-channel": (
+        "vl_moe",
+        "modelopt",
+        None,
+        {"scales": "channel", "transposed_experts": True, "expert_layout": PER},
+    ),
 }
 
 
@@ -264,6 +274,11 @@ def _ct_weights(**fields):
             ["'pack-quantized'", "float-quantized"],
         ),
         ("dense-ct", _ct_weights(type="int"), ["type='int'", "'float'"]),
+        (
+            "dense-modelopt",
+            lambda c: c["quantization_config"].update(quant_algo="NVFP4"),
+            ["'NVFP4'", "FP8_PER_CHANNEL_PER_TOKEN"],
+        ),
         ("dense-ct", _ct_weights(num_bits=4), ["num_bits=4", "8"]),
         (
             "dense-ct",
@@ -281,12 +296,25 @@ def test_unsupported_layouts_name_what_is_wrong(name, edit, words, written, tmp_
         runner(bad)
     for word in words:
         assert word in str(err.value)
-    assert "fp8" in str(err.value) or "compressed-tensors" in str(err.value)
+    assert any(m in str(err.value) for m in ("fp8", "compressed-tensors", "modelopt"))
 
 
 def test_unknown_quantization_flag_is_refused(sources):
     with pytest.raises(ValueError, match="'int4'.*fp8"):
         runner(sources["dense"], quantization="int4")
+
+
+def test_modelopt_export_with_hf_quant_config_file(written):
+    """Older ModelOpt exports: the scheme only in hf_quant_config.json; its wildcard
+    exclude_modules keep the GDN b / a, routers and shared-expert gates unquantised."""
+    q = written["moe-modelopt-file"][0]
+    assert "quantization_config" not in json.loads((q / "config.json").read_text())
+    assert (q / "hf_quant_config.json").is_file()
+    params = dict(runner(q).model.named_parameters())
+    assert params["model.layers.0.linear_attn.in_proj.weight"].dtype == FP8_DTYPE
+    assert params["model.layers.0.linear_attn.in_proj_ba.weight"].dtype == torch.float32
+    assert params["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    assert params["model.layers.0.mlp.w_gate_up"].dtype == FP8_DTYPE
 
 
 def test_quantization_flag_may_name_the_checkpoints_own_method(sources, written):
@@ -401,7 +429,10 @@ def test_tp2_shards_scales_with_their_weights(name, written, monkeypatch, tmp_pa
     torch.testing.assert_close(torch.load(out), want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name,naming", [("dense-ct", "k_scale"), ("dense-fp8", "kv_scale")])
+@pytest.mark.parametrize(
+    "name,naming",
+    [("dense-ct", "k_scale"), ("dense-fp8", "kv_scale"), ("dense-modelopt", "proj.k_scale")],
+)
 def test_kv_cache_scales_load_with_the_fp8_checkpoint(name, naming, written, tmp_path):
     """A quantised checkpoint with KV-cache scales (compressed-tensors kv_cache_scheme, AutoFP8's
     kv_scale) loads; with --kv-cache-dtype fp8_e4m3 every attention layer (MTP included) uses

@@ -1,26 +1,34 @@
 """Which weights are fp8 and how: parsed once from a checkpoint's `quantization_config` (Qwen
-"-FP8" block checkpoints, llm-compressor / compressed-tensors FP8) or from `--quantization fp8`
-(online: bf16 weights quantised per output channel at load). Called by
-`appliance.models.config.load_text_config`; the layers ask `QuantConfig.for_module`.
+"-FP8" block checkpoints, llm-compressor / compressed-tensors FP8, NVIDIA ModelOpt FP8, whose
+older exports keep it in `hf_quant_config.json`: `checkpoint_quant_config`) or from
+`--quantization fp8` (online: bf16 weights quantised per output channel at load). Called by
+`appliance.models.config.load_text_config` and the CLI's preflight; the layers ask
+`QuantConfig.for_module`.
 
 Anything outside what is listed in SUPPORTED raises `UnsupportedQuantization` naming the field.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SCHEMES = ("fp8_channel", "fp8_block")  # per-output-channel weight scales / [bn, bk] tile scales
 ONLINE = ("fp8",)  # values of --quantization that quantise a 16-bit checkpoint at load
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # --quantization naming the checkpoint's own
+# --quantization naming the checkpoint's own method
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "modelopt")
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # per-tensor static / per-channel dynamic
 BLOCK_SIZES = (16, 32, 64, 128)  # accepted block_n / block_k (Qwen's checkpoints use 128 x 128)
 SUPPORTED = (
     'quant_method "fp8" (fmt e4m3, activation_scheme dynamic or static, weight_block_size [bn, bk] '
     f"with bn, bk in {BLOCK_SIZES}, or none for per-tensor scales) and "
     '"compressed-tensors" (format float-quantized: 8-bit float symmetric static weights with '
-    "strategy channel, tensor or block; 8-bit float activations, dynamic or static per tensor)"
+    "strategy channel, tensor or block; 8-bit float activations, dynamic or static per tensor) "
+    f'and "modelopt" (quant_algo {" or ".join(MODELOPT_ALGOS)})'
 )
 # Online fp8 keeps what Qwen's own fp8 checkpoints keep in bf16: routers, gates and the
 # per-head GDN projections (a few rows each; quantising them saves nothing and costs accuracy).
@@ -41,8 +49,9 @@ class QuantConfig:
     scheme: str  # one of SCHEMES
     block: tuple[int, int] | None  # (block_n, block_k) for fp8_block
     online: bool  # weights arrive in bf16/fp32 and are quantised once loaded
-    ignore: tuple[str, ...]  # module names kept unquantised: exact/dotted names or "re:<regex>"
-    source: str  # "fp8", "compressed-tensors" or "online": named in messages
+    # module names kept unquantised: exact / dotted names, "re:<regex>" or shell wildcards (`*`)
+    ignore: tuple[str, ...]
+    source: str  # "fp8", "compressed-tensors", "modelopt" or "online": named in messages
     # the checkpoint calibrated static per-tensor activation scales (`input_scale`): the loader
     # checks and reads past them; activations are quantised per token as for dynamic ones (see
     # appliance/models/quant_weights.py InputScales)
@@ -73,7 +82,21 @@ class QuantConfig:
 def _matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
+    if (
+        "*" in pattern or "?" in pattern
+    ):  # ModelOpt's exclude_modules: "*.mlp.gate", "model.visual*"
+        return fnmatch.fnmatchcase(name, pattern)
     return f".{pattern}." in f".{name}."
+
+
+def checkpoint_quant_config(model_dir: str | Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json's dict `raw`, with a ModelOpt export's `hf_quant_config.json` as its
+    quantization_config where config.json has none (what those exports ship)."""
+    path = Path(model_dir) / "hf_quant_config.json"
+    if raw.get("quantization_config") or not path.is_file():
+        return raw
+    quant = json.loads(path.read_text()).get("quantization") or {}
+    return {**raw, "quantization_config": {"quant_method": "modelopt", **quant}}
 
 
 def parse_quant_config(raw: dict[str, Any], requested: str | None) -> QuantConfig | None:
@@ -99,6 +122,8 @@ def parse_quant_config(raw: dict[str, Any], requested: str | None) -> QuantConfi
         return _parse_fp8(qc)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(qc)
+    if method == "modelopt":
+        return _parse_modelopt(qc)
     raise UnsupportedQuantization(
         f"quant_method {method!r} is not supported; supported: {SUPPORTED}"
     )
@@ -130,6 +155,20 @@ def _parse_fp8(qc: dict[str, Any]) -> QuantConfig:
         return QuantConfig("fp8_channel", None, False, ignore, "fp8", static)
     block = _block(block, "fp8 weight_block_size")
     return QuantConfig("fp8_block", block, False, ignore, "fp8", static)
+
+
+def _parse_modelopt(qc: dict[str, Any]) -> QuantConfig:
+    """NVIDIA ModelOpt: FP8 (per-tensor e4m3 weights, static per-tensor `input_scale`s) or
+    FP8_PER_CHANNEL_PER_TOKEN (per-channel weights, dynamic activations); `exclude_modules`
+    (shell wildcards) kept unquantised."""
+    algo = str(qc.get("quant_algo") or "").upper()
+    if algo not in MODELOPT_ALGOS:
+        raise UnsupportedQuantization(
+            f"modelopt quant_algo {qc.get('quant_algo')!r} is not supported: expected "
+            f"{' or '.join(MODELOPT_ALGOS)}"
+        )
+    ignore = tuple(qc.get("exclude_modules") or qc.get("ignore") or ())
+    return QuantConfig("fp8_channel", None, False, ignore, "modelopt", algo == "FP8")
 
 
 def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
