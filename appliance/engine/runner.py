@@ -65,6 +65,7 @@ from appliance.models.layers.parallel import set_tp
 from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
 from appliance.models.registry import draft_factory, model_class
 from appliance_kernels import backends, triton_utils
+from appliance_kernels.fp8 import FP8_DTYPE
 from appliance_kernels.kv_cache import KV_CACHE_DTYPES
 from visual.shm import SharedMemoryImageStore
 
@@ -221,6 +222,13 @@ class ModelRunner(RunnerMemory):
             time.perf_counter() - start,
             self.device,
         )
+        if cfg.quant is not None:
+            fp8 = sum(p.numel() for p in model.parameters() if p.dtype == FP8_DTYPE)
+            total = sum(p.numel() for p in model.parameters())
+            share = 100.0 * fp8 / max(total, 1)
+            log.info(
+                "quantization: %s; %.1f%% of the parameters in fp8", cfg.quant.describe(), share
+            )
         return model.eval()
 
     def _build_drafts(self) -> list[torch.nn.Module]:

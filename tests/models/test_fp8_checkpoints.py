@@ -304,6 +304,15 @@ def test_unknown_quantization_flag_is_refused(sources):
         runner(sources["dense"], quantization="int4")
 
 
+def test_the_startup_line_says_what_was_resolved(written, sources):
+    assert "128 x 128 block scales from the checkpoint (fp8)" in (
+        runner(written["dense128-fp8"][0]).text_config.quant.describe()
+    )
+    static = runner(written["dense-autofp8"][0]).text_config.quant.describe()
+    assert "per-tensor scales" in static and "static input_scales read past" in static
+    assert "quantised at load" in runner(sources["dense"], "fp8").text_config.quant.describe()
+
+
 def test_modelopt_export_with_hf_quant_config_file(written):
     """Older ModelOpt exports: the scheme only in hf_quant_config.json; its wildcard
     exclude_modules keep the GDN b / a, routers and shared-expert gates unquantised."""

@@ -57,6 +57,23 @@ class QuantConfig:
     # appliance/models/quant_weights.py InputScales)
     static_inputs: bool = False
 
+    def describe(self) -> str:
+        """One line for the startup log: the scheme, where it came from, what runs at run time."""
+        if self.online:
+            return (
+                "fp8 weights, one scale per output channel, quantised at load (--quantization fp8)"
+            )
+        if self.scheme == "fp8_block":
+            weights = f"fp8 weights with {self.block[0]} x {self.block[1]} block scales"
+        else:
+            weights = "fp8 weights with per-channel / per-tensor scales"
+        parts = [f"{weights} from the checkpoint ({self.source})"]
+        if self.static_inputs:
+            parts.append("its static input_scales read past")
+        if self.ignore:
+            parts.append(f"{len(self.ignore)} ignore-list entries kept in 16-bit")
+        return "; ".join(parts)
+
     def skips(self, name: str) -> bool:
         """Whether checkpoint module `name` stays unquantised. Our `model.layers.*` names are also
         tried in the VLM form `model.language_model.layers.*`."""
