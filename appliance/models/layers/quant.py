@@ -99,9 +99,7 @@ class QuantConfig:
 def _matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
-    if (
-        "*" in pattern or "?" in pattern
-    ):  # ModelOpt's exclude_modules: "*.mlp.gate", "model.visual*"
+    if "*" in pattern or "?" in pattern:  # ModelOpt's "*.mlp.gate", "model.visual*"
         return fnmatch.fnmatchcase(name, pattern)
     return f".{pattern}." in f".{name}."
 
