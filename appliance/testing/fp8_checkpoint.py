@@ -122,6 +122,11 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, scales: str, block) -> tor
     return q.float() * scale.float()
 
 
+def _scalar(value: torch.Tensor, layout: str) -> torch.Tensor:
+    """One per-tensor value as the layout stores it: [1] (compressed-tensors) or []."""
+    return value.float().reshape(1 if layout == "compressed-tensors" else ())
+
+
 def _stored_scale(scale: torch.Tensor, layout: str, scales: str) -> torch.Tensor:
     """A per-tensor scale as checkpoints store it: [] (AutoFP8), [1] (compressed-tensors), [E]
     for fused experts."""
@@ -129,7 +134,7 @@ def _stored_scale(scale: torch.Tensor, layout: str, scales: str) -> torch.Tensor
         return scale.float()
     if scale.dim() == 2:  # fused experts: [E, 1]
         return scale.float().reshape(-1)
-    return scale.float().reshape(()) if layout != "compressed-tensors" else scale.float().reshape(1)
+    return _scalar(scale, layout)
 
 
 def _input_scale(name: str, w: torch.Tensor, layout: str) -> tuple[str, torch.Tensor]:
@@ -139,8 +144,7 @@ def _input_scale(name: str, w: torch.Tensor, layout: str) -> tuple[str, torch.Te
     value = torch.tensor(0.01 * (1 + seed), dtype=torch.float32)
     if w.dim() == 3:
         return name + "_input_scale", value.expand(w.shape[0]).clone()
-    stored = value.reshape(()) if layout != "compressed-tensors" else value.reshape(1)
-    return name.removesuffix(".weight") + ".input_scale", stored
+    return name.removesuffix(".weight") + ".input_scale", _scalar(value, layout)
 
 
 def _quant_config(
@@ -238,6 +242,8 @@ def write_fp8_checkpoint(
             f"{layout}: scales={scales!r} / activations={activations!r}; expected one of "
             f"{SCALES[layout]} / {ACTIVATIONS}"
         )
+    if modelopt_file and layout != "modelopt":
+        raise ValueError(f"modelopt_file=True with layout {layout!r} (a ModelOpt file only)")
     src, out, deq_out = Path(src), Path(out), Path(dequantized_out)
     tensors = _read(src)
     if transposed_experts:
