@@ -1,8 +1,9 @@
 """The one-row GEMVs' shared epilogues (appliance_kernels/fp8_gemv.py, gemv_swiglu.py): bias, a GDN
 conv over the first rows as they are stored, a split RMSNorm's two halves (the consumer's 1 / rms
 from the producer's partial sums, the producer's residual add and partials;
-appliance_kernels/gemv_norm.py holds the host side) and the store; and one prologue, the split
-GDN gated norm's per-head factor on the row (`head_scaled`; host side in head_norm.py)."""
+appliance_kernels/gemv_norm.py holds the host side) and the store; one prologue, the split
+GDN gated norm's per-head factor on the row (`head_scaled`; host side in head_norm.py); and the
+SwiGLU end of a gate_up GEMV (`swiglu_store`: gemv_swiglu.py, gemv_mlp.py)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,31 @@ def finish(
         norm_args = (res_ptr, res_out_ptr, nw_ptr, po_ptr)
         out = add_norm_epilogue(out, rn, n_ok, pid, *norm_args, out_ptr.dtype.element_ty, ZC)
     tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@jit
+def swiglu_store(
+    gate,  # [BLOCK] fp32: x Wg^T at channels rn (times a pending norm's 1 / rms if any)
+    up,  # [BLOCK] fp32: x Wu^T at the same channels
+    rn,
+    n_ok,
+    s_ptr,  # [2I] per-channel scales (gate's, then up's) or [1] per tensor
+    inter,
+    out_ptr,  # [I]: SiLU(gate) * up, stored in its dtype
+    SCALED: tl.constexpr,
+    PER_COL: tl.constexpr,
+):
+    """Scales, then SiLU(gate) * up rounded as the unfused path (the GEMV's stored gate and up,
+    F.silu's output in the dtype), stored."""
+    if SCALED:
+        if PER_COL:
+            gate = gate * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+            up = up * tl.load(s_ptr + inter + rn, mask=n_ok, other=0.0)
+        else:
+            s = tl.load(s_ptr)
+            gate, up = gate * s, up * s
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)  # as the unfused GEMV stores them
+    up = up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
+    tl.store(out_ptr + rn, (act * up).to(dtype), mask=n_ok)

@@ -25,7 +25,7 @@ import torch
 
 from appliance_kernels.activation import silu_and_mul_ref
 from appliance_kernels.fp8_gemv import bf16_gemv_config, fp8_gemv_ref, gemv_config
-from appliance_kernels.gemv_epilogue import load_partials, rstd_of
+from appliance_kernels.gemv_epilogue import load_partials, rstd_of, swiglu_store
 from appliance_kernels.gemv_norm import PendingNorm, check_pending, norm_in_args
 from appliance_kernels.triton_utils import (
     check_last_dim_contiguous,
@@ -110,18 +110,7 @@ def _gemv_swiglu_kernel(
     if NORM_IN:
         rstd = rstd_of(partials, k_size, norm_eps)
         gate, up = gate * rstd, up * rstd
-    if SCALED:
-        if PER_COL:
-            gate = gate * tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-            up = up * tl.load(s_ptr + inter + rn, mask=n_ok, other=0.0)
-        else:
-            s = tl.load(s_ptr)
-            gate, up = gate * s, up * s
-    dtype = out_ptr.dtype.element_ty
-    gate = gate.to(dtype).to(tl.float32)  # as the unfused GEMV stores them
-    up = up.to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
-    tl.store(out_ptr + rn, (act * up).to(dtype), mask=n_ok)
+    swiglu_store(gate, up, rn, n_ok, s_ptr, inter, out_ptr, SCALED, PER_COL)
 
 
 def swiglu_config(inter: int, k: int, fp8: bool = True) -> dict[str, int]:
