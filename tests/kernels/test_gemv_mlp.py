@@ -37,20 +37,20 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def weight(kind, rows, k, seed):
+def weight(kind, rows, k, seed, block=BLOCK):
     w = randn(rows, k, seed=seed, scale=0.05)
     if kind == "bf16":
         return w.to(torch.bfloat16), None
     if kind == "block":
-        return quantize_block_ref(w, BLOCK)
+        return quantize_block_ref(w, block)
     w_q, s = per_token_quant_ref(w) if kind == "channel" else per_tensor_quant_ref(w)
     return w_q, s.reshape(-1)
 
 
-def mlp_weights(kind, inter, k, hidden, seed=0):
-    w_gu, s_gu = weight(kind, 2 * inter, k, seed=seed + 1)
-    w_d, s_d = weight(kind, hidden, inter, seed=seed + 2)
-    return w_gu, s_gu, w_d, s_d, BLOCK if kind == "block" else None
+def mlp_weights(kind, inter, k, hidden, seed=0, block=BLOCK):
+    w_gu, s_gu = weight(kind, 2 * inter, k, seed + 1, block)
+    w_d, s_d = weight(kind, hidden, inter, seed + 2, block)
+    return w_gu, s_gu, w_d, s_d, block if kind == "block" else None
 
 
 def sync_is_zero() -> bool:
@@ -206,10 +206,8 @@ def test_mlp_takes_it_with_its_unfused_result(monkeypatch, quant, add):
 def test_27b_mlp_on_the_gpu(kind):
     """The 27B MLP (H 5120, I 17408) with the default tiles and grid, twice in a row (the
     counters reset by the first launch serve the second), and in a CUDA graph replayed."""
-    global BLOCK
-    BLOCK = (128, 128)
     x = randn(1, 5120, dtype=torch.bfloat16, seed=3)
-    weights = mlp_weights(kind, 17408, 5120, 5120, seed=4)
+    weights = mlp_weights(kind, 17408, 5120, 5120, seed=4, block=(128, 128))
     want = gemv_mlp_ref(x, *weights)
     first = gemv_mlp(x, *weights[:4], block=weights[4])
     assert_close(first, want, torch.bfloat16, name="mlp")
