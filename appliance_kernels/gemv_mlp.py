@@ -66,6 +66,7 @@ from appliance_kernels.triton_utils import (
     jit,
     next_pow2,
     num_sms,
+    pdl_release,
     pdl_wait,
     tl,
     use_triton,
@@ -250,7 +251,10 @@ def _gemv_mlp_kernel(
     ZC: tl.constexpr = True,
     PERSIST: tl.constexpr = False,  # each program takes tiles until none is left (else one)
     PDL: tl.constexpr = False,
+    RELEASE: tl.constexpr = False,  # GEMV_PDL "full": the next kernel may launch now
 ):
+    if RELEASE:
+        pdl_release(PDL)
     pdl_wait(PDL)
     tiles_a = tl.cdiv(inter, BLOCK_A)
     n_segs = tl.cdiv(inter, SEG)
