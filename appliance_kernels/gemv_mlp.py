@@ -265,10 +265,11 @@ def _gemv_mlp_kernel(
     if NORM_IN:
         rstd = rstd_of(load_partials(np_ptr, n_parts, PARTS), k_size, norm_eps)
     tiles = tiles_a + n_segs * n_blocks
-    t = tl.atomic_add(sync_ptr, 1)
+    # tickets order nothing by themselves (the counters below do): relaxed, no fence
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     while t < tiles:
-        if PERSIST:
-            t_next = tl.atomic_add(sync_ptr, 1)  # claimed now: its latency hides behind this tile
+        if PERSIST:  # the next one claimed now: its latency hides behind this tile
+            t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         else:
             t_next = tiles  # one tile a program
         if t < tiles_a:
