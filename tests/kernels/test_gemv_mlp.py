@@ -5,10 +5,19 @@ only when enabled and where it fits, with its unfused result; 27B shapes on the 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_cases import DEVICE, gpu, randn
 from tolerances import assert_close, rel_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+
+from fp8_cases import runner  # noqa: E402
+from test_conv_in_gemv import _one_row_gemvs_with_convs, checkpoints  # noqa: E402, F401
+from test_qwen3_5_parity import engine_logits  # noqa: E402
 
 import appliance_kernels.fp8
 import appliance_kernels.fp8_block
@@ -199,6 +208,49 @@ def test_mlp_takes_it_with_its_unfused_result(monkeypatch, quant, add):
         assert_close(fused, unfused, torch.bfloat16, name="mlp")
     mlp(randn(2, hidden, dtype=torch.bfloat16, seed=7))  # two rows: the layers
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "name,quantization,options",
+    [
+        (name, q, {"dtype": "bfloat16"})
+        for name, q in (("dense", ""), ("dense", "fp8"), ("block", ""))
+    ],
+)
+def test_the_model_gives_the_layers_logits(
+    checkpoints,  # noqa: F811 - the fixture imported above
+    monkeypatch,
+    name,
+    quantization,
+    options,
+):
+    """Teacher-forced decode of a tiny Qwen3.5, one token a step, every one-row linear on the
+    GEMV kernels (the interpreter here): with the one-launch MLP (a pending norm in, the next
+    layer's left pending out) the logits are the layers' up to summation order."""
+    _one_row_gemvs_with_convs(monkeypatch)
+    monkeypatch.setattr(appliance_kernels.gemv_mlp, "use_triton", lambda t: True)
+    ids = [5, 17, 29, 41, 53]
+    want = engine_logits(runner(checkpoints[name], quantization, **options), [ids], chunk=1)[0]
+    monkeypatch.setattr(appliance_kernels.gemv_mlp, "USE_FUSED_MLP", True)
+    small = CONFIGS["small"] | {"block_k": 32}  # several segments of the tiny intermediate
+    monkeypatch.setattr(appliance_kernels.gemv_mlp, "MLP_TILE", small)
+    taken, real = [], mlp_module.gemv_mlp
+    monkeypatch.setattr(
+        mlp_module,
+        "gemv_mlp",
+        lambda *a, **kw: taken.append((kw["norm_in"], kw["add_norm"])) or real(*a, **kw),
+    )
+    fused = runner(checkpoints[name], quantization, **options)
+    got = engine_logits(fused, [ids], chunk=1)[0]
+    assert taken and any(n is not None for n, _ in taken) and any(a is not None for _, a in taken)
+    assert want.std() > 0.5
+    if fused.dtype != torch.float32:
+        assert (got.float() - want.float()).abs().mean() < 0.03
+        top2 = want.float().topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 0.1
+        assert clear.any() and torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    else:
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
 
 
 @gpu
