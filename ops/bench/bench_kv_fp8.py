@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import statistics
 import sys
 import time
@@ -160,6 +161,7 @@ FP8_TILES = [  # (BLOCK_N, num_stages, num_warps[, maxnreg]) of the Triton decod
     (32, 5, 4),
     (32, 7, 4),  # three buffers of 32 keys
 ]
+SPLIT_KEYS = ("split_factor", "fp8_split_factor")  # the bf16 and the fp8 decode's
 # ATTN_TUNING["fp8_split_factor"] values each tile is timed at (--sweep-splits)
 FP8_SPLIT_FACTORS = (1, 2, 4)
 # ATTN_TUNING["tile"]: the bf16 decode's tiles beside its default, so that bf16 / fp8 compares the
@@ -241,15 +243,18 @@ def sweep_fp8_tiles(
         except Exception as exc:
             timed.append(f"bf16 {tile}: {type(exc).__name__}")
     attn.ATTN_TUNING["tile"] = bf16_tile
-    cap = attn.ATTN_TUNING["max_splits"]
-    for m in max_splits:  # more KV splits where the cap binds (batch 1): both dtypes
-        attn.ATTN_TUNING["max_splits"] = m
+    saved = {key: attn.ATTN_TUNING[key] for key in ("max_splits", *SPLIT_KEYS)}
+    # more KV splits where the cap binds (batch 1), both dtypes: the cap alone changes nothing
+    # once the split factor's programs (factor x SMs) are reached, so each cap is timed at
+    # factors 1, 2 and 4 (batch 1 x 4 kv heads on 132 SMs: 64 splits at factor 1, 128 at 2 ...)
+    for m, f in itertools.product(max_splits, (1, 2, 4)):
+        attn.ATTN_TUNING.update(dict.fromkeys(SPLIT_KEYS, f), max_splits=m)
         us = {kv: time_us(call[f"triton/{kv}"], device, reps) for kv in ("bf16", "fp8")}
         timed.append(
-            f"max_splits {m}: bf16 {us['bf16']:.1f} µs, fp8 {us['fp8']:.1f} µs "
+            f"max_splits {m} split x{f}: bf16 {us['bf16']:.1f} µs, fp8 {us['fp8']:.1f} µs "
             f"{us['bf16'] / us['fp8']:.2f}x"
         )
-    attn.ATTN_TUNING["max_splits"] = cap
+    attn.ATTN_TUNING.update(saved)
     print_compiled(device)
     print(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
