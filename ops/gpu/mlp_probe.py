@@ -1,6 +1,7 @@
 """Whether one launch reads a batch-1 MLP faster than its GEMVs: at the 27B MLP (H 5120, I 17408),
 times appliance_kernels.gemv_mlp (gate_up + SiLU-and-mul + down in one launch; one tile a program,
-persistent grids of 2 and 4 programs an SM, and the tiles given) against the path served today
+persistent grids of 2 and 4 programs an SM, one segment (down after all of gate_up) and shorter
+segments, and the tiles given) against the path served today
 (the one-row gate_up GEMV, silu_and_mul, the down GEMV) and the one-row SwiGLU GEMV + down, each
 inside a CUDA graph of 40 MLPs over weight copies larger than L2, with programmatic dependent
 launch off and on; the floor is the weight bytes at the copy bandwidth. Each variant's output is
@@ -89,7 +90,10 @@ def main() -> None:
             variants.append(("swiglu + down", swiglu, None))
         default = mlp_config(INTER, HIDDEN, kind != "bf16")
         persistent = [default | {"per_sm": n} for n in (2, 4)]  # per_sm 0: one tile a program
-        variants += [("one launch", one_launch, c) for c in [default, *persistent, *tiles]]
+        # one segment: down waits for all of gate_up (no overlap); more, shorter segments
+        segments = [default | {"seg_steps": n} for n in (INTER // default["block_k"] + 1, 5)]
+        grid = [default, *persistent, *segments, *tiles]
+        variants += [("one launch", one_launch, c) for c in grid]
         for pdl in args.pdl:
             tu.USE_PDL = pdl == "on"
             print(f"{kind} weights, pdl {pdl}: floor {floor:6.1f} us ({nbytes / 2**20:.0f} MiB)")
