@@ -234,7 +234,8 @@ def _gemv_mlp_kernel(
     nw_ptr,
     po_ptr,
     SCALED: tl.constexpr,  # per-channel / per-tensor scales on the outputs (fp8)
-    PER_COL: tl.constexpr,
+    PER_COL: tl.constexpr,  # gate_up's scales per channel (else one)
+    PER_COL_D: tl.constexpr,  # down's
     SCALE_N: tl.constexpr,  # block scales (0: none)
     SCALE_K: tl.constexpr,
     EVEN_A: tl.constexpr,  # I % BLOCK_A == 0 and K % BLOCK_K == 0
@@ -306,7 +307,7 @@ def _gemv_mlp_kernel(
                 )
                 out = tl.sum(parts, axis=0)
                 if SCALED:
-                    if PER_COL:
+                    if PER_COL_D:
                         out = out * tl.load(sd_ptr + rn, mask=n_ok, other=0.0)
                     else:
                         out = out * tl.load(sd_ptr)
@@ -433,6 +434,7 @@ def gemv_mlp(
         *add_args,
         SCALED=s_gu is not None and block is None,
         PER_COL=s_gu is not None and block is None and s1.numel() > 1,
+        PER_COL_D=s_d is not None and block is None and s2.numel() > 1,
         SCALE_N=block[0] if block is not None else 0,
         SCALE_K=block[1] if block is not None else 0,
         EVEN_A=inter % block_a == 0 and k % block_k == 0,

@@ -82,6 +82,17 @@ def test_matches_the_unfused_math(inter, k, hidden, kind, config):
     assert torch.equal(again, got[0])  # a [K] row; the same sums in the same order
 
 
+def test_per_channel_and_per_tensor_scales_mixed():
+    """gate_up scaled per channel, down per tensor, and the other way round."""
+    inter, k, hidden = 128, 64, 40
+    x = randn(1, k, dtype=torch.bfloat16, seed=2)
+    for kinds in (("channel", "tensor"), ("tensor", "channel")):
+        w_gu, s_gu = weight(kinds[0], 2 * inter, k, seed=1)
+        w_d, s_d = weight(kinds[1], hidden, inter, seed=2)
+        got = gemv_mlp(x, w_gu, s_gu, w_d, s_d, config=CONFIGS["small"])
+        assert rel_error(got, gemv_mlp_ref(x, w_gu, s_gu, w_d, s_d)) < 5e-3, kinds
+
+
 def test_ragged_block_k_and_rows_against_the_reference():
     """K and H not multiples of the tiles (masked loads), I a multiple of block_n only."""
     inter, k, hidden = 48, 200, 52
