@@ -33,7 +33,7 @@ polls the counter with volatile loads, then reads it once with acquire semantics
 the atomic add of 0 to ld.acquire.gpu, which invalidates the SM's L1 on sm_90), then reads what
 others stored (`.cg`, L2 only, where Triton keeps the hint; its pipeliner turns the 8-byte
 activation loads into L1-allocating cp.async, safe after that invalidate since no segment shares
-a cache line with another: segments are whole K steps of 512 channels).
+a cache line with another: segments end on K steps of 256 or 512 channels by default).
 
 Rounding: as the unfused path (gemv_swiglu_ref): gate and up rounded to the row's dtype, the SiLU
 to the dtype, the activation stored in the dtype; the down sums differ by summation order only.
