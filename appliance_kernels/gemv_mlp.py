@@ -78,6 +78,9 @@ USE_FUSED_MLP = False  # the MLP's one-row route through gemv_mlp (see the docst
 MLP_DTYPES = (torch.bfloat16, torch.float16)
 # The tile config where set (ops/bench/bench_static.py --fused-mlp-tile), as mlp_config returns it.
 MLP_TILE: dict[str, int] | None = None
+# Polls of a down tile before it gives up waiting and flags a stall (`stalled`) instead of hanging
+# the GPU: about a second or more at L2 latency, far past any wait for a gate_up tile.
+MAX_SPINS = 1 << 22
 # per (device, stream): [ticket, done, segment counters.., row-block counters..]
 _SYNC: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -222,6 +225,7 @@ def _gemv_mlp_kernel(
     part_ptr,  # [n_segs, H] fp32: the down projection's per-segment sums
     out_ptr,
     sync_ptr,  # int32 [2 + SEGS + n_blocks], zero at launch, zero again at exit
+    stall_ptr,  # int32 [1]: set where a down tile gave up waiting (never reset here)
     inter,
     k_size,
     hidden,
@@ -253,6 +257,7 @@ def _gemv_mlp_kernel(
     ADD_NORM: tl.constexpr = False,
     ZC: tl.constexpr = True,
     PERSIST: tl.constexpr = False,  # each program takes tiles until none is left (else one)
+    MAX_SPINS: tl.constexpr = 1 << 22,  # polls before a down tile gives up
     PDL: tl.constexpr = False,
     RELEASE: tl.constexpr = False,  # GEMV_PDL "full": the next kernel may launch now
 ):
@@ -286,11 +291,12 @@ def _gemv_mlp_kernel(
             seg = (t - tiles_a) // n_blocks
             nb = (t - tiles_a) % n_blocks
             need = tl.minimum(SEG // BLOCK_A, tiles_a - seg * (SEG // BLOCK_A))
-            while tl.load(seg_count + seg, volatile=True) < need:  # a plain poll, no RMW
-                pass
-            # then one acquire (its result used: an unused one is dropped in the lowering)
-            while tl.atomic_add(seg_count + seg, 0, sem="acquire", scope="gpu") < need:
-                pass
+            spins = 0
+            while (tl.load(seg_count + seg, volatile=True) < need) & (spins < MAX_SPINS):
+                spins += 1  # a plain poll, no RMW; bounded: a stall is flagged, not a hang
+            # then one acquire read, its result used (an unused one is dropped in the lowering)
+            if tl.atomic_add(seg_count + seg, 0, sem="acquire", scope="gpu") < need:
+                tl.store(stall_ptr, 1)  # gave up waiting: the output is wrong (`stalled`)
             tl.debug_barrier()
             down = (wd_ptr, sd_ptr, act_ptr, part_ptr, inter, hidden, stride_d)
             _down_part(seg, nb, *down, SCALE_N, SCALE_K, EVEN_B, STAGES, BLOCK_N, BLOCK_K, SEG)
@@ -341,15 +347,22 @@ def mlp_config(inter: int, k: int, fp8: bool = True) -> dict[str, int]:
 
 
 def _sync(device: torch.device, size: int) -> torch.Tensor:
-    """The counters of launches on the current stream (zeroed once; each launch leaves them zero):
-    launches on one stream run one after another; a graph captured on a side stream keeps the
-    side stream's counters, so its replays and eager launches never share them."""
+    """The counters of launches on the current stream (zeroed once; each launch leaves them zero)
+    and, last, the stall flag: launches on one stream run one after another; a graph captured on
+    a side stream keeps the side stream's counters, so its replays and eager launches never share
+    them."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     have = _SYNC.get((device, stream))
-    if have is None or have.numel() < size:
-        have = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    if have is None or have.numel() <= size:
+        have = torch.zeros(max(size + 1, 4096), dtype=torch.int32, device=device)
         _SYNC[(device, stream)] = have
     return have
+
+
+def stalled() -> bool:
+    """Whether a launch so far gave up waiting for its gate_up tiles (a scheduling bug, or
+    MAX_SPINS too small for the GPU): its output was wrong. Reads the device (synchronises)."""
+    return any(int(sync[-1]) != 0 for sync in _SYNC.values())
 
 
 def _check(x, w_gu, s_gu, w_d, s_d, block) -> tuple[int, int, int]:
@@ -426,6 +439,7 @@ def gemv_mlp(
         parts,
         out,
         sync,
+        sync[-1:],
         inter,
         k,
         hidden,
@@ -448,6 +462,7 @@ def gemv_mlp(
         SEG=seg,
         SEGS=segs,
         PERSIST=per_sm > 0,
+        MAX_SPINS=MAX_SPINS,
         num_warps=cfg["num_warps"],
         **in_consts,
         **add_consts,

@@ -30,7 +30,7 @@ from appliance_kernels import triton_utils as tu  # noqa: E402
 from appliance_kernels.activation import silu_and_mul  # noqa: E402
 from appliance_kernels.fp8_block import quantize_block_ref  # noqa: E402
 from appliance_kernels.fp8_gemv import fp8_gemv, fp8_gemv_block, linear  # noqa: E402
-from appliance_kernels.gemv_mlp import gemv_mlp, mlp_config  # noqa: E402
+from appliance_kernels.gemv_mlp import gemv_mlp, mlp_config, stalled  # noqa: E402
 from appliance_kernels.gemv_swiglu import gemv_swiglu  # noqa: E402
 
 HIDDEN, INTER = 5120, 17408
@@ -108,6 +108,7 @@ def main() -> None:
                     print(f"   {name} {cfg}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 label = "" if cfg is None else str(tuple(cfg.values()))
+                label += " STALLED (a down tile gave up waiting)" if stalled() else ""
                 print(
                     f"   {us:7.1f} us {us / floor:5.2f}x {nbytes / us / 1e3:5.0f} GB/s "
                     f"err {err:.1e}  {name} {label}",

@@ -29,7 +29,7 @@ from appliance.models.layers.mlp import MLP
 from appliance.models.layers.quant import QuantConfig
 from appliance_kernels.fp8 import per_tensor_quant_ref, per_token_quant_ref
 from appliance_kernels.fp8_block import quantize_block_ref
-from appliance_kernels.gemv_mlp import _SYNC, gemv_mlp, gemv_mlp_ref, mlp_fits
+from appliance_kernels.gemv_mlp import _SYNC, gemv_mlp, gemv_mlp_ref, mlp_fits, stalled
 from appliance_kernels.gemv_norm import AddNorm, add_norm_ref
 
 BLOCK = (16, 32)
@@ -63,6 +63,7 @@ def mlp_weights(kind, inter, k, hidden, seed=0, block=BLOCK):
 
 
 def sync_is_zero() -> bool:
+    """The counters all back at zero, and no stall flagged."""
     return all(int(t.abs().sum()) == 0 for t in _SYNC.values())
 
 
@@ -91,6 +92,24 @@ def test_per_channel_and_per_tensor_scales_mixed():
         w_d, s_d = weight(kinds[1], hidden, inter, seed=2)
         got = gemv_mlp(x, w_gu, s_gu, w_d, s_d, config=CONFIGS["small"])
         assert rel_error(got, gemv_mlp_ref(x, w_gu, s_gu, w_d, s_d)) < 5e-3, kinds
+
+
+def test_a_wait_that_never_ends_is_flagged_not_hung(monkeypatch):
+    """Down tiles whose gate_up tiles never run (the ticket counter started past them) give up
+    after MAX_SPINS polls: the launch returns, `stalled` says so, the counters are reset."""
+    monkeypatch.setattr(appliance_kernels.gemv_mlp, "MAX_SPINS", 4)
+    x = randn(1, 64, dtype=torch.bfloat16)
+    weights = mlp_weights("bf16", 128, 64, 16)
+    gemv_mlp(x, *weights[:4], config=CONFIGS["small"])  # the workspace exists
+    sync = next(iter(_SYNC.values()))
+    sync[0] = 128 // CONFIGS["small"]["block_a"]  # every gate_up ticket taken already
+    assert not stalled()
+    gemv_mlp(x, *weights[:4], config=CONFIGS["small"])
+    assert stalled()
+    sync[-1] = 0
+    assert sync_is_zero() and not stalled()
+    good = gemv_mlp(x, *weights[:4], config=CONFIGS["small"])  # the next launch is right again
+    assert_close(good, gemv_mlp_ref(x, *weights), torch.bfloat16)
 
 
 def test_ragged_block_k_and_rows_against_the_reference():
@@ -275,4 +294,4 @@ def test_27b_mlp_on_the_gpu(kind):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, first)
-    assert sync_is_zero()
+    assert sync_is_zero() and not stalled()
