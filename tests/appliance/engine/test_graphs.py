@@ -254,4 +254,5 @@ def test_captured_graphs_with_the_one_launch_mlp(quantization, tmp_path, monkeyp
         runner = _gpu_runner(model_dir, graphs, quantization=quantization)
         results.append(_generate(runner, prompts, options, steps=12))
     assert taken, "no MLP took the one-launch kernel"
+    assert not gemv_mlp.stalled()
     assert results[0] == results[1]
