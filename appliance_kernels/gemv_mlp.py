@@ -384,7 +384,9 @@ def _check(x, w_gu, s_gu, w_d, s_d, block) -> tuple[int, int, int]:
             f"gemv_mlp: both weights in x's dtype, or both fp8 with scales (x {x.dtype}, gate_up "
             f"{w_gu.dtype}, down {w_d.dtype})"
         )
-    if block is not None and (inter % block[0] or s_gu is None):
+    if block is not None and s_gu is None:
+        raise ValueError(f"gemv_mlp: block {block} given for weights without scales")
+    if block is not None and inter % block[0]:
         raise ValueError(f"gemv_mlp: block scales {block} need I = {inter} a multiple of block_n")
     return inter, k, hidden
 

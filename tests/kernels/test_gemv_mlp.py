@@ -163,6 +163,8 @@ def test_refuses_what_it_does_not_run():
     b_gu, bs_gu, b_d, bs_d, _ = mlp_weights("block", 40, 64, 16)
     with pytest.raises(ValueError, match="multiple of block_n"):
         gemv_mlp(x, b_gu, bs_gu, b_d, bs_d, BLOCK)  # I = 40 over block_n 16
+    with pytest.raises(ValueError, match="without scales"):
+        gemv_mlp(x, w_gu, None, w_d, None, BLOCK)
     with pytest.raises(ValueError, match="segments"):
         gemv_mlp(x, w_gu, None, w_d, None, config=CONFIGS["small"] | {"block_a": 3})
     assert sync_is_zero()  # nothing launched
@@ -183,7 +185,7 @@ def test_fits_only_when_enabled_on_cuda_for_one_row(monkeypatch):
     assert mlp_fits(x, *q) and not mlp_fits(x, q[0], q[1][:4], *q[2:])
     assert not mlp_fits(x, q[0], q[1], w_d, None, None)  # one fp8, one 16-bit
     b = mlp_weights("block", 128, 128, 16)
-    assert mlp_fits(x[:, :1].expand(1, 128).contiguous(), *b)
+    assert mlp_fits(randn(1, 128, dtype=torch.bfloat16), *b)
     assert not mlp_fits(x, *mlp_weights("block", 40, 64, 16))  # I not a multiple of block_n
 
 
