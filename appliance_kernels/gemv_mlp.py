@@ -38,7 +38,11 @@ a cache line with another: segments end on K steps of 256 or 512 channels by def
 Rounding: as the unfused path (gemv_swiglu_ref): gate and up rounded to the row's dtype, the SiLU
 to the dtype, the activation stored in the dtype; the down sums differ by summation order only.
 
-Off by default (USE_FUSED_MLP; ops/bench/bench_static.py --fused-mlp on): NOT yet run on a GPU.
+Off (USE_FUSED_MLP; ops/bench/bench_static.py --fused-mlp on): measured SLOWER on the H200 (run DL
+in docs/benchmarks.md, 27B MLP, PDL on: fp8 per channel 83.6 µs against 68.3 for the two GEMVs and
+silu_and_mul, block fp8 86.3 against 71.4; persistent grids and any segment count slower too,
+one segment, with nothing overlapped, 81.6): the ticket, split-K and counter round trips cost
+more than the ramp and tail they share. Correct on CUDA (tests/kernels/test_gemv_mlp.py).
 """
 
 from __future__ import annotations
