@@ -3,7 +3,7 @@ conv over the first rows as they are stored, a split RMSNorm's two halves (the c
 from the producer's partial sums, the producer's residual add and partials;
 appliance_kernels/gemv_norm.py holds the host side) and the store; one prologue, the split
 GDN gated norm's per-head factor on the row (`head_scaled`; host side in head_norm.py); and the
-SwiGLU end of a gate_up GEMV (`swiglu_store`: gemv_swiglu.py, gemv_mlp.py)."""
+SwiGLU end of a gate_up GEMV (`swiglu_store`, gemv_swiglu.py)."""
 
 from __future__ import annotations
 

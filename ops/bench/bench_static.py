@@ -42,7 +42,6 @@ from appliance.models.layers.embedding import LMHead, VocabEmbedding
 from appliance.models.layers.moe import SparseMoE
 from appliance_kernels import (
     fp8_gemv,
-    gemv_mlp,
     gemv_norm,
     gemv_rows,
     gemv_swiglu,
@@ -319,18 +318,6 @@ def parse_tile(text: str) -> dict | None:
     return {"block_n": n, "block_k": k, "num_warps": warps, "stages": stages}
 
 
-def parse_mlp_tile(text: str) -> dict | None:
-    """--fused-mlp-tile's BLOCK_A,BLOCK_N,BLOCK_K,WARPS,STAGES,SEG_STEPS,PER_SM as
-    gemv_mlp.MLP_TILE (default: None)."""
-    if text == "default":
-        return None
-    keys = ("block_a", "block_n", "block_k", "num_warps", "stages", "seg_steps", "per_sm")
-    values = [int(v) for v in text.split(",")]
-    if len(values) != len(keys):
-        raise SystemExit(f"--fused-mlp-tile {text}: {','.join(keys)}")
-    return dict(zip(keys, values, strict=True))
-
-
 def parse_gdn_tile(text: str) -> dict | None:
     """--gdn-tile's BV,WARPS as gdn.RECURRENT_TILE (default: None)."""
     if text == "default":
@@ -347,8 +334,6 @@ def kernel_switches() -> tuple:
         fp8_gemv.USE_GEMV,
         gemv_rows.USE_ROWS,
         gemv_swiglu.USE_SWIGLU,
-        gemv_mlp.USE_FUSED_MLP,
-        tuple((gemv_mlp.MLP_TILE or {}).values()),
         moe_gemv.GEMV_MAX_ROWS,
         fp8_gemv.GEMV_TILE,
         tuple(fp8_gemv.WIDE_TILE.values()),
@@ -425,21 +410,6 @@ def main() -> None:
         "one-row MLPs: gate_up and SiLU-and-mul as one kernel "
         "(appliance_kernels/gemv_swiglu.py, on) or the GEMV then the activation (off, the default "
         "as served); the decode graphs are captured again for each",
-    )
-    switch(
-        ap,
-        "--fused-mlp",
-        "off",
-        "one-row MLPs: gate_up, SiLU-and-mul and down in one persistent launch "
-        "(appliance_kernels/gemv_mlp.py, on) or the GEMVs (off, the default as served); the "
-        "decode graphs are captured again for each",
-    )
-    ap.add_argument(
-        "--fused-mlp-tile",
-        nargs="+",
-        default=["default"],
-        help="the one-launch MLP's tiles, BLOCK_A,BLOCK_N,BLOCK_K,WARPS,STAGES,SEG_STEPS,PER_SM, "
-        "or default (gemv_mlp.MLP_TILE); the decode graphs are captured again for each",
     )
     switch(
         ap,
@@ -547,8 +517,6 @@ def main() -> None:
         args.gemv,
         args.rows,
         args.swiglu,
-        args.fused_mlp,
-        args.fused_mlp_tile,
         args.moe_pairs,
         args.fp8_gemv_tile,
         args.fp8_gemv_wide_tile,
@@ -564,8 +532,6 @@ def main() -> None:
         gemv,
         rows_on,
         swiglu,
-        fused_mlp,
-        mlp_tile,
         pairs,
         tile,
         wide,
@@ -582,8 +548,6 @@ def main() -> None:
         fp8_gemv.USE_GEMV = gemv == "on"
         gemv_rows.USE_ROWS = rows_on == "on"
         gemv_swiglu.USE_SWIGLU = swiglu == "on"
-        gemv_mlp.USE_FUSED_MLP = fused_mlp == "on"
-        gemv_mlp.MLP_TILE = parse_mlp_tile(mlp_tile)
         moe_gemv.GEMV_MAX_ROWS = pairs
         fp8_gemv.GEMV_TILE = parse_tile(tile)
         fp8_gemv.WIDE_TILE = parse_tile(wide) or default_wide
@@ -607,10 +571,6 @@ def main() -> None:
             print(f"rows GEMV {rows_on}")
         if len(args.swiglu) > 1 and graphs == args.graphs[0]:
             print(f"SwiGLU GEMV {swiglu}")
-        if len(args.fused_mlp) > 1 and graphs == args.graphs[0]:
-            print(f"one-launch MLP {fused_mlp}")
-        if len(args.fused_mlp_tile) > 1 and graphs == args.graphs[0]:
-            print(f"one-launch MLP tile {mlp_tile}")
         if len(args.moe_pairs) > 1 and graphs == args.graphs[0]:
             print(f"per-pair MoE up to {pairs} pairs")
         if len(args.fp8_gemv_tile) > 1 and graphs == args.graphs[0]:
@@ -649,8 +609,6 @@ def main() -> None:
                     r["pdl"] = pdl
                     r["rows"] = rows_on
                     r["swiglu"] = swiglu
-                    r["fused_mlp"] = fused_mlp
-                    r["fused_mlp_tile"] = mlp_tile
                     r["moe_pairs"] = pairs
                     r["fp8_gemv_tile"] = tile
                     r["fp8_gemv_wide_tile"] = wide

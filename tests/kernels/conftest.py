@@ -37,7 +37,6 @@ KERNEL_MODULES = (
     "appliance_kernels.gemv_rows",  # before fp8_gemv: it binds gemv_rows and store_rows at import
     "appliance_kernels.fp8_gemv",  # before fp8 and fp8_block, likewise
     "appliance_kernels.gemv_swiglu",  # after fp8_gemv: it binds its helpers at import
-    "appliance_kernels.gemv_mlp",  # after fp8_gemv, likewise
     "appliance_kernels.fp8",
     "appliance_kernels.fp8_block",
     "appliance_kernels.moe_route",

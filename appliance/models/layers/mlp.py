@@ -6,10 +6,8 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
-from appliance.models.layers.parallel import all_reduce, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
 from appliance_kernels.activation import silu_and_mul
-from appliance_kernels.gemv_mlp import gemv_mlp, mlp_fits
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 
 
@@ -39,9 +37,6 @@ class MLP(nn.Module):
     ) -> torch.Tensor | PendingNorm:
         """x may be a PendingNorm; with `add_norm` the down projection may return one
         (RowLinear.forward)."""
-        out = self._one_launch(x, add_norm)
-        if out is not None:
-            return out
         # one kernel where it runs (appliance_kernels/gemv_swiglu.py)
         act = self.gate_up_proj.swiglu(x)
         if act is None:
@@ -50,29 +45,3 @@ class MLP(nn.Module):
 
     def takes_pending(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_pending(x)
-
-    def _one_launch(
-        self, x: torch.Tensor | PendingNorm, add_norm: AddNorm | None
-    ) -> torch.Tensor | PendingNorm | None:
-        """The whole MLP of one row in one launch where appliance_kernels/gemv_mlp.py runs (when
-        enabled): x may be a PendingNorm, finished inside; with `add_norm` at one tensor-parallel
-        rank the result is the PendingNorm of the output plus the residual. None: the layers."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        row = x.x_pre if isinstance(x, PendingNorm) else x
-        block = gate_up.method.block
-        weights = (gate_up.weight, gate_up.weight_scale, down.weight, down.weight_scale, block)
-        if (
-            gate_up.bias is not None
-            or down.bias is not None
-            or len(gate_up.local) != 2
-            or gate_up.local[0] != gate_up.local[1]
-            or down.method.block != block
-            or not mlp_fits(row, *weights)
-        ):
-            return None
-        fused_add = add_norm if add_norm is not None and tp_size() == 1 and down.reduce else None
-        norm_in = x if isinstance(x, PendingNorm) else None
-        out = gemv_mlp(row, *weights, norm_in=norm_in, add_norm=fused_add)
-        if fused_add is None and down.reduce:
-            return all_reduce(out)
-        return out

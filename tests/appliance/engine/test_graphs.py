@@ -230,29 +230,3 @@ def test_captured_graphs_with_the_split_gated_norm(quantization, tmp_path, monke
         results.append(_generate(runner, prompts, options, steps=12))
     assert results[0] == results[1]
     assert any(taken), "no GEMV took the head norm"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("quantization", ["", "fp8"])
-def test_captured_graphs_with_the_one_launch_mlp(quantization, tmp_path, monkeypatch):
-    """One request: with gemv_mlp.USE_FUSED_MLP the MLPs run as one persistent launch each (its
-    counters reset by each launch, replays included); the captured decode graphs replay the eager
-    tokens (the kernel against the unfused math: tests/kernels/test_gemv_mlp.py)."""
-    from appliance.models.layers import mlp
-    from appliance.testing.tiny import build_qwen3_5
-    from appliance_kernels import gemv_mlp
-
-    model_dir = build_qwen3_5(tmp_path / "dense", seed=3)
-    prompts, options = [list(range(3, 14))], [GREEDY]
-    monkeypatch.setattr(gemv_mlp, "USE_FUSED_MLP", True)
-    taken = []
-    real = mlp.gemv_mlp
-    monkeypatch.setattr(mlp, "gemv_mlp", lambda *a, **kw: taken.append(1) or real(*a, **kw))
-    results = []
-    for graphs in (False, True):
-        runner = _gpu_runner(model_dir, graphs, quantization=quantization)
-        results.append(_generate(runner, prompts, options, steps=12))
-    assert taken, "no MLP took the one-launch kernel"
-    assert not gemv_mlp.stalled()
-    assert results[0] == results[1]
