@@ -436,6 +436,7 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,  # a power of two <= NUM_SPLITS
     GATED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -447,12 +448,19 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)  # [S]
     m = tl.max(lse, 0)
     w = tl.exp2(lse - m)  # empty splits have lse -inf -> weight 0
-    o = tl.load(
-        part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
-        mask=d[None, :] < HEAD_DIM,
-        other=0.0,
-    )  # [S, BLOCK_D]
-    o = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    # the partial outputs SPLIT_CHUNK splits at a time: [S, BLOCK_D] fp32 at once would not fit
+    # a program's registers beyond ~32 splits of a 256-wide head
+    o = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
+        sc = s0 + tl.arange(0, SPLIT_CHUNK)
+        w_c = tl.exp2(tl.load(part_lse_ptr + sc * stride_ls + t * stride_lt + h) - m)
+        o_c = tl.load(
+            part_o_ptr + sc[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
+            mask=d[None, :] < HEAD_DIM,
+            other=0.0,
+        )  # [SPLIT_CHUNK, BLOCK_D]
+        o += tl.sum(o_c * w_c[:, None], 0)
+    o = o / tl.sum(w, 0)
     if GATED:
         gate = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d, mask=d < HEAD_DIM, other=0.0)
         o = o * tl.sigmoid(gate.to(tl.float32))
@@ -676,6 +684,7 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
+            SPLIT_CHUNK=min(num_splits, 32),
             GATED=gated,
             **pdl(part_o),
         )

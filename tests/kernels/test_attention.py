@@ -81,6 +81,15 @@ def test_split_kv_gives_same_result(num_splits):
     assert_close(got, expected, torch.float32, name=f"splits={num_splits}")
 
 
+def test_many_splits_merge_in_chunks():
+    """64 splits: the merge sums the partial outputs 32 splits at a time; 5000 keys put non-empty
+    splits in both chunks (128-key blocks), the short request leaves most of its splits empty."""
+    args = make_batch([1, 1], [5000, 90], 4, 2, 32, torch.float32, seed=11)
+    expected = paged_attention_ref(*args, 0.2)
+    got = paged_attention_triton(*args, 0.2, max_q_len=1, num_splits=64)
+    assert_close(got, expected, torch.float32, name="splits=64")
+
+
 def gate_view(q: torch.Tensor, seed: int) -> torch.Tensor:
     """A gate like the layer's: [T, H, D] interleaved per head with q in one projection row."""
     t, h, d = q.shape
