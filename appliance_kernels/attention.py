@@ -447,20 +447,23 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h)  # [S]
     m = tl.max(lse, 0)
-    w = tl.exp2(lse - m)  # empty splits have lse -inf -> weight 0
-    # the partial outputs SPLIT_CHUNK splits at a time: [S, BLOCK_D] fp32 at once would not fit
-    # a program's registers beyond ~32 splits of a 256-wide head
+    # the partial outputs SPLIT_CHUNK splits at a time, in a loop: [S, BLOCK_D] fp32 at once
+    # spilled beyond 64 splits of a 256-wide head (compiled for sm_90 offline, Triton 3.6: 255
+    # registers + 512 B stack at 128 splits, 3160 B at 256; the loop: 32 registers, no stack)
     o = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in tl.static_range(0, NUM_SPLITS, SPLIT_CHUNK):
+    total = 0.0
+    for s0 in tl.range(0, NUM_SPLITS, SPLIT_CHUNK):
         sc = s0 + tl.arange(0, SPLIT_CHUNK)
+        # empty splits have lse -inf -> weight 0
         w_c = tl.exp2(tl.load(part_lse_ptr + sc * stride_ls + t * stride_lt + h) - m)
+        total += tl.sum(w_c, 0)
         o_c = tl.load(
             part_o_ptr + sc[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
             mask=d[None, :] < HEAD_DIM,
             other=0.0,
         )  # [SPLIT_CHUNK, BLOCK_D]
         o += tl.sum(o_c * w_c[:, None], 0)
-    o = o / tl.sum(w, 0)
+    o = o / total
     if GATED:
         gate = tl.load(gate_ptr + t * stride_gt + h * stride_gh + d, mask=d < HEAD_DIM, other=0.0)
         o = o * tl.sigmoid(gate.to(tl.float32))

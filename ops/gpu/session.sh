@@ -15,7 +15,8 @@
 # alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
 # tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
 # cuBLAS sequences capture (PDL_PROBE_S); gemv_probe: the one-row fp8 GEMV's stages, row
-# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); moe_probe: per-pair against grouped decode MoE
+# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); moe_probe: per-pair against
+# grouped decode MoE
 # (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16 --moe-pairs 16 256");
 # serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
 # CONCURRENCY pass through);
