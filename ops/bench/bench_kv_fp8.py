@@ -6,6 +6,11 @@ goal: >= 1.6x at 8k and 32k context).
 GPU (the H200 figures of docs/benchmarks.md; about a minute, most of it Triton compiling):
     PYTHONPATH=. python ops/bench/bench_kv_fp8.py --contexts 8192,32768 --batches 1,16,64
 adds flashinfer's decode wrapper (both dtypes) when it imports; `--backends triton` leaves it out.
+On the GPU the Triton decode is timed the way a decode step runs it: REPS calls replayed as one
+CUDA graph, cycling over copies of the cache that together exceed L2 several times (a batch-1 8k
+cache, 17-34 MB, would otherwise be read from L2, and timing single launches from Python measured
+the host's launch cost, 40-120 µs, instead of the kernels' few µs). flashinfer's wrapper plans on
+the host at each call, so it keeps event timing (`--reps` ms a case) over one copy.
 CPU smoke (the torch reference, tiny shapes; checks the script and the fp8 plumbing):
     PYTHONPATH=. python ops/bench/bench_kv_fp8.py --device cpu --contexts 64 --batches 2 \
         --heads 4,2,32
@@ -108,6 +113,28 @@ def runners(inputs: dict, backends: list[str], device: torch.device) -> dict[str
     return out
 
 
+def cache_copies(case: Case, device: torch.device) -> int:
+    """How many independent caches the graph timing cycles over: enough that their fp8 bytes
+    exceed L2_BYTES (1 on CPU, where nothing is graph-timed)."""
+    if device.type != "cuda":
+        return 1
+    from ops.bench.bench_fp8_gemv import L2_BYTES
+
+    hq, hkv, dim = case.heads
+    fp8_bytes = case.batch * case.context * hkv * dim * 2
+    return max(1, min(16, -(-L2_BYTES // fp8_bytes)))
+
+
+def time_calls(fns: list[Callable], device: torch.device, reps: int, backend: str) -> float:
+    """µs of one call: a CUDA graph cycling over fns (one per cache copy) for the Triton decode on
+    the GPU, else time_us of the first."""
+    if device.type == "cuda" and backend == "triton":
+        from ops.bench.bench_fp8_gemv import graph_time_us
+
+        return graph_time_us(fns)
+    return time_us(fns[0], device, reps)
+
+
 def time_us(fn: Callable, device: torch.device, reps: int) -> float:
     fn()
     if device.type == "cuda":
@@ -124,21 +151,24 @@ def time_us(fn: Callable, device: torch.device, reps: int) -> float:
 
 
 def bench_case(case: Case, backends: list[str], device: torch.device, reps: int) -> list[str]:
-    inputs = make_inputs(case, device)
-    calls = runners(inputs, backends, device)
+    copies = [make_inputs(case, device, seed) for seed in range(cache_copies(case, device))]
+    calls = [runners(inputs, backends, device) for inputs in copies]
     hq, hkv, dim = case.heads
     tokens = case.batch * case.context * hkv * dim * 2  # k and v elements read
     lines = []
     for backend in backends:
         try:
-            ref = calls[f"{backend}/bf16"]()
-            got = calls[f"{backend}/fp8"]()
+            ref = calls[0][f"{backend}/bf16"]()
+            got = calls[0][f"{backend}/fp8"]()
         except Exception as exc:  # one backend failing leaves the others' figures
             print(f"| {backend} | {case.layout} | {case.batch} | {case.context} | failed: {exc!r}")
             continue
         err = float((got.float() - ref.float()).norm() / ref.float().norm())
-        us = {kv: time_us(calls[f"{backend}/{kv}"], device, reps) for kv in ("bf16", "fp8")}
-        width = inputs["cache"][0].element_size()
+        us = {
+            kv: time_calls([c[f"{backend}/{kv}"] for c in calls], device, reps, backend)
+            for kv in ("bf16", "fp8")
+        }
+        width = copies[0]["cache"][0].element_size()
         gbs = {kv: tokens * (width if kv == "bf16" else 1) / (us[kv] * 1e3) for kv in us}
         ratio = us["bf16"] / us["fp8"]
         line = (
@@ -148,7 +178,7 @@ def bench_case(case: Case, backends: list[str], device: torch.device, reps: int)
         )
         print(line, flush=True)
         lines.append(line)
-    del inputs, calls
+    del copies, calls
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return lines
@@ -208,11 +238,15 @@ def sweep_fp8_tiles(
     """The Triton fp8 decode at each FP8_TILES entry
     (appliance_kernels.attention.ATTN_TUNING["fp8_tile"]) and the bf16 decode at its own tiles: one
     line of µs, fp8 GB/s and bf16 / fp8 per tile, then what each variant compiled to."""
-    inputs = make_inputs(case, device)
-    call = runners(inputs, ["triton"], device)
+    copies = [make_inputs(case, device, seed) for seed in range(cache_copies(case, device))]
+    calls = [runners(inputs, ["triton"], device) for inputs in copies]
+
+    def timed_us(kv: str, calls=calls) -> float:  # captures the ATTN_TUNING set at the call
+        return time_calls([c[f"triton/{kv}"] for c in calls], device, reps, "triton")
+
     hq, hkv, dim = case.heads
     fp8_bytes = case.batch * case.context * hkv * dim * 2
-    bf16_us = time_us(call["triton/bf16"], device, reps)
+    bf16_us = timed_us("bf16")
     timed, default = [], attn.ATTN_TUNING["fp8_tile"]
     factor, pairs = attn.ATTN_TUNING["fp8_split_factor"], attn.ATTN_TUNING["fp8_v_pairs"]
     variants = [(tile, f, pairs) for f in split_factors for tile in FP8_TILES]
@@ -223,7 +257,7 @@ def sweep_fp8_tiles(
         name = f"{tile}" + (f" split x{f}" if f != factor else "")
         name += f" v_pairs {v_pairs}" if v_pairs != pairs else ""
         try:
-            us = time_us(call["triton/fp8"], device, reps)
+            us = timed_us("fp8")
             timed.append(f"{name}: {us:.1f} µs {fp8_bytes / us / 1e3:.0f} GB/s {bf16_us / us:.2f}x")
         except Exception as exc:  # a tile Triton cannot build here: named, skipped
             timed.append(f"{name}: {type(exc).__name__}")
@@ -232,13 +266,13 @@ def sweep_fp8_tiles(
     bf16_factor = attn.ATTN_TUNING["split_factor"]
     for f in (2, 4):  # the bf16 decode split further too: the fair comparison
         attn.ATTN_TUNING["split_factor"] = f
-        timed.append(f"bf16 split x{f}: {time_us(call['triton/bf16'], device, reps):.1f} µs")
+        timed.append(f"bf16 split x{f}: {timed_us('bf16'):.1f} µs")
     attn.ATTN_TUNING["split_factor"] = bf16_factor
     bf16_tile = attn.ATTN_TUNING["tile"]
     for tile in BF16_TILES:
         attn.ATTN_TUNING["tile"] = tile
         try:
-            us = time_us(call["triton/bf16"], device, reps)
+            us = timed_us("bf16")
             timed.append(f"bf16 {tile}: {us:.1f} µs {2 * fp8_bytes / us / 1e3:.0f} GB/s")
         except Exception as exc:
             timed.append(f"bf16 {tile}: {type(exc).__name__}")
@@ -249,7 +283,7 @@ def sweep_fp8_tiles(
     # factors 1, 2 and 4 (batch 1 x 4 kv heads on 132 SMs: 64 splits at factor 1, 128 at 2 ...)
     for m, f in itertools.product(max_splits, (1, 2, 4)):
         attn.ATTN_TUNING.update(dict.fromkeys(SPLIT_KEYS, f), max_splits=m)
-        us = {kv: time_us(call[f"triton/{kv}"], device, reps) for kv in ("bf16", "fp8")}
+        us = {kv: timed_us(kv) for kv in ("bf16", "fp8")}
         timed.append(
             f"max_splits {m} split x{f}: bf16 {us['bf16']:.1f} µs, fp8 {us['fp8']:.1f} µs "
             f"{us['bf16'] / us['fp8']:.2f}x"
@@ -260,7 +294,7 @@ def sweep_fp8_tiles(
         f"  sweep {case.layout} b{case.batch} ctx{case.context} bf16 {bf16_us:.1f} µs | "
         + " | ".join(timed)
     )
-    del inputs, call
+    del copies, calls, timed_us
     torch.cuda.empty_cache()
 
 

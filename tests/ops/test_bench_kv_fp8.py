@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-from ops.bench.bench_kv_fp8 import main
+import torch
+
+from ops.bench.bench_kv_fp8 import Case, cache_copies, main
 
 
 def test_cpu_smoke_writes_the_table(tmp_path):
@@ -20,3 +22,14 @@ def test_cpu_smoke_writes_the_table(tmp_path):
         assert cells[1:4] == [layout, "2", str(context)]
         assert re.fullmatch(r"\*\*\d+\.\d\dx\*\*", cells[8])
         assert 0 < float(cells[9]) < 0.08  # e4m3: ~3% relative error per element
+
+
+def test_graph_timing_cycles_over_caches_larger_than_l2():
+    """The GPU timing reads each cache copy once per cycle from HBM: copies until their fp8 bytes
+    pass L2_BYTES (256 MiB), at most 16; one where a single cache is already larger."""
+    cuda, heads = torch.device("cuda"), (24, 4, 256)  # a device name: no GPU needed
+    assert cache_copies(Case(1, 8192, heads), cuda) == 16  # 16.8 MB of e4m3 each
+    assert cache_copies(Case(1, 32768, heads), cuda) == 4  # 67 MB each
+    assert cache_copies(Case(16, 8192, heads), cuda) == 1  # 268 MB
+    assert cache_copies(Case(1, 512, heads), cuda) == 16  # capped
+    assert cache_copies(Case(1, 8192, heads), torch.device("cpu")) == 1
