@@ -45,7 +45,6 @@ from appliance_kernels import (
     gemv_norm,
     gemv_rows,
     gemv_swiglu,
-    l2_prefetch,
     moe_gemv,
     triton_utils,
 )
@@ -327,14 +326,6 @@ def parse_gdn_tile(text: str) -> dict | None:
     return {"bv": bv, "warps": warps}
 
 
-def parse_prefetch(text: str, default: tuple[float, float]) -> tuple[float, float]:
-    """--side-prefetch: "MiB" or "MiB,MiB" (out_proj / o_proj, then down) or "default"."""
-    if text == "default":
-        return default
-    first, _, down = text.partition(",")
-    return float(first), float(down or 0.0)
-
-
 def kernel_switches() -> tuple:
     """The module switches that the captured decode graphs bake in (captured again on a change)."""
     return (
@@ -353,8 +344,6 @@ def kernel_switches() -> tuple:
         fp8_gemv.CONV_RELEASE,
         gdn_layer.SPLIT_GATED_NORM,
         gdn_kernels.RECURRENT_TILE,
-        l2_prefetch.SIDE_PREFETCH_MIB,
-        l2_prefetch.SIDE_PREFETCH_DOWN_MIB,
     )
 
 
@@ -477,14 +466,6 @@ def main() -> None:
         "graphs captured again",
     )
     ap.add_argument(
-        "--side-prefetch",
-        nargs="+",
-        default=["default"],
-        help="MiB of the GDN out_proj / attention o_proj weight asked of L2 on a side stream "
-        "while the small kernels before it run, optionally ',MiB' of the MLP down's "
-        "(appliance_kernels/l2_prefetch.py); 0: off; default: the module's; graphs captured again",
-    )
-    ap.add_argument(
         "--gdn-tile",
         nargs="+",
         default=["default"],
@@ -508,7 +489,6 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     default_wide = dict(fp8_gemv.WIDE_TILE)
-    default_prefetch = (l2_prefetch.SIDE_PREFETCH_MIB, l2_prefetch.SIDE_PREFETCH_DOWN_MIB)
     os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
     runner = build_runner(
         args.config,
@@ -545,7 +525,6 @@ def main() -> None:
         args.gdn_preload,
         args.gdn_split_norm,
         args.gdn_tile,
-        args.side_prefetch,
         args.graphs,
     )
     for (
@@ -561,7 +540,6 @@ def main() -> None:
         preload,
         split_norm,
         gdn_tile,
-        prefetch,
         graphs,
     ) in switches:
         before = kernel_switches()
@@ -579,9 +557,6 @@ def main() -> None:
         gdn_kernels.PRELOAD_STATE = fp8_gemv.CONV_RELEASE = preload == "on"
         gdn_layer.SPLIT_GATED_NORM = split_norm == "on"
         gdn_kernels.RECURRENT_TILE = parse_gdn_tile(gdn_tile)
-        l2_prefetch.SIDE_PREFETCH_MIB, l2_prefetch.SIDE_PREFETCH_DOWN_MIB = parse_prefetch(
-            prefetch, default_prefetch
-        )
         if len(args.pdl) > 1 and graphs == args.graphs[0] and gemv == args.gemv[0]:
             print(f"PDL {pdl}")
         if kernel_switches() != before:
@@ -612,8 +587,6 @@ def main() -> None:
             print(f"GDN recurrence tile {gdn_tile}")
         if len(args.gdn_split_norm) > 1 and graphs == args.graphs[0]:
             print(f"GDN gated norm split across recurrence and out_proj {split_norm}")
-        if len(args.side_prefetch) > 1 and graphs == args.graphs[0]:
-            print(f"side-stream L2 prefetch (MiB: out_proj / o_proj, down) {prefetch}")
         runner.graphs = captured if graphs == "on" else None
         for batch in args.batch:
             plain = None
@@ -644,7 +617,6 @@ def main() -> None:
                     r["gdn_preload"] = preload
                     r["gdn_split_norm"] = split_norm
                     r["gdn_tile"] = gdn_tile
-                    r["side_prefetch"] = prefetch
                     r["verify_over_plain"] = r["verify_ms"] / plain if plain else float("nan")
                     r["draft_over_plain"] = r["draft_ms"] / plain if plain else float("nan")
                     r["plain_over_floor"] = plain / floor_ms if plain else float("nan")

@@ -15,8 +15,7 @@
 # alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
 # tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
 # cuBLAS sequences capture (PDL_PROBE_S); gemv_probe: the one-row fp8 GEMV's stages, row
-# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); l2_side: a GEMV after a gap
-# with its weight prefetched on a side stream (L2_SIDE_S, L2_SIDE_ARGS); moe_probe: per-pair against
+# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); moe_probe: per-pair against
 # grouped decode MoE
 # (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16 --moe-pairs 16 256");
 # serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
@@ -109,7 +108,6 @@ for s in ${STEPS:-probe tests bench}; do
       --json "$OUT/rows.json" ;;
     moe_probe) step moe_probe "${MOE_PROBE_S:-300}" python3 ops/gpu/moe_pairs_probe.py \
       ${MOE_PROBE_ARGS:-} ;;
-    l2_side) step l2_side "${L2_SIDE_S:-200}" python3 ops/gpu/l2_side_probe.py ${L2_SIDE_ARGS:-} ;;
     pdl_probe) step pdl_probe "${PDL_PROBE_S:-120}" python3 ops/gpu/pdl_probe.py ;;
     gemv_probe) step gemv_probe "${GEMV_PROBE_S:-200}" python3 ops/gpu/gemv_probe.py \
       ${GEMV_PROBE_ARGS:-} ;;

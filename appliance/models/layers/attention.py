@@ -16,7 +16,6 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear, blocks_fit, 
 from appliance.models.layers.norm import RMSNorm, rows
 from appliance.models.layers.parallel import tp_rank, tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from appliance_kernels import l2_prefetch as l2
 from appliance_kernels.attention import paged_attention
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 from appliance_kernels.kv_cache import KVScales
@@ -158,8 +157,6 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         num_tokens = rows(x)
         q, k, v = self.project_qkv(x)
-        # o_proj's weight into L2 while the norms, the attention and its merge run (l2_prefetch)
-        side = l2.side_prefetch(self.o_proj.weight, l2.SIDE_PREFETCH_MIB, num_tokens)
         if self.gated:
             q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
@@ -199,6 +196,4 @@ class Attention(nn.Module):
             kv_scales=scales,
             gate=gate,  # out * sigmoid(gate), applied where the output is stored
         )
-        out = self.o_proj(out.reshape(num_tokens, -1), add_norm)
-        l2.join(side)
-        return out
+        return self.o_proj(out.reshape(num_tokens, -1), add_norm)

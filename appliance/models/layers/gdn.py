@@ -12,7 +12,6 @@ from appliance.models.layers.linear import ColumnLinear, RowLinear, copy_into, e
 from appliance.models.layers.norm import GatedRMSNorm, rows
 from appliance.models.layers.parallel import tp_size
 from appliance.models.layers.quant import QuantConfig, quant_for
-from appliance_kernels import l2_prefetch as l2
 from appliance_kernels.conv1d import causal_conv1d, causal_conv1d_verify
 from appliance_kernels.fp8_gemv import GemvConv
 from appliance_kernels.gdn import gdn_gated, gdn_verify_gated
@@ -132,8 +131,6 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z = self.in_proj(x).split(self.in_proj_split[:2], dim=-1)
             b, a = self.in_proj_ba(x).split(self.in_proj_split[2:], dim=-1)
-        # out_proj's weight into L2 while the recurrence and the gated norm run (l2_prefetch)
-        side = l2.side_prefetch(self.out_proj.weight, l2.SIDE_PREFETCH_MIB, num_tokens)
         mixed = qkv if both is not None and conv is not None else self._conv(qkv, ctx)
         q, k, v = mixed.split(self.local_segments, dim=-1)
         q = q.reshape(num_tokens, self.num_k_heads, self.head_k_dim)
@@ -148,9 +145,7 @@ class GatedDeltaNet(nn.Module):
         if gate_norm is None:  # (else a PendingHeadNorm: the norm finishes in out_proj's GEMV)
             z = z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)  # a view: read in place
             out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(num_tokens, -1)
-        out = self.out_proj(out, add_norm)
-        l2.join(side)
-        return out
+        return self.out_proj(out, add_norm)
 
     def _split_norm(self, num_tokens: int, ctx, z: torch.Tensor) -> bool:
         """Whether the gated norm splits between the recurrence and out_proj's one-row GEMV

@@ -6,9 +6,7 @@ import torch
 from torch import nn
 
 from appliance.models.layers.linear import ColumnLinear, RowLinear
-from appliance.models.layers.norm import rows
 from appliance.models.layers.quant import QuantConfig, quant_for
-from appliance_kernels import l2_prefetch as l2
 from appliance_kernels.activation import silu_and_mul
 from appliance_kernels.gemv_norm import AddNorm, PendingNorm
 
@@ -41,15 +39,9 @@ class MLP(nn.Module):
         (RowLinear.forward)."""
         # one kernel where it runs (appliance_kernels/gemv_swiglu.py)
         act = self.gate_up_proj.swiglu(x)
-        side = None
         if act is None:
-            gate_up = self.gate_up_proj(x)
-            # the first of down's weight into L2 while the SiLU-and-mul runs (l2_prefetch)
-            side = l2.side_prefetch(self.down_proj.weight, l2.SIDE_PREFETCH_DOWN_MIB, rows(x))
-            act = silu_and_mul(gate_up)
-        out = self.down_proj(act, add_norm)
-        l2.join(side)
-        return out
+            act = silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(act, add_norm)
 
     def takes_pending(self, x: torch.Tensor) -> bool:
         return self.gate_up_proj.takes_pending(x)

@@ -230,32 +230,3 @@ def test_captured_graphs_with_the_split_gated_norm(quantization, tmp_path, monke
         results.append(_generate(runner, prompts, options, steps=12))
     assert results[0] == results[1]
     assert any(taken), "no GEMV took the head norm"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("quantization", ["", "fp8"])
-def test_captured_graphs_with_side_stream_prefetch(quantization, tmp_path, monkeypatch):
-    """With the side-stream L2 prefetch on (appliance_kernels/l2_prefetch.py), the captured
-    decode graphs (a forked and joined stream a layer) replay the eager tokens without it, and
-    the prefetch kernel was captured."""
-    from appliance.testing.tiny import build_qwen3_5
-    from appliance_kernels import l2_prefetch
-
-    model_dir = build_qwen3_5(tmp_path / "dense", seed=3)
-    prompts, options = [list(range(3, 14))], [GREEDY]
-    plain = _gpu_runner(model_dir, False, quantization=quantization)
-    eager = _generate(plain, prompts, options, steps=12)
-    monkeypatch.setattr(l2_prefetch, "SIDE_PREFETCH_MIB", 1.0)
-    monkeypatch.setattr(l2_prefetch, "SIDE_PREFETCH_DOWN_MIB", 1.0)
-    launched = []
-    real = l2_prefetch.l2_prefetch
-
-    def spy(w, nbytes):
-        launched.append(nbytes)
-        return real(w, nbytes)
-
-    monkeypatch.setattr(l2_prefetch, "l2_prefetch", spy)
-    runner = _gpu_runner(model_dir, True, quantization=quantization)
-    assert _generate(runner, prompts, options, steps=12) == eager
-    assert launched and all(n > 0 and n % 16 == 0 for n in launched)
