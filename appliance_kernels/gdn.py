@@ -221,7 +221,8 @@ PRELOAD_STATE = False
 # ([128, 32] of fp32 state a program; 8 warps above 4096 elements): 192 programs for the 27B's 48
 # value heads at batch 1, under two an SM. Narrower blocks give more programs (more loads in flight
 # at batch 1, the q / k normalisation repeated by each); `ops/bench/bench_static.py --gdn-tile`
-# sets it (not yet timed on the H200).
+# sets it. On the H100 (runs DM, DS) 16 columns, 4 warps gained nothing at batch 1 and cost the
+# 27B step 1.1 ms at batch 16 and 4.7 ms at batch 64; not yet timed on the H200.
 RECURRENT_TILE: dict[str, int] | None = None
 
 
