@@ -15,7 +15,9 @@
 # alone); kv_fp8: fp8 against bf16 KV decode attention (KV_FP8_S; KV_FP8_ARGS=--sweep: the fp8
 # tiles); rows: the tensor-core rows GEMV's sweep (ROWS_S, ROWS_ARGS); pdl_probe: which PDL +
 # cuBLAS sequences capture (PDL_PROBE_S); gemv_probe: the one-row fp8 GEMV's stages, row
-# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); moe_probe: per-pair against
+# accumulator and register prefetch (GEMV_PROBE_S, GEMV_PROBE_ARGS); prefetch_probe: a bulk-copy
+# GEMV (nvcc) whose weight is in flight before its PDL wait, alone and as the 27B step's chain of
+# GEMVs (PREFETCH_PROBE_S, PREFETCH_PROBE_ARGS); moe_probe: per-pair against
 # grouped decode MoE
 # (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16 --moe-pairs 16 256");
 # serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
@@ -111,6 +113,8 @@ for s in ${STEPS:-probe tests bench}; do
     pdl_probe) step pdl_probe "${PDL_PROBE_S:-120}" python3 ops/gpu/pdl_probe.py ;;
     gemv_probe) step gemv_probe "${GEMV_PROBE_S:-200}" python3 ops/gpu/gemv_probe.py \
       ${GEMV_PROBE_ARGS:-} ;;
+    prefetch_probe) step prefetch_probe "${PREFETCH_PROBE_S:-300}" \
+      python3 ops/gpu/prefetch_gemv_probe.py ${PREFETCH_PROBE_ARGS:-} ;;
     gemv) step gemv "${GEMV_S:-200}" python3 ops/bench/bench_fp8_gemv.py ${GEMV_ARGS:-} \
       --json "$OUT/gemv.json" ;;
     kv_fp8) step kv_fp8 "${KV_FP8_S:-150}" python3 ops/bench/bench_kv_fp8.py --contexts 8192,32768 \

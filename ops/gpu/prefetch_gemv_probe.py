@@ -1,0 +1,205 @@
+"""Can a chain of one-row fp8 GEMVs keep HBM busy across its launches? Times the served Triton
+GEMV (`appliance_kernels.fp8_gemv`) against `prefetch_gemv.cu` beside this file: one program per
+SM streaming its rows through shared memory with the bulk copy engine, its first copies issued
+before the PDL wait and the next kernel let launch as it starts, so that the next GEMV's weight
+is in flight while this one finishes (the ramp and tail that hold the batch-1 step at 1.2-1.3x
+its floor, docs/benchmarks.md). Needs nvcc (sm_90).
+
+  python3 ops/gpu/prefetch_gemv_probe.py [--layers 64] [--ring 98304 65536] [--modes 0 1 3]
+
+Checks every variant against a float reference first (27B shapes and ragged ones), then times:
+each 27B projection alone (40 launches in one CUDA graph over weight copies larger than L2) and
+the 27B step's chain of GEMVs (48 GDN in_proj / out_proj, 16 attention qkv / o_proj, 64 MLPs
+with their SiLU-and-mul) as one CUDA graph, against its bytes at copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "ops" / "bench")]
+
+from bench_fp8_gemv import SHAPES, copy_bandwidth, graph_time_us  # noqa: E402
+
+from appliance_kernels import triton_utils as tu  # noqa: E402
+from appliance_kernels.activation import silu_and_mul  # noqa: E402
+from appliance_kernels.fp8_gemv import fp8_gemv  # noqa: E402
+
+SOURCE = Path(__file__).with_name("prefetch_gemv.cu")
+L2_BYTES = 256 << 20
+MODES = {0: "no early launch", 1: "next launches at start", 2: "copies before wait", 3: "both"}
+
+
+def build() -> ctypes.CDLL:
+    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    nvcc = shutil.which("nvcc") or str(home / "bin" / "nvcc")
+    lib = Path(tempfile.mkdtemp()) / "prefetch_gemv.so"
+    flags = ["-arch=sm_90", "-O3", "-shared", "-Xcompiler", "-fPIC"]
+    subprocess.run([nvcc, *flags, "-o", str(lib), str(SOURCE)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.prefetch_gemv_launch.restype = ctypes.c_int
+    ints, ptrs = [ctypes.c_int] * 6, [ctypes.c_void_p] * 4
+    so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
+    return so
+
+
+class PrefetchGemv:
+    def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int):
+        self.so, self.ring, self.mode, self.grid = so, ring, mode, grid
+
+    def threads(self, k: int) -> int:
+        segs = k // 16
+        return 384 if -(-segs // 384) <= 3 else 256
+
+    def __call__(self, x, w, s, out):
+        n, k = w.shape
+        ptrs = (w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr())
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = self.so.prefetch_gemv_launch(
+            *ptrs, n, k, self.threads(k), self.ring, self.grid, self.mode, stream
+        )
+        if rc != 0:
+            raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
+        return out
+
+    def __str__(self) -> str:
+        return f"cuda ring {self.ring >> 10} KiB, {MODES[self.mode]}"
+
+
+def quantized(n: int, k: int):
+    w = torch.randn(n, k, device="cuda") * 0.05
+    s = w.abs().amax(dim=1).clamp(min=1e-6) / 448.0
+    return (w / s[:, None]).to(torch.float8_e4m3fn), s.float()
+
+
+def random_fp8(n: int, k: int) -> torch.Tensor:
+    """Finite e4m3 bit patterns (no 0x7f / 0xff), fast at 27B sizes: timing only."""
+    bits = torch.randint(0, 0x7F, (n, k), dtype=torch.uint8, device="cuda")
+    sign = torch.randint(0, 2, (n, k), dtype=torch.uint8, device="cuda") << 7
+    return (bits | sign).view(torch.float8_e4m3fn)
+
+
+def check(variants) -> bool:
+    ok = True
+    shapes = list(SHAPES.values()) + [(1000, 4096), (77, 1024), (4099, 2048), (300, 16)]
+    for n, k in shapes:
+        w, s = quantized(n, k)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ref = (x.double() @ (w.double() * s.double()[:, None]).T).float()
+        for v in variants:
+            out = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            v(x, w, s, out)
+            torch.cuda.synchronize()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            good = err < 1e-2 and not out.isnan().any().item()
+            ok &= good
+            if not good:
+                print(f"  MISMATCH N={n} K={k} {v}: rel err {err:.2e}")
+    print("check:", "every variant matches the reference" if ok else "FAILED")
+    return ok
+
+
+def triton_gemv(x, w, s, out):
+    return fp8_gemv(x, w, s)
+
+
+def per_shape(variants, bw: float) -> None:
+    for name, (n, k) in SHAPES.items():
+        copies = [random_fp8(n, k) for _ in range(max(2, L2_BYTES // (n * k)))]
+        s = torch.rand(n, device="cuda") * 1e-3
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        floor = n * k / bw * 1e6
+        print(f"{name:20s} N={n} K={k} floor {floor:6.1f} us")
+        for v in [triton_gemv] + variants:
+            us = graph_time_us([partial(v, x, w, s, out) for w in copies])
+            label = "triton (served)" if v is triton_gemv else str(v)
+            print(f"   {us:6.1f} us {us / floor:5.2f}x  {label}")
+        del copies
+        torch.cuda.empty_cache()
+
+
+def chain(variants, bw: float, layers: int) -> None:
+    """The 27B step's GEMVs in order (attention every fourth layer), one CUDA graph each way."""
+    sh = SHAPES
+    plan = []  # (weight, scale, x buffer, out buffer) per GEMV; "silu" between gate_up and down
+    nbytes = 0
+    bufs = {}
+
+    def buf(name, n):
+        if name not in bufs:
+            bufs[name] = torch.randn(1, n, device="cuda", dtype=torch.bfloat16) * 0.1
+        return bufs[name]
+
+    def gemv(shape, x_name):
+        nonlocal nbytes
+        n, k = sh[shape]
+        nbytes += n * k
+        scale = torch.rand(n, device="cuda") * 1e-3
+        plan.append((random_fp8(n, k), scale, buf(x_name, k), buf(shape, n)))
+
+    for i in range(layers):
+        if i % 4 == 3:
+            gemv("attn qkv (gated q)", "h")
+            gemv("gdn out_proj", "attn")  # o_proj: 5120 x 6144 as the GDN out_proj
+        else:
+            gemv("gdn in_proj qkvz", "h")
+            gemv("gdn out_proj", "attn")
+        gemv("mlp gate_up", "h")
+        plan.append("silu")
+        gemv("mlp down", "act")  # its x: the SiLU-and-mul's output, made in the graph
+    floor = nbytes / bw * 1e3
+    gate_up_out = bufs["mlp gate_up"]
+
+    def run(v):
+        act = None
+        for step in plan:
+            if step == "silu":
+                act = silu_and_mul(gate_up_out)
+                continue
+            w, s, x, out = step
+            v(act if x is bufs["act"] else x, w, s, out)
+
+    print(f"chain of {layers} layers: {nbytes / 1e9:.2f} GB of fp8 weights, floor {floor:.3f} ms")
+    for v in [triton_gemv] + variants:
+        ms = graph_time_us([partial(run, v)], reps=1) / 1e3
+        label = "triton (served)" if v is triton_gemv else str(v)
+        print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {label}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=64)
+    p.add_argument("--ring", type=int, nargs="+", default=[98304, 65536])
+    p.add_argument("--modes", type=int, nargs="+", default=[0, 1, 3])
+    p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
+    p.add_argument("--skip-shapes", action="store_true")
+    args = p.parse_args()
+    so = build()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = args.grid or sms
+    variants = [PrefetchGemv(so, r, m, grid) for r in args.ring for m in args.modes]
+    tu.USE_PDL = True
+    print(torch.cuda.get_device_name(0), f"{sms} SMs, grid {grid}")
+    if not check(variants):
+        sys.exit(1)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    if not args.skip_shapes:
+        per_shape(variants, bw)
+    chain(variants, bw, args.layers)
+
+
+if __name__ == "__main__":
+    main()
