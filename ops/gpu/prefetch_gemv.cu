@@ -2,14 +2,13 @@
 // memory with the bulk copy engine and issues its first copies before its PDL wait: a probe of
 // whether a chain of one-row GEMVs can keep HBM busy across launches (ops/gpu/prefetch_gemv_probe.py).
 //
-// One program per SM (a persistent grid); program b owns rows [b N / G, (b + 1) N / G), a
-// contiguous run of the row-major [N, K] weight, read as chunks of whole rows (rows_per_chunk x K
-// bytes) into a ring of `stages` buffers, each completed on its own mbarrier. Thread t multiplies
-// the 16-byte segments t, t + T, ... of every row of a chunk by x (loaded into registers once,
-// after the wait), each warp reduces its sums and the warps' sums meet in shared memory, summed in
-// a fixed order (no atomics). MODE bit 0: let the next kernel launch as this one starts
-// (griddepcontrol.launch_dependents); bit 1: issue the ring's first copies before the wait.
-// Built by the probe with nvcc -arch=sm_90; loaded through ctypes (prefetch_gemv_launch).
+// One program per SM (a persistent grid) of 8 computing warps and one copying warp; program b owns
+// rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken 32 rows at a time and read
+// as 32 x 512-byte chunks (one bulk copy per row) into a ring of 16 KiB stages with full / empty
+// mbarriers. Each computing lane keeps one 16-byte K segment of 4 rows and x (copied into shared
+// memory after the wait); a warp's sums meet by shuffles once per 32 rows. MODE bit 0: let the next
+// kernel launch as this one starts (griddepcontrol.launch_dependents); bit 1: issue the ring's first
+// copies before the PDL wait. Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -20,10 +19,6 @@ namespace {
 
 __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(bar)) : "memory");
 }
 
 __device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
@@ -52,7 +47,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
-__device__ __forceinline__ float dot16(uint4 w, const __nv_bfloat162* x) {
+__device__ __forceinline__ void arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_addr(bar)) : "memory");
+}
+
+// 16 e4m3 weights times 16 float x, two chains.
+__device__ __forceinline__ float dot16(uint4 w, const float* x) {
   const uint32_t words[4] = {w.x, w.y, w.z, w.w};
   float a = 0.f, b = 0.f;
 #pragma unroll
@@ -61,162 +61,149 @@ __device__ __forceinline__ float dot16(uint4 w, const __nv_bfloat162* x) {
     for (int h = 0; h < 2; ++h) {
       const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>(words[i] >> (16 * h));
       const float2 wf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-      const float2 xf = __bfloat1622float2(x[2 * i + h]);
-      a = fmaf(wf.x, xf.x, a);
-      b = fmaf(wf.y, xf.y, b);
+      a = fmaf(wf.x, x[4 * i + 2 * h], a);
+      b = fmaf(wf.y, x[4 * i + 2 * h + 1], b);
     }
   }
   return a + b;
 }
 
-struct Chunk {
-  int row0;  // the chunk's first row (global)
-  int rows;  // rows in it
-};
+constexpr int KC = 512;                   // bytes of a row per chunk: 32 lanes x 16
+constexpr int GROUP = 32;                 // rows per group; a chunk is GROUP x KC (16 KiB)
+constexpr int CWARPS = 8;                 // consumer warps; warp CWARPS copies
+constexpr int RPW = GROUP / CWARPS;       // rows per consumer warp
+constexpr int THREADS = 32 * (CWARPS + 1);
+constexpr uint32_t STAGE = GROUP * KC;
 
-template <int THREADS, int SEGS>
+// The ring holds chunks in order (group g, K step kc) -> c = g * (K / KC) + kc. The copying warp
+// waits for a stage to be emptied (by all CWARPS consumer warps) before refilling it; consumers
+// wait for it to be full. Each consumer lane keeps one 16-byte K segment of RPW rows.
 __global__ void __launch_bounds__(THREADS, 2)
     prefetch_gemv_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
                          const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int n,
-                         int k, int rows_per_chunk, int stages, uint32_t stage_bytes, int mode) {
-  constexpr int WARPS = THREADS / 32;
+                         int k, int stages, int mode) {
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* ring = smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * stage_bytes);
-  float* partial = reinterpret_cast<float*>(full + stages);  // [2][rows_per_chunk][WARPS]
-
   if (mode & 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint8_t* ring = smem;
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + stages * STAGE);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * STAGE + ((2 * k + 127) / 128) * 128);
+  uint64_t* empty = full + stages;
+  uint64_t* xbar = empty + stages;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
   const int last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
-  const int chunks = (last - first + rows_per_chunk - 1) / rows_per_chunk;
-  auto chunk = [&](int c) {
-    const int r0 = first + c * rows_per_chunk;
-    return Chunk{r0, min(rows_per_chunk, last - r0)};
-  };
-  auto issue = [&](int c) {  // one thread: chunk c into its stage
-    const Chunk ch = chunk(c);
-    uint64_t* bar = full + c % stages;
-    const uint32_t bytes = static_cast<uint32_t>(ch.rows) * static_cast<uint32_t>(k);
-    expect_bytes(bar, bytes);
-    bulk_copy(ring + (c % stages) * stage_bytes, w + static_cast<long long>(ch.row0) * k, bytes, bar);
-  };
+  const int steps = k / KC;
+  const int groups = (last - first + GROUP - 1) / GROUP;
+  const int chunks = groups * steps;
   if (tid == 0) {
-    for (int s = 0; s < stages; ++s) barrier_init(full + s);
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)),
+                   "r"(CWARPS)
+                   : "memory");
+    }
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const int ahead = min(stages, chunks);
-  if ((mode & 2) && tid == 0)
-    for (int c = 0; c < ahead; ++c) issue(c);
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (!(mode & 2) && tid == 0)
-    for (int c = 0; c < ahead; ++c) issue(c);
 
-  const int segs = k / 16;  // k % 16 == 0 (checked by the launcher)
-  __nv_bfloat162 xr[SEGS][8];
-#pragma unroll
-  for (int j = 0; j < SEGS; ++j) {
-    const int s = tid + j * THREADS;
-    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-    if (s < segs) {
-      lo = reinterpret_cast<const uint4*>(x)[2 * s];
-      hi = reinterpret_cast<const uint4*>(x)[2 * s + 1];
+  if (warp == CWARPS) {  // the copying warp
+    auto produce = [&](int c) {
+      const int s = c % stages, g = c / steps, kc = c % steps;
+      const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+      if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * KC);
+      __syncwarp();
+      if (lane < rows)
+        bulk_copy(ring + s * STAGE + lane * KC,
+                  w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * KC, KC,
+                  full + s);
+    };
+    const int ahead = min(stages, chunks);
+    if (mode & 2)
+      for (int c = 0; c < ahead; ++c) produce(c);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (lane == 0) {
+      expect_bytes(xbar, 2u * k);
+      bulk_copy(xs, x, 2u * k, xbar);
     }
-    const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) xr[j][i] = *reinterpret_cast<const __nv_bfloat162*>(&v[i]);
+    if (!(mode & 2))
+      for (int c = 0; c < ahead; ++c) produce(c);
+    for (int c = ahead; c < chunks; ++c) {
+      barrier_wait(empty + c % stages, ((c / stages) - 1) & 1);
+      produce(c);
+    }
+    return;
   }
 
-  for (int c = 0; c < chunks; ++c) {
-    const Chunk ch = chunk(c);
-    barrier_wait(full + c % stages, (c / stages) & 1);
-    const uint8_t* stage = ring + (c % stages) * stage_bytes;
-    float* part = partial + (c & 1) * rows_per_chunk * WARPS;
-    for (int r = 0; r < ch.rows; ++r) {
-      float acc = 0.f;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  barrier_wait(xbar, 0);
+  const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  for (int g = 0; g < groups; ++g) {
+    const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+    float acc[RPW];
 #pragma unroll
-      for (int j = 0; j < SEGS; ++j) {
-        const int s = tid + j * THREADS;
-        if (s < segs) {
-          const uint4 wv = *reinterpret_cast<const uint4*>(stage + static_cast<long long>(r) * k + 16 * s);
-          acc += dot16(wv, xr[j]);
-        }
+    for (int i = 0; i < RPW; ++i) acc[i] = 0.f;
+    for (int kc = 0; kc < steps; ++kc) {
+      const int c = g * steps + kc, s = c % stages;
+      const int seg = kc * (KC / 16) + lane;  // x's 16-value segment
+      const uint4 lo = x4[2 * seg], hi = x4[2 * seg + 1];
+      const uint32_t xw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      float xf[16];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[i]));
+        xf[2 * i] = v.x;
+        xf[2 * i + 1] = v.y;
       }
+      barrier_wait(full + s, (c / stages) & 1);
+      const uint8_t* stage = ring + s * STAGE + lane * 16;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) part[r * WARPS + warp] = acc;
+      for (int i = 0; i < RPW; ++i) {
+        const int r = warp + CWARPS * i;
+        if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC), xf);
+      }
+      __syncwarp();
+      if (lane == 0) arrive(empty + s);
     }
-    __syncthreads();  // the stage is read and the warps' sums are in `part`
-    if (tid == 0 && c + stages < chunks) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      issue(c + stages);
+#pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
     }
-    if (tid < ch.rows) {
-      float sum = 0.f;
-      for (int i = 0; i < WARPS; ++i) sum += part[tid * WARPS + i];
-      const int row = ch.row0 + tid;
-      out[row] = __float2bfloat16(sum * scale[row]);
+    if (lane < RPW) {
+      float v = acc[0];
+#pragma unroll
+      for (int i = 1; i < RPW; ++i) v = lane == i ? acc[i] : v;
+      const int r = warp + CWARPS * lane;
+      if (r < rows) out[row0 + r] = __float2bfloat16(v * scale[row0 + r]);
     }
   }
 }
 
-template <int THREADS, int SEGS>
-int launch(const void* w, const void* scale, const void* x, void* out, int n, int k, int rows_per_chunk,
-           int stages, uint32_t stage_bytes, size_t smem, int grid, int mode, cudaStream_t stream) {
-  auto fn = prefetch_gemv_kernel<THREADS, SEGS>;
+}  // namespace
+
+// Returns a cudaError_t (0: launched) or -1 for a shape it does not take (K % 512 != 0).
+// ring_bytes: the shared memory given to the ring of 16 KiB stages (at least 2).
+extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void* x, void* out, int n, int k,
+                                    int ring_bytes, int grid, int mode, void* stream) {
+  if (k % KC != 0 || n <= 0) return -1;
+  const int stages = max(2, ring_bytes / static_cast<int>(STAGE));
+  const size_t smem = static_cast<size_t>(stages) * STAGE + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + 1);
+  auto fn = prefetch_gemv_kernel;
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(THREADS);
   cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
+  cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   e = cudaLaunchKernelEx(&cfg, fn, static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
-                         static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), n, k,
-                         rows_per_chunk, stages, stage_bytes, mode);
+                         static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), n, k, stages,
+                         mode);
   return static_cast<int>(e);
-}
-
-template <int THREADS>
-int dispatch(int segs_per_thread, const void* w, const void* scale, const void* x, void* out, int n, int k,
-             int rows_per_chunk, int stages, uint32_t stage_bytes, size_t smem, int grid, int mode,
-             cudaStream_t stream) {
-  switch (segs_per_thread) {
-    case 1: return launch<THREADS, 1>(w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, stream);
-    case 2: return launch<THREADS, 2>(w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, stream);
-    case 3: return launch<THREADS, 3>(w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, stream);
-    case 4: return launch<THREADS, 4>(w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, stream);
-    case 5: return launch<THREADS, 5>(w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, stream);
-    default: return -1;
-  }
-}
-
-}  // namespace
-
-// Returns a cudaError_t (0: launched), -1 for a shape it does not take, -2 for threads not 256 / 384.
-// ring_bytes: the shared memory given to the ring (its stages are whole rows, at least 2 of them).
-extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void* x, void* out, int n, int k,
-                                    int threads, int ring_bytes, int grid, int mode, void* stream) {
-  if (k % 16 != 0 || n <= 0 || k <= 0) return -1;
-  int rows_per_chunk = (ring_bytes / 4) / k;  // at least four stages of whole rows where they fit
-  if (rows_per_chunk < 1) rows_per_chunk = 1;
-  if (rows_per_chunk > threads) rows_per_chunk = threads;  // one thread sums each row of a chunk
-  const uint32_t stage_bytes = ((static_cast<uint32_t>(rows_per_chunk) * k + 127) / 128) * 128;
-  int stages = ring_bytes / static_cast<int>(stage_bytes);
-  if (stages < 2) stages = 2;
-  const int segs_per_thread = (k / 16 + threads - 1) / threads;
-  const size_t smem = static_cast<size_t>(stages) * stage_bytes + 8 * stages +
-                      2 * sizeof(float) * rows_per_chunk * (threads / 32);
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (threads == 256)
-    return dispatch<256>(segs_per_thread, w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, s);
-  if (threads == 384)
-    return dispatch<384>(segs_per_thread, w, scale, x, out, n, k, rows_per_chunk, stages, stage_bytes, smem, grid, mode, s);
-  return -2;
 }

@@ -49,7 +49,7 @@ def build() -> ctypes.CDLL:
     subprocess.run([nvcc, *flags, "-o", str(lib), str(SOURCE)], check=True)
     so = ctypes.CDLL(str(lib))
     so.prefetch_gemv_launch.restype = ctypes.c_int
-    ints, ptrs = [ctypes.c_int] * 6, [ctypes.c_void_p] * 4
+    ints, ptrs = [ctypes.c_int] * 5, [ctypes.c_void_p] * 4
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
     return so
 
@@ -58,17 +58,11 @@ class PrefetchGemv:
     def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int):
         self.so, self.ring, self.mode, self.grid = so, ring, mode, grid
 
-    def threads(self, k: int) -> int:
-        segs = k // 16
-        return 384 if -(-segs // 384) <= 3 else 256
-
     def __call__(self, x, w, s, out):
         n, k = w.shape
         ptrs = (w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr())
         stream = torch.cuda.current_stream().cuda_stream
-        rc = self.so.prefetch_gemv_launch(
-            *ptrs, n, k, self.threads(k), self.ring, self.grid, self.mode, stream
-        )
+        rc = self.so.prefetch_gemv_launch(*ptrs, n, k, self.ring, self.grid, self.mode, stream)
         if rc != 0:
             raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
         return out
@@ -92,7 +86,7 @@ def random_fp8(n: int, k: int) -> torch.Tensor:
 
 def check(variants) -> bool:
     ok = True
-    shapes = list(SHAPES.values()) + [(1000, 4096), (77, 1024), (4099, 2048), (300, 16)]
+    shapes = list(SHAPES.values()) + [(1000, 4096), (77, 1024), (4099, 2048), (300, 512)]
     for n, k in shapes:
         w, s = quantized(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -181,7 +175,7 @@ def chain(variants, bw: float, layers: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=64)
-    p.add_argument("--ring", type=int, nargs="+", default=[98304, 65536])
+    p.add_argument("--ring", type=int, nargs="+", default=[49152, 65536, 98304])
     p.add_argument("--modes", type=int, nargs="+", default=[0, 1, 3])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
     p.add_argument("--skip-shapes", action="store_true")
