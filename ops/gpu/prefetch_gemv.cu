@@ -3,12 +3,13 @@
 // whether a chain of one-row GEMVs can keep HBM busy across launches (ops/gpu/prefetch_gemv_probe.py).
 //
 // One program per SM (a persistent grid) of 8 computing warps and one copying warp; program b owns
-// rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken 32 rows at a time and read
-// as 32 x 512-byte chunks (one bulk copy per row) into a ring of 16 KiB stages with full / empty
-// mbarriers. Each computing lane keeps one 16-byte K segment of 4 rows and x (copied into shared
-// memory after the wait); a warp's sums meet by shuffles once per 32 rows. MODE bit 0: let the next
-// kernel launch as this one starts (griddepcontrol.launch_dependents); bit 1: issue the ring's first
-// copies before the PDL wait. Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
+// rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken GROUP (8 / 16 / 32) rows at a
+// time and read as GROUP x 16384 / GROUP-byte chunks (one bulk copy per row) into a ring of 16 KiB
+// stages with full / empty mbarriers. Each computing lane keeps 16-byte K segments of GROUP / 8
+// rows and x (copied into shared memory after the wait); a warp's sums meet by shuffles once per
+// group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
+// issue the ring's first copies before the PDL wait; bit 2: copies only (a diagnostic: the ring's
+// own rate, wrong outputs). Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -68,20 +69,21 @@ __device__ __forceinline__ float dot16(uint4 w, const float* x) {
   return a + b;
 }
 
-constexpr int KC = 512;                   // bytes of a row per chunk: 32 lanes x 16
-constexpr int GROUP = 32;                 // rows per group; a chunk is GROUP x KC (16 KiB)
-constexpr int CWARPS = 8;                 // consumer warps; warp CWARPS copies
-constexpr int RPW = GROUP / CWARPS;       // rows per consumer warp
+constexpr int CWARPS = 8;  // consumer warps; warp CWARPS copies
 constexpr int THREADS = 32 * (CWARPS + 1);
-constexpr uint32_t STAGE = GROUP * KC;
+constexpr uint32_t STAGE = 16384;  // a chunk: GROUP rows x KC bytes
 
 // The ring holds chunks in order (group g, K step kc) -> c = g * (K / KC) + kc. The copying warp
 // waits for a stage to be emptied (by all CWARPS consumer warps) before refilling it; consumers
 // wait for it to be full. Each consumer lane keeps one 16-byte K segment of RPW rows.
+template <int GROUP>
 __global__ void __launch_bounds__(THREADS, 2)
     prefetch_gemv_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
                          const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int n,
                          int k, int stages, int mode) {
+  constexpr int KC = STAGE / GROUP;  // bytes of a row per chunk
+  constexpr int SEGS = KC / 512;  // 16-byte segments per lane per row
+  constexpr int RPW = GROUP / CWARPS;  // rows per consumer warp
   extern __shared__ __align__(128) uint8_t smem[];
   if (mode & 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   uint8_t* ring = smem;
@@ -145,22 +147,27 @@ __global__ void __launch_bounds__(THREADS, 2)
     for (int i = 0; i < RPW; ++i) acc[i] = 0.f;
     for (int kc = 0; kc < steps; ++kc) {
       const int c = g * steps + kc, s = c % stages;
-      const int seg = kc * (KC / 16) + lane;  // x's 16-value segment
-      const uint4 lo = x4[2 * seg], hi = x4[2 * seg + 1];
-      const uint32_t xw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      float xf[16];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[i]));
-        xf[2 * i] = v.x;
-        xf[2 * i + 1] = v.y;
-      }
       barrier_wait(full + s, (c / stages) & 1);
-      const uint8_t* stage = ring + s * STAGE + lane * 16;
+      if (!(mode & 4)) {  // mode 4: copies only (the ring's own rate; wrong outputs)
 #pragma unroll
-      for (int i = 0; i < RPW; ++i) {
-        const int r = warp + CWARPS * i;
-        if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC), xf);
+        for (int j = 0; j < SEGS; ++j) {
+          const int seg = kc * (KC / 16) + j * 32 + lane;  // x's 16-value segment
+          const uint4 lo = x4[2 * seg], hi = x4[2 * seg + 1];
+          const uint32_t xw[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          float xf[16];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[i]));
+            xf[2 * i] = v.x;
+            xf[2 * i + 1] = v.y;
+          }
+          const uint8_t* stage = ring + s * STAGE + (j * 32 + lane) * 16;
+#pragma unroll
+          for (int i = 0; i < RPW; ++i) {
+            const int r = warp + CWARPS * i;
+            if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC), xf);
+          }
+        }
       }
       __syncwarp();
       if (lane == 0) arrive(empty + s);
@@ -183,13 +190,15 @@ __global__ void __launch_bounds__(THREADS, 2)
 }  // namespace
 
 // Returns a cudaError_t (0: launched) or -1 for a shape it does not take (K % 512 != 0).
+// group: rows per chunk, 8, 16 or 32 (a chunk is 16 KiB of group rows), or more where K needs.
 // ring_bytes: the shared memory given to the ring of 16 KiB stages (at least 2).
 extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void* x, void* out, int n, int k,
-                                    int ring_bytes, int grid, int mode, void* stream) {
-  if (k % KC != 0 || n <= 0) return -1;
+                                    int ring_bytes, int grid, int mode, int group, void* stream) {
+  while (group < 32 && k % (STAGE / group) != 0) group *= 2;  // the widest KC that divides K
+  if (k % (STAGE / group) != 0 || n <= 0 || (group != 8 && group != 16 && group != 32)) return -1;
   const int stages = max(2, ring_bytes / static_cast<int>(STAGE));
   const size_t smem = static_cast<size_t>(stages) * STAGE + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + 1);
-  auto fn = prefetch_gemv_kernel;
+  auto fn = group == 8 ? prefetch_gemv_kernel<8> : group == 16 ? prefetch_gemv_kernel<16> : prefetch_gemv_kernel<32>;
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};

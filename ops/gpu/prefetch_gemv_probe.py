@@ -39,6 +39,7 @@ from appliance_kernels.fp8_gemv import fp8_gemv  # noqa: E402
 SOURCE = Path(__file__).with_name("prefetch_gemv.cu")
 L2_BYTES = 256 << 20
 MODES = {0: "no early launch", 1: "next launches at start", 2: "copies before wait", 3: "both"}
+# mode | 4: the copies alone, no arithmetic (wrong outputs): the ring's own rate
 
 
 def build() -> ctypes.CDLL:
@@ -49,14 +50,14 @@ def build() -> ctypes.CDLL:
     subprocess.run([nvcc, *flags, "-o", str(lib), str(SOURCE)], check=True)
     so = ctypes.CDLL(str(lib))
     so.prefetch_gemv_launch.restype = ctypes.c_int
-    ints, ptrs = [ctypes.c_int] * 5, [ctypes.c_void_p] * 4
+    ints, ptrs = [ctypes.c_int] * 6, [ctypes.c_void_p] * 4
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
     return so
 
 
 class PrefetchGemv:
-    def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int):
-        self.so, self.ring, self.mode, self.grid = so, ring, mode, grid
+    def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int, group: int):
+        self.so, self.ring, self.mode, self.grid, self.group = so, ring, mode, grid, group
 
     def __call__(self, x, w, s, out):
         n, k = w.shape
@@ -68,7 +69,8 @@ class PrefetchGemv:
         return out
 
     def __str__(self) -> str:
-        return f"cuda ring {self.ring >> 10} KiB, {MODES[self.mode]}"
+        mode = MODES[self.mode & 3] + (", copies only" if self.mode & 4 else "")
+        return f"cuda {self.group} rows, ring {self.ring >> 10} KiB, {mode}"
 
 
 def quantized(n: int, k: int):
@@ -175,18 +177,21 @@ def chain(variants, bw: float, layers: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=64)
-    p.add_argument("--ring", type=int, nargs="+", default=[49152, 65536, 98304])
-    p.add_argument("--modes", type=int, nargs="+", default=[0, 1, 3])
+    p.add_argument("--ring", type=int, nargs="+", default=[65536])
+    p.add_argument("--modes", type=int, nargs="+", default=[0, 3, 7])
+    p.add_argument("--groups", type=int, nargs="+", default=[32, 16, 8])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
     p.add_argument("--skip-shapes", action="store_true")
     args = p.parse_args()
     so = build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = args.grid or sms
-    variants = [PrefetchGemv(so, r, m, grid) for r in args.ring for m in args.modes]
+    variants = [
+        PrefetchGemv(so, r, m, grid, g) for g in args.groups for r in args.ring for m in args.modes
+    ]
     tu.USE_PDL = True
     print(torch.cuda.get_device_name(0), f"{sms} SMs, grid {grid}")
-    if not check(variants):
+    if not check([v for v in variants if not v.mode & 4]):
         sys.exit(1)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
