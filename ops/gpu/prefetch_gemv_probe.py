@@ -63,7 +63,9 @@ class PrefetchGemv:
         n, k = w.shape
         ptrs = (w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr())
         stream = torch.cuda.current_stream().cuda_stream
-        rc = self.so.prefetch_gemv_launch(*ptrs, n, k, self.ring, self.grid, self.mode, stream)
+        rc = self.so.prefetch_gemv_launch(
+            *ptrs, n, k, self.ring, self.grid, self.mode, self.group, stream
+        )
         if rc != 0:
             raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
         return out
