@@ -108,8 +108,21 @@ def check(variants) -> bool:
     return ok
 
 
-def triton_gemv(x, w, s, out):
-    return fp8_gemv(x, w, s)
+class TritonGemv:
+    """The served GEMV with triton_utils.GEMV_PDL set for its launches ("wait": as served)."""
+
+    def __init__(self, pdl: str):
+        self.pdl = pdl
+
+    def __call__(self, x, w, s, out):
+        tu.GEMV_PDL, served = self.pdl, tu.GEMV_PDL
+        try:
+            return fp8_gemv(x, w, s)
+        finally:
+            tu.GEMV_PDL = served
+
+    def __str__(self) -> str:
+        return "triton (served)" if self.pdl == "wait" else f"triton, GEMV_PDL {self.pdl}"
 
 
 HUGE = {"one 1.3 GB read": (262144, 5120)}  # ramp and tail amortised: the read rate itself
@@ -123,10 +136,9 @@ def per_shape(variants, bw: float) -> None:
         out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
         floor = n * k / bw * 1e6
         print(f"{name:20s} N={n} K={k} floor {floor:6.1f} us")
-        for v in [triton_gemv] + variants:
+        for v in variants:
             us = graph_time_us([partial(v, x, w, s, out) for w in copies])
-            label = "triton (served)" if v is triton_gemv else str(v)
-            print(f"   {us:6.1f} us {us / floor:5.2f}x  {label}")
+            print(f"   {us:6.1f} us {us / floor:5.2f}x  {v}")
         del copies
         torch.cuda.empty_cache()
 
@@ -173,10 +185,9 @@ def chain(variants, bw: float, layers: int) -> None:
             v(act if x is bufs["act"] else x, w, s, out)
 
     print(f"chain of {layers} layers: {nbytes / 1e9:.2f} GB of fp8 weights, floor {floor:.3f} ms")
-    for v in [triton_gemv] + variants:
+    for v in variants:
         ms = graph_time_us([partial(run, v)], reps=1) / 1e3
-        label = "triton (served)" if v is triton_gemv else str(v)
-        print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {label}")
+        print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {v}")
 
 
 def main() -> None:
@@ -185,6 +196,7 @@ def main() -> None:
     p.add_argument("--ring", type=int, nargs="+", default=[65536])
     p.add_argument("--modes", type=int, nargs="+", default=[0, 3, 7])
     p.add_argument("--groups", type=int, nargs="+", default=[32, 16, 8])
+    p.add_argument("--triton-pdl", nargs="+", default=["wait", "full", "off"])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
     p.add_argument("--skip-shapes", action="store_true")
     args = p.parse_args()
@@ -198,6 +210,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(0), f"{sms} SMs, grid {grid}")
     if not check([v for v in variants if not v.mode & 4]):
         sys.exit(1)
+    variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     if not args.skip_shapes:
