@@ -187,6 +187,19 @@ __global__ void __launch_bounds__(THREADS, 2)
   }
 }
 
+// A stand-in for the small kernels between two GEMVs (the GDN recurrence and its gated norm,
+// attention): lets the next kernel launch as it starts, waits for the previous one, then spins for
+// `ns` nanoseconds with no memory traffic, as the decode step's small kernels leave HBM idle.
+__global__ void spin_kernel(long long ns) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
 }  // namespace
 
 // Returns a cudaError_t (0: launched) or -1 for a shape it does not take (K % 512 != 0).
@@ -215,4 +228,18 @@ extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void
                          static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), n, k, stages,
                          mode);
   return static_cast<int>(e);
+}
+
+// The stand-in small kernel: `programs` programs of 128 threads spinning `ns` ns after their wait.
+extern "C" int spin_launch(long long ns, int programs, void* stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(programs);
+  cfg.blockDim = dim3(128);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, spin_kernel, ns));
 }
