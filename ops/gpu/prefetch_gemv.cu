@@ -2,12 +2,11 @@
 // memory with the bulk copy engine and issues its first copies before its PDL wait: a probe of
 // whether a chain of one-row GEMVs can keep HBM busy across launches (ops/gpu/prefetch_gemv_probe.py).
 //
-// One program per SM (a persistent grid) of 8 computing warps and one copying warp; program b owns
-// rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken GROUP (8 / 16 / 32) rows at a
-// time and read as GROUP x 16384 / GROUP-byte chunks (one bulk copy per row) into a ring of 16 KiB
-// stages with full / empty mbarriers. Each computing lane keeps 16-byte K segments of GROUP / 8
-// rows and x (copied into shared memory after the wait); a warp's sums meet by shuffles once per
-// group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
+// One program per SM (a persistent grid) of CWARPS computing warps and one copying warp; program b
+// owns rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken GROUP rows at a time and
+// read as GROUP x KC-byte chunks (one bulk copy per row) into a ring of stages with full / empty
+// mbarriers. Each computing lane keeps 16-byte K segments of GROUP / CWARPS rows and x (copied into
+// shared memory after the wait); a warp's sums meet by shuffles once per group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
 // issue the ring's first copies before the PDL wait; bit 2: copies only (a diagnostic: the ring's
 // own rate, wrong outputs). Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
 #include <cuda_bf16.h>
@@ -69,19 +68,16 @@ __device__ __forceinline__ float dot16(uint4 w, const float* x) {
   return a + b;
 }
 
-constexpr int CWARPS = 8;  // consumer warps; warp CWARPS copies
-constexpr int THREADS = 32 * (CWARPS + 1);
-constexpr uint32_t STAGE = 16384;  // a chunk: GROUP rows x KC bytes
 
 // The ring holds chunks in order (group g, K step kc) -> c = g * (K / KC) + kc. The copying warp
 // waits for a stage to be emptied (by all CWARPS consumer warps) before refilling it; consumers
 // wait for it to be full. Each consumer lane keeps one 16-byte K segment of RPW rows.
-template <int GROUP>
-__global__ void __launch_bounds__(THREADS, 2)
+template <int GROUP, int KC, int CWARPS>  // a chunk: GROUP rows x KC bytes; CWARPS computing warps
+__global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
     prefetch_gemv_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
                          const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int n,
                          int k, int stages, int mode) {
-  constexpr int KC = STAGE / GROUP;  // bytes of a row per chunk
+  constexpr uint32_t STAGE = GROUP * KC;
   constexpr int SEGS = KC / 512;  // 16-byte segments per lane per row
   constexpr int RPW = GROUP / CWARPS;  // rows per consumer warp
   extern __shared__ __align__(128) uint8_t smem[];
@@ -202,21 +198,37 @@ __global__ void spin_kernel(long long ns) {
 
 }  // namespace
 
-// Returns a cudaError_t (0: launched) or -1 for a shape it does not take (K % 512 != 0).
-// group: rows per chunk, 8, 16 or 32 (a chunk is 16 KiB of group rows), or more where K needs.
-// ring_bytes: the shared memory given to the ring of 16 KiB stages (at least 2).
+using Kernel = void (*)(const uint8_t*, const float*, const __nv_bfloat16*, __nv_bfloat16*, int, int, int, int);
+
+struct Instance {
+  int group, kc, cwarps;
+  Kernel fn;
+};
+
+const Instance INSTANCES[] = {
+    {16, 1024, 8, prefetch_gemv_kernel<16, 1024, 8>},  {16, 1024, 16, prefetch_gemv_kernel<16, 1024, 16>},
+    {32, 1024, 8, prefetch_gemv_kernel<32, 1024, 8>},  {32, 1024, 16, prefetch_gemv_kernel<32, 1024, 16>},
+    {32, 512, 8, prefetch_gemv_kernel<32, 512, 8>},    {8, 2048, 8, prefetch_gemv_kernel<8, 2048, 8>},
+    {16, 2048, 16, prefetch_gemv_kernel<16, 2048, 16>}, {16, 512, 16, prefetch_gemv_kernel<16, 512, 16>},
+};
+
+// Returns a cudaError_t (0: launched) or -1 where no instance takes (group, kc, cwarps) or K % kc != 0.
+// ring_bytes: the shared memory given to the ring of group x kc stages (at least 2).
 extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void* x, void* out, int n, int k,
-                                    int ring_bytes, int grid, int mode, int group, void* stream) {
-  while (group < 32 && k % (STAGE / group) != 0) group *= 2;  // the widest KC that divides K
-  if (k % (STAGE / group) != 0 || n <= 0 || (group != 8 && group != 16 && group != 32)) return -1;
-  const int stages = max(2, ring_bytes / static_cast<int>(STAGE));
-  const size_t smem = static_cast<size_t>(stages) * STAGE + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + 1);
-  auto fn = group == 8 ? prefetch_gemv_kernel<8> : group == 16 ? prefetch_gemv_kernel<16> : prefetch_gemv_kernel<32>;
+                                    int ring_bytes, int grid, int mode, int group, int kc, int cwarps,
+                                    void* stream) {
+  Kernel fn = nullptr;
+  for (const Instance& i : INSTANCES)
+    if (i.group == group && i.kc == kc && i.cwarps == cwarps) fn = i.fn;
+  if (fn == nullptr || k % kc != 0 || n <= 0) return -1;
+  const int stage = group * kc;
+  const int stages = max(2, ring_bytes / stage);
+  const size_t smem = static_cast<size_t>(stages) * stage + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + 1);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(THREADS);
+  cfg.blockDim = dim3(32 * (cwarps + 1));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];

@@ -50,7 +50,7 @@ def build() -> ctypes.CDLL:
     subprocess.run([nvcc, *flags, "-o", str(lib), str(SOURCE)], check=True)
     so = ctypes.CDLL(str(lib))
     so.prefetch_gemv_launch.restype = ctypes.c_int
-    ints, ptrs = [ctypes.c_int] * 6, [ctypes.c_void_p] * 4
+    ints, ptrs = [ctypes.c_int] * 8, [ctypes.c_void_p] * 4
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
@@ -58,15 +58,15 @@ def build() -> ctypes.CDLL:
 
 
 class PrefetchGemv:
-    def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int, group: int):
-        self.so, self.ring, self.mode, self.grid, self.group = so, ring, mode, grid, group
+    def __init__(self, so: ctypes.CDLL, ring: int, mode: int, grid: int, tile: tuple[int, ...]):
+        self.so, self.ring, self.mode, self.grid, self.tile = so, ring, mode, grid, tile
 
     def __call__(self, x, w, s, out):
         n, k = w.shape
         ptrs = (w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr())
         stream = torch.cuda.current_stream().cuda_stream
         rc = self.so.prefetch_gemv_launch(
-            *ptrs, n, k, self.ring, self.grid, self.mode, self.group, stream
+            *ptrs, n, k, self.ring, self.grid, self.mode, *self.tile, stream
         )
         if rc != 0:
             raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
@@ -74,7 +74,8 @@ class PrefetchGemv:
 
     def __str__(self) -> str:
         mode = MODES[self.mode & 3] + (", copies only" if self.mode & 4 else "")
-        return f"cuda {self.group} rows, ring {self.ring >> 10} KiB, {mode}"
+        rows, kc, warps = self.tile
+        return f"cuda {rows} x {kc} B x {warps} warps, ring {self.ring >> 10} KiB, {mode}"
 
 
 def quantized(n: int, k: int):
@@ -204,7 +205,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=64)
     p.add_argument("--ring", type=int, nargs="+", default=[65536])
     p.add_argument("--modes", type=int, nargs="+", default=[0, 3, 7])
-    p.add_argument("--groups", type=int, nargs="+", default=[32, 16, 8])
+    p.add_argument(
+        "--tiles",
+        nargs="+",
+        default=["16,1024,8", "16,1024,16", "32,1024,16"],
+        help="ROWS,KC,WARPS chunks of the ring (prefetch_gemv.cu INSTANCES)",
+    )
     p.add_argument("--triton-pdl", nargs="+", default=["wait", "full", "off"])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
     p.add_argument("--skip-shapes", action="store_true")
@@ -214,7 +220,10 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = args.grid or sms
     variants = [
-        PrefetchGemv(so, r, m, grid, g) for g in args.groups for r in args.ring for m in args.modes
+        PrefetchGemv(so, r, m, grid, tuple(map(int, t.split(","))))
+        for t in args.tiles
+        for r in args.ring
+        for m in args.modes
     ]
     tu.USE_PDL = True
     print(torch.cuda.get_device_name(0), f"{sms} SMs, grid {grid}")
