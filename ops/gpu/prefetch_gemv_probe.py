@@ -64,9 +64,12 @@ class PrefetchGemv:
     def __call__(self, x, w, s, out):
         n, k = w.shape
         ptrs = (w.data_ptr(), s.data_ptr(), x.data_ptr(), out.data_ptr())
+        rows, kc, warps = self.tile
+        while k % kc and kc > 1024:  # K = 5120: 2048-byte chunks become 1024
+            kc //= 2
         stream = torch.cuda.current_stream().cuda_stream
         rc = self.so.prefetch_gemv_launch(
-            *ptrs, n, k, self.ring, self.grid, self.mode, *self.tile, stream
+            *ptrs, n, k, self.ring, self.grid, self.mode, rows, kc, warps, stream
         )
         if rc != 0:
             raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
