@@ -96,7 +96,7 @@ def random_fp8(n: int, k: int) -> torch.Tensor:
 
 def check(variants) -> bool:
     ok = True
-    shapes = list(SHAPES.values()) + [(1000, 4096), (77, 1024), (4099, 2048), (300, 512)]
+    shapes = list(SHAPES.values()) + [(1000, 4096), (77, 1024), (4099, 2048), (300, 3072)]
     for n, k in shapes:
         w, s = quantized(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
