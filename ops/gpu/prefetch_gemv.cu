@@ -105,46 +105,50 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   }
   __syncthreads();
 
+  // Chunks go in order (group g, K step kc); stage s of round r (r = c / stages, kept as counters:
+  // a run-time division per chunk cost more than the arithmetic) is full at parity r & 1 and was
+  // emptied for its refill at parity (r - 1) & 1.
   if (warp == CWARPS) {  // the copying warp
-    auto produce = [&](int c) {
-      const int s = c % stages, g = c / steps, kc = c % steps;
+    int s = 0, round = 0, g = 0, kc = 0;
+    auto produce = [&]() {
       const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+      if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
       if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * KC);
       __syncwarp();
       if (lane < rows)
         bulk_copy(ring + s * STAGE + lane * KC,
                   w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * KC, KC,
                   full + s);
+      if (++kc == steps) kc = 0, ++g;
+      if (++s == stages) s = 0, ++round;
     };
     const int ahead = min(stages, chunks);
     if (mode & 2)
-      for (int c = 0; c < ahead; ++c) produce(c);
+      for (int c = 0; c < ahead; ++c) produce();
     asm volatile("griddepcontrol.wait;" ::: "memory");
     if (lane == 0) {
       expect_bytes(xbar, 2u * k);
       bulk_copy(xs, x, 2u * k, xbar);
     }
     if (!(mode & 2))
-      for (int c = 0; c < ahead; ++c) produce(c);
-    for (int c = ahead; c < chunks; ++c) {
-      barrier_wait(empty + c % stages, ((c / stages) - 1) & 1);
-      produce(c);
-    }
+      for (int c = 0; c < ahead; ++c) produce();
+    for (int c = ahead; c < chunks; ++c) produce();
     return;
   }
 
   asm volatile("griddepcontrol.wait;" ::: "memory");
   barrier_wait(xbar, 0);
   const uint4* x4 = reinterpret_cast<const uint4*>(xs);
+  int s = 0, parity = 0;
   for (int g = 0; g < groups; ++g) {
     const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
     float acc[RPW];
 #pragma unroll
     for (int i = 0; i < RPW; ++i) acc[i] = 0.f;
     for (int kc = 0; kc < steps; ++kc) {
-      const int c = g * steps + kc, s = c % stages;
-      barrier_wait(full + s, (c / stages) & 1);
+      barrier_wait(full + s, parity);
       if (!(mode & 4)) {  // mode 4: copies only (the ring's own rate; wrong outputs)
+        const uint8_t* stage = ring + s * STAGE + lane * 16;
 #pragma unroll
         for (int j = 0; j < SEGS; ++j) {
           const int seg = kc * (KC / 16) + j * 32 + lane;  // x's 16-value segment
@@ -157,16 +161,16 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
             xf[2 * i] = v.x;
             xf[2 * i + 1] = v.y;
           }
-          const uint8_t* stage = ring + s * STAGE + (j * 32 + lane) * 16;
 #pragma unroll
           for (int i = 0; i < RPW; ++i) {
             const int r = warp + CWARPS * i;
-            if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC), xf);
+            if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC + j * 512), xf);
           }
         }
       }
       __syncwarp();
       if (lane == 0) arrive(empty + s);
+      if (++s == stages) s = 0, parity ^= 1;
     }
 #pragma unroll
     for (int i = 0; i < RPW; ++i) {
