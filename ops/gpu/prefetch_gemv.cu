@@ -6,7 +6,7 @@
 // owns rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken GROUP rows at a time and
 // read as GROUP x KC-byte chunks (one bulk copy per row) into a ring of stages with full / empty
 // mbarriers. Each computing lane keeps 16-byte K segments of GROUP / CWARPS rows and x (copied into
-// shared memory after the wait); a warp's sums meet by shuffles once per group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
+// shared memory after the wait, a KC-wide piece a K step); a warp's sums meet by shuffles once per group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
 // issue the ring's first copies before the PDL wait; bit 2: copies only (a diagnostic: the ring's
 // own rate, wrong outputs). Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
 #include <cuda_bf16.h>
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem + stages * STAGE);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + stages * STAGE + ((2 * k + 127) / 128) * 128);
   uint64_t* empty = full + stages;
-  uint64_t* xbar = empty + stages;
+  uint64_t* xbar = empty + stages;  // one a K step: x arrives in KC-wide pieces
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
   const int last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
                    "r"(CWARPS)
                    : "memory");
     }
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar)) : "memory");
+    for (int i = 0; i < steps; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar + i)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -126,9 +127,9 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
     if (mode & 2)
       for (int c = 0; c < ahead; ++c) produce();
     asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (lane == 0) {
-      expect_bytes(xbar, 2u * k);
-      bulk_copy(xs, x, 2u * k, xbar);
+    for (int i = lane; i < steps; i += 32) {
+      expect_bytes(xbar + i, 2u * KC);
+      bulk_copy(xs + i * KC, x + i * KC, 2u * KC, xbar + i);
     }
     if (!(mode & 2))
       for (int c = 0; c < ahead; ++c) produce();
@@ -137,7 +138,6 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   }
 
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  barrier_wait(xbar, 0);
   const uint4* x4 = reinterpret_cast<const uint4*>(xs);
   int s = 0, parity = 0;
   for (int g = 0; g < groups; ++g) {
@@ -146,6 +146,7 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
 #pragma unroll
     for (int i = 0; i < RPW; ++i) acc[i] = 0.f;
     for (int kc = 0; kc < steps; ++kc) {
+      if (g == 0) barrier_wait(xbar + kc, 0);
       barrier_wait(full + s, parity);
       if (!(mode & 4)) {  // mode 4: copies only (the ring's own rate; wrong outputs)
         const uint8_t* stage = ring + s * STAGE + lane * 16;
@@ -161,10 +162,16 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
             xf[2 * i] = v.x;
             xf[2 * i + 1] = v.y;
           }
+          if (rows == GROUP) {  // no branch between the rows' loads
 #pragma unroll
-          for (int i = 0; i < RPW; ++i) {
-            const int r = warp + CWARPS * i;
-            if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC + j * 512), xf);
+            for (int i = 0; i < RPW; ++i)
+              acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + (warp + CWARPS * i) * KC + j * 512), xf);
+          } else {
+#pragma unroll
+            for (int i = 0; i < RPW; ++i) {
+              const int r = warp + CWARPS * i;
+              if (r < rows) acc[i] += dot16(*reinterpret_cast<const uint4*>(stage + r * KC + j * 512), xf);
+            }
           }
         }
       }
@@ -227,7 +234,7 @@ extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void
   if (fn == nullptr || k % kc != 0 || n <= 0) return -1;
   const int stage = group * kc;
   const int stages = max(2, ring_bytes / stage);
-  const size_t smem = static_cast<size_t>(stages) * stage + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + 1);
+  const size_t smem = static_cast<size_t>(stages) * stage + ((2 * k + 127) / 128) * 128 + 8 * (2 * stages + k / kc);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};
