@@ -1,16 +1,25 @@
 """Can a chain of one-row fp8 GEMVs keep HBM busy across its launches? Times the served Triton
-GEMV (`appliance_kernels.fp8_gemv`) against `prefetch_gemv.cu` beside this file: one program per
-SM streaming its rows through shared memory with the bulk copy engine, its first copies issued
-before the PDL wait and the next kernel let launch as it starts, so that the next GEMV's weight
-is in flight while this one finishes (the ramp and tail that hold the batch-1 step at 1.2-1.3x
-its floor, docs/benchmarks.md). Needs nvcc (sm_90).
+GEMV (`appliance_kernels.fp8_gemv`, with `triton_utils.GEMV_PDL` wait / full / off) against
+`prefetch_gemv.cu` beside this file: one program per SM streaming its rows through a ring of
+shared-memory stages with the bulk copy engine, its first copies issued before the PDL wait and
+the next kernel let launch as it starts, so that a GEMV's weight is in flight while the kernel
+before it finishes. Mode 4 keeps the copies and drops the arithmetic: what the ring could give
+with a free consumer (an upper bound, wrong outputs). Needs nvcc (sm_90). Runs DT-ED in
+docs/benchmarks.md ("Session 2026-12-05 (sixth)"): the ring without arithmetic takes the 27B
+chain 0.45 ms under the served GEMVs (0.65 with 7 µs of idle before each out_proj / o_proj) on
+an H100, and the ring with its scalar consumer (e4m3 -> f16 -> f32, FFMA, 8 computing warps) is
+0.3-0.4 ms slower than them (ED): the consumer, not the copies, is what a next step must make faster.
 
-  python3 ops/gpu/prefetch_gemv_probe.py [--layers 64] [--ring 98304 65536] [--modes 0 1 3]
+  python3 ops/gpu/prefetch_gemv_probe.py [--tiles 16,1024,8 32,1024,8] [--ring 147456]
+      [--modes 0 3 7] [--triton-pdl wait full off] [--gaps-ns 0 7000] [--layers 64]
+      [--skip-shapes]
 
-Checks every variant against a float reference first (27B shapes and ragged ones), then times:
-each 27B projection alone (40 launches in one CUDA graph over weight copies larger than L2) and
-the 27B step's chain of GEMVs (48 GDN in_proj / out_proj, 16 attention qkv / o_proj, 64 MLPs
-with their SiLU-and-mul) as one CUDA graph, against its bytes at copy bandwidth.
+Checks every computing variant against a float reference first (27B shapes and ragged ones),
+then times each 27B projection alone (40 launches in one CUDA graph over weight copies larger
+than L2), one 1.3 GB read (the read rate itself), and the 27B step's chain of GEMVs (48 GDN
+in_proj / out_proj, 16 attention qkv / o_proj, 64 MLPs with their SiLU-and-mul) as one CUDA
+graph, against its bytes at copy bandwidth; with --gaps-ns, a kernel spinning that long stands
+for the small kernels before each out_proj / o_proj.
 """
 
 from __future__ import annotations
