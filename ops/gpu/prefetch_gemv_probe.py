@@ -8,7 +8,7 @@ with a free consumer (an upper bound, wrong outputs). Needs nvcc (sm_90). Runs D
 docs/benchmarks.md ("Session 2026-12-05 (sixth)"): the ring without arithmetic takes the 27B
 chain 0.45 ms under the served GEMVs (0.65 with 7 µs of idle before each out_proj / o_proj) on
 an H100, and the ring with its scalar consumer (e4m3 -> f16 -> f32, FFMA, 8 computing warps) is
-0.3-0.4 ms slower than them (ED): the consumer, not the copies, is what a next step must make faster.
+0.3-0.4 ms slower than them (ED): the consumer, not the copies, is what must get faster.
 
   python3 ops/gpu/prefetch_gemv_probe.py [--tiles 16,1024,8 32,1024,8] [--ring 147456]
       [--modes 0 3 7] [--triton-pdl wait full off] [--gaps-ns 0 7000] [--layers 64]
