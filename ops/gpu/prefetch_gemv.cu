@@ -194,6 +194,178 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   }
 }
 
+// The same ring with its arithmetic on the tensor cores: chunks of MT x 16 rows x 1024 bytes (rows
+// MPITCH apart in shared memory, so a warp's 16-byte loads of 8 rows hit distinct banks); each of
+// the 8 computing warps takes 128 of a chunk's 1024 K columns, as mma.sync m16n8k16 (f16 in, f32
+// accumulate) with the weight's e4m3 converted to f16 (one cvt a pair) and x in f16 as B (all 8
+// columns alike). x goes to f16 in place, in group 0, by the warp that reads it, under a
+// power-of-two scale per (K step, warp) that maps its largest |x| into [2^14, 2^15) (bf16
+// activations can exceed f16's range); each K step's product is scaled back into the f32 sums.
+// The K order inside a 64-column block is permuted (a thread's 4 bytes at 4i..4i+3 of its 16 are
+// mma i's slots 2t, 2t+1, 2t+8, 2t+9), the same for the weight and x, so the sums are unchanged.
+constexpr int MKC = 1024;
+constexpr int MPITCH = MKC + 64;
+constexpr int MWARPS = 8;
+
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
+__device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int MT>
+__global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
+    prefetch_gemv_mma_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
+                             const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int n,
+                             int k, int stages, int mode) {
+  constexpr int GROUP = 16 * MT;
+  constexpr uint32_t STAGE = GROUP * MPITCH;
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (mode & 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int steps = k / MKC;
+  uint8_t* ring = smem;
+  __half* xh = reinterpret_cast<__half*>(smem + stages * STAGE);  // bf16 in, f16 after conversion
+  float* xinv = reinterpret_cast<float*>(smem + stages * STAGE + ((2 * k + 127) / 128) * 128);
+  float* red = xinv + steps * MWARPS;  // [2][MWARPS][GROUP]
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + 2 * MWARPS * GROUP);
+  uint64_t* empty = full + stages;
+  uint64_t* xbar = empty + stages;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
+  const int last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
+  const int groups = (last - first + GROUP - 1) / GROUP;
+  const int chunks = groups * steps;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)), "r"(MWARPS)
+                   : "memory");
+    }
+    for (int i = 0; i < steps; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar + i)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == MWARPS) {  // the copying warp, as in prefetch_gemv_kernel
+    int s = 0, round = 0, g = 0, kc = 0;
+    auto produce = [&]() {
+      const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+      if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
+      if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * MKC);
+      __syncwarp();
+      if (lane < rows)
+        bulk_copy(ring + s * STAGE + lane * MPITCH,
+                  w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * MKC, MKC,
+                  full + s);
+      if (++kc == steps) kc = 0, ++g;
+      if (++s == stages) s = 0, ++round;
+    };
+    const int ahead = min(stages, chunks);
+    if (mode & 2)
+      for (int c = 0; c < ahead; ++c) produce();
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int i = lane; i < steps; i += 32) {
+      expect_bytes(xbar + i, 2u * MKC);
+      bulk_copy(xh + i * MKC, x + i * MKC, 2u * MKC, xbar + i);
+    }
+    if (!(mode & 2))
+      for (int c = 0; c < ahead; ++c) produce();
+    for (int c = ahead; c < chunks; ++c) produce();
+    return;
+  }
+
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int gid = lane >> 2, t = lane & 3;
+  int s = 0, parity = 0;
+  for (int g = 0; g < groups; ++g) {
+    const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+    float acc[MT][4] = {};
+    for (int kc = 0; kc < steps; ++kc) {
+      const int kx = kc * MKC + warp * 128;  // this warp's 128 columns of x
+      if (g == 0) {  // x: bf16 -> f16 under this (K step, warp)'s power-of-two scale, in place
+        barrier_wait(xbar + kc, 0);
+        uint2 raw = *reinterpret_cast<const uint2*>(xh + kx + 4 * lane);
+        const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+        const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+        float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
+        const int up = max(-100, min(100, 14 - e));  // x * 2^up in f16; sums * 2^-up
+        const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
+        const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
+        const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
+        raw.x = *reinterpret_cast<const uint32_t*>(&h0);
+        raw.y = *reinterpret_cast<const uint32_t*>(&h1);
+        *reinterpret_cast<uint2*>(xh + kx + 4 * lane) = raw;
+        if (lane == 0) xinv[kc * MWARPS + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
+        __syncwarp();
+      }
+      barrier_wait(full + s, parity);
+      if (!(mode & 4)) {
+        float c[MT][4] = {};
+        const uint8_t* stage = ring + s * STAGE + warp * 128 + 16 * t;
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) {
+          const uint4 xa = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
+          const uint4 xb = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
+          const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint8_t* rowp = stage + (mt * 16 + gid) * MPITCH + blk * 64;
+            const uint4 ra = *reinterpret_cast<const uint4*>(rowp);
+            const uint4 rb = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
+            const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              uint32_t a0, a2, a1, a3;
+              e4m3x4_to_f16(wa[i], a0, a2);
+              e4m3x4_to_f16(wb[i], a1, a3);
+              mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
+            }
+          }
+        }
+        const float inv = xinv[kc * MWARPS + warp];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+      }
+      __syncwarp();
+      if (lane == 0) arrive(empty + s);
+      if (++s == stages) s = 0, parity ^= 1;
+    }
+    // every column of the product is the same: thread (gid, t) holds row gid in [0], gid + 8 in [2]
+    float* r = red + (g & 1) * MWARPS * GROUP + warp * GROUP;
+    if (t == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        r[mt * 16 + gid] = acc[mt][0];
+        r[mt * 16 + gid + 8] = acc[mt][2];
+      }
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * MWARPS) : "memory");
+    if (tid < rows) {
+      const float* rr = red + (g & 1) * MWARPS * GROUP;
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < MWARPS; ++i) sum += rr[i * GROUP + tid];
+      out[row0 + tid] = __float2bfloat16(sum * scale[row0 + tid]);
+    }
+  }
+}
+
 // A stand-in for the small kernels between two GEMVs (the GDN recurrence and its gated norm,
 // attention): lets the next kernel launch as it starts, waits for the previous one, then spins for
 // `ns` nanoseconds with no memory traffic, as the decode step's small kernels leave HBM idle.
@@ -240,6 +412,34 @@ extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(32 * (cwarps + 1));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, fn, static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
+                         static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), n, k, stages,
+                         mode);
+  return static_cast<int>(e);
+}
+
+// The tensor-core form: chunks of mtiles x 16 rows x 1024 bytes. Returns a cudaError_t, -1 where
+// K % 1024 != 0 or mtiles is not 1 or 2.
+extern "C" int prefetch_gemv_mma_launch(const void* w, const void* scale, const void* x, void* out, int n,
+                                        int k, int ring_bytes, int grid, int mode, int mtiles, void* stream) {
+  if (k % MKC != 0 || n <= 0 || (mtiles != 1 && mtiles != 2)) return -1;
+  Kernel fn = mtiles == 1 ? prefetch_gemv_mma_kernel<1> : prefetch_gemv_mma_kernel<2>;
+  const int group = 16 * mtiles, stage = group * MPITCH, steps = k / MKC;
+  const int stages = max(2, ring_bytes / stage);
+  const size_t smem = static_cast<size_t>(stages) * stage + ((2 * k + 127) / 128) * 128 +
+                      4 * (steps * MWARPS + 2 * MWARPS * group) + 8 * (2 * stages + steps);
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(32 * (MWARPS + 1));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr[1];

@@ -61,6 +61,8 @@ def build() -> ctypes.CDLL:
     so.prefetch_gemv_launch.restype = ctypes.c_int
     ints, ptrs = [ctypes.c_int] * 8, [ctypes.c_void_p] * 4
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
+    so.prefetch_gemv_mma_launch.restype = ctypes.c_int
+    so.prefetch_gemv_mma_launch.argtypes = [*ptrs, *[ctypes.c_int] * 6, ctypes.c_void_p]
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     return so
@@ -77,9 +79,11 @@ class PrefetchGemv:
         while k % kc and kc > 1024:  # K = 5120: 2048-byte chunks become 1024
             kc //= 2
         stream = torch.cuda.current_stream().cuda_stream
-        rc = self.so.prefetch_gemv_launch(
-            *ptrs, n, k, self.ring, self.grid, self.mode, rows, kc, warps, stream
-        )
+        common = (*ptrs, n, k, self.ring, self.grid, self.mode)
+        if warps == 0:  # the tensor-core form: rows // 16 m-tiles of 1024-byte chunks
+            rc = self.so.prefetch_gemv_mma_launch(*common, rows // 16, stream)
+        else:
+            rc = self.so.prefetch_gemv_launch(*common, rows, kc, warps, stream)
         if rc != 0:
             raise RuntimeError(f"prefetch_gemv_launch N={n} K={k}: error {rc}")
         return out
@@ -87,7 +91,8 @@ class PrefetchGemv:
     def __str__(self) -> str:
         mode = MODES[self.mode & 3] + (", copies only" if self.mode & 4 else "")
         rows, kc, warps = self.tile
-        return f"cuda {rows} x {kc} B x {warps} warps, ring {self.ring >> 10} KiB, {mode}"
+        form = f"{warps} warps" if warps else "8 warps on the tensor cores"
+        return f"cuda {rows} x {kc} B x {form}, ring {self.ring >> 10} KiB, {mode}"
 
 
 def quantized(n: int, k: int):
@@ -221,7 +226,8 @@ def main() -> None:
         "--tiles",
         nargs="+",
         default=["16,1024,8", "16,1024,16", "32,1024,16"],
-        help="ROWS,KC,WARPS chunks of the ring (prefetch_gemv.cu INSTANCES)",
+        help="ROWS,KC,WARPS chunks of the ring (prefetch_gemv.cu INSTANCES); WARPS 0: the "
+        "tensor-core form (ROWS 16 or 32, KC 1024)",
     )
     p.add_argument("--triton-pdl", nargs="+", default=["wait", "full", "off"])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
