@@ -232,6 +232,7 @@ def main() -> None:
     p.add_argument("--triton-pdl", nargs="+", default=["wait", "full", "off"])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
     p.add_argument("--skip-shapes", action="store_true")
+    p.add_argument("--ncu", default="", help="a shape: 3 launches a variant, untimed")
     p.add_argument("--gaps-ns", type=int, nargs="+", default=[0], help="idle before out_proj")
     args = p.parse_args()
     so = build()
@@ -245,6 +246,16 @@ def main() -> None:
     ]
     tu.USE_PDL = True
     print(torch.cuda.get_device_name(0), f"{sms} SMs, grid {grid}")
+    if args.ncu:  # for `ncu --kernel-name regex:prefetch`: a few eager launches, nothing timed
+        n, k = next(v for name, v in SHAPES.items() if args.ncu in name)
+        w, s = random_fp8(n, k), torch.rand(n, device="cuda") * 1e-3
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+        for v in variants:
+            for _ in range(3):
+                v(x, w, s, out)
+        torch.cuda.synchronize()
+        return
     if not check([v for v in variants if not v.mode & 4]):
         sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
