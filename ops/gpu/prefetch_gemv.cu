@@ -196,16 +196,15 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
 
 // The same ring with its arithmetic on the tensor cores: chunks of MT x 16 rows x 1024 bytes (rows
 // MPITCH apart in shared memory, so a warp's 16-byte loads of 8 rows hit distinct banks); each of
-// the 8 computing warps takes 128 of a chunk's 1024 K columns, as mma.sync m16n8k16 (f16 in, f32
+// the 8 or 16 computing warps takes 128 or 64 of a chunk's 1024 K columns, as mma.sync m16n8k16 (f16 in, f32
 // accumulate) with the weight's e4m3 converted to f16 (one cvt a pair) and x in f16 as B (all 8
-// columns alike). x goes to f16 in place, in group 0, by the warp that reads it, under a
+// columns alike); a warp issues all its shared-memory loads of a chunk before converting. x goes to f16 in place, in group 0, by the warp that reads it, under a
 // power-of-two scale per (K step, warp) that maps its largest |x| into [2^14, 2^15) (bf16
 // activations can exceed f16's range); each K step's product is scaled back into the f32 sums.
 // The K order inside a 64-column block is permuted (a thread's 4 bytes at 4i..4i+3 of its 16 are
 // mma i's slots 2t, 2t+1, 2t+8, 2t+9), the same for the weight and x, so the sums are unchanged.
 constexpr int MKC = 1024;
 constexpr int MPITCH = MKC + 64;
-constexpr int MWARPS = 8;
 
 __device__ __forceinline__ void e4m3x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
   asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
@@ -216,20 +215,22 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t w, uint32_t& lo, uint32_t
 
 __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int MT>
+template <int MT, int MWARPS>  // MWARPS computing warps take MKC / MWARPS columns each
 __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
     prefetch_gemv_mma_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
                              const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, int n,
                              int k, int stages, int mode) {
   constexpr int GROUP = 16 * MT;
   constexpr uint32_t STAGE = GROUP * MPITCH;
+  constexpr int WK = MKC / MWARPS;  // a warp's columns of a chunk
+  constexpr int BLKS = WK / 64;  // its 64-column blocks
   extern __shared__ __align__(128) uint8_t smem[];
   if (mode & 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int steps = k / MKC;
@@ -292,10 +293,15 @@ __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
     const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
     float acc[MT][4] = {};
     for (int kc = 0; kc < steps; ++kc) {
-      const int kx = kc * MKC + warp * 128;  // this warp's 128 columns of x
+      const int kx = kc * MKC + warp * WK;  // this warp's columns of x
       if (g == 0) {  // x: bf16 -> f16 under this (K step, warp)'s power-of-two scale, in place
         barrier_wait(xbar + kc, 0);
-        uint2 raw = *reinterpret_cast<const uint2*>(xh + kx + 4 * lane);
+        static_assert(WK == 128 || WK == 64, "4 or 2 values of x a lane");
+        uint2 raw = make_uint2(0, 0);
+        if (WK == 128)
+          raw = *reinterpret_cast<const uint2*>(xh + kx + 4 * lane);
+        else
+          raw.x = *reinterpret_cast<const uint32_t*>(xh + kx + 2 * lane);
         const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
         const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
         float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
@@ -308,24 +314,36 @@ __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
         const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
         raw.x = *reinterpret_cast<const uint32_t*>(&h0);
         raw.y = *reinterpret_cast<const uint32_t*>(&h1);
-        *reinterpret_cast<uint2*>(xh + kx + 4 * lane) = raw;
+        if (WK == 128)
+          *reinterpret_cast<uint2*>(xh + kx + 4 * lane) = raw;
+        else
+          *reinterpret_cast<uint32_t*>(xh + kx + 2 * lane) = raw.x;
         if (lane == 0) xinv[kc * MWARPS + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
         __syncwarp();
       }
       barrier_wait(full + s, parity);
       if (!(mode & 4)) {
         float c[MT][4] = {};
-        const uint8_t* stage = ring + s * STAGE + warp * 128 + 16 * t;
+        const uint8_t* stage = ring + s * STAGE + warp * WK + 16 * t;
+        uint4 xv[BLKS][2], wv[BLKS][MT][2];  // every shared-memory load of the chunk, issued first
 #pragma unroll
-        for (int blk = 0; blk < 2; ++blk) {
-          const uint4 xa = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
-          const uint4 xb = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
-          const uint32_t xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        for (int blk = 0; blk < BLKS; ++blk) {
+          xv[blk][0] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
+          xv[blk][1] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const uint8_t* rowp = stage + (mt * 16 + gid) * MPITCH + blk * 64;
-            const uint4 ra = *reinterpret_cast<const uint4*>(rowp);
-            const uint4 rb = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
+            wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
+            wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
+          }
+        }
+#pragma unroll
+        for (int blk = 0; blk < BLKS; ++blk) {
+          const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
+                                  xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
             const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -425,12 +443,15 @@ extern "C" int prefetch_gemv_launch(const void* w, const void* scale, const void
   return static_cast<int>(e);
 }
 
-// The tensor-core form: chunks of mtiles x 16 rows x 1024 bytes. Returns a cudaError_t, -1 where
-// K % 1024 != 0 or mtiles is not 1 or 2.
+// The tensor-core form: chunks of mtiles x 16 rows x 1024 bytes, 8 or 16 computing warps. Returns a
+// cudaError_t, -1 where K % 1024 != 0 or mtiles / warps are not 1-2 / 8 or 16.
 extern "C" int prefetch_gemv_mma_launch(const void* w, const void* scale, const void* x, void* out, int n,
-                                        int k, int ring_bytes, int grid, int mode, int mtiles, void* stream) {
-  if (k % MKC != 0 || n <= 0 || (mtiles != 1 && mtiles != 2)) return -1;
-  Kernel fn = mtiles == 1 ? prefetch_gemv_mma_kernel<1> : prefetch_gemv_mma_kernel<2>;
+                                        int k, int ring_bytes, int grid, int mode, int mtiles, int warps,
+                                        void* stream) {
+  if (k % MKC != 0 || n <= 0 || (mtiles != 1 && mtiles != 2) || (warps != 8 && warps != 16)) return -1;
+  const int MWARPS = warps;
+  Kernel fn = mtiles == 1 ? (warps == 8 ? prefetch_gemv_mma_kernel<1, 8> : prefetch_gemv_mma_kernel<1, 16>)
+                          : (warps == 8 ? prefetch_gemv_mma_kernel<2, 8> : prefetch_gemv_mma_kernel<2, 16>);
   const int group = 16 * mtiles, stage = group * MPITCH, steps = k / MKC;
   const int stages = max(2, ring_bytes / stage);
   const size_t smem = static_cast<size_t>(stages) * stage + ((2 * k + 127) / 128) * 128 +

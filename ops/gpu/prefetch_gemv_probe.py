@@ -62,7 +62,7 @@ def build() -> ctypes.CDLL:
     ints, ptrs = [ctypes.c_int] * 8, [ctypes.c_void_p] * 4
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
     so.prefetch_gemv_mma_launch.restype = ctypes.c_int
-    so.prefetch_gemv_mma_launch.argtypes = [*ptrs, *[ctypes.c_int] * 6, ctypes.c_void_p]
+    so.prefetch_gemv_mma_launch.argtypes = [*ptrs, *[ctypes.c_int] * 7, ctypes.c_void_p]
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     return so
@@ -80,8 +80,8 @@ class PrefetchGemv:
             kc //= 2
         stream = torch.cuda.current_stream().cuda_stream
         common = (*ptrs, n, k, self.ring, self.grid, self.mode)
-        if warps == 0:  # the tensor-core form: rows // 16 m-tiles of 1024-byte chunks
-            rc = self.so.prefetch_gemv_mma_launch(*common, rows // 16, stream)
+        if warps <= 0:  # the tensor-core form (-warps computing warps; 0: 8), 1024-byte chunks
+            rc = self.so.prefetch_gemv_mma_launch(*common, rows // 16, -warps or 8, stream)
         else:
             rc = self.so.prefetch_gemv_launch(*common, rows, kc, warps, stream)
         if rc != 0:
@@ -91,7 +91,7 @@ class PrefetchGemv:
     def __str__(self) -> str:
         mode = MODES[self.mode & 3] + (", copies only" if self.mode & 4 else "")
         rows, kc, warps = self.tile
-        form = f"{warps} warps" if warps else "8 warps on the tensor cores"
+        form = f"{warps} warps" if warps > 0 else f"{-warps or 8} warps on the tensor cores"
         return f"cuda {rows} x {kc} B x {form}, ring {self.ring >> 10} KiB, {mode}"
 
 
@@ -226,8 +226,8 @@ def main() -> None:
         "--tiles",
         nargs="+",
         default=["16,1024,8", "16,1024,16", "32,1024,16"],
-        help="ROWS,KC,WARPS chunks of the ring (prefetch_gemv.cu INSTANCES); WARPS 0: the "
-        "tensor-core form (ROWS 16 or 32, KC 1024)",
+        help="ROWS,KC,WARPS chunks of the ring (prefetch_gemv.cu INSTANCES); WARPS 0 / -16: the "
+        "tensor-core form with 8 / 16 warps (ROWS 16 or 32, KC 1024)",
     )
     p.add_argument("--triton-pdl", nargs="+", default=["wait", "full", "off"])
     p.add_argument("--grid", type=int, default=0, help="programs (0: one per SM)")
