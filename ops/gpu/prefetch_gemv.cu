@@ -384,6 +384,191 @@ __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
   }
 }
 
+// A chain of one-row GEMVs in one persistent launch: the copying warp streams every GEMV's rows
+// (this program's share of each) without ever waiting for the others, so HBM keeps reading across
+// the GEMVs' boundaries as long as the ring has room; the computing warps (the tensor-core form
+// above) wait at each boundary until every program has stored the previous GEMV's rows (a counter
+// per GEMV in global memory, release / acquire), then read their x slices from L2. The bound, for
+// the GEMV part, of a persistent kernel per decode step.
+struct GemvDesc {
+  const uint8_t* w;
+  const float* scale;
+  const __nv_bfloat16* x;
+  __nv_bfloat16* out;
+  int n, k;
+};
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <int MT>
+__global__ void __launch_bounds__(32 * 9, 1)
+    chain_gemv_kernel(const GemvDesc* __restrict__ descs, int count, unsigned* done, int kmax, int stages,
+                      int mode) {
+  constexpr int CW = 8, GROUP = 16 * MT, WK = MKC / CW;
+  constexpr uint32_t STAGE = GROUP * MPITCH;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* ring = smem;
+  __half* xh = reinterpret_cast<__half*>(smem + stages * STAGE);  // each warp's own slices, in f16
+  float* xinv = reinterpret_cast<float*>(xh + kmax);  // [kmax / MKC][CW]
+  float* red = xinv + (kmax / MKC) * CW;  // [2][CW][GROUP]
+  uint64_t* full = reinterpret_cast<uint64_t*>(red + 2 * CW * GROUP);
+  uint64_t* empty = full + stages;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)), "r"(CW) : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  auto share = [&](int n, int& first, int& last) {
+    first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
+    last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
+  };
+
+  if (warp == CW) {  // the copying warp: every GEMV's chunks, in order, never waiting on the grid
+    int s = 0, round = 0;
+    for (int j = 0; j < count; ++j) {
+      const GemvDesc d = descs[j];
+      int first, last;
+      share(d.n, first, last);
+      const int steps = d.k / MKC;
+      for (int row0 = first; row0 < last; row0 += GROUP) {
+        const int rows = min(GROUP, last - row0);
+        for (int kc = 0; kc < steps; ++kc) {
+          if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
+          if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * MKC);
+          __syncwarp();
+          if (lane < rows)
+            bulk_copy(ring + s * STAGE + lane * MPITCH,
+                      d.w + static_cast<long long>(row0 + lane) * d.k + static_cast<long long>(kc) * MKC, MKC,
+                      full + s);
+          if (++s == stages) s = 0, ++round;
+        }
+      }
+    }
+    return;
+  }
+
+  const int gid = lane >> 2, t = lane & 3;
+  int s = 0, parity = 0, gc = 0;
+  for (int j = 0; j < count; ++j) {
+    const GemvDesc d = descs[j];
+    int first, last;
+    share(d.n, first, last);
+    const int steps = d.k / MKC;
+    if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
+      if (tid == 0)
+        while (load_acquire(done + j - 1) < gridDim.x) {
+        }
+      asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");
+    }
+    if (first < last) {  // this warp's x slices: loaded from L2 eight K steps at a time, to f16
+      for (int k0 = 0; k0 < steps; k0 += 8) {
+        uint2 raw[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          if (k0 + i < steps) raw[i] = __ldcg(reinterpret_cast<const uint2*>(d.x + (k0 + i) * MKC + warp * WK) + lane);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          if (k0 + i >= steps) break;
+          const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].x));
+          const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].y));
+          float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+          const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
+          const int up = max(-100, min(100, 14 - e));
+          const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
+          const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
+          const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
+          uint2 packed;
+          packed.x = *reinterpret_cast<const uint32_t*>(&h0);
+          packed.y = *reinterpret_cast<const uint32_t*>(&h1);
+          *reinterpret_cast<uint2*>(xh + (k0 + i) * MKC + warp * WK + 4 * lane) = packed;
+          if (lane == 0) xinv[(k0 + i) * CW + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
+        }
+      }
+      __syncwarp();
+    }
+    for (int row0 = first; row0 < last; row0 += GROUP, ++gc) {
+      const int rows = min(GROUP, last - row0);
+      float acc[MT][4] = {};
+      for (int kc = 0; kc < steps; ++kc) {
+        const int kx = kc * MKC + warp * WK;
+        barrier_wait(full + s, parity);
+        if (!(mode & 4)) {
+          float c[MT][4] = {};
+          const uint8_t* stage = ring + s * STAGE + warp * WK + 16 * t;
+          uint4 xv[2][2], wv[2][MT][2];
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) {
+            xv[blk][0] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
+            xv[blk][1] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint8_t* rowp = stage + (mt * 16 + gid) * MPITCH + blk * 64;
+              wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
+              wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
+            }
+          }
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) {
+            const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
+                                    xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
+              const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                uint32_t a0, a2, a1, a3;
+                e4m3x4_to_f16(wa[i], a0, a2);
+                e4m3x4_to_f16(wb[i], a1, a3);
+                mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
+              }
+            }
+          }
+          const float inv = xinv[kc * CW + warp];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+        }
+        __syncwarp();
+        if (lane == 0) arrive(empty + s);
+        if (++s == stages) s = 0, parity ^= 1;
+      }
+      float* r = red + (gc & 1) * CW * GROUP + warp * GROUP;
+      if (t == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          r[mt * 16 + gid] = acc[mt][0];
+          r[mt * 16 + gid + 8] = acc[mt][2];
+        }
+      }
+      asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");
+      if (tid < rows) {
+        const float* rr = red + (gc & 1) * CW * GROUP;
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < CW; ++i) sum += rr[i * GROUP + tid];
+        d.out[row0 + tid] = __float2bfloat16(sum * d.scale[row0 + tid]);
+      }
+    }
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");  // this program's rows of GEMV j stored
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(done + j, 1u);
+    }
+  }
+}
+
 // A stand-in for the small kernels between two GEMVs (the GDN recurrence and its gated norm,
 // attention): lets the next kernel launch as it starts, waits for the previous one, then spins for
 // `ns` nanoseconds with no memory traffic, as the decode step's small kernels leave HBM idle.
@@ -471,6 +656,29 @@ extern "C" int prefetch_gemv_mma_launch(const void* w, const void* scale, const 
   e = cudaLaunchKernelEx(&cfg, fn, static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
                          static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out), n, k, stages,
                          mode);
+  return static_cast<int>(e);
+}
+
+// The chain in one launch: `count` GemvDesc (device memory), `done` count zeroed counters. Every
+// K a multiple of 1024 and at most kmax. Returns a cudaError_t, or -1 for mtiles not 1 or 2.
+extern "C" int chain_gemv_launch(const void* descs, int count, void* done, int kmax, int ring_bytes, int grid,
+                                 int mode, int mtiles, void* stream) {
+  if ((mtiles != 1 && mtiles != 2) || kmax % MKC != 0) return -1;
+  using ChainKernel = void (*)(const GemvDesc*, int, unsigned*, int, int, int);
+  ChainKernel fn = mtiles == 1 ? chain_gemv_kernel<1> : chain_gemv_kernel<2>;
+  const int group = 16 * mtiles, stage = group * MPITCH;
+  const int stages = max(2, ring_bytes / stage);
+  const size_t smem = static_cast<size_t>(stages) * stage + 2 * kmax + 4 * ((kmax / MKC) * 8 + 2 * 8 * group) +
+                      8 * (2 * stages) + 16;
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(32 * 9);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  e = cudaLaunchKernelEx(&cfg, fn, static_cast<const GemvDesc*>(descs), count, static_cast<unsigned*>(done), kmax,
+                         stages, mode);
   return static_cast<int>(e);
 }
 

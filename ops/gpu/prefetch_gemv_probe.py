@@ -63,6 +63,10 @@ def build() -> ctypes.CDLL:
     so.prefetch_gemv_launch.argtypes = [*ptrs, *ints, ctypes.c_void_p]
     so.prefetch_gemv_mma_launch.restype = ctypes.c_int
     so.prefetch_gemv_mma_launch.argtypes = [*ptrs, *[ctypes.c_int] * 7, ctypes.c_void_p]
+    so.chain_gemv_launch.restype = ctypes.c_int
+    so.chain_gemv_launch.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 5, ctypes.c_void_p
+    ]  # fmt: skip
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     return so
@@ -217,6 +221,102 @@ def chain(variants, bw: float, layers: int, so: ctypes.CDLL, gap_ns: int) -> Non
         print(f"   {ms:7.3f} ms {ms / floor:5.2f}x, less the idle {(ms - idle) / floor:5.2f}x  {v}")
 
 
+class OneLaunchChain:
+    """A chain of GEMVs (x of each = the first K outputs of the one before) as one persistent
+    launch of chain_gemv_kernel; mode 4: its copies alone."""
+
+    def __init__(self, so: ctypes.CDLL, ring: int, grid: int, mtiles: int, mode: int = 0):
+        self.so, self.ring, self.grid, self.mtiles, self.mode = so, ring, grid, mtiles, mode
+
+    def prepare(self, steps, x0):
+        """steps: [(w, scale, out)] in order; x0 the first x. Returns the outputs."""
+        import numpy as np
+
+        fields = [("w", "u8"), ("s", "u8"), ("x", "u8"), ("o", "u8"), ("n", "i4"), ("k", "i4")]
+        table = np.zeros(len(steps), dtype=fields)
+        x = x0
+        for i, (w, scale, out) in enumerate(steps):
+            n, k = w.shape
+            table[i] = (w.data_ptr(), scale.data_ptr(), x.data_ptr(), out.data_ptr(), n, k)
+            x = out
+        self.table = torch.from_numpy(table.view(np.uint8).copy()).cuda()
+        self.done = torch.zeros(len(steps), dtype=torch.int32, device="cuda")
+        self.count, self.kmax = len(steps), max(w.shape[1] for w, _, _ in steps)
+        self.keep = (steps, x0)
+
+    def __call__(self):
+        self.done.zero_()
+        stream = torch.cuda.current_stream().cuda_stream
+        ptrs = (self.table.data_ptr(), self.count, self.done.data_ptr(), self.kmax)
+        rc = self.so.chain_gemv_launch(
+            *ptrs, self.ring, self.grid, self.mode, self.mtiles, stream
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"chain_gemv_launch: error {rc}")
+
+    def __str__(self) -> str:
+        what = ", copies only" if self.mode & 4 else ""
+        return f"one launch, {16 * self.mtiles} rows, ring {self.ring >> 10} KiB{what}"
+
+
+def check_chain(chain: OneLaunchChain) -> bool:
+    """A four-GEMV chain against float64 GEMVs with the bf16 rounding between them."""
+    shapes = [(4096, 1024), (2048, 4096), (3072, 2048), (1000, 3072)]
+    steps = []
+    for n, k in shapes:
+        w, s = quantized(n, k)
+        steps.append((w, s, torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)))
+    x0 = torch.randn(1, shapes[0][1], device="cuda", dtype=torch.bfloat16)
+    chain.prepare(steps, x0)
+    chain()
+    torch.cuda.synchronize()
+    ok, x = True, x0
+    for (w, s, out), (n, k) in zip(steps, shapes):
+        ref = (x[:, :k].double() @ (w.double() * s.double()[:, None]).T).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 2e-2 or out.isnan().any().item():
+            print(f"  MISMATCH one-launch chain N={n} K={k}: rel err {err:.2e}")
+            ok = False
+        x = out
+    print("check: the one-launch chain matches the reference" if ok else "check: chain FAILED")
+    return ok
+
+
+def one_launch_chain(chains, so, bw: float, layers: int, gemv: PrefetchGemv) -> None:
+    """The 27B step's 256 GEMVs back to back (x of each = the first K outputs of the one before),
+    as 256 served launches, 256 ring launches and one persistent launch."""
+    order = []
+    for i in range(layers):
+        order += ["attn qkv (gated q)" if i % 4 == 3 else "gdn in_proj qkvz", "gdn out_proj"]
+        order += ["mlp gate_up", "mlp down"]
+    steps, nbytes = [], 0
+    for name in order:
+        n, k = SHAPES[name]
+        nbytes += n * k
+        scale = torch.full((n,), 1e-5, device="cuda")
+        steps.append(
+            (random_fp8(n, k), scale, torch.zeros(1, n, device="cuda", dtype=torch.bfloat16))
+        )
+    x0 = torch.randn(1, SHAPES[order[0]][1], device="cuda", dtype=torch.bfloat16)
+    floor = nbytes / bw * 1e3
+    print(f"{len(steps)} GEMVs back to back: {nbytes / 1e9:.2f} GB of fp8, floor {floor:.3f} ms")
+
+    def launches(v):
+        x = x0
+        for w, s, out in steps:
+            y = v(x[:, : w.shape[1]], w, s, out)
+            x = y if y is not None else out
+
+    for label, fn in [("triton (served)", partial(launches, TritonGemv("wait"))),
+                      (str(gemv), partial(launches, gemv))]:  # fmt: skip
+        ms = graph_time_us([fn], reps=1) / 1e3
+        print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {label}")
+    for chain in chains:
+        chain.prepare(steps, x0)
+        ms = graph_time_us([chain], reps=1) / 1e3
+        print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {chain}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=64)
@@ -234,6 +334,13 @@ def main() -> None:
     p.add_argument("--skip-shapes", action="store_true")
     p.add_argument("--ncu", default="", help="a shape: 3 launches a variant, untimed")
     p.add_argument("--gaps-ns", type=int, nargs="+", default=[0], help="idle before out_proj")
+    p.add_argument(
+        "--one-launch",
+        type=int,
+        nargs="*",
+        default=None,
+        help="rings (bytes) of the one-launch chain of the 27B GEMVs, against 256 launches",
+    )
     args = p.parse_args()
     so = build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -258,6 +365,11 @@ def main() -> None:
         return
     if not check([v for v in variants if not v.mode & 4]):
         sys.exit(1)
+    chains = []
+    for ring in args.one_launch or []:
+        chains += [OneLaunchChain(so, ring, grid, 2), OneLaunchChain(so, ring, grid, 2, mode=4)]
+    if chains and not check_chain(chains[0]):
+        sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
@@ -265,6 +377,9 @@ def main() -> None:
         per_shape(variants, bw)
     for gap in args.gaps_ns:
         chain(variants, bw, args.layers, so, gap)
+    if chains:
+        ring = PrefetchGemv(so, 147456, 3, grid, (32, 1024, 0))
+        one_launch_chain(chains, so, bw, args.layers, ring)
 
 
 if __name__ == "__main__":
