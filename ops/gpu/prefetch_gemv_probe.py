@@ -4,11 +4,12 @@ GEMV (`appliance_kernels.fp8_gemv`, with `triton_utils.GEMV_PDL` wait / full / o
 shared-memory stages with the bulk copy engine, its first copies issued before the PDL wait and
 the next kernel let launch as it starts, so that a GEMV's weight is in flight while the kernel
 before it finishes. Mode 4 keeps the copies and drops the arithmetic: what the ring could give
-with a free consumer (an upper bound, wrong outputs). Needs nvcc (sm_90). Runs DT-EI in
+with a free consumer (an upper bound, wrong outputs). Needs nvcc (sm_90). Runs DT-EJ in
 docs/benchmarks.md ("Session 2026-12-05 (sixth)"): the ring without arithmetic takes the 27B
 chain 0.45-0.65 ms under the served GEMVs on an H100, 0.11-0.39 ms on an H200 (the larger figures
 with 7 µs of idle before each out_proj / o_proj); with its arithmetic on the tensor cores
-(WARPS 0 or -16 in --tiles) it ties them, with the scalar one (e4m3 -> f16 -> f32, FFMA) it loses.
+(WARPS 0 or -16 in --tiles) it ties them, with the scalar one (e4m3 -> f16 -> f32, FFMA) it loses;
+the 256 GEMVs in one persistent launch (--one-launch, run EJ) tie them too.
 
   python3 ops/gpu/prefetch_gemv_probe.py [--tiles 16,1024,8 32,1024,8] [--ring 147456]
       [--modes 0 3 7] [--triton-pdl wait full off] [--gaps-ns 0 7000] [--layers 64]
