@@ -1,14 +1,17 @@
-// A one-row fp8 GEMV (per-channel scales, bf16 x and out) that streams its weight through shared
-// memory with the bulk copy engine and issues its first copies before its PDL wait: a probe of
-// whether a chain of one-row GEMVs can keep HBM busy across launches (ops/gpu/prefetch_gemv_probe.py).
+// One-row fp8 GEMVs (per-channel scales, bf16 x and out) that stream their weight through shared
+// memory with the bulk copy engine and issue their first copies before the PDL wait: a probe of
+// whether a chain of one-row GEMVs can keep HBM busy across launches (prefetch_gemv_probe.py).
 //
-// One program per SM (a persistent grid) of CWARPS computing warps and one copying warp; program b
-// owns rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken GROUP rows at a time and
-// read as GROUP x KC-byte chunks (one bulk copy per row) into a ring of stages with full / empty
-// mbarriers. Each computing lane keeps 16-byte K segments of GROUP / CWARPS rows and x (copied into
-// shared memory after the wait, a KC-wide piece a K step); a warp's sums meet by shuffles once per group. MODE bit 0: let the next kernel launch as this one starts (launch_dependents); bit 1:
-// issue the ring's first copies before the PDL wait; bit 2: copies only (a diagnostic: the ring's
-// own rate, wrong outputs). Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
+// prefetch_gemv_kernel: one program per SM (a persistent grid) of CWARPS computing warps and one
+// copying warp; program b owns rows [b N / G, (b + 1) N / G) of the row-major [N, K] weight, taken
+// GROUP rows at a time and read as GROUP x KC-byte chunks (one bulk copy per row) into a ring of
+// stages with full / empty mbarriers. Each computing lane keeps 16-byte K segments of GROUP /
+// CWARPS rows and x (copied into shared memory after the wait, a KC-wide piece a K step); a warp's
+// sums meet by shuffles once per group. MODE bit 0: let the next kernel launch as this one starts
+// (launch_dependents); bit 1: issue the ring's first copies before the PDL wait; bit 2: copies only
+// (a diagnostic: the ring's own rate, wrong outputs). prefetch_gemv_mma_kernel: the same ring with
+// its arithmetic on the tensor cores; chain_gemv_kernel: that one over a whole chain of GEMVs in
+// one persistent launch. Built by the probe with nvcc -arch=sm_90, loaded through ctypes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
