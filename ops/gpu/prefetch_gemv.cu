@@ -197,15 +197,16 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   }
 }
 
-// The same ring with its arithmetic on the tensor cores: chunks of MT x 16 rows x 1024 bytes (rows
-// MPITCH apart in shared memory, so a warp's 16-byte loads of 8 rows hit distinct banks); each of
-// the 8 or 16 computing warps takes 128 or 64 of a chunk's 1024 K columns, as mma.sync m16n8k16 (f16 in, f32
-// accumulate) with the weight's e4m3 converted to f16 (one cvt a pair) and x in f16 as B (all 8
-// columns alike); a warp issues all its shared-memory loads of a chunk before converting. x goes to f16 in place, in group 0, by the warp that reads it, under a
-// power-of-two scale per (K step, warp) that maps its largest |x| into [2^14, 2^15) (bf16
-// activations can exceed f16's range); each K step's product is scaled back into the f32 sums.
-// The K order inside a 64-column block is permuted (a thread's 4 bytes at 4i..4i+3 of its 16 are
-// mma i's slots 2t, 2t+1, 2t+8, 2t+9), the same for the weight and x, so the sums are unchanged.
+// The same ring with its arithmetic on the tensor cores: chunks of MT x 16 rows x 1024 bytes
+// (rows MPITCH apart in shared memory, so a warp's 16-byte loads of 8 rows hit distinct banks);
+// each of the 8 or 16 computing warps takes 128 or 64 of a chunk's 1024 K columns, as mma.sync
+// m16n8k16 (f16 in, f32 accumulate) with the weight's e4m3 converted to f16 (one cvt a pair) and x
+// in f16 as B (all 8 columns alike); a warp issues all its shared-memory loads of a chunk before
+// converting. x goes to f16 in place, in group 0, by the warp that reads it, under a power-of-two
+// scale per (K step, warp) that maps its largest |x| into [2^14, 2^15) (bf16 activations can
+// exceed f16's range); each K step's product is scaled back into the f32 sums. The K order inside
+// a 64-column block is permuted (a thread's 4 bytes at 4i..4i+3 of its 16 are mma i's slots 2t,
+// 2t+1, 2t+8, 2t+9), the same for the weight and x, so the sums are unchanged.
 constexpr int MKC = 1024;
 constexpr int MPITCH = MKC + 64;
 
