@@ -71,7 +71,6 @@ __device__ __forceinline__ float dot16(uint4 w, const float* x) {
   return a + b;
 }
 
-
 // The ring holds chunks in order (group g, K step kc) -> c = g * (K / KC) + kc. The copying warp
 // waits for a stage to be emptied (by all CWARPS consumer warps) before refilling it; consumers
 // wait for it to be full. Each consumer lane keeps one 16-byte K segment of RPW rows.
