@@ -68,6 +68,10 @@ def build() -> ctypes.CDLL:
     so.chain_gemv_launch.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 5, ctypes.c_void_p
     ]  # fmt: skip
+    so.chain_ldg_launch.restype = ctypes.c_int
+    so.chain_ldg_launch.argtypes = [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p
+    ]  # fmt: skip
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     return so
@@ -226,8 +230,12 @@ class OneLaunchChain:
     """A chain of GEMVs (x of each = the first K outputs of the one before) as one persistent
     launch of chain_gemv_kernel; mode 4: its copies alone."""
 
-    def __init__(self, so: ctypes.CDLL, ring: int, grid: int, mtiles: int, mode: int = 0):
+    def __init__(
+        self, so: ctypes.CDLL, ring: int, grid: int, mtiles: int, mode: int = 0, depth: int = 0
+    ):
+        """depth > 0: chain_ldg_kernel (each warp's own cp.async ring, depth chunks) instead."""
         self.so, self.ring, self.grid, self.mtiles, self.mode = so, ring, grid, mtiles, mode
+        self.depth = depth
 
     def prepare(self, steps, x0):
         """steps: [(w, scale, out)] in order; x0 the first x. Returns the outputs."""
@@ -249,14 +257,19 @@ class OneLaunchChain:
         self.done.zero_()
         stream = torch.cuda.current_stream().cuda_stream
         ptrs = (self.table.data_ptr(), self.count, self.done.data_ptr(), self.kmax)
-        rc = self.so.chain_gemv_launch(
-            *ptrs, self.ring, self.grid, self.mode, self.mtiles, stream
-        )  # fmt: skip
+        if self.depth:
+            rc = self.so.chain_ldg_launch(*ptrs, self.depth, self.grid, self.mode, stream)
+        else:
+            rc = self.so.chain_gemv_launch(
+                *ptrs, self.ring, self.grid, self.mode, self.mtiles, stream
+            )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"chain_gemv_launch: error {rc}")
 
     def __str__(self) -> str:
         what = ", copies only" if self.mode & 4 else ""
+        if self.depth:
+            return f"one launch, cp.async by every warp, {self.depth} chunks deep{what}"
         return f"one launch, {16 * self.mtiles} rows, ring {self.ring >> 10} KiB{what}"
 
 
@@ -276,10 +289,10 @@ def check_chain(chain: OneLaunchChain) -> bool:
         ref = (x[:, :k].double() @ (w.double() * s.double()[:, None]).T).float()
         err = ((out.float() - ref).norm() / ref.norm()).item()
         if not err < 2e-2 or out.isnan().any().item():
-            print(f"  MISMATCH one-launch chain N={n} K={k}: rel err {err:.2e}")
+            print(f"  MISMATCH {chain} N={n} K={k}: rel err {err:.2e}")
             ok = False
         x = out
-    print("check: the one-launch chain matches the reference" if ok else "check: chain FAILED")
+    print(f"check: {chain}:", "matches the reference" if ok else "FAILED")
     return ok
 
 
@@ -342,6 +355,13 @@ def main() -> None:
         default=None,
         help="rings (bytes) of the one-launch chain of the 27B GEMVs, against 256 launches",
     )
+    p.add_argument(
+        "--one-launch-ldg",
+        type=int,
+        nargs="*",
+        default=None,
+        help="depths (2, 3) of the one-launch chain whose warps copy with cp.async (not yet run)",
+    )
     args = p.parse_args()
     so = build()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -369,7 +389,10 @@ def main() -> None:
     chains = []
     for ring in args.one_launch or []:
         chains += [OneLaunchChain(so, ring, grid, 2), OneLaunchChain(so, ring, grid, 2, mode=4)]
-    if chains and not check_chain(chains[0]):
+    for depth in args.one_launch_ldg or []:
+        chains += [OneLaunchChain(so, 0, grid, 2, depth=depth)]
+        chains += [OneLaunchChain(so, 0, grid, 2, mode=4, depth=depth)]
+    if not all(check_chain(c) for c in chains if not c.mode & 4):
         sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
     bw = copy_bandwidth()
