@@ -225,6 +225,109 @@ __device__ __forceinline__ void mma16816(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Four values of x (two when raw.y is 0) to f16 under the power-of-two scale that maps the warp's
+// largest |x| into [2^14, 2^15) (bf16 activations can exceed f16's range); *inv: the scale back.
+__device__ __forceinline__ uint2 x_to_scaled_f16(uint2 raw, float* inv) {
+  const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+  const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+  float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
+  const int up = max(-100, min(100, 14 - e));  // x * 2^up in f16; sums * 2^-up
+  const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
+  const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
+  const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
+  *inv = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
+  return make_uint2(*reinterpret_cast<const uint32_t*>(&h0), *reinterpret_cast<const uint32_t*>(&h1));
+}
+
+// One chunk of a warp's columns on the tensor cores, scaled by inv into acc: `stage` is this
+// thread's 16-byte column (16 t) of the chunk's row 0, rows `pitch` apart; `xk` this warp's x.
+// Every shared-memory load is issued before the first conversion.
+template <int MT, int BLKS>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][4], const uint8_t* stage, int pitch, const __half* xk,
+                                          int gid, int t, float inv) {
+  float c[MT][4] = {};
+  uint4 xv[BLKS][2], wv[BLKS][MT][2];
+#pragma unroll
+  for (int blk = 0; blk < BLKS; ++blk) {
+    xv[blk][0] = *reinterpret_cast<const uint4*>(xk + blk * 64 + 16 * t);
+    xv[blk][1] = *reinterpret_cast<const uint4*>(xk + blk * 64 + 16 * t + 8);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint8_t* rowp = stage + (mt * 16 + gid) * pitch + blk * 64;
+      wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
+      wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * pitch);
+    }
+  }
+#pragma unroll
+  for (int blk = 0; blk < BLKS; ++blk) {
+    const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
+                            xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
+      const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t a0, a2, a1, a3;
+        e4m3x4_to_f16(wa[i], a0, a2);
+        e4m3x4_to_f16(wb[i], a1, a3);
+        mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+}
+
+// A group's end, before the barrier: every column of the product is the same, so thread (gid, t)
+// holds row gid in [0] and gid + 8 in [2]; lane t == 0 writes them to this warp's row of `red`.
+template <int MT>
+__device__ __forceinline__ void publish_rows(const float (&acc)[MT][4], float* red_warp, int gid, int t) {
+  if (t == 0) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      red_warp[mt * 16 + gid] = acc[mt][0];
+      red_warp[mt * 16 + gid + 8] = acc[mt][2];
+    }
+  }
+}
+
+// After the barrier: row `row` of the group, the warps' sums in a fixed order, scaled and stored.
+template <int WARPS, int GROUP>
+__device__ __forceinline__ void store_row(const float* red, int row, const float* scale, __nv_bfloat16* out) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < WARPS; ++i) sum += red[i * GROUP + row];
+  out[row] = __float2bfloat16(sum * scale[row]);
+}
+
+// This warp's x slices of one GEMV (WK = 128 columns a K step, 4 values a lane), from L2 eight K
+// steps at a time, to f16 in shared memory with their scales back.
+template <int CW>
+__device__ __forceinline__ void load_x_slices(const __nv_bfloat16* x, int steps, __half* xh, float* xinv, int warp,
+                                              int lane) {
+  constexpr int WK = MKC / CW;
+  for (int k0 = 0; k0 < steps; k0 += 8) {
+    uint2 raw[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (k0 + i < steps) raw[i] = __ldcg(reinterpret_cast<const uint2*>(x + (k0 + i) * MKC + warp * WK) + lane);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (k0 + i >= steps) break;
+      float inv;
+      *reinterpret_cast<uint2*>(xh + (k0 + i) * MKC + warp * WK + 4 * lane) = x_to_scaled_f16(raw[i], &inv);
+      if (lane == 0) xinv[(k0 + i) * CW + warp] = inv;
+    }
+  }
+  __syncwarp();
+}
+
 template <int MT, int MWARPS>  // MWARPS computing warps take MKC / MWARPS columns each
 __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
     prefetch_gemv_mma_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
@@ -305,85 +408,27 @@ __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
           raw = *reinterpret_cast<const uint2*>(xh + kx + 4 * lane);
         else
           raw.x = *reinterpret_cast<const uint32_t*>(xh + kx + 2 * lane);
-        const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-        const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-        float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
-        const int up = max(-100, min(100, 14 - e));  // x * 2^up in f16; sums * 2^-up
-        const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
-        const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
-        const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
-        raw.x = *reinterpret_cast<const uint32_t*>(&h0);
-        raw.y = *reinterpret_cast<const uint32_t*>(&h1);
+        float inv;
+        raw = x_to_scaled_f16(raw, &inv);
         if (WK == 128)
           *reinterpret_cast<uint2*>(xh + kx + 4 * lane) = raw;
         else
           *reinterpret_cast<uint32_t*>(xh + kx + 2 * lane) = raw.x;
-        if (lane == 0) xinv[kc * MWARPS + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
+        if (lane == 0) xinv[kc * MWARPS + warp] = inv;
         __syncwarp();
       }
       barrier_wait(full + s, parity);
       if (!(mode & 4)) {
-        float c[MT][4] = {};
         const uint8_t* stage = ring + s * STAGE + warp * WK + 16 * t;
-        uint4 xv[BLKS][2], wv[BLKS][MT][2];  // every shared-memory load of the chunk, issued first
-#pragma unroll
-        for (int blk = 0; blk < BLKS; ++blk) {
-          xv[blk][0] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
-          xv[blk][1] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint8_t* rowp = stage + (mt * 16 + gid) * MPITCH + blk * 64;
-            wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
-            wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
-          }
-        }
-#pragma unroll
-        for (int blk = 0; blk < BLKS; ++blk) {
-          const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
-                                  xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
-            const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              uint32_t a0, a2, a1, a3;
-              e4m3x4_to_f16(wa[i], a0, a2);
-              e4m3x4_to_f16(wb[i], a1, a3);
-              mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
-            }
-          }
-        }
-        const float inv = xinv[kc * MWARPS + warp];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+        mma_chunk<MT, BLKS>(acc, stage, MPITCH, xh + kx, gid, t, xinv[kc * MWARPS + warp]);
       }
       __syncwarp();
       if (lane == 0) arrive(empty + s);
       if (++s == stages) s = 0, parity ^= 1;
     }
-    // every column of the product is the same: thread (gid, t) holds row gid in [0], gid + 8 in [2]
-    float* r = red + (g & 1) * MWARPS * GROUP + warp * GROUP;
-    if (t == 0) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        r[mt * 16 + gid] = acc[mt][0];
-        r[mt * 16 + gid + 8] = acc[mt][2];
-      }
-    }
+    publish_rows<MT>(acc, red + (g & 1) * MWARPS * GROUP + warp * GROUP, gid, t);
     asm volatile("bar.sync 1, %0;" ::"r"(32 * MWARPS) : "memory");
-    if (tid < rows) {
-      const float* rr = red + (g & 1) * MWARPS * GROUP;
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < MWARPS; ++i) sum += rr[i * GROUP + tid];
-      out[row0 + tid] = __float2bfloat16(sum * scale[row0 + tid]);
-    }
+    if (tid < rows) store_row<MWARPS, GROUP>(red + (g & 1) * MWARPS * GROUP, tid, scale + row0, out + row0);
   }
 }
 
@@ -471,34 +516,7 @@ __global__ void __launch_bounds__(32 * 9, 1)
         }
       asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");
     }
-    if (first < last) {  // this warp's x slices: loaded from L2 eight K steps at a time, to f16
-      for (int k0 = 0; k0 < steps; k0 += 8) {
-        uint2 raw[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (k0 + i < steps) raw[i] = __ldcg(reinterpret_cast<const uint2*>(d.x + (k0 + i) * MKC + warp * WK) + lane);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (k0 + i >= steps) break;
-          const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].x));
-          const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].y));
-          float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
-          const int up = max(-100, min(100, 14 - e));
-          const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
-          const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
-          const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
-          uint2 packed;
-          packed.x = *reinterpret_cast<const uint32_t*>(&h0);
-          packed.y = *reinterpret_cast<const uint32_t*>(&h1);
-          *reinterpret_cast<uint2*>(xh + (k0 + i) * MKC + warp * WK + 4 * lane) = packed;
-          if (lane == 0) xinv[(k0 + i) * CW + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
-        }
-      }
-      __syncwarp();
-    }
+    if (first < last) load_x_slices<CW>(d.x, steps, xh, xinv, warp, lane);  // this warp's x slices
     for (int row0 = first; row0 < last; row0 += GROUP, ++gc) {
       const int rows = min(GROUP, last - row0);
       float acc[MT][4] = {};
@@ -506,63 +524,15 @@ __global__ void __launch_bounds__(32 * 9, 1)
         const int kx = kc * MKC + warp * WK;
         barrier_wait(full + s, parity);
         if (!(mode & 4)) {
-          float c[MT][4] = {};
-          const uint8_t* stage = ring + s * STAGE + warp * WK + 16 * t;
-          uint4 xv[2][2], wv[2][MT][2];
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            xv[blk][0] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
-            xv[blk][1] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint8_t* rowp = stage + (mt * 16 + gid) * MPITCH + blk * 64;
-              wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
-              wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * MPITCH);
-            }
-          }
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
-                                    xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
-              const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                uint32_t a0, a2, a1, a3;
-                e4m3x4_to_f16(wa[i], a0, a2);
-                e4m3x4_to_f16(wb[i], a1, a3);
-                mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
-              }
-            }
-          }
-          const float inv = xinv[kc * CW + warp];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+          mma_chunk<MT, 2>(acc, ring + s * STAGE + warp * WK + 16 * t, MPITCH, xh + kx, gid, t, xinv[kc * CW + warp]);
         }
         __syncwarp();
         if (lane == 0) arrive(empty + s);
         if (++s == stages) s = 0, parity ^= 1;
       }
-      float* r = red + (gc & 1) * CW * GROUP + warp * GROUP;
-      if (t == 0) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          r[mt * 16 + gid] = acc[mt][0];
-          r[mt * 16 + gid + 8] = acc[mt][2];
-        }
-      }
+      publish_rows<MT>(acc, red + (gc & 1) * CW * GROUP + warp * GROUP, gid, t);
       asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");
-      if (tid < rows) {
-        const float* rr = red + (gc & 1) * CW * GROUP;
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < CW; ++i) sum += rr[i * GROUP + tid];
-        d.out[row0 + tid] = __float2bfloat16(sum * d.scale[row0 + tid]);
-      }
+      if (tid < rows) store_row<CW, GROUP>(red + (gc & 1) * CW * GROUP, tid, d.scale + row0, d.out + row0);
     }
     asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");  // this program's rows of GEMV j stored
     if (tid == 0) {
@@ -652,34 +622,7 @@ __global__ void __launch_bounds__(256, 1)
         }
       __syncthreads();
     }
-    if (first < last) {  // this warp's x slices, as chain_gemv_kernel
-      for (int k0 = 0; k0 < steps; k0 += 8) {
-        uint2 raw[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (k0 + i < steps) raw[i] = __ldcg(reinterpret_cast<const uint2*>(d.x + (k0 + i) * MKC + warp * WK) + lane);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (k0 + i >= steps) break;
-          const float2 v0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].x));
-          const float2 v1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].y));
-          float m = fmaxf(fmaxf(fabsf(v0.x), fabsf(v0.y)), fmaxf(fabsf(v1.x), fabsf(v1.y)));
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-          const int e = m > 0.f ? static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127 : 0;
-          const int up = max(-100, min(100, 14 - e));
-          const float sc = __uint_as_float(static_cast<uint32_t>(127 + up) << 23);
-          const __half2 h0 = __floats2half2_rn(v0.x * sc, v0.y * sc);
-          const __half2 h1 = __floats2half2_rn(v1.x * sc, v1.y * sc);
-          uint2 packed;
-          packed.x = *reinterpret_cast<const uint32_t*>(&h0);
-          packed.y = *reinterpret_cast<const uint32_t*>(&h1);
-          *reinterpret_cast<uint2*>(xh + (k0 + i) * MKC + warp * WK + 4 * lane) = packed;
-          if (lane == 0) xinv[(k0 + i) * CW + warp] = __uint_as_float(static_cast<uint32_t>(127 - up) << 23);
-        }
-      }
-      __syncwarp();
-    }
+    if (first < last) load_x_slices<CW>(d.x, steps, xh, xinv, warp, lane);  // this warp's x slices
     for (int row0 = first; row0 < last; row0 += LROWS, ++gc) {
       const int rows = min(LROWS, last - row0);
       float acc[MT][4] = {};
@@ -688,64 +631,16 @@ __global__ void __launch_bounds__(256, 1)
         __syncwarp();  // every lane's copies of this slot have landed
         if (!(mode & 4)) {
           const int kx = kc * MKC + warp * WK;
-          float c[MT][4] = {};
-          const uint8_t* stage = ring + slot * SLOT + 16 * t;
-          uint4 xv[2][2], wv[2][MT][2];
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            xv[blk][0] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t);
-            xv[blk][1] = *reinterpret_cast<const uint4*>(xh + kx + blk * 64 + 16 * t + 8);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint8_t* rowp = stage + (mt * 16 + gid) * LPITCH + blk * 64;
-              wv[blk][mt][0] = *reinterpret_cast<const uint4*>(rowp);
-              wv[blk][mt][1] = *reinterpret_cast<const uint4*>(rowp + 8 * LPITCH);
-            }
-          }
-#pragma unroll
-          for (int blk = 0; blk < 2; ++blk) {
-            const uint32_t xw[8] = {xv[blk][0].x, xv[blk][0].y, xv[blk][0].z, xv[blk][0].w,
-                                    xv[blk][1].x, xv[blk][1].y, xv[blk][1].z, xv[blk][1].w};
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-              const uint4 ra = wv[blk][mt][0], rb = wv[blk][mt][1];
-              const uint32_t wa[4] = {ra.x, ra.y, ra.z, ra.w}, wb[4] = {rb.x, rb.y, rb.z, rb.w};
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                uint32_t a0, a2, a1, a3;
-                e4m3x4_to_f16(wa[i], a0, a2);
-                e4m3x4_to_f16(wb[i], a1, a3);
-                mma16816(c[mt], a0, a1, a2, a3, xw[2 * i], xw[2 * i + 1]);
-              }
-            }
-          }
-          const float inv = xinv[kc * CW + warp];
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][i] = fmaf(c[mt][i], inv, acc[mt][i]);
+          mma_chunk<MT, 2>(acc, ring + slot * SLOT + 16 * t, LPITCH, xh + kx, gid, t, xinv[kc * CW + warp]);
         }
         __syncwarp();  // the slot is read: refill it, DEPTH chunks ahead
         issue(ahead, slot);
         if (ahead.j < count) advance(ahead);
         if (++slot == DEPTH) slot = 0;
       }
-      float* r = red + (gc & 1) * CW * LROWS + warp * LROWS;
-      if (t == 0) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          r[mt * 16 + gid] = acc[mt][0];
-          r[mt * 16 + gid + 8] = acc[mt][2];
-        }
-      }
+      publish_rows<MT>(acc, red + (gc & 1) * CW * LROWS + warp * LROWS, gid, t);
       __syncthreads();
-      if (tid < rows) {
-        const float* rr = red + (gc & 1) * CW * LROWS;
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < CW; ++i) sum += rr[i * LROWS + tid];
-        d.out[row0 + tid] = __float2bfloat16(sum * d.scale[row0 + tid]);
-      }
+      if (tid < rows) store_row<CW, LROWS>(red + (gc & 1) * CW * LROWS, tid, d.scale + row0, d.out + row0);
     }
     __syncthreads();  // this program's rows of GEMV j stored
     if (tid == 0) {

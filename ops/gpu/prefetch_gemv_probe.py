@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import shutil
 import subprocess
 import sys
@@ -53,8 +52,9 @@ MODES = {0: "no early launch", 1: "next launches at start", 2: "copies before wa
 
 
 def build() -> ctypes.CDLL:
-    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    nvcc = shutil.which("nvcc") or str(home / "bin" / "nvcc")
+    from torch.utils.cpp_extension import CUDA_HOME  # torch's own search for the toolkit
+
+    nvcc = shutil.which("nvcc") or str(Path(CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc")
     lib = Path(tempfile.mkdtemp()) / "prefetch_gemv.so"
     flags = ["-arch=sm_90", "-O3", "-shared", "-Xcompiler", "-fPIC"]
     subprocess.run([nvcc, *flags, "-o", str(lib), str(SOURCE)], check=True)
