@@ -542,13 +542,11 @@ __global__ void __launch_bounds__(32 * 9, 1)
   }
 }
 
-// The same chain with no copying warp (written after the session's device time ran out, not yet
-// run on a GPU): each of the 8 computing warps copies its own 128-column slices of each 32-row
-// chunk into a private ring with cp.async, 16 bytes a lane as plain loads move them, DEPTH chunks
+// The same chain with no copying warp: each of the 8 computing warps copies its own 128-column
+// slices of each 32-row chunk into a private ring with cp.async, 16 bytes a lane, DEPTH chunks
 // ahead. A second cursor walks the chunk sequence across GEMV boundaries, so a warp's next weights
-// are in flight while it waits at a boundary. The bulk-copy ring read 3-4 % slower than the served
-// kernel's plain loads (runs ED, EE); this asks whether the one-launch chain fed this way reads at
-// their rate.
+// are in flight while it waits at one. Correct, but its copies alone read slower than the bulk-copy
+// ring's (run EK, H100: 8.94-9.11 against 8.46 ms for the 27B chain).
 constexpr int LROWS = 32;   // rows a chunk (two m-tiles)
 constexpr int LPITCH = 192;  // a private row: 128 bytes + 64, so rows g and g + 1 use distinct banks
 
@@ -636,6 +634,102 @@ __global__ void __launch_bounds__(256, 1)
         __syncwarp();  // the slot is read: refill it, DEPTH chunks ahead
         issue(ahead, slot);
         if (ahead.j < count) advance(ahead);
+        if (++slot == DEPTH) slot = 0;
+      }
+      publish_rows<MT>(acc, red + (gc & 1) * CW * LROWS + warp * LROWS, gid, t);
+      __syncthreads();
+      if (tid < rows) store_row<CW, LROWS>(red + (gc & 1) * CW * LROWS, tid, d.scale + row0, d.out + row0);
+    }
+    __syncthreads();  // this program's rows of GEMV j stored
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(done + j, 1u);
+    }
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// The same chain fed by the whole program (not the warps apart): DEPTH stages of 32 rows x 1024
+// bytes, each filled by all 256 threads with cp.async, a warp's 32 lanes 512 contiguous bytes of
+// one row, as the served GEMV's tile reads its rows. One barrier a chunk: every copy of the stage
+// about to be read has landed, and the stage read last is free to refill. The cursor `ahead` walks
+// DEPTH - 1 chunks ahead across GEMV boundaries. chain_ldg_kernel's 128-byte pieces of 32 rows a
+// warp read slower than the ring (run EK, H100); this asks whether whole-row pieces do not.
+template <int DEPTH>
+__global__ void __launch_bounds__(256, 1)
+    chain_cta_kernel(const GemvDesc* __restrict__ descs, int count, unsigned* done, int kmax, int mode) {
+  constexpr int CW = 8, WK = MKC / CW, MT = LROWS / 16;
+  constexpr int STAGE = LROWS * MPITCH;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  __half* xh = reinterpret_cast<__half*>(smem + DEPTH * STAGE);
+  float* xinv = reinterpret_cast<float*>(xh + kmax);
+  float* red = xinv + (kmax / MKC) * CW;  // [2][CW][LROWS]
+  auto first_of = [&](int j) {
+    return static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
+  };
+  auto last_of = [&](int j) {
+    return static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
+  };
+  auto settle = [&](Cursor& c) {
+    while (c.j < count && c.row0 >= last_of(c.j)) {
+      ++c.j;
+      c.row0 = c.j < count ? first_of(c.j) : 0;
+      c.kc = 0;
+    }
+  };
+  auto advance = [&](Cursor& c) {
+    if (++c.kc == descs[c.j].k / MKC) {
+      c.kc = 0;
+      c.row0 += LROWS;
+      settle(c);
+    }
+  };
+  auto issue = [&](const Cursor& c, int slot) {  // one commit group a chunk, empty past the end
+    if (c.j < count) {
+      const GemvDesc d = descs[c.j];
+      const int pieces = min(LROWS, last_of(c.j) - c.row0) * (MKC / 16);
+      const uint8_t* src = d.w + static_cast<long long>(c.row0) * d.k + c.kc * MKC;
+      uint8_t* dst = smem + slot * STAGE;
+      for (int i = tid; i < pieces; i += 256) {
+        const int r = i / (MKC / 16), q = i % (MKC / 16);
+        cp_async16(dst + r * MPITCH + q * 16, src + static_cast<long long>(r) * d.k + q * 16);
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  Cursor ahead{0, count > 0 ? first_of(0) : 0, 0};
+  settle(ahead);
+  for (int slot = 0; slot < DEPTH - 1; ++slot) {
+    issue(ahead, slot);
+    if (ahead.j < count) advance(ahead);
+  }
+
+  const int gid = lane >> 2, t = lane & 3;
+  int slot = 0, gc = 0;
+  for (int j = 0; j < count; ++j) {
+    const GemvDesc d = descs[j];
+    const int first = first_of(j), last = last_of(j), steps = d.k / MKC;
+    if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
+      if (tid == 0)
+        while (load_acquire(done + j - 1) < gridDim.x) {
+        }
+      __syncthreads();
+    }
+    if (first < last) load_x_slices<CW>(d.x, steps, xh, xinv, warp, lane);
+    for (int row0 = first; row0 < last; row0 += LROWS, ++gc) {
+      const int rows = min(LROWS, last - row0);
+      float acc[MT][4] = {};
+      for (int kc = 0; kc < steps; ++kc) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(DEPTH - 2) : "memory");
+        __syncthreads();  // this stage landed everywhere; the one read last is free
+        issue(ahead, slot == 0 ? DEPTH - 1 : slot - 1);
+        if (ahead.j < count) advance(ahead);
+        if (!(mode & 4)) {
+          const int kx = kc * MKC + warp * WK;
+          mma_chunk<MT, 2>(acc, smem + slot * STAGE + warp * WK + 16 * t, MPITCH, xh + kx, gid, t,
+                           xinv[kc * CW + warp]);
+        }
         if (++slot == DEPTH) slot = 0;
       }
       publish_rows<MT>(acc, red + (gc & 1) * CW * LROWS + warp * LROWS, gid, t);
@@ -764,7 +858,7 @@ extern "C" int chain_gemv_launch(const void* descs, int count, void* done, int k
   return static_cast<int>(e);
 }
 
-// chain_ldg_kernel (not yet run on a GPU): as chain_gemv_launch, each warp's private ring `depth`
+// chain_ldg_kernel: as chain_gemv_launch, each warp's private ring `depth`
 // (2-4) chunks of 32 rows x 128 bytes deep.
 extern "C" int chain_ldg_launch(const void* descs, int count, void* done, int kmax, int depth, int grid, int mode,
                                 void* stream) {
@@ -773,6 +867,25 @@ extern "C" int chain_ldg_launch(const void* descs, int count, void* done, int km
   LdgKernel fn = depth == 2 ? chain_ldg_kernel<2> : depth == 3 ? chain_ldg_kernel<3> : chain_ldg_kernel<4>;
   const size_t smem = static_cast<size_t>(8) * depth * LROWS * LPITCH + 2 * kmax +
                       4 * ((kmax / MKC) * 8 + 2 * 8 * LROWS);
+  cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e != cudaSuccess) return static_cast<int>(e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(256);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  e = cudaLaunchKernelEx(&cfg, fn, static_cast<const GemvDesc*>(descs), count, static_cast<unsigned*>(done), kmax,
+                         mode);
+  return static_cast<int>(e);
+}
+
+// chain_cta_kernel: as chain_gemv_launch, `depth` (3-5) stages of 32 rows x 1024 bytes.
+extern "C" int chain_cta_launch(const void* descs, int count, void* done, int kmax, int depth, int grid, int mode,
+                                void* stream) {
+  if (depth < 3 || depth > 5 || kmax % MKC != 0) return -1;
+  using CtaKernel = void (*)(const GemvDesc*, int, unsigned*, int, int);
+  CtaKernel fn = depth == 3 ? chain_cta_kernel<3> : depth == 4 ? chain_cta_kernel<4> : chain_cta_kernel<5>;
+  const size_t smem = static_cast<size_t>(depth) * LROWS * MPITCH + 2 * kmax + 4 * ((kmax / MKC) * 8 + 2 * 8 * LROWS);
   cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t cfg = {};

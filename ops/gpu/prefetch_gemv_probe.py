@@ -72,6 +72,8 @@ def build() -> ctypes.CDLL:
     so.chain_ldg_launch.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, *[ctypes.c_int] * 4, ctypes.c_void_p
     ]  # fmt: skip
+    so.chain_cta_launch.restype = ctypes.c_int
+    so.chain_cta_launch.argtypes = so.chain_ldg_launch.argtypes
     so.spin_launch.restype = ctypes.c_int
     so.spin_launch.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     return so
@@ -231,11 +233,19 @@ class OneLaunchChain:
     launch of chain_gemv_kernel; mode 4: its copies alone."""
 
     def __init__(
-        self, so: ctypes.CDLL, ring: int, grid: int, mtiles: int, mode: int = 0, depth: int = 0
+        self,
+        so: ctypes.CDLL,
+        ring: int,
+        grid: int,
+        mtiles: int,
+        mode: int = 0,
+        depth: int = 0,
+        form: str = "ldg",
     ):
-        """depth > 0: chain_ldg_kernel (each warp's own cp.async ring, depth chunks) instead."""
+        """depth > 0: chain_ldg_kernel (form "ldg": each warp's own cp.async ring, depth chunks)
+        or chain_cta_kernel (form "cta": depth stages filled by the whole program) instead."""
         self.so, self.ring, self.grid, self.mtiles, self.mode = so, ring, grid, mtiles, mode
-        self.depth = depth
+        self.depth, self.form = depth, form
 
     def prepare(self, steps, x0):
         """steps: [(w, scale, out)] in order; x0 the first x. Returns the outputs."""
@@ -258,7 +268,8 @@ class OneLaunchChain:
         stream = torch.cuda.current_stream().cuda_stream
         ptrs = (self.table.data_ptr(), self.count, self.done.data_ptr(), self.kmax)
         if self.depth:
-            rc = self.so.chain_ldg_launch(*ptrs, self.depth, self.grid, self.mode, stream)
+            launch = self.so.chain_ldg_launch if self.form == "ldg" else self.so.chain_cta_launch
+            rc = launch(*ptrs, self.depth, self.grid, self.mode, stream)
         else:
             rc = self.so.chain_gemv_launch(
                 *ptrs, self.ring, self.grid, self.mode, self.mtiles, stream
@@ -268,6 +279,8 @@ class OneLaunchChain:
 
     def __str__(self) -> str:
         what = ", copies only" if self.mode & 4 else ""
+        if self.depth and self.form == "cta":
+            return f"one launch, cp.async by the program, {self.depth} stages{what}"
         if self.depth:
             return f"one launch, cp.async by every warp, {self.depth} chunks deep{what}"
         return f"one launch, {16 * self.mtiles} rows, ring {self.ring >> 10} KiB{what}"
@@ -360,7 +373,14 @@ def main() -> None:
         type=int,
         nargs="*",
         default=None,
-        help="depths (2, 3) of the one-launch chain whose warps copy with cp.async (not yet run)",
+        help="depths (2, 3) of the one-launch chain whose warps copy with cp.async",
+    )
+    p.add_argument(
+        "--one-launch-cta",
+        type=int,
+        nargs="*",
+        default=None,
+        help="stages (3-5) of the one-launch chain whose program fills them with cp.async",
     )
     args = p.parse_args()
     so = build()
@@ -392,6 +412,9 @@ def main() -> None:
     for depth in args.one_launch_ldg or []:
         chains += [OneLaunchChain(so, 0, grid, 2, depth=depth)]
         chains += [OneLaunchChain(so, 0, grid, 2, mode=4, depth=depth)]
+    for depth in args.one_launch_cta or []:
+        for mode in (0, 4):
+            chains.append(OneLaunchChain(so, 0, grid, 2, mode=mode, depth=depth, form="cta"))
     if not all(check_chain(c) for c in chains if not c.mode & 4):
         sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
