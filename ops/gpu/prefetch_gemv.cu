@@ -474,19 +474,24 @@ __global__ void __launch_bounds__(32 * 9, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  auto share = [&](int n, int& first, int& last) {
+  auto share = [&](int n, int& first, int& last, int& step) {  // mode & 8: chunks dealt round the grid
+    if (mode & 8) {
+      first = static_cast<int>(blockIdx.x) * GROUP, last = n, step = static_cast<int>(gridDim.x) * GROUP;
+      return;
+    }
     first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
     last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
+    step = GROUP;
   };
 
   if (warp == CW) {  // the copying warp: every GEMV's chunks, in order, never waiting on the grid
     int s = 0, round = 0;
     for (int j = 0; j < count; ++j) {
       const GemvDesc d = descs[j];
-      int first, last;
-      share(d.n, first, last);
+      int first, last, step;
+      share(d.n, first, last, step);
       const int steps = d.k / MKC;
-      for (int row0 = first; row0 < last; row0 += GROUP) {
+      for (int row0 = first; row0 < last; row0 += step) {
         const int rows = min(GROUP, last - row0);
         for (int kc = 0; kc < steps; ++kc) {
           if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
@@ -507,8 +512,8 @@ __global__ void __launch_bounds__(32 * 9, 1)
   int s = 0, parity = 0, gc = 0;
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
-    int first, last;
-    share(d.n, first, last);
+    int first, last, step;
+    share(d.n, first, last, step);
     const int steps = d.k / MKC;
     if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
       if (tid == 0)
@@ -517,7 +522,7 @@ __global__ void __launch_bounds__(32 * 9, 1)
       asm volatile("bar.sync 1, %0;" ::"r"(32 * CW) : "memory");
     }
     if (first < last) load_x_slices<CW>(d.x, steps, xh, xinv, warp, lane);  // this warp's x slices
-    for (int row0 = first; row0 < last; row0 += GROUP, ++gc) {
+    for (int row0 = first; row0 < last; row0 += step, ++gc) {
       const int rows = min(GROUP, last - row0);
       float acc[MT][4] = {};
       for (int kc = 0; kc < steps; ++kc) {
@@ -665,11 +670,15 @@ __global__ void __launch_bounds__(256, 1)
   __half* xh = reinterpret_cast<__half*>(smem + DEPTH * STAGE);
   float* xinv = reinterpret_cast<float*>(xh + kmax);
   float* red = xinv + (kmax / MKC) * CW;  // [2][CW][LROWS]
+  const bool dealt = mode & 8;  // chunks dealt round the grid, not a contiguous share a program
+  const int step = dealt ? static_cast<int>(gridDim.x) * LROWS : LROWS;
   auto first_of = [&](int j) {
-    return static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
+    return dealt ? static_cast<int>(blockIdx.x) * LROWS
+                 : static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
   };
   auto last_of = [&](int j) {
-    return static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
+    return dealt ? descs[j].n
+                 : static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
   };
   auto settle = [&](Cursor& c) {
     while (c.j < count && c.row0 >= last_of(c.j)) {
@@ -681,7 +690,7 @@ __global__ void __launch_bounds__(256, 1)
   auto advance = [&](Cursor& c) {
     if (++c.kc == descs[c.j].k / MKC) {
       c.kc = 0;
-      c.row0 += LROWS;
+      c.row0 += step;
       settle(c);
     }
   };
@@ -717,7 +726,7 @@ __global__ void __launch_bounds__(256, 1)
       __syncthreads();
     }
     if (first < last) load_x_slices<CW>(d.x, steps, xh, xinv, warp, lane);
-    for (int row0 = first; row0 < last; row0 += LROWS, ++gc) {
+    for (int row0 = first; row0 < last; row0 += step, ++gc) {
       const int rows = min(LROWS, last - row0);
       float acc[MT][4] = {};
       for (int kc = 0; kc < steps; ++kc) {

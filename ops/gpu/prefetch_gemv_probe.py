@@ -278,7 +278,8 @@ class OneLaunchChain:
             raise RuntimeError(f"chain_gemv_launch: error {rc}")
 
     def __str__(self) -> str:
-        what = ", copies only" if self.mode & 4 else ""
+        what = ", chunks dealt" if self.mode & 8 else ""
+        what += ", copies only" if self.mode & 4 else ""
         if self.depth and self.form == "cta":
             return f"one launch, cp.async by the program, {self.depth} stages{what}"
         if self.depth:
@@ -342,6 +343,19 @@ def one_launch_chain(chains, so, bw: float, layers: int, gemv: PrefetchGemv) -> 
         chain.prepare(steps, x0)
         ms = graph_time_us([chain], reps=1) / 1e3
         print(f"   {ms:7.3f} ms {ms / floor:5.2f}x  {chain}")
+    steps.clear()
+    torch.cuda.empty_cache()
+    ((name, (n, k)),) = HUGE.items()
+    w, s = random_fp8(n, k), torch.full((n,), 1e-5, device="cuda")
+    x, out = x0.new_zeros(1, k), torch.zeros(1, n, device="cuda", dtype=torch.bfloat16)
+    floor = n * k / bw * 1e6
+    print(f"{name} as a one-GEMV chain: floor {floor:6.1f} us")  # each form's steady read rate
+    us = graph_time_us([partial(TritonGemv("wait"), x, w, s, out)], reps=1)
+    print(f"   {us:7.1f} us {us / floor:5.2f}x  triton (served)")
+    for chain in chains:
+        chain.prepare([(w, s, out)], x)
+        us = graph_time_us([chain], reps=1)
+        print(f"   {us:7.1f} us {us / floor:5.2f}x  {chain}")
 
 
 def main() -> None:
@@ -376,6 +390,11 @@ def main() -> None:
         help="depths (2, 3) of the one-launch chain whose warps copy with cp.async",
     )
     p.add_argument(
+        "--dealt",
+        action="store_true",
+        help="also the one-launch chains with 32-row chunks dealt round the grid (mode 8)",
+    )
+    p.add_argument(
         "--one-launch-cta",
         type=int,
         nargs="*",
@@ -407,14 +426,13 @@ def main() -> None:
     if not check([v for v in variants if not v.mode & 4]):
         sys.exit(1)
     chains = []
+    modes = [0, 4, 8, 12] if args.dealt else [0, 4]  # 8: chunks dealt round the grid
     for ring in args.one_launch or []:
-        chains += [OneLaunchChain(so, ring, grid, 2), OneLaunchChain(so, ring, grid, 2, mode=4)]
+        chains += [OneLaunchChain(so, ring, grid, 2, mode=m) for m in modes]
     for depth in args.one_launch_ldg or []:
-        chains += [OneLaunchChain(so, 0, grid, 2, depth=depth)]
-        chains += [OneLaunchChain(so, 0, grid, 2, mode=4, depth=depth)]
+        chains += [OneLaunchChain(so, 0, grid, 2, mode=4 * i, depth=depth) for i in range(2)]
     for depth in args.one_launch_cta or []:
-        for mode in (0, 4):
-            chains.append(OneLaunchChain(so, 0, grid, 2, mode=mode, depth=depth, form="cta"))
+        chains += [OneLaunchChain(so, 0, grid, 2, mode=m, depth=depth, form="cta") for m in modes]
     if not all(check_chain(c) for c in chains if not c.mode & 4):
         sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
