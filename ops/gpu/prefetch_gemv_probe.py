@@ -350,11 +350,11 @@ def one_launch_chain(chains, so, bw: float, layers: int, gemv: PrefetchGemv) -> 
     x, out = x0.new_zeros(1, k), torch.zeros(1, n, device="cuda", dtype=torch.bfloat16)
     floor = n * k / bw * 1e6
     print(f"{name} as a one-GEMV chain: floor {floor:6.1f} us")  # each form's steady read rate
-    us = graph_time_us([partial(TritonGemv("wait"), x, w, s, out)], reps=1)
+    us = graph_time_us([partial(TritonGemv("wait"), x, w, s, out)], reps=4)
     print(f"   {us:7.1f} us {us / floor:5.2f}x  triton (served)")
     for chain in chains:
         chain.prepare([(w, s, out)], x)
-        us = graph_time_us([chain], reps=1)
+        us = graph_time_us([chain], reps=4)
         print(f"   {us:7.1f} us {us / floor:5.2f}x  {chain}")
 
 
