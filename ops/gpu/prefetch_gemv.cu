@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(32 * 9, 1)
     int first, last, step;
     share(d.n, first, last, step);
     const int steps = d.k / MKC;
-    if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
+    if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
         while (load_acquire(done + j - 1) < gridDim.x) {
         }
@@ -619,7 +619,7 @@ __global__ void __launch_bounds__(256, 1)
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
     const int first = first_of(j), last = last_of(j), steps = d.k / MKC;
-    if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
+    if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
         while (load_acquire(done + j - 1) < gridDim.x) {
         }
@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(256, 1)
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
     const int first = first_of(j), last = last_of(j), steps = d.k / MKC;
-    if (j > 0) {  // GEMV j - 1 stored everywhere: its outputs are this x
+    if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
         while (load_acquire(done + j - 1) < gridDim.x) {
         }

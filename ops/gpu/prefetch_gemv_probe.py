@@ -279,6 +279,7 @@ class OneLaunchChain:
 
     def __str__(self) -> str:
         what = ", chunks dealt" if self.mode & 8 else ""
+        what += ", no waits" if self.mode & 16 else ""
         what += ", copies only" if self.mode & 4 else ""
         if self.depth and self.form == "cta":
             return f"one launch, cp.async by the program, {self.depth} stages{what}"
@@ -395,6 +396,11 @@ def main() -> None:
         help="also the one-launch chains with 32-row chunks dealt round the grid (mode 8)",
     )
     p.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="also each one-launch chain's copies with no wait at GEMV boundaries (mode 20)",
+    )
+    p.add_argument(
         "--one-launch-cta",
         type=int,
         nargs="*",
@@ -427,10 +433,11 @@ def main() -> None:
         sys.exit(1)
     chains = []
     modes = [0, 4, 8, 12] if args.dealt else [0, 4]  # 8: chunks dealt round the grid
+    modes += [20] if args.no_wait else []  # copies only, no wait at GEMV boundaries
     for ring in args.one_launch or []:
         chains += [OneLaunchChain(so, ring, grid, 2, mode=m) for m in modes]
-    for depth in args.one_launch_ldg or []:
-        chains += [OneLaunchChain(so, 0, grid, 2, mode=4 * i, depth=depth) for i in range(2)]
+    for depth in args.one_launch_ldg or []:  # no dealt form
+        chains += [OneLaunchChain(so, 0, grid, 2, mode=m, depth=depth) for m in modes if not m & 8]
     for depth in args.one_launch_cta or []:
         chains += [OneLaunchChain(so, 0, grid, 2, mode=m, depth=depth, form="cta") for m in modes]
     if not all(check_chain(c) for c in chains if not c.mode & 4):
