@@ -658,8 +658,8 @@ __global__ void __launch_bounds__(256, 1)
 // bytes, each filled by all 256 threads with cp.async, a warp's 32 lanes 512 contiguous bytes of
 // one row, as the served GEMV's tile reads its rows. One barrier a chunk: every copy of the stage
 // about to be read has landed, and the stage read last is free to refill. The cursor `ahead` walks
-// DEPTH - 1 chunks ahead across GEMV boundaries. chain_ldg_kernel's 128-byte pieces of 32 rows a
-// warp read slower than the ring (run EK, H100); this asks whether whole-row pieces do not.
+// DEPTH - 1 chunks ahead across GEMV boundaries. Its copies alone read one long GEMV at the floor
+// but the 27B chain at 1.15x (runs EL-EN, H100): the grid-wide wait at each boundary stalls them.
 template <int DEPTH>
 __global__ void __launch_bounds__(256, 1)
     chain_cta_kernel(const GemvDesc* __restrict__ descs, int count, unsigned* done, int kmax, int mode) {
