@@ -74,6 +74,54 @@ __device__ __forceinline__ float dot16(uint4 w, const float* x) {
 // The ring holds chunks in order (group g, K step kc) -> c = g * (K / KC) + kc. The copying warp
 // waits for a stage to be emptied (by all CWARPS consumer warps) before refilling it; consumers
 // wait for it to be full. Each consumer lane keeps one 16-byte K segment of RPW rows.
+// By thread 0: a ring's full (one arrival: the copy's) and empty (`consumers` arrivals) barriers,
+// and one barrier for each of `xsteps` pieces of x.
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int stages, int consumers,
+                                                   uint64_t* xbar, int xsteps) {
+  for (int s = 0; s < stages; ++s) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)), "r"(consumers) : "memory");
+  }
+  for (int i = 0; i < xsteps; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar + i)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// The copying warp of one GEMV launch: rows first .. last of w in chunks of GROUP rows x CB bytes
+// (rows `pitch` apart in a stage of `stage` bytes), in order (group g, K step kc), and x in CB-wide
+// pieces into xs. Stage s of round r (r = c / stages, kept as counters: a run-time division per
+// chunk cost more than the arithmetic) is full at parity r & 1 and was emptied for its refill at
+// parity (r - 1) & 1. mode & 2: the ring's first round is issued before the PDL wait.
+template <int GROUP, int CB>
+__device__ __forceinline__ void copy_ring(uint8_t* ring, uint32_t stage, int pitch, const uint8_t* w, int k,
+                                          int first, int last, int stages, uint64_t* full, uint64_t* empty,
+                                          void* xs, const __nv_bfloat16* x, uint64_t* xbar, int mode, int lane) {
+  const int steps = k / CB, chunks = (last - first + GROUP - 1) / GROUP * steps;
+  int s = 0, round = 0, g = 0, kc = 0;
+  auto produce = [&]() {
+    const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
+    if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
+    if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * CB);
+    __syncwarp();
+    if (lane < rows)
+      bulk_copy(ring + s * stage + lane * pitch,
+                w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * CB, CB, full + s);
+    if (++kc == steps) kc = 0, ++g;
+    if (++s == stages) s = 0, ++round;
+  };
+  const int ahead = min(stages, chunks);
+  if (mode & 2)
+    for (int c = 0; c < ahead; ++c) produce();
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  for (int i = lane; i < steps; i += 32) {
+    expect_bytes(xbar + i, 2u * CB);
+    bulk_copy(static_cast<uint8_t*>(xs) + 2 * i * CB, x + i * CB, 2u * CB, xbar + i);
+  }
+  if (!(mode & 2))
+    for (int c = 0; c < ahead; ++c) produce();
+  for (int c = ahead; c < chunks; ++c) produce();
+}
+
 template <int GROUP, int KC, int CWARPS>  // a chunk: GROUP rows x KC bytes; CWARPS computing warps
 __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
     prefetch_gemv_kernel(const uint8_t* __restrict__ w, const float* __restrict__ scale,
@@ -94,48 +142,11 @@ __global__ void __launch_bounds__(32 * (CWARPS + 1), 1)
   const int last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
   const int steps = k / KC;
   const int groups = (last - first + GROUP - 1) / GROUP;
-  const int chunks = groups * steps;
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)),
-                   "r"(CWARPS)
-                   : "memory");
-    }
-    for (int i = 0; i < steps; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar + i)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_ring_barriers(full, empty, stages, CWARPS, xbar, steps);
   __syncthreads();
 
-  // Chunks go in order (group g, K step kc); stage s of round r (r = c / stages, kept as counters:
-  // a run-time division per chunk cost more than the arithmetic) is full at parity r & 1 and was
-  // emptied for its refill at parity (r - 1) & 1.
   if (warp == CWARPS) {  // the copying warp
-    int s = 0, round = 0, g = 0, kc = 0;
-    auto produce = [&]() {
-      const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
-      if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
-      if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * KC);
-      __syncwarp();
-      if (lane < rows)
-        bulk_copy(ring + s * STAGE + lane * KC,
-                  w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * KC, KC,
-                  full + s);
-      if (++kc == steps) kc = 0, ++g;
-      if (++s == stages) s = 0, ++round;
-    };
-    const int ahead = min(stages, chunks);
-    if (mode & 2)
-      for (int c = 0; c < ahead; ++c) produce();
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (int i = lane; i < steps; i += 32) {
-      expect_bytes(xbar + i, 2u * KC);
-      bulk_copy(xs + i * KC, x + i * KC, 2u * KC, xbar + i);
-    }
-    if (!(mode & 2))
-      for (int c = 0; c < ahead; ++c) produce();
-    for (int c = ahead; c < chunks; ++c) produce();
+    copy_ring<GROUP, KC>(ring, STAGE, KC, w, k, first, last, stages, full, empty, xs, x, xbar, mode, lane);
     return;
   }
 
@@ -351,44 +362,11 @@ __global__ void __launch_bounds__(32 * (MWARPS + 1), 1)
   const int first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
   const int last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
   const int groups = (last - first + GROUP - 1) / GROUP;
-  const int chunks = groups * steps;
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)), "r"(MWARPS)
-                   : "memory");
-    }
-    for (int i = 0; i < steps; ++i)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(xbar + i)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_ring_barriers(full, empty, stages, MWARPS, xbar, steps);
   __syncthreads();
 
   if (warp == MWARPS) {  // the copying warp, as in prefetch_gemv_kernel
-    int s = 0, round = 0, g = 0, kc = 0;
-    auto produce = [&]() {
-      const int row0 = first + g * GROUP, rows = min(GROUP, last - row0);
-      if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
-      if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * MKC);
-      __syncwarp();
-      if (lane < rows)
-        bulk_copy(ring + s * STAGE + lane * MPITCH,
-                  w + static_cast<long long>(row0 + lane) * k + static_cast<long long>(kc) * MKC, MKC,
-                  full + s);
-      if (++kc == steps) kc = 0, ++g;
-      if (++s == stages) s = 0, ++round;
-    };
-    const int ahead = min(stages, chunks);
-    if (mode & 2)
-      for (int c = 0; c < ahead; ++c) produce();
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    for (int i = lane; i < steps; i += 32) {
-      expect_bytes(xbar + i, 2u * MKC);
-      bulk_copy(xh + i * MKC, x + i * MKC, 2u * MKC, xbar + i);
-    }
-    if (!(mode & 2))
-      for (int c = 0; c < ahead; ++c) produce();
-    for (int c = ahead; c < chunks; ++c) produce();
+    copy_ring<GROUP, MKC>(ring, STAGE, MPITCH, w, k, first, last, stages, full, empty, xh, x, xbar, mode, lane);
     return;
   }
 
@@ -446,6 +424,47 @@ struct GemvDesc {
   int n, k;
 };
 
+struct Cursor {  // a chunk: GEMV j, rows row0 .. row0 + rows of this program's share, K step kc
+  int j, row0, kc;
+};
+
+// This program's chunks of a chain, in order: per GEMV its contiguous share of the rows, or
+// (dealt) chunks dealt round the grid; `rows` rows x 1024 bytes a chunk.
+struct ChunkWalk {
+  const GemvDesc* descs;
+  int count;
+  bool dealt;
+  int rows;
+  __device__ int step() const { return dealt ? static_cast<int>(gridDim.x) * rows : rows; }
+  __device__ int first(int j) const {
+    return dealt ? static_cast<int>(blockIdx.x) * rows
+                 : static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
+  }
+  __device__ int last(int j) const {
+    return dealt ? descs[j].n
+                 : static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
+  }
+  __device__ void settle(Cursor& c) const {  // past GEMVs where this program has no rows
+    while (c.j < count && c.row0 >= last(c.j)) {
+      ++c.j;
+      c.row0 = c.j < count ? first(c.j) : 0;
+      c.kc = 0;
+    }
+  }
+  __device__ void advance(Cursor& c) const {
+    if (++c.kc == descs[c.j].k / MKC) {
+      c.kc = 0;
+      c.row0 += step();
+      settle(c);
+    }
+  }
+  __device__ Cursor start() const {
+    Cursor c{0, count > 0 ? first(0) : 0, 0};
+    settle(c);
+    return c;
+  }
+};
+
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -466,44 +485,24 @@ __global__ void __launch_bounds__(32 * 9, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(red + 2 * CW * GROUP);
   uint64_t* empty = full + stages;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_addr(full + s)) : "memory");
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(empty + s)), "r"(CW) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) init_ring_barriers(full, empty, stages, CW, nullptr, 0);
   __syncthreads();
-  auto share = [&](int n, int& first, int& last, int& step) {  // mode & 8: chunks dealt round the grid
-    if (mode & 8) {
-      first = static_cast<int>(blockIdx.x) * GROUP, last = n, step = static_cast<int>(gridDim.x) * GROUP;
-      return;
-    }
-    first = static_cast<int>((static_cast<long long>(blockIdx.x) * n) / gridDim.x);
-    last = static_cast<int>((static_cast<long long>(blockIdx.x + 1) * n) / gridDim.x);
-    step = GROUP;
-  };
+  const ChunkWalk walk{descs, count, (mode & 8) != 0, GROUP};  // 8: chunks dealt round the grid
+  const int step = walk.step();
 
   if (warp == CW) {  // the copying warp: every GEMV's chunks, in order, never waiting on the grid
     int s = 0, round = 0;
-    for (int j = 0; j < count; ++j) {
-      const GemvDesc d = descs[j];
-      int first, last, step;
-      share(d.n, first, last, step);
-      const int steps = d.k / MKC;
-      for (int row0 = first; row0 < last; row0 += step) {
-        const int rows = min(GROUP, last - row0);
-        for (int kc = 0; kc < steps; ++kc) {
-          if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
-          if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * MKC);
-          __syncwarp();
-          if (lane < rows)
-            bulk_copy(ring + s * STAGE + lane * MPITCH,
-                      d.w + static_cast<long long>(row0 + lane) * d.k + static_cast<long long>(kc) * MKC, MKC,
-                      full + s);
-          if (++s == stages) s = 0, ++round;
-        }
-      }
+    for (Cursor c = walk.start(); c.j < count; walk.advance(c)) {
+      const GemvDesc d = descs[c.j];
+      const int rows = min(GROUP, walk.last(c.j) - c.row0);
+      if (round > 0) barrier_wait(empty + s, (round - 1) & 1);
+      if (lane == 0) expect_bytes(full + s, static_cast<uint32_t>(rows) * MKC);
+      __syncwarp();
+      if (lane < rows)
+        bulk_copy(ring + s * STAGE + lane * MPITCH,
+                  d.w + static_cast<long long>(c.row0 + lane) * d.k + static_cast<long long>(c.kc) * MKC, MKC,
+                  full + s);
+      if (++s == stages) s = 0, ++round;
     }
     return;
   }
@@ -512,8 +511,7 @@ __global__ void __launch_bounds__(32 * 9, 1)
   int s = 0, parity = 0, gc = 0;
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
-    int first, last, step;
-    share(d.n, first, last, step);
+    const int first = walk.first(j), last = walk.last(j);
     const int steps = d.k / MKC;
     if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
@@ -559,10 +557,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_addr(dst)), "l"(src) : "memory");
 }
 
-struct Cursor {  // a chunk: GEMV j, rows row0 .. row0 + LROWS of this program's share, K step kc
-  int j, row0, kc;
-};
-
 template <int DEPTH>
 __global__ void __launch_bounds__(256, 1)
     chain_ldg_kernel(const GemvDesc* __restrict__ descs, int count, unsigned* done, int kmax, int mode) {
@@ -574,30 +568,11 @@ __global__ void __launch_bounds__(256, 1)
   __half* xh = reinterpret_cast<__half*>(smem + CW * DEPTH * SLOT);
   float* xinv = reinterpret_cast<float*>(xh + kmax);
   float* red = xinv + (kmax / MKC) * CW;  // [2][CW][LROWS]
-  auto first_of = [&](int j) {
-    return static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
-  };
-  auto last_of = [&](int j) {
-    return static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
-  };
-  auto settle = [&](Cursor& c) {  // past GEMVs where this program has no rows
-    while (c.j < count && c.row0 >= last_of(c.j)) {
-      ++c.j;
-      c.row0 = c.j < count ? first_of(c.j) : 0;
-      c.kc = 0;
-    }
-  };
-  auto advance = [&](Cursor& c) {
-    if (++c.kc == descs[c.j].k / MKC) {
-      c.kc = 0;
-      c.row0 += LROWS;
-      settle(c);
-    }
-  };
+  const ChunkWalk walk{descs, count, false, LROWS};
   auto issue = [&](const Cursor& c, int slot) {  // one commit group a chunk, empty past the end
     if (c.j < count) {
       const GemvDesc d = descs[c.j];
-      const int rows = min(LROWS, last_of(c.j) - c.row0);
+      const int rows = min(LROWS, walk.last(c.j) - c.row0);
       const uint8_t* src = d.w + static_cast<long long>(c.row0) * d.k + c.kc * MKC + warp * WK;
       uint8_t* dst = ring + slot * SLOT;
       for (int i = lane; i < rows * (WK / 16); i += 32) {
@@ -607,18 +582,17 @@ __global__ void __launch_bounds__(256, 1)
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  Cursor ahead{0, count > 0 ? first_of(0) : 0, 0};
-  settle(ahead);
+  Cursor ahead = walk.start();
   for (int slot = 0; slot < DEPTH; ++slot) {
     issue(ahead, slot);
-    if (ahead.j < count) advance(ahead);
+    if (ahead.j < count) walk.advance(ahead);
   }
 
   const int gid = lane >> 2, t = lane & 3;
   int slot = 0, gc = 0;
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
-    const int first = first_of(j), last = last_of(j), steps = d.k / MKC;
+    const int first = walk.first(j), last = walk.last(j), steps = d.k / MKC;
     if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
         while (load_acquire(done + j - 1) < gridDim.x) {
@@ -638,7 +612,7 @@ __global__ void __launch_bounds__(256, 1)
         }
         __syncwarp();  // the slot is read: refill it, DEPTH chunks ahead
         issue(ahead, slot);
-        if (ahead.j < count) advance(ahead);
+        if (ahead.j < count) walk.advance(ahead);
         if (++slot == DEPTH) slot = 0;
       }
       publish_rows<MT>(acc, red + (gc & 1) * CW * LROWS + warp * LROWS, gid, t);
@@ -670,34 +644,12 @@ __global__ void __launch_bounds__(256, 1)
   __half* xh = reinterpret_cast<__half*>(smem + DEPTH * STAGE);
   float* xinv = reinterpret_cast<float*>(xh + kmax);
   float* red = xinv + (kmax / MKC) * CW;  // [2][CW][LROWS]
-  const bool dealt = mode & 8;  // chunks dealt round the grid, not a contiguous share a program
-  const int step = dealt ? static_cast<int>(gridDim.x) * LROWS : LROWS;
-  auto first_of = [&](int j) {
-    return dealt ? static_cast<int>(blockIdx.x) * LROWS
-                 : static_cast<int>((static_cast<long long>(blockIdx.x) * descs[j].n) / gridDim.x);
-  };
-  auto last_of = [&](int j) {
-    return dealt ? descs[j].n
-                 : static_cast<int>((static_cast<long long>(blockIdx.x + 1) * descs[j].n) / gridDim.x);
-  };
-  auto settle = [&](Cursor& c) {
-    while (c.j < count && c.row0 >= last_of(c.j)) {
-      ++c.j;
-      c.row0 = c.j < count ? first_of(c.j) : 0;
-      c.kc = 0;
-    }
-  };
-  auto advance = [&](Cursor& c) {
-    if (++c.kc == descs[c.j].k / MKC) {
-      c.kc = 0;
-      c.row0 += step;
-      settle(c);
-    }
-  };
+  const ChunkWalk walk{descs, count, (mode & 8) != 0, LROWS};  // 8: chunks dealt round the grid
+  const int step = walk.step();
   auto issue = [&](const Cursor& c, int slot) {  // one commit group a chunk, empty past the end
     if (c.j < count) {
       const GemvDesc d = descs[c.j];
-      const int pieces = min(LROWS, last_of(c.j) - c.row0) * (MKC / 16);
+      const int pieces = min(LROWS, walk.last(c.j) - c.row0) * (MKC / 16);
       const uint8_t* src = d.w + static_cast<long long>(c.row0) * d.k + c.kc * MKC;
       uint8_t* dst = smem + slot * STAGE;
       for (int i = tid; i < pieces; i += 256) {
@@ -707,18 +659,17 @@ __global__ void __launch_bounds__(256, 1)
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  Cursor ahead{0, count > 0 ? first_of(0) : 0, 0};
-  settle(ahead);
+  Cursor ahead = walk.start();
   for (int slot = 0; slot < DEPTH - 1; ++slot) {
     issue(ahead, slot);
-    if (ahead.j < count) advance(ahead);
+    if (ahead.j < count) walk.advance(ahead);
   }
 
   const int gid = lane >> 2, t = lane & 3;
   int slot = 0, gc = 0;
   for (int j = 0; j < count; ++j) {
     const GemvDesc d = descs[j];
-    const int first = first_of(j), last = last_of(j), steps = d.k / MKC;
+    const int first = walk.first(j), last = walk.last(j), steps = d.k / MKC;
     if (j > 0 && !(mode & 16)) {  // GEMV j - 1 stored everywhere: its outputs are this x (16: no wait)
       if (tid == 0)
         while (load_acquire(done + j - 1) < gridDim.x) {
@@ -733,7 +684,7 @@ __global__ void __launch_bounds__(256, 1)
         asm volatile("cp.async.wait_group %0;" ::"n"(DEPTH - 2) : "memory");
         __syncthreads();  // this stage landed everywhere; the one read last is free
         issue(ahead, slot == 0 ? DEPTH - 1 : slot - 1);
-        if (ahead.j < count) advance(ahead);
+        if (ahead.j < count) walk.advance(ahead);
         if (!(mode & 4)) {
           const int kx = kc * MKC + warp * WK;
           mma_chunk<MT, 2>(acc, smem + slot * STAGE + warp * WK + 16 * t, MPITCH, xh + kx, gid, t,

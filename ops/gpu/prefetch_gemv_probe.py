@@ -9,7 +9,10 @@ docs/benchmarks.md ("Session 2026-12-05 (sixth)"): the ring without arithmetic t
 chain 0.45-0.65 ms under the served GEMVs on an H100, 0.11-0.39 ms on an H200 (the larger figures
 with 7 µs of idle before each out_proj / o_proj); with its arithmetic on the tensor cores
 (WARPS 0 or -16 in --tiles) it ties them, with the scalar one (e4m3 -> f16 -> f32, FFMA) it loses;
-the 256 GEMVs in one persistent launch (--one-launch, run EJ) tie them too.
+the 256 GEMVs in one persistent launch (--one-launch, run EJ) tie them too. Fed by cp.async from
+the threads instead of a copying warp (--one-launch-ldg, --one-launch-cta; runs EK-EN, "Session
+2026-12-05 (seventh)") it is slower: its 256 grid-wide waits cost what 256 launches do (--dealt:
+chunks dealt round the grid; --no-wait: the copies with those waits skipped, a bound).
 
   python3 ops/gpu/prefetch_gemv_probe.py [--tiles 16,1024,8 32,1024,8] [--ring 147456]
       [--modes 0 3 7] [--triton-pdl wait full off] [--gaps-ns 0 7000] [--layers 64]
@@ -248,7 +251,7 @@ class OneLaunchChain:
         self.depth, self.form = depth, form
 
     def prepare(self, steps, x0):
-        """steps: [(w, scale, out)] in order; x0 the first x. Returns the outputs."""
+        """steps: [(w, scale, out)] in order; x0 the first x (each out is written in place)."""
         import numpy as np
 
         fields = [("w", "u8"), ("s", "u8"), ("x", "u8"), ("o", "u8"), ("n", "i4"), ("k", "i4")]
@@ -275,7 +278,7 @@ class OneLaunchChain:
                 *ptrs, self.ring, self.grid, self.mode, self.mtiles, stream
             )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"chain_gemv_launch: error {rc}")
+            raise RuntimeError(f"{self}: launch error {rc}")
 
     def __str__(self) -> str:
         what = ", chunks dealt" if self.mode & 8 else ""
