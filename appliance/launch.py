@@ -144,7 +144,15 @@ class Launcher:
         return None
 
     def _poll(self, timeout_ms: int):
-        if not self._inbox.poll(timeout_ms):
+        """The next message, or None after timeout_ms or as soon as a role dies: its exit wakes the
+        wait, so the role that died first is the one reported (a TP peer that aborts on the
+        broken collective a few ms later is not)."""
+        poller = zmq.Poller()
+        poller.register(self._inbox, zmq.POLLIN)
+        for proc in self._procs.values():
+            if proc.exitcode is None:
+                poller.register(proc.sentinel, zmq.POLLIN)
+        if self._inbox not in dict(poller.poll(timeout_ms)):
             return None
         msg = self._decoder.decode(self._inbox.recv())
         if isinstance(msg, Heartbeat):
