@@ -12,7 +12,7 @@ with 7 µs of idle before each out_proj / o_proj); with its arithmetic on the te
 the 256 GEMVs in one persistent launch (--one-launch, run EJ) tie them too. Fed by cp.async from
 the threads instead of a copying warp (--one-launch-ldg, --one-launch-cta; runs EK-EN, "Session
 2026-12-05 (seventh)") it is slower: its 256 grid-wide waits cost what 256 launches do (--dealt:
-chunks dealt round the grid; --no-wait: the copies with those waits skipped, a bound).
+chunks dealt round the grid; --no-wait: those waits skipped, computing or copies only, a bound).
 
   python3 ops/gpu/prefetch_gemv_probe.py [--tiles 16,1024,8 32,1024,8] [--ring 147456]
       [--modes 0 3 7] [--triton-pdl wait full off] [--gaps-ns 0 7000] [--layers 64]
@@ -401,7 +401,8 @@ def main() -> None:
     p.add_argument(
         "--no-wait",
         action="store_true",
-        help="also each one-launch chain's copies with no wait at GEMV boundaries (mode 20)",
+        help="also each one-launch chain with no wait at GEMV boundaries: computing (mode 16, "
+        "wrong outputs) and copies only (mode 20)",
     )
     p.add_argument(
         "--one-launch-cta",
@@ -436,14 +437,14 @@ def main() -> None:
         sys.exit(1)
     chains = []
     modes = [0, 4, 8, 12] if args.dealt else [0, 4]  # 8: chunks dealt round the grid
-    modes += [20] if args.no_wait else []  # copies only, no wait at GEMV boundaries
+    modes += [16, 20] if args.no_wait else []  # no wait at GEMV boundaries (outputs wrong)
     for ring in args.one_launch or []:
         chains += [OneLaunchChain(so, ring, grid, 2, mode=m) for m in modes]
     for depth in args.one_launch_ldg or []:  # no dealt form
         chains += [OneLaunchChain(so, 0, grid, 2, mode=m, depth=depth) for m in modes if not m & 8]
     for depth in args.one_launch_cta or []:
         chains += [OneLaunchChain(so, 0, grid, 2, mode=m, depth=depth, form="cta") for m in modes]
-    if not all(check_chain(c) for c in chains if not c.mode & 4):
+    if not all(check_chain(c) for c in chains if not c.mode & 20):
         sys.exit(1)
     variants = [TritonGemv(pdl) for pdl in args.triton_pdl] + variants
     bw = copy_bandwidth()
