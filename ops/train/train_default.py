@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=128, help="sequences per step")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=256, help="sequences per step")
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vision-lr-scale", type=float, default=1.0, help="ViT (and probe) lr x this")
     p.add_argument("--weight-decay", type=float, default=0.1, help="matrices, embeddings excepted")
     p.add_argument("--probe-weight", type=float, default=2.0, help="vision probe loss (0: off)")
@@ -210,6 +210,11 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.log_every == 0 or step == args.steps - 1:
+            if not torch.isfinite(loss):  # checked where it is read anyway: no sync per step
+                raise SystemExit(
+                    f"non-finite loss at step {step} (main {main.item()}): training diverged, "
+                    "no checkpoint written; try another --seed or a lower --lr"
+                )
             rate = (step + 1) / (time.time() - t_train)
             print(
                 f"step {step}: loss {main.item():.4f} mtp1 {mtp1.item():.4f} "
@@ -220,6 +225,8 @@ def train(args) -> dict:
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
     train_s = time.time() - t_train
+    if not torch.isfinite(loss):
+        raise SystemExit(f"non-finite loss at the last step ({step}): no checkpoint written")
     model.eval()
     special = chat.special_ids(tok)
     shard_bytes = int(args.shard_mib * 2**20)

@@ -216,3 +216,21 @@ def test_text_answers_tokenize_one_token_per_character() -> None:
     assert len(answers) == 20
     for answer in answers:
         assert len(tok.encode(answer, add_special_tokens=False).ids) == len(answer), answer
+
+
+def test_a_diverged_run_stops_without_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A non-finite loss (one shipped-recipe seed went to NaN by step 1000) ends training with a
+    message and writes no checkpoint, so gpu_build.sh cannot keep that variant."""
+    real = td.losses
+
+    def poisoned(model, batch, loss_mask):
+        main, mtp1, mtp2 = real(model, batch, loss_mask)
+        return main * float("nan"), mtp1, mtp2
+
+    monkeypatch.setattr(td, "losses", poisoned)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--preset", "tiny", "--steps", "3", "--data-scale", "0.003"]
+    argv += ["--batch-size", "4", "--heldout", "1", "--device", "cpu", "--log-every", "1"]
+    with pytest.raises(SystemExit, match="non-finite loss at step 0"):
+        td.main(argv)
+    assert not list(out.glob("*.safetensors"))  # an absent folder globs to nothing too
