@@ -219,8 +219,8 @@ def test_text_answers_tokenize_one_token_per_character() -> None:
 
 
 def test_a_diverged_run_stops_without_a_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    """A non-finite loss (one shipped-recipe seed went to NaN by step 1000) ends training with a
-    message and writes no checkpoint, so gpu_build.sh cannot keep that variant."""
+    """A non-finite loss (a variant of the shipped recipe went to NaN by step 1000) ends training
+    with a message and writes no checkpoint, so gpu_build.sh cannot keep that variant."""
     real = td.losses
 
     def poisoned(model, batch, loss_mask):
