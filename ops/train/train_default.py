@@ -120,6 +120,16 @@ def _masked_ce(logits, targets, mask) -> torch.Tensor:
     return (ce * mask.flatten()).sum() / mask.sum().clamp(min=1)
 
 
+def _stop_if_diverged(loss: torch.Tensor, step: int) -> None:
+    """Ends the run, before any checkpoint is written, once the loss is NaN or infinite (it never
+    recovers, and gpu_build.sh keeps only variants that wrote one)."""
+    if not torch.isfinite(loss):
+        raise SystemExit(
+            f"non-finite loss at step {step}: training diverged, no checkpoint written; try "
+            "another --seed or a lower --lr"
+        )
+
+
 def _lr(step: int, total: int, peak: float, elapsed: float = 0.0, budget: float = 0.0) -> float:
     """Linear warm-up, then cosine to 5 % over the steps or the time budget, whichever ends first
     (so a run cut short by --time-budget still ends at a low learning rate)."""
@@ -210,11 +220,7 @@ def train(args) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.log_every == 0 or step == args.steps - 1:
-            if not torch.isfinite(loss):  # checked where it is read anyway: no sync per step
-                raise SystemExit(
-                    f"non-finite loss at step {step} (main {main.item()}): training diverged, "
-                    "no checkpoint written; try another --seed or a lower --lr"
-                )
+            _stop_if_diverged(loss, step)  # at log steps only: no host sync per step
             rate = (step + 1) / (time.time() - t_train)
             print(
                 f"step {step}: loss {main.item():.4f} mtp1 {mtp1.item():.4f} "
@@ -225,8 +231,7 @@ def train(args) -> dict:
             print(f"time budget reached after {step + 1} steps", flush=True)
             break
     train_s = time.time() - t_train
-    if not torch.isfinite(loss):
-        raise SystemExit(f"non-finite loss at the last step ({step}): no checkpoint written")
+    _stop_if_diverged(loss, step)  # the last step may not have been a log step
     model.eval()
     special = chat.special_ids(tok)
     shard_bytes = int(args.shard_mib * 2**20)
