@@ -319,9 +319,9 @@ def bf16_gemv_wins(m: int, n: int, k: int) -> bool:
 
 
 # Under PDL a GDN in_proj GEMV with its conv lets the recurrence launch as its programs start, so
-# the recurrence reads its state while the GEMV finishes (appliance_kernels/gdn.py PRELOAD_STATE;
-# off with it).
-CONV_RELEASE = False
+# the recurrence reads its state while the GEMV finishes (appliance_kernels/gdn.py PRELOAD_STATE,
+# on and off with it).
+CONV_RELEASE = True
 
 # The one-row fp8 GEMV's tile where set, per channel and block (ops/bench/bench_static.py
 # --fp8-gemv-tile), as gemv_config returns it.

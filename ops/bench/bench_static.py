@@ -452,9 +452,9 @@ def main() -> None:
     switch(
         ap,
         "--gdn-preload",
-        "off",
+        "on",
         "under PDL the GDN recurrence reads its state before waiting for the in_proj, which "
-        "releases it early when the conv is inside it (on: appliance_kernels/gdn.py "
+        "releases it early when the conv is inside it (on, as served: appliance_kernels/gdn.py "
         "PRELOAD_STATE, fp8_gemv.CONV_RELEASE) or waits first (off); graphs captured again",
     )
     switch(

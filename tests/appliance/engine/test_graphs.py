@@ -230,3 +230,32 @@ def test_captured_graphs_with_the_split_gated_norm(quantization, tmp_path, monke
         results.append(_generate(runner, prompts, options, steps=12))
     assert results[0] == results[1]
     assert any(taken), "no GEMV took the head norm"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("quantization", ["", "fp8"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_state_read_before_the_wait_changes_nothing(quantization, graphs, tmp_path, monkeypatch):
+    """One request, the conv inside the in_proj GEMV: with gdn.PRELOAD_STATE and
+    fp8_gemv.CONV_RELEASE (the recurrence launched as the GEMV starts and reading its state before
+    its PDL wait), eager or in captured graphs, the tokens and the final SSM states are bit for bit
+    those of the recurrence that waits before it reads."""
+    from appliance.models.layers import gdn
+    from appliance.testing.tiny import build_qwen3_5
+    from appliance_kernels import fp8_gemv
+    from appliance_kernels import gdn as gdn_kernels
+
+    model_dir = build_qwen3_5(tmp_path / "dense", seed=3)
+    monkeypatch.setattr(gdn, "FUSE_CONV", True)
+    prompts, options = [list(range(3, 14))], [GREEDY]
+    tokens, states = {}, {}
+    for preload in (False, True):
+        monkeypatch.setattr(gdn_kernels, "PRELOAD_STATE", preload)
+        monkeypatch.setattr(fp8_gemv, "CONV_RELEASE", preload)
+        runner = _gpu_runner(model_dir, graphs, quantization=quantization)
+        tokens[preload] = _generate(runner, prompts, options, steps=24)
+        states[preload] = [g.ssm_states[1].cpu() for g in runner.pools.gdn_layers]
+    assert tokens[True] == tokens[False]
+    for layer, (got, want) in enumerate(zip(states[True], states[False])):
+        assert torch.equal(got, want), layer
