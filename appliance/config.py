@@ -202,6 +202,9 @@ class ServerConfig:
     allowed_origins: str = ""  # comma-separated CORS origins ("*" = any); "" = CORS off
     max_request_bytes: int = 32 * 1024 * 1024  # HTTP body limit (413 past it); images come inline
     request_timeout: float = 0.0  # seconds a request may run before it is aborted (408); 0 = none
+    # a chat request's own `chat_template` (or chat_template_kwargs.chat_template) is rendered;
+    # off: refused with a 400 (a template is code the server runs: a loop can hold a CPU for hours)
+    trust_request_chat_template: bool = False
     # sampling defaults of unset request fields: auto = the model's generation_config.json, none =
     # OpenAI's, or a folder holding a generation_config.json
     generation_config: str = "auto"

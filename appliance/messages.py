@@ -182,7 +182,7 @@ class DetokParams(msgspec.Struct, frozen=True):
     unchanged by router (DetokRegister), read by detokenizer."""
 
     stop: list[str] = []  # stop strings; the text ends before the first match
-    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text)
     skip_special_tokens: bool = True  # drop special tokens (<|im_end|>, ...) from the text
     logprobs: bool = False  # send per-token logprob entries with the text
 

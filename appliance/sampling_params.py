@@ -40,7 +40,9 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * p(most likely); 0 = off
     seed: int | None = None  # per-request sampling seed; None = drawn by the router at admission
     stop: str | list[str] | None = None  # stop strings (matched by the detokenizer)
-    stop_token_ids: list[int] | None = None  # extra token ids that end generation (kept in output)
+    # extra token ids that end generation; their text, as eos's, is left out of the output unless
+    # include_stop_str_in_output
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False  # keep generating past eos (stop_token_ids still apply)
     presence_penalty: float = 0.0  # OpenAI: subtract once per token present in the output
     frequency_penalty: float = 0.0  # OpenAI: subtract per occurrence in the output
@@ -48,7 +50,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k = sampled token's logprob plus the top k
     prompt_logprobs: int | None = None  # None = off; k = each prompt token's logprob plus the top k
     skip_special_tokens: bool = True  # detokenizer: drop special tokens from the text
-    include_stop_str_in_output: bool = False  # detokenizer: keep the matched stop string
+    include_stop_str_in_output: bool = False  # detokenizer: keep the stop string / token's text
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
     guide: Guide | None = None  # structured output: Guide("json_schema" / "regex" / "grammar", ..)
 

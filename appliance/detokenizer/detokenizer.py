@@ -52,12 +52,21 @@ class Detokenizer:
                 )
             return None
         finish = update.finish_reason
+        # The router's "stop" ends on the token that stopped it (eos or a stop_token_ids id): it
+        # counts and has its logprob, but its text is left out unless the request keeps stops
+        # (include_stop_str_in_output), as vLLM and SGLang do.
+        ids = update.token_ids
+        stop_token = finish == "stop" and bool(ids) and not state.params.include_stop_str_in_output
         consumed = 0
-        for token_id in update.token_ids:
+        for token_id in ids[:-1] if stop_token else ids:
             state.add_token(token_id)
             consumed += 1
             if state.stopped:
                 break
+        unread = 0
+        if stop_token and not state.stopped:
+            consumed += 1
+            unread = 1
         if state.stopped:
             if finish is None:
                 finishes.append(FinishRequest(req_id, "stop"))
@@ -79,7 +88,7 @@ class Detokenizer:
             req_id,
             text,
             token_ids,
-            len(state.token_ids),
+            len(state.token_ids) + unread,
             finish,
             logprobs,
             error=update.error,

@@ -131,7 +131,12 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         """Queues a new request. Raises InvalidRequest, RequestTooLong or QueueFull."""
         self._validate(req)
-        if len(self.waiting) >= self.config.max_waiting:
+        # The queue also holds, beyond max_waiting, as many as the running batch has free seats:
+        # they start at the next step. So a burst the server admitted (it counts max_num_seqs +
+        # max_waiting sequences, appliance/server/process.py) is not refused here before any of
+        # it could be scheduled.
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.config.max_waiting + seats:
             raise QueueFull(f"{len(self.waiting)} requests waiting (max_waiting)")
         if req.sampling.seed is None:
             # The one place an unseeded request gets its seed: drawn once here, so recomputation

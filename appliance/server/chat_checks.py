@@ -1,5 +1,6 @@
 """The chat route's own 400s, by OpenAI's rules: tool messages name their call, tools are
-well-formed functions whose `parameters` are a JSON Schema object, tool_choice fits the tools.
+well-formed functions whose `parameters` are a JSON Schema object, tool_choice fits the tools; and
+a request's own chat template only where the server trusts them (vLLM's rule).
 
 Called by serving_chat.ChatEndpoint.check before anything is tokenized.
 """
@@ -11,7 +12,7 @@ from typing import Any
 
 from appliance.parsers.schema import tool_name
 from appliance.server.errors import BadRequest
-from appliance.server.protocol import ChatMessage
+from appliance.server.protocol import ChatCompletionRequest, ChatMessage
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
@@ -31,6 +32,28 @@ _SCHEMA_ONE = (
 )
 _NUMBERS = ("minimum", "maximum", "multipleOf")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def template_kwargs(body: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
+    """The keyword arguments the chat template renders with: chat_template_kwargs, and a request's
+    own template (`chat_template`, or the same key inside chat_template_kwargs) only where the
+    server was started with --trust-request-chat-template: a template is code the server runs."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    own = body.chat_template if body.chat_template is not None else kwargs.get("chat_template")
+    param = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
+    if own is None:
+        kwargs.pop("chat_template", None)
+        return kwargs
+    if not trusted:
+        raise BadRequest(
+            f"{param}: this server renders only its model's chat template; a request's own "
+            "template needs the server started with --trust-request-chat-template.",
+            param,
+        )
+    if not isinstance(own, str):
+        raise BadRequest(f"{param}: the chat template must be a string.", param)
+    kwargs["chat_template"] = own
+    return kwargs
 
 
 def check_messages(messages: list[ChatMessage]) -> None:

@@ -136,12 +136,16 @@ class EngineClient:
     ) -> RequestGroup:
         if self.failure is not None:
             raise EngineFailed(self.failure)
+        if len(requests) > self.max_open:  # never fits, however long the client waits: no 429
+            raise BadRequest(
+                f"The request asks for {len(requests)} sequences at once (n x prompts); this "
+                f"server holds at most {self.max_open} (--max-num-seqs + --max-waiting). Send "
+                "fewer prompts or a smaller n."
+            )
         if self.num_open + len(requests) > self.max_open:
             raise TooManyRequests(
                 f"The server is at capacity ({self.num_open} sequences open, limit "
-                f"{self.max_open}). Please retry later.",
-                None,
-                "rate_limit_exceeded",
+                f"{self.max_open}). Please retry later."
             )
         # Encode every choice before any is counted open: a request that cannot be put on the wire
         # is refused with nothing registered (nothing to leak).

@@ -101,6 +101,9 @@ class TooManyRequests(APIError):
     type = "rate_limit_error"
     headers = {"Retry-After": "1"}  # seconds; the queue drains at the step rate
 
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param, "rate_limit_exceeded")
+
 
 class ServiceUnavailable(APIError):
     status = 503

@@ -118,6 +118,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's; only with --trust-request-chat-template
     add_generation_prompt: bool = True
 
     def requested_max_tokens(self) -> int | None:
@@ -139,6 +140,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # only = n (every sequence generated is returned)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

@@ -11,7 +11,12 @@ from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
-from appliance.server.chat_checks import check_messages, check_tool_choice, check_tools
+from appliance.server.chat_checks import (
+    check_messages,
+    check_tool_choice,
+    check_tools,
+    template_kwargs,
+)
 from appliance.server.images import image_support, load_images
 from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest
@@ -130,6 +135,7 @@ class ChatEndpoint:
         check_messages(body.messages)
         check_tools(body.tools)
         check_tool_choice(body.tool_choice, body.tools)
+        template_kwargs(body, state.config.trust_request_chat_template)
 
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
         num_chars = message_chars(body.messages)
@@ -141,7 +147,7 @@ class ChatEndpoint:
             state.prompts.chat,
             body.messages,
             body.tools,
-            body.chat_template_kwargs,
+            template_kwargs(body, state.config.trust_request_chat_template),
             body.add_generation_prompt,
             images,
             support.image_token_id,

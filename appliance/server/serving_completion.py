@@ -6,6 +6,7 @@ Used by app.py. Choice index = prompt index x n + choice number, as OpenAI numbe
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
@@ -31,6 +32,8 @@ class LegacyLogprobs:
 
     def __init__(self, offset: int) -> None:
         self.offset = offset  # characters before the first generated token (echoed prompt)
+        # a character split over several tokens counts once, at the token that completes it
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def entries(self, items: list[TokenLogprob]) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -40,7 +43,7 @@ class LegacyLogprobs:
             # a prompt's first token has no logprob and no alternatives (null, as OpenAI)
             top.append(None if e.logprob is None else {t: lp for t, lp, _ in e.top})
             offsets.append(self.offset)
-            self.offset += len(e.token)
+            self.offset += len(self._utf8.decode(bytes(e.bytes)))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -105,6 +108,14 @@ class CompletionEndpoint:
     def check(self, state: ServerState, body: CompletionRequest) -> None:
         if body.suffix:
             raise BadRequest("suffix: not supported.", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise BadRequest(
+                f"best_of: must be at least n ({body.n}), got {body.best_of}."
+                if body.best_of < body.n
+                else "best_of: more candidates than n is not supported (every sequence "
+                "generated is returned); ask for n instead.",
+                "best_of",
+            )
         check_n(state, body)
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:

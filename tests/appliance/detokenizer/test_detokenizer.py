@@ -3,6 +3,8 @@ finishes, logprob entries, rejected requests."""
 
 from __future__ import annotations
 
+import pytest
+
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.messages import DetokParams, DetokRegister, RouterOutput, TokenUpdate
 
@@ -88,7 +90,7 @@ def test_stop_included_and_multi_token_updates(hf_tokenizer, text_tokenizer):
 
 def test_held_prefix_released_when_no_stop(hf_tokenizer, text_tokenizer):
     # "STO" could start "STOX": held back until the end of the request, then released.
-    ids = hf_tokenizer.encode("abc STO")
+    ids = hf_tokenizer.encode("abc STO") + [hf_tokenizer.eos_token_id]
     deltas, finishes = _stream(
         Detokenizer(text_tokenizer), "r", ids, DetokParams(stop=["STOX"]), finish_at_end="stop"
     )
@@ -101,10 +103,32 @@ def test_special_tokens_skipped_or_kept(hf_tokenizer, text_tokenizer):
     deltas, _ = _stream(Detokenizer(text_tokenizer), "a", ids, DetokParams(), "stop")
     assert "".join(d.text for d in deltas) == "hi"
     assert deltas[-1].num_output_tokens == len(ids)
-    deltas, _ = _stream(
-        Detokenizer(text_tokenizer), "b", ids, DetokParams(skip_special_tokens=False), "stop"
-    )
-    assert "".join(d.text for d in deltas) == "hi<|im_end|>"
+    # the eos that stopped the request is left out even as text, unless stops are kept
+    for keep, text in ((False, "hi"), (True, "hi<|im_end|>")):
+        params = DetokParams(skip_special_tokens=False, include_stop_str_in_output=keep)
+        deltas, _ = _stream(Detokenizer(text_tokenizer), f"b{keep}", ids, params, "stop")
+        assert "".join(d.text for d in deltas) == text
+        assert deltas[-1].num_output_tokens == len(ids)
+
+
+@pytest.mark.parametrize("per_update", [1, 3])
+def test_a_stop_token_counts_but_its_text_is_left_out(hf_tokenizer, text_tokenizer, per_update):
+    """The router's "stop" ends on the stop_token_ids token that matched (a plain word here): it
+    counts and keeps its logprob entry, its text is not in the output unless stops are kept, as
+    vLLM and SGLang do; a "length" finish keeps every token's text."""
+    ids = hf_tokenizer.encode("The quick brown")
+    head = hf_tokenizer.decode(ids[:-1])
+    for finish, keep, text in (
+        ("stop", False, head),
+        ("stop", True, "The quick brown"),
+        ("length", False, "The quick brown"),
+    ):
+        params = DetokParams(include_stop_str_in_output=keep, logprobs=True)
+        detok = Detokenizer(text_tokenizer)
+        deltas, _ = _stream(detok, "r", ids, params, finish, per_update=per_update)
+        assert "".join(d.text for d in deltas) == text, (finish, keep)
+        assert deltas[-1].num_output_tokens == len(ids)
+        assert [t for d in deltas for t in d.token_ids] == ids
 
 
 def test_logprob_entries(hf_tokenizer, text_tokenizer):

@@ -236,7 +236,9 @@ def test_captured_graphs_with_the_split_gated_norm(quantization, tmp_path, monke
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("quantization", ["", "fp8"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_state_read_before_the_wait_changes_nothing(quantization, graphs, tmp_path, monkeypatch):
+def test_the_state_read_before_the_wait_changes_nothing(
+    quantization, graphs, tmp_path, monkeypatch
+):
     """One request, the conv inside the in_proj GEMV: with gdn.PRELOAD_STATE and
     fp8_gemv.CONV_RELEASE (the recurrence launched as the GEMV starts and reading its state before
     its PDL wait), eager or in captured graphs, the tokens and the final SSM states are bit for bit

@@ -138,11 +138,17 @@ def test_queue_full() -> None:
     from appliance.config import SchedulerConfig
     from appliance.router import Scheduler
 
-    sched = Scheduler(SchedulerConfig(max_waiting=2), 100, 100)
-    sched.add_request(req("a", [1], 1))
-    sched.add_request(req("b", [1], 1))
+    # max_waiting requests wait beyond the running batch's free seats: a burst the server admitted
+    # (max_num_seqs + max_waiting sequences) is queued whole, and starts at the next step
+    sched = Scheduler(SchedulerConfig(max_waiting=2, max_num_seqs=1), 100, 100)
+    for name in "abc":
+        sched.add_request(req(name, [1], 1))
     with pytest.raises(QueueFull):
-        sched.add_request(req("c", [1], 1))
+        sched.add_request(req("d", [1], 1))
+    sched.schedule()  # a runs: no free seat left, so the queue holds max_waiting
+    assert [r.req_id for r in sched.running] == ["a"]
+    with pytest.raises(QueueFull):
+        sched.add_request(req("d", [1], 1))
 
 
 def admitted_order(worker: FakeWorker, prompts: dict[str, list[int]]) -> list[str]:

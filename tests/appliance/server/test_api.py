@@ -286,3 +286,19 @@ def test_tool_calls_non_stream_and_stream(make_server, tokenizer):
     )
     assert plain.choices[0].message.content == TOOL_TEXT
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_text_offsets_count_characters_split_over_tokens(make_server, tokenizer):
+    """A character whose UTF-8 bytes span several tokens counts once in text_offset, at the token
+    that completes it: each offset is the length of the text before its token."""
+    reply = tokenizer.encode("héllo 😀 ok", add_special_tokens=False)
+    client, _, _ = make_server(script=lambda prompt: reply)
+    body = client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": len(reply), "logprobs": 0}
+    ).json()
+    choice = body["choices"][0]
+    assert choice["text"] == "héllo 😀 ok"
+    # the text before token i: a character still missing bytes decodes as U+FFFD, left out
+    before = [len(tokenizer.decode(reply[:i]).rstrip("\ufffd")) for i in range(len(reply))]
+    assert before[2] == before[1]  # "é" is two byte tokens (so is the emoji, four)
+    assert choice["logprobs"]["text_offset"] == before

@@ -95,9 +95,14 @@ def test_completion_bad_prompts(make_server):
         ({"prompt": {"a": 1}}, "prompt"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),  # fewer candidates than answers
+        ({"prompt": "x", "best_of": 2}, "best_of"),  # more: not supported, rather than ignored
+        ({"prompt": "x", "best_of": 0}, "best_of"),
     ]:
         assert_error(client.post("/v1/completions", json=body), 400, param)
         assert_serving(client)
+    r = client.post("/v1/completions", json={"prompt": "x", "n": 2, "best_of": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_context_guards(make_server, tokenizer):
@@ -136,15 +141,35 @@ def test_char_limit_configurable(make_server):
     assert_error(r, 400, "prompt", "context_length_exceeded", "more than the 10 characters")
 
 
-def test_queue_full_429(make_server):
-    client, engine, _ = make_server(max_open=1)
-    r = client.post("/v1/chat/completions", json={"messages": MSG, "n": 2})
-    assert_error(r, 429, None, "rate_limit_exceeded")
+def test_queue_full_429(make_server, tokenizer):
+    long_reply = tokenizer.encode("hello world " * 40, add_special_tokens=False)
+    client, engine, state = make_server(script=lambda prompt: long_reply, max_open=2)
+    engine.step_s = 0.01
+    # More sequences than the server ever holds: 400, not a 429 an SDK would retry forever.
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "n": 3})
+    assert_error(r, 400, None, contains="at most 2")
+    r = client.post("/v1/completions", json={"prompt": ["a", "b", "c"]})
+    assert_error(r, 400, None, contains="asks for 3 sequences")
+    # Full for now (a request of n = 2 is running): 429, with Retry-After.
+    body = {"messages": MSG, "n": 2, "max_tokens": 200}
+    answers = []
+    busy = threading.Thread(
+        target=lambda: answers.append(client.post("/v1/chat/completions", json=body))
+    )
+    busy.start()
+    deadline = time.monotonic() + 10
+    while state.client.num_open < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert_error(r, 429, None, "rate_limit_exceeded", "at capacity")
+    assert r.headers["Retry-After"] == "1"
+    busy.join()
+    assert answers[0].status_code == 200, answers[0].text
     assert_serving(client)
-    # The router's own refusal (its queue is full) reaches the client as 429 too.
+    # The router's own refusal (its queue is full) reaches the client as 429, with the same code.
     engine.reject_status = 429
     r = client.post("/v1/chat/completions", json={"messages": MSG})
-    assert_error(r, 429, None)
+    assert_error(r, 429, None, "rate_limit_exceeded")
     engine.reject_status = 0
     assert_serving(client)
 
@@ -319,10 +344,39 @@ def test_error_codes_are_strings_or_null_and_headers_follow_the_status(make_serv
     r = client.post("/v1/chat/completions", json={"messages": "x"})
     assert r.json()["error"]["code"] == "invalid_type"  # OpenAI's code for a wrong JSON type
     r = client.post("/v1/chat/completions", json={"messages": MSG, "n": 2})
+    assert_error(r, 400, None)  # more sequences than the server ever holds
+    assert "retry-after" not in r.headers
+    engine.reject_status = 429  # the router's refusal: code and header as the server's own 429
+    r = client.post("/v1/chat/completions", json={"messages": MSG})
     assert_error(r, 429, None, "rate_limit_exceeded")
     assert r.headers["retry-after"] == "1"
-    engine.reject_status = 429  # the router's own refusal carries it too
-    r = client.post("/v1/chat/completions", json={"messages": MSG})
-    assert r.status_code == 429 and r.headers["retry-after"] == "1"
     for code in (err["code"], r.json()["error"]["code"]):
         assert code is None or isinstance(code, str)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"chat_template": "X{{ messages[0]['content'] }}"}, "chat_template"),
+        (
+            {"chat_template_kwargs": {"chat_template": "X{{ messages[0]['content'] }}"}},
+            "chat_template_kwargs",
+        ),
+    ],
+)
+def test_a_request_template_needs_the_servers_trust(make_server, extra, param):
+    """A chat template is code the server runs: a request's own is refused (400, nothing sent to
+    the engine) unless the server trusts them; trusted, it is what renders the prompt."""
+    client, engine, _ = make_server()
+    body = {"messages": MSG, "max_tokens": 2, **extra}
+    r = client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, param, contains="--trust-request-chat-template")
+    assert engine.received == []
+    assert_serving(client)
+
+    trusting, engine, state = make_server(trust_request_chat_template=True)
+    r = trusting.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    (request,) = engine.received
+    rendered = state.prompts.tokenizer.encode("Xhi", add_special_tokens=False)
+    assert request.prompt_token_ids == rendered
