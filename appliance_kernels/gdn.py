@@ -214,9 +214,9 @@ RECURRENT_MAX_ROWS = 8  # requests with at most this many rows use the recurrent
 # last written by this layer's recurrence a step earlier (or between steps, by MTP's commit and
 # the prefix cache's copies), long finished by then: every kernel since has waited on the one
 # before it. On the H200 (run CZ in docs/benchmarks.md, with fp8_gemv.CONV_RELEASE) it took
-# 0.04-0.06 ms off the overlapped 27B batch-1 step (ops/bench/bench_static.py --gdn-preload); on
-# an H100 (runs EQ, ER) the engine's GPU tests pass with it, and eager steps and captured graphs
-# give the same tokens and SSM states, bit for bit, with it and without.
+# 0.04-0.06 ms off the overlapped 27B batch-1 step (ops/bench/bench_static.py --gdn-preload), on
+# an H100 0.05 ms (run ES); there (runs EQ, ER) the engine's GPU tests pass with it, and eager
+# steps and captured graphs give the same tokens and SSM states, bit for bit, with it and without.
 PRELOAD_STATE = True
 # The recurrent kernel's value columns a program (BV) and warps. Default (None): 32 columns, 4 warps
 # ([128, 32] of fp32 state a program; 8 warps above 4096 elements): 192 programs for the 27B's 48
