@@ -9,7 +9,8 @@ final `arguments`, which is exactly `json.dumps(final_arguments_dict)` with Pyth
 (separators ", " and ": ", ensure_ascii=True, keys in the order the model wrote them):
 - the first delta of a call carries id, name and `{`; a string value streams as it arrives, escaped
   per character and never with a partial escape; a value that could still turn out to be `null`, a
-  trailing newline that may belong to the closer and a partial closing tag are held back;
+  trailing newline that may belong to the closer and a partial closing tag are held back (a
+  partial tag that ends the output, where max_tokens cut the call short, is dropped);
 - non-string values are emitted whole once their parameter closes; the last value's tail (closing
   quote or whole value) is held until the function closes, so `}` comes in the same delta;
 - `</parameter>`, `</function>` and `</tool_call>` may be missing: the next `<parameter=`,
@@ -350,9 +351,11 @@ class ToolCallParser:
             self._pending = self._pending[at + skip :]
             self._close_param()
             return True
-        keep = 0 if final else _held_suffix(self._pending, _VALUE_ENDS)
+        keep = _held_suffix(self._pending, _VALUE_ENDS)
         self._value_text(self._pending[: len(self._pending) - keep])
-        self._pending = self._pending[len(self._pending) - keep :]
+        # at the end (max_tokens cut the call short) a partial closing tag is the tag being
+        # written, not the value's: dropped
+        self._pending = "" if final else self._pending[len(self._pending) - keep :]
         return False
 
     # ---- calls and parameters ----

@@ -68,6 +68,9 @@ class RequestGroup:
     # why its unfinished choices were aborted (None: none were): "client_gone", "deadline",
     # "drain_timeout", "error"; read by the access log
     abort_reason: str | None = None
+    # choices that ended "stop" whose metrics label the answer decides (a chat answer that made
+    # tool calls ends "tool_calls"): index -> (req_id, choice), until `label_finish` or release
+    pending_stops: dict[int, tuple[str, _Choice]] | None = None
 
     @property
     def open_ids(self) -> list[str]:
@@ -132,8 +135,14 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, group_id: str, requests: list[TokenizedRequest], arrival: float
+        self,
+        group_id: str,
+        requests: list[TokenizedRequest],
+        arrival: float,
+        label_stops: bool = False,
     ) -> RequestGroup:
+        """label_stops: the caller names the metrics finish reason of each choice that ends "stop"
+        (label_finish), as the formatted answer says it; release records any it did not name."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         if len(requests) > self.max_open:  # never fits, however long the client waits: no 429
@@ -153,7 +162,7 @@ class EngineClient:
             wires = [encode(req) for req in requests]
         except (OverflowError, TypeError, ValueError) as exc:
             raise BadRequest(f"The request has a value the engine cannot carry: {exc}.") from None
-        group = RequestGroup(group_id)
+        group = RequestGroup(group_id, pending_stops={} if label_stops else None)
         for index, req in enumerate(requests):
             group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
             self._groups[req.req_id] = group
@@ -169,9 +178,18 @@ class EngineClient:
             raise
         return group
 
+    def label_finish(self, group: RequestGroup, index: int, reason: str) -> None:
+        """The metrics finish reason of a choice that ended "stop" in a label_stops group."""
+        pending = group.pending_stops.pop(index, None) if group.pending_stops else None
+        if pending is not None:
+            self._record_finish(pending[0], pending[1], reason)
+
     def abort(self, group: RequestGroup, reason: str) -> None:
         """Frees the group's unfinished choices in the router at once (the client went away, the
-        deadline passed, ...); the first reason given is the group's `abort_reason`."""
+        deadline passed, ...); the first reason given is the group's `abort_reason`. Every way out
+        of a request calls it: stops not labelled by then count as "stop"."""
+        for index in list(group.pending_stops or ()):
+            self.label_finish(group, index, "stop")
         if not group.open_ids:
             return
         group.abort_reason = group.abort_reason or reason
@@ -288,7 +306,11 @@ class EngineClient:
         if delta.finish_reason is not None:
             choice.finished = True
             del self._groups[delta.req_id]
-            self._record_finish(delta.req_id, choice, finish_label(delta))
+            label = finish_label(delta)
+            if label == "stop" and group.pending_stops is not None:
+                group.pending_stops[choice.index] = (delta.req_id, choice)
+            else:
+                self._record_finish(delta.req_id, choice, label)
         group.queue.put_nowait((choice.index, delta))
 
     # ------------------------------------------------------------------ metrics

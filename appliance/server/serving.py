@@ -45,6 +45,10 @@ Choice = dict[str, Any]  # one entry of a response's `choices`
 class ChoiceFormatter(Protocol):
     """Words the choices of one request in its endpoint's format; holds the per-choice state."""
 
+    # whether a choice that ended "stop" can be worded with another finish_reason (a chat answer
+    # that made tool calls: "tool_calls"); the metrics then count what the answer says
+    labels_stops: bool
+
     def opening(self, index: int) -> Choice | None:
         """The streamed choice sent before any text (None: the endpoint sends none)."""
 
@@ -138,7 +142,7 @@ async def _admit(
     formatter = endpoint.formatter(state, body, prompts)
     head = {"id": group_id, "created": int(time.time()), "model": model}
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    group = state.client.submit(group_id, requests, arrival)
+    group = state.client.submit(group_id, requests, arrival, formatter.labels_stops)
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
         group.timeout_s = state.config.request_timeout
@@ -154,7 +158,7 @@ async def _respond(
     group = answer.group
     if not body.stream:
         async with abort_on_disconnect(request, state.client, group):
-            return JSONResponse(await _collect(answer))
+            return JSONResponse(await _collect(state.client, answer))
     try:
         first = await first_item(request, state.client, group)
     except ClientGone:
@@ -234,7 +238,7 @@ def cached_prompt_tokens(answer: _Answer, cached: list[int]) -> int:
     return sum(max(cached[first : first + n]) for first in range(0, len(cached), n))
 
 
-async def _collect(answer: _Answer) -> dict[str, Any]:
+async def _collect(client: EngineClient, answer: _Answer) -> dict[str, Any]:
     n = answer.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
@@ -251,10 +255,13 @@ async def _collect(answer: _Answer) -> dict[str, Any]:
         if delta.finish_reason is not None:
             finish[index] = delta.finish_reason
     final = answer.formatter.final_choice
+    choices = [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)]
+    for i, choice in enumerate(choices):
+        client.label_finish(answer.group, i, choice["finish_reason"])
     return {
         **answer.head,
         "object": answer.endpoint.object_name,
-        "choices": [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)],
+        "choices": choices,
         "usage": usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
     }
 
@@ -305,6 +312,8 @@ async def _stream(
                 tokens[index] = delta.num_output_tokens
                 cached[index] = max(cached[index], delta.cached_tokens)
                 choice = answer.formatter.delta_choice(index, delta)
+                if choice is not None and delta.finish_reason is not None:
+                    state.client.label_finish(answer.group, index, choice["finish_reason"])
                 if choice is not None:
                     yield chunk([choice])
             if include_usage:

@@ -72,6 +72,8 @@ def chat_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
 class ChatFormatter:
     """Chat choices: a role chunk, then reasoning / content / tool-call deltas, or one message."""
 
+    labels_stops = True  # a "stop" that made tool calls is worded "tool_calls"
+
     def __init__(self, parsers: list[ChoiceParser]) -> None:
         self.parsers = parsers  # one per choice
 

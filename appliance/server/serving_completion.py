@@ -56,6 +56,8 @@ class CompletionFormatter:
     """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk), and
     with `scored` (echo + logprobs) its token entries lead the choice's logprobs, offsets from 0."""
 
+    labels_stops = False  # finish_reason as the engine ended the choice
+
     def __init__(self, echoes: list[str], scored: bool = False) -> None:
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
         self.pending_echo = list(echoes)  # per choice: echo not streamed yet

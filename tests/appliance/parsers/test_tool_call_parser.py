@@ -119,10 +119,16 @@ CASES = {
         [("get_weather", {"city": "Paris"})],
     ),
     "truncated_function_name": ToolCase("Hi\n<tool_call>\n<function=get_wea", "Hi", []),
-    "truncated_closer_kept_as_text": ToolCase(
+    # max_tokens cut the call inside its closing tag: the partial tag is not the value's
+    "truncated_closer_dropped": ToolCase(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis</param",
         None,
-        [("get_weather", {"city": "Paris</param"})],
+        [("get_weather", {"city": "Paris"})],
+    ),
+    "truncated_closer_after_the_newline": ToolCase(
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</",
+        None,
+        [("get_weather", {"city": "Paris"})],
     ),
     "escapes_and_unicode": ToolCase(
         _block(_call("write_file", [("path", "ä/ö.txt"), ("content", ESCAPES)])),

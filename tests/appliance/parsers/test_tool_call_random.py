@@ -121,6 +121,13 @@ def _random_value(rng: random.Random, param: str) -> tuple[str, object]:
     return json.dumps(meta, ensure_ascii=rng.random() < 0.5), meta
 
 
+def _partial_closer(text: str) -> int:
+    """Length of the longest end of `text` that begins a terminator without completing it."""
+    return max(
+        (k for t in _TERMINATORS for k in range(1, len(t)) if text.endswith(t[:k])), default=0
+    )
+
+
 def _random_function(rng: random.Random, last: bool) -> tuple[str, tuple[str, dict] | None, bool]:
     """(rendered function block, expected call or None if undefined, truncated?)."""
     defined = rng.random() < 0.85
@@ -135,7 +142,8 @@ def _random_function(rng: random.Random, last: bool) -> tuple[str, tuple[str, di
         if final_param and rng.random() < 0.25 and param in ("text", "label"):
             # cut the output inside this string value: EOS with no closers at all
             raw = raw[: rng.randint(0, len(raw))]
-            value = raw[:-1] if raw.endswith("\n") else raw
+            value = raw[: len(raw) - _partial_closer(raw)]  # the tag being written: dropped
+            value = value[:-1] if value.endswith("\n") else value
             value = None if value.lower() == "null" else value
             parts.append(f"<parameter={param}>\n{raw}")
             arguments[param] = value

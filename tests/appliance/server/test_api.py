@@ -258,11 +258,18 @@ TOOL_TEXT = (
 
 def test_tool_calls_non_stream_and_stream(make_server, tokenizer):
     ids = tokenizer.encode(TOOL_TEXT, add_special_tokens=False)
-    client, _, _ = make_server(script=lambda prompt: ids)
+    client, _, state = make_server(script=lambda prompt: ids)
+
+    def finished(reason: str) -> float:
+        labels = {"model_name": "tiny", "finish_reason": reason}
+        return state.metrics.registry.get_sample_value("appliance_requests_finished_total", labels)
+
     sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
     out = sdk.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "w"}], tools=TOOLS
     )
+    # the metrics count the finish the answer gives, not the engine's "stop"
+    assert (finished("tool_calls"), finished("stop")) == (1, 0)
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -280,12 +287,14 @@ def test_tool_calls_non_stream_and_stream(make_server, tokenizer):
         finish = chunk.choices[0].finish_reason or finish
     assert names == ["get_weather"] and args == call.function.arguments
     assert finish == "tool_calls"
+    assert (finished("tool_calls"), finished("stop")) == (2, 0)
     # tool_choice "none": the same text is plain content.
     plain = sdk.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "w"}], tools=TOOLS, tool_choice="none"
     )
     assert plain.choices[0].message.content == TOOL_TEXT
     assert plain.choices[0].finish_reason == "stop"
+    assert (finished("tool_calls"), finished("stop")) == (2, 1)
 
 
 def test_text_offsets_count_characters_split_over_tokens(make_server, tokenizer):
