@@ -147,15 +147,39 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
 
 
+_TYPE_PARTS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """The request fields of a pydantic error location: without "body", without the union
+    members it tried ("str", "list[tagged-union[TextPart,ImagePart]]") and the tag value
+    ("text") a tagged union adds after the member's index."""
+    out: list[str] = []
+    skip = -1
+    for i, part in enumerate(str(p) for p in loc):
+        if i == skip or part == "body":
+            continue
+        if "[" in part or part in _TYPE_PARTS:
+            if "tagged-union[" in part:
+                skip = i + 2 if part.startswith("list[") else i + 1
+            continue
+        out.append(part)
+    return out
+
+
 def _validation_error(exc: RequestValidationError) -> BadRequest:
     errors = exc.errors()
     if not errors:
         return BadRequest("Invalid request body.")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return BadRequest(f"Malformed JSON body: {first.get('msg', 'invalid JSON')}.")
-    # Union members show up as extra loc parts ("prompt", "str"): the field is the first part.
+    # A union field fails once per member; the member that got furthest into the value is the
+    # one the client meant (a content-part list missing its `text`, not "not a string").
+    field = _field_path(first.get("loc", ()))
+    rivals = [e for e in errors if _field_path(e.get("loc", ()))[: len(field)] == field]
+    first = max(rivals, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
+    loc = _field_path(first.get("loc", ()))
     param = loc[0] if loc else None
     path = ".".join(loc)
     kind = first.get("type", "")

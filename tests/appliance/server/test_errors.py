@@ -34,6 +34,20 @@ BAD_BODIES = [
     ({"messages": "hi"}, 400, "messages", ""),
     ({"messages": []}, 400, "messages", ""),
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", ""),
+    # a union field: the member the value was meant for names the problem, not "not a string"
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages",
+        "messages.0.content.0.text: field required",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages",
+        "messages.0.content.0.image_url.url: field required",
+    ),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages.0.content: "),
     ({"messages": MSG, "max_tokens": "ten"}, 400, "max_tokens", ""),
     ({"messages": MSG, "max_tokens": -1}, 400, "max_tokens", "greater than or equal to 1"),
     ({"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
