@@ -252,6 +252,38 @@ def _resolve_model(config: ServeConfig, revision: str) -> ServeConfig:
     return dataclasses.replace(config, engine=engine, server=server)
 
 
+def _check_model_config(config: ServeConfig) -> None:
+    """A config.json the workers cannot build a model from (not JSON, a missing field, an
+    architecture not served) or a --max-model-len past the model's positions fails here in one
+    line, before any process starts (vLLM refuses a longer context too)."""
+    from appliance.models.config import load_text_config
+    from appliance.models.layers.quant import UnsupportedQuantization
+    from appliance.models.registry import model_class
+
+    model = config.engine.model
+    path = Path(model.model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        _fail(f"{path}: not a readable JSON config ({exc})")
+    if not isinstance(raw, dict):
+        _fail(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        text = load_text_config(path.parent, model.quantization)
+        model_class(text)
+    except UnsupportedQuantization:
+        return  # _check_quantization words it
+    except KeyError as exc:
+        _fail(f"{path}: no {exc.args[0]!r}, which the model needs")
+    except (TypeError, ValueError) as exc:
+        _fail(f"{path}: {exc}")
+    if model.max_model_len > text.max_position_embeddings:
+        _fail(
+            f"--max-model-len {model.max_model_len} is more than the model's "
+            f"max_position_embeddings ({text.max_position_embeddings}, {path})"
+        )
+
+
 def _check_quantization(config: ServeConfig) -> None:
     """A checkpoint whose quantization_config cannot load (method, scheme, block size) fails here
     in one line naming it and what is supported, before any process starts."""
@@ -305,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(exc), code=1)
     setup_logging()
     config = _resolve_model(config, args.revision)
+    _check_model_config(config)
     _check_quantization(config)
     _check_generation_config(config)
     try:

@@ -148,8 +148,11 @@ class RoleLink:
     def progress(self, stage: str) -> None:
         self._sock.send(encode(StartupProgress(self.role, self.rank, stage)))
 
-    def ready(self, worker: WorkerInfo | None = None, visual: VisualInfo | None = None) -> None:
-        self._sock.send(encode(ProcessReady(self.role, self.rank, os.getpid(), worker, visual)))
+    def ready(
+        self, worker: WorkerInfo | None = None, visual: VisualInfo | None = None, port: int = 0
+    ) -> None:
+        msg = ProcessReady(self.role, self.rank, os.getpid(), worker, visual, port)
+        self._sock.send(encode(msg))
 
     def send(self, msg) -> None:
         self._sock.send(encode(msg))

@@ -59,6 +59,7 @@ class Launcher:
         self.config = config
         self.model_dir = config.engine.model.model_dir  # resolved by the caller (cli.py)
         self.tp = config.engine.parallel.tp
+        self.port = config.server.port  # the server's ProcessReady says which, for --port 0
         self.with_visual = wants_visual_server(self.model_dir, config.server.visual)
         self.visual_info: VisualInfo | None = None
         self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-"))
@@ -190,6 +191,8 @@ class Launcher:
                     total - len(pending),
                     total,
                 )
+                if msg.port:
+                    self.port = msg.port  # --port 0: the port the server got
                 if msg.visual is not None:
                     self.visual_info = msg.visual
                     self._spawn_workers()
@@ -225,12 +228,12 @@ class Launcher:
             logger.info("%s", format_config_block(self.config, resolved_backends(self.config)))
             info = self._wait_startup()
             self._control.send(encode(EngineReady(info.max_model_len, info.num_kv_slots)))
-            server = self.config.server
+            host = self.config.server.host
             logger.info(
                 "ready in %.1fs: http://%s:%d (tp %d, max_model_len %d, %d KV slots)",
                 self._elapsed(),
-                server.host,
-                server.port,
+                f"[{host}]" if ":" in host else host,  # an IPv6 address, as a URL writes it
+                self.port,
                 self.tp,
                 info.max_model_len,
                 info.num_kv_slots,
@@ -354,6 +357,16 @@ def preflight(config: ServeConfig) -> None:
     except envs.EnvError as exc:
         raise LaunchError(str(exc)) from None
     check_port(config.server.host, config.server.port)
+    parallel = config.engine.parallel
+    if parallel.device == "cuda":  # (auto falls back to the CPU: no look-up needed)
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < parallel.tp:
+            raise LaunchError(
+                f"--device cuda --tp {parallel.tp}: {found} CUDA device(s) visible "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
+            )
 
 
 def serve(config: ServeConfig) -> int:

@@ -462,6 +462,7 @@ class ProcessReady(msgspec.Struct, tag="ready", frozen=True):
     pid: int
     worker: WorkerInfo | None = None  # set by worker rank 0
     visual: VisualInfo | None = None  # set by the visual server
+    port: int = 0  # set by the server: the HTTP port it listens on (--port 0: the one it got)
 
 
 class Drained(msgspec.Struct, tag="drained", frozen=True):

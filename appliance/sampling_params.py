@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 from appliance.messages import DetokParams, Guide, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
@@ -131,6 +133,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def choice_options(self, choice: int, guide: Guide | None = None) -> SamplingOptions:
+        """The worker's knobs for choice `choice` of n: a given seed is offset so choices differ
+        (wrapping, a 64-bit integer still); `guide` replaces this one's (the server compiles)."""
+        options = self.to_options()
+        if guide is not None:
+            options = msgspec.structs.replace(options, guide=guide)
+        if options.seed is not None and choice:
+            seed = (options.seed + choice + 2**63) % 2**64 - 2**63
+            options = msgspec.structs.replace(options, seed=seed)
+        return options
 
     def to_options(self) -> SamplingOptions:
         """The worker's view: top_k 0 becomes -1 (off); stop strings and n stay with their owners.

@@ -35,15 +35,29 @@ def resolve_model_dir(model: str | None, revision: str = "", load_format: str = 
         if revision:
             logger.warning("revision %r ignored: %s is a local folder", revision, local)
         _check_folder(model, local, weights)
+        _check_tokenizer(model, local)
         return local
     if not hub.looks_like_hub_id(model):
         raise ModelNotFoundError(
             f"model {model!r}: no such folder ({local.absolute()}), and not a Hub id (ORG/NAME)"
         )
     try:
-        return hub.snapshot(model, revision, weights, tried=f"no folder {local.absolute()}; ")
+        folder = hub.snapshot(model, revision, weights, tried=f"no folder {local.absolute()}; ")
     except hub.HubError as exc:
         raise ModelNotFoundError(str(exc)) from None
+    _check_tokenizer(model, folder)
+    return folder
+
+
+# A checkpoint's tokenizer is one of these (transformers' fast / slow BPE / sentencepiece files).
+# Without one, transformers would build an empty tokenizer that turns every text into no tokens.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
+
+
+def _check_tokenizer(model: str, folder: Path) -> None:
+    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_FILES):
+        wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+        raise ModelNotFoundError(f"model {model!r}: no tokenizer in {folder} (expected {wanted})")
 
 
 def _check_folder(model: str, folder: Path, weights: bool) -> None:

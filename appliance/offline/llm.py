@@ -18,7 +18,7 @@ from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
 from appliance.messages import Guide, TextDelta, TokenizedRequest
 from appliance.router.engine import EngineCore
-from appliance.router.scheduler import Scheduler, SchedulerError
+from appliance.router.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
 
 
@@ -112,14 +112,25 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _request(self, prompt: str | list[int], params: SamplingParams) -> TokenizedRequest:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = len(self.tokenizer.hf)
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def _request(self, ids: list[int], params: SamplingParams, choice: int) -> TokenizedRequest:
+        """Choice `choice` of the prompt's n: a given seed is offset so the choices differ (as the
+        server's choices)."""
         if params.guide is not None:
             self._check_guide(params.guide)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
             prompt_token_ids=ids,
-            sampling=params.to_options(),
+            sampling=params.choice_options(choice),
             max_tokens=params.max_tokens,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
@@ -143,25 +154,39 @@ class LLM:
         prompts: str | list[int] | list[str | list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
-        """Runs every prompt to its end. A prompt the scheduler refuses raises its error (a
-        ValueError, or QueueFull); the prompts before it are dropped."""
+        """Runs every prompt to its end: `n` outputs a prompt (SamplingParams.n), prompt by prompt,
+        as the server numbers choices. A prompt the scheduler refuses raises its error (a
+        ValueError, or QueueFull); any error or interrupt (KeyboardInterrupt) drops every request
+        of the call, so the LLM serves the next call as new."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.default_sampling_params()
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: {len(params)} given for {len(prompts)} prompts (give one, or "
+                "one a prompt)"
+            )
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         outputs: dict[str, CompletionOutput] = {}
-        for prompt, sp in zip(prompts, params_list):
-            try:
-                req = self._request(prompt, sp)
-                self.engine.enqueue(req)
-            except (SchedulerError, ValueError, RuntimeError):  # RuntimeError: no xgrammar
-                self._abort(list(outputs))
-                raise
-            outputs[req.req_id] = CompletionOutput(
-                prompt_token_ids=req.prompt_token_ids,
-                logprobs=[] if sp.logprobs is not None else None,
-            )
-        open_ids = set(outputs)
+        open_ids: set[str] = set()
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids = self._prompt_ids(prompt)
+                for choice in range(sp.n):
+                    req = self._request(ids, sp, choice)
+                    self.engine.enqueue(req)
+                    outputs[req.req_id] = CompletionOutput(
+                        prompt_token_ids=req.prompt_token_ids,
+                        logprobs=[] if sp.logprobs is not None else None,
+                    )
+                    open_ids.add(req.req_id)
+            self._run(outputs, open_ids)
+        except BaseException:
+            self._abort(sorted(open_ids))
+            raise
+        return list(outputs.values())
+
+    def _run(self, outputs: dict[str, CompletionOutput], open_ids: set[str]) -> None:
         while open_ids:
             ran = self.engine.step()
             routed = self.engine.take_output()
@@ -173,10 +198,11 @@ class LLM:
             for finish in finishes:
                 self.engine.finish(finish.req_id, finish.reason)
             for delta in deltas.deltas:
-                self._apply(delta, outputs[delta.req_id])
+                if delta.req_id not in open_ids:
+                    continue  # a request an earlier, interrupted call dropped
                 if delta.finish_reason is not None:
                     open_ids.discard(delta.req_id)
-        return list(outputs.values())
+                self._apply(delta, outputs[delta.req_id])
 
     def _abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -80,7 +81,13 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    name = config.server.served_model_name or Path(model_dir).name
+    if not getattr(tokenizer, "chat_template", None):
+        logger.warning(
+            "%s has no chat template: /v1/chat/completions answers 400, /v1/completions serves",
+            model_dir,
+        )
+    # the folder's own name, also for "." or "ckpt/" (absolute, symlinks not followed)
+    name = config.server.served_model_name or Path(os.path.abspath(model_dir)).name
     window = StatsWindow()
     metrics = MetricsRecorder(name, window)
     sched = config.engine.scheduler
@@ -137,7 +144,8 @@ def run_server(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
             if serving.done():
                 return
             await asyncio.sleep(0.02)
-        link.ready()
+        sockets = [sock for srv in server.servers for sock in srv.sockets]
+        link.ready(port=sockets[0].getsockname()[1] if sockets else config.server.port)
         await serving
 
     asyncio.run(main())

@@ -109,6 +109,11 @@ class PromptBuilder:
         rendered_messages = [_message_dict(m, bool(images)) for m in messages]
         self.check_chars(message_chars(messages), "messages")
         kwargs = dict(template_kwargs or {})
+        if not kwargs.get("chat_template") and not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest(
+                "This model has no chat template (none in its tokenizer_config.json or "
+                "chat_template.jinja), so it cannot render messages: use /v1/completions."
+            )
         if tools:
             kwargs["tools"] = tools
         try:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from appliance.messages import Guide, SamplingOptions
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
 
@@ -260,16 +258,3 @@ def sampling_params(
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split(":", 1)[0]) from None
-
-
-def choice_options(
-    params: SamplingParams, choice: int, guide: Guide | None = None
-) -> SamplingOptions:
-    """The worker's knobs for choice `choice` of n: a given seed is offset so choices differ."""
-    options = params.to_options()
-    if guide is not None:
-        options = msgspec.structs.replace(options, guide=guide)
-    if options.seed is not None and choice:
-        seed = (options.seed + choice + 2**63) % 2**64 - 2**63  # wraps, stays a 64-bit integer
-        options = msgspec.structs.replace(options, seed=seed)
-    return options

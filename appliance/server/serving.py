@@ -25,7 +25,6 @@ from appliance.server.prompts import Prompt
 from appliance.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    choice_options,
     sampling_params,
 )
 from appliance.server.state import (
@@ -207,7 +206,7 @@ def choice_requests(
             request = TokenizedRequest(
                 req_id=f"{group_id}-{len(requests)}",
                 prompt_token_ids=prompt.token_ids,
-                sampling=choice_options(params, choice, guide),
+                sampling=params.choice_options(choice, guide),
                 max_tokens=max_tokens,
                 ignore_eos=params.ignore_eos,
                 stop_token_ids=params.stop_token_ids,

@@ -97,6 +97,13 @@ def test_local_folder_without_config_or_weights(hub, tmp_path, tiny_dense) -> No
     (empty / "config.json").write_text((tiny_dense / "config.json").read_text())
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors weights"):
         resolve_model_dir(str(empty))
+    # no tokenizer: refused (transformers would build an empty one that encodes text as nothing)
+    with pytest.raises(ModelNotFoundError, match=f"no tokenizer in {empty} \\(expected"):
+        resolve_model_dir(str(empty), load_format="dummy")
+    (empty / "vocab.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="tokenizer.json or vocab.json \\+ merges.txt"):
+        resolve_model_dir(str(empty), load_format="dummy")
+    (empty / "tokenizer.json").write_text((tiny_dense / "tokenizer.json").read_text())
     assert resolve_model_dir(str(empty), load_format="dummy") == empty
 
 

@@ -1,5 +1,6 @@
 """The offline API: `LLM(model_dir, tp, **options).generate(prompts, SamplingParams)` with string
-and token-id prompts, stop strings, length finishes, seeds, option validation and TP=2 workers."""
+and token-id prompts, stop strings, length finishes, seeds, n, option validation, recovery from a
+failed or interrupted call, and TP=2 workers."""
 
 from __future__ import annotations
 
@@ -58,6 +59,46 @@ def test_generate_without_params_samples_with_the_generation_config(llm, tiny_de
     assert LLM(str(tiny_dense), generation_config="none", **OPTS).default_sampling_params() == (
         SamplingParams()
     )
+
+
+def test_n_outputs_a_prompt_prompt_by_prompt(llm):
+    """SamplingParams.n gives n outputs a prompt, in prompt order; with a seed, choice i samples as
+    the server's choice i does (seed + i), so the choices differ and each reproduces."""
+    p = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
+    outs = llm.generate(["x = ", "y = "], SamplingParams(n=3, seed=7, **p))
+    assert len(outs) == 6
+    assert [o.prompt_token_ids for o in outs] == (
+        [llm.tokenizer.encode("x = ")] * 3 + [llm.tokenizer.encode("y = ")] * 3
+    )
+    for i in range(3):
+        alone = llm.generate("x = ", SamplingParams(seed=7 + i, **p))[0]
+        assert outs[i].token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+
+
+def test_a_failed_or_interrupted_call_leaves_the_llm_as_new(llm, monkeypatch):
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = llm.generate("x = ", greedy)[0].token_ids
+    with pytest.raises(ValueError, match="sampling_params: 2 given for 1 prompts"):
+        llm.generate(["x = "], [greedy, greedy])
+    with pytest.raises(ValueError, match="token id 999999 is not in the vocabulary"):
+        llm.generate([[1, 2], [999999]], greedy)
+    # an interrupt (Ctrl-C) in the middle of the steps drops the call's requests
+    step, steps = llm.engine.step, []
+
+    def interrupted():
+        steps.append(1)
+        if len(steps) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=20, ignore_eos=True))
+    monkeypatch.undo()
+    assert llm.generate("x = ", greedy)[0].token_ids == want
+    stats = llm.scheduler.stats()
+    assert stats.kv_used == 0 and stats.state_used == 0 and stats.num_waiting == 0
 
 
 def test_bad_options_name_the_field(tiny_dense):

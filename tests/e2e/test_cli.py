@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -134,14 +135,15 @@ def test_help_of_a_field_commented_above_it():
     assert helps["--max-num-seqs"] == "running requests at most (request slots) (default: 64)"
 
 
-def test_unsupported_checkpoint_quantization_is_one_line_before_starting(capsys, tmp_path):
+def test_unsupported_checkpoint_quantization_is_one_line_before_starting(
+    capsys, tmp_path, tiny_dense
+):
     ckpt = tmp_path / "awq-model"
     ckpt.mkdir()
-    config = {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "quantization_config": {"quant_method": "awq"},
-    }
+    config = json.loads((tiny_dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq"}
     (ckpt / "config.json").write_text(json.dumps(config))
+    shutil.copy(tiny_dense / "tokenizer.json", ckpt)
     (ckpt / "model.safetensors").write_bytes(b"")  # never read: the check comes first
     with pytest.raises(SystemExit) as info:
         main(["serve", str(ckpt), "--port", str(free_port())])
@@ -149,6 +151,41 @@ def test_unsupported_checkpoint_quantization_is_one_line_before_starting(capsys,
     err = capsys.readouterr().err
     assert err.startswith("appliance serve: error: awq-model: quant_method 'awq' is not supported")
     assert err.count("\n") == 1 and "compressed-tensors" in err and "weight_block_size" in err
+
+
+def _without_hidden_size(config: dict) -> dict:
+    del config.get("text_config", config)["hidden_size"]
+    return config
+
+
+@pytest.mark.parametrize(
+    ("edit", "extra", "expected"),
+    [
+        (lambda c: "{not json", [], "config.json: not a readable JSON config (Expecting"),
+        (lambda c: [], [], "config.json: expected a JSON object, got list"),
+        (lambda c: {**c, "architectures": ["LlamaForCausalLM"]}, [], "'LlamaForCausalLM' is not"),
+        (_without_hidden_size, [], "config.json: no 'hidden_size', which the model needs"),
+        (
+            lambda c: c,
+            ["--max-model-len", "300000"],
+            "--max-model-len 300000 is more than the model's max_position_embeddings (262144",
+        ),
+    ],
+)
+def test_a_config_the_model_cannot_use_is_one_line_before_starting(
+    capsys, tmp_path, tiny_dense, edit, extra, expected
+):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dense, ckpt)
+    config = edit(json.loads((tiny_dense / "config.json").read_text()))
+    text = config if isinstance(config, str) else json.dumps(config)
+    (ckpt / "config.json").write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(ckpt), "--port", str(free_port()), *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("appliance serve: error: ") and err.count("\n") == 1
+    assert expected in err
 
 
 def test_bad_generation_config_is_one_line_before_starting(capsys, tiny_dense, tmp_path):
@@ -227,6 +264,19 @@ def test_busy_port_is_one_line_before_loading(tmp_path):
     assert code != 0 and seconds < 2.0, (code, seconds, err)
     assert err.startswith(f"appliance serve: error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())  # the default model was not built first
+
+
+def test_cuda_without_a_gpu_is_one_line_before_loading(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    code, err, _ = _run_cli(
+        ["serve", "--device", "cuda", "--port", str(free_port())], {"APPLIANCE_HOME": str(tmp_path)}
+    )
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("appliance serve: error: --device cuda --tp 1: 0 CUDA device(s) visible")
     assert not any(tmp_path.iterdir())  # the default model was not built first
 
 

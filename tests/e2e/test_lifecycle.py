@@ -111,3 +111,33 @@ def test_killed_worker_fails_streams_health_and_launcher(tiny_dense, tmp_path):
         assert "worker 0 (pid" in app.log() and "exited with code -9" in app.log()
     finally:
         app.stop()
+
+
+def test_port_0_logs_the_port_it_got_and_a_dot_folder_keeps_its_name(tiny_dense, tmp_path):
+    """`appliance serve . --port 0` run inside the checkpoint: the ready line names the port the
+    server was given, and the model id is the folder's own name (not "")."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.e2e.live import ROOT, STARTUP_TIMEOUT_S
+
+    log_path = tmp_path / "port0.log"
+    cmd = [sys.executable, "-m", "appliance.cli", "serve", ".", "--port", "0", "--device", "cpu"]
+    env = {**os.environ, "APPLIANCE_LOG_STATS_INTERVAL": "0", "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=tiny_dense, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (
+            found := re.search(r"ready in .*: http://127\.0\.0\.1:(\d+) ", log_path.read_text())
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.25)
+        port = int(found.group(1))
+        assert port != 0
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [tiny_dense.name]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0

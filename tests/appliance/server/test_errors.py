@@ -394,3 +394,15 @@ def test_a_request_template_needs_the_servers_trust(make_server, extra, param):
     (request,) = engine.received
     rendered = state.prompts.tokenizer.encode("Xhi", add_special_tokens=False)
     assert request.prompt_token_ids == rendered
+
+
+def test_a_model_without_a_chat_template_says_so(make_server, tokenizer, monkeypatch):
+    """No template in the checkpoint: chat requests get a 400 naming that (not the messages),
+    nothing reaches the engine, and completions still serve."""
+    client, engine, _ = make_server()
+    monkeypatch.setattr(tokenizer, "chat_template", None)
+    r = client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2})
+    assert_error(r, 400, None, contains="This model has no chat template")
+    assert engine.received == []
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
