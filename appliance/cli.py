@@ -77,11 +77,11 @@ def _add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ..
             if f.name in dests:
                 raise RuntimeError(f"config field {f.name} defined twice; flags must be unique")
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            flag = "--" + f.name.replace("_", "-")
+            flags = ("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()))
             help_text = f"{comments.get(f.name, '')} (default: {default!r})"
             if isinstance(default, bool):
                 group.add_argument(
-                    flag,
+                    *flags,
                     dest=f.name,
                     action=argparse.BooleanOptionalAction,
                     default=None,
@@ -89,7 +89,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> dict[str, tuple[tuple[str, ..
                 )
             else:
                 group.add_argument(
-                    flag,
+                    *flags,
                     dest=f.name,
                     type=type(default),
                     default=None,
@@ -126,11 +126,31 @@ def _env_help() -> str:
     return "\n".join(lines)
 
 
+# vLLM / SGLang spellings of the same settings: accepted as aliases of this appliance's flags
+FLAG_ALIASES = {
+    "tp": ("--tensor-parallel-size", "--tp-size"),
+    "disable_cuda_graph": ("--enforce-eager",),
+}
+# theirs that mean something else here: an unknown-flag error names the nearest of ours
+FLAG_HINTS = {
+    "--gpu-memory-utilization": "--mem-fraction (the share of free memory after the weights that "
+    "the KV and state pools take)",
+    "--mem-fraction-static": "--mem-fraction (the share of free memory after the weights that "
+    "the KV and state pools take)",
+    "--model": "the positional MODEL (appliance serve MODEL)",
+    "--model-path": "the positional MODEL (appliance serve MODEL)",
+    "--speculative-num-steps": "--mtp-step",
+}
+
+
 class _Parser(argparse.ArgumentParser):
-    """Argument errors are one line (`appliance serve: error: ...`), not the whole usage block."""
+    """Argument errors are one line (`appliance serve: error: ...`), not the whole usage block;
+    an unknown flag that vLLM or SGLang has names this appliance's nearest one."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hints = [f"{flag}: use {ours}" for flag, ours in FLAG_HINTS.items() if flag in message]
+        hint = f"; {'; '.join(hints)}" if hints else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 def _flag_error(message: str, args: argparse.Namespace) -> str:
@@ -174,6 +194,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     )
     serve = subparsers.add_parser(
         "serve",
+        allow_abbrev=False,  # --max-model 5 is not --max-model-len
         help="start the appliance (server, router, detokenizer, TP workers)",
         description="Start the appliance and serve the OpenAI API until SIGTERM / Ctrl-C.",
         epilog=_env_help(),

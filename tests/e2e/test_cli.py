@@ -79,6 +79,20 @@ def test_flags_override_fields():
     assert config.launch.transport == "tcp"
 
 
+def test_vllm_spellings_alias_or_point_to_ours(capsys):
+    config = _build(["serve", "/m", "--tensor-parallel-size", "2", "--enforce-eager"])
+    assert config.engine.parallel.tp == 2 and config.engine.graphs.disable_cuda_graph is True
+    for argv, expected in (
+        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: use --mem-fraction"),
+        (["--max-model", "5"], "unrecognized arguments: --max-model"),  # no abbreviations
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "/m", *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, err
+
+
 def test_kv_cache_dtype_fp8_is_read_as_e4m3():
     """vLLM's spelling: --kv-cache-dtype fp8 is fp8_e4m3 (the config, its log and the pools)."""
     for value in ("fp8", "fp8_e4m3"):
@@ -100,7 +114,8 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--tp", "two"])
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "argument --tp: invalid int value: 'two'" in err
+    assert err.count("\n") == 1
+    assert "argument --tp/--tensor-parallel-size/--tp-size: invalid int value: 'two'" in err
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "missing")])
     err = capsys.readouterr().err
