@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import os
 import re
 import sys
 import typing
@@ -341,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
     if args.command == "backends":
-        return _print_backends()
+        try:
+            return _print_backends()
+        except BrokenPipeError:  # `appliance backends | head`: the reader left, as cat ends
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     if args.command != "serve":
         parser.print_usage()
         return 2

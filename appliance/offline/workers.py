@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import zmq
@@ -41,6 +42,8 @@ class WorkerGroup:
 
         self.tp = engine.parallel.tp
         self._run_dir = Path(tempfile.mkdtemp(prefix="appliance-llm-"))
+        # an LLM never closed leaves no folder behind (collected, or at interpreter exit)
+        weakref.finalize(self, shutil.rmtree, self._run_dir, True)
         self.addrs = Addresses.allocate("ipc", self.tp, self._run_dir)
         self._ctx = zmq.Context.instance()
         self._inbox = zmq_socket(self._ctx, zmq.PULL, self.addrs.launcher, bind=True)
