@@ -276,8 +276,9 @@ def _resolve_model(config: ServeConfig, revision: str) -> ServeConfig:
 
 def _check_model_config(config: ServeConfig) -> None:
     """A config.json the workers cannot build a model from (not JSON, a missing field, an
-    architecture not served) or a --max-model-len past the model's positions fails here in one
-    line, before any process starts (vLLM refuses a longer context too)."""
+    architecture not served, a quantization_config whose method, scheme or block size cannot load)
+    or a --max-model-len past the model's positions fails here in one line naming it, before any
+    process starts (vLLM refuses a longer context too)."""
     from appliance.models.config import load_text_config
     from appliance.models.layers.quant import UnsupportedQuantization
     from appliance.models.registry import model_class
@@ -293,8 +294,8 @@ def _check_model_config(config: ServeConfig) -> None:
     try:
         text = load_text_config(path.parent, model.quantization)
         model_class(text)
-    except UnsupportedQuantization:
-        return  # _check_quantization words it
+    except UnsupportedQuantization as exc:
+        _fail(f"{path.parent.name}: {exc}")
     except KeyError as exc:
         _fail(f"{path}: no {exc.args[0]!r}, which the model needs")
     except (TypeError, ValueError) as exc:
@@ -304,27 +305,6 @@ def _check_model_config(config: ServeConfig) -> None:
             f"--max-model-len {model.max_model_len} is more than the model's "
             f"max_position_embeddings ({text.max_position_embeddings}, {path})"
         )
-
-
-def _check_quantization(config: ServeConfig) -> None:
-    """A checkpoint whose quantization_config cannot load (method, scheme, block size) fails here
-    in one line naming it and what is supported, before any process starts."""
-    from appliance.models.layers.quant import (
-        UnsupportedQuantization,
-        checkpoint_quant_config,
-        parse_quant_config,
-    )
-
-    model = config.engine.model
-    path = Path(model.model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # the worker reports an unreadable config with its own error
-    try:
-        parse_quant_config(checkpoint_quant_config(path.parent, raw), model.quantization)
-    except UnsupportedQuantization as exc:
-        _fail(f"{path.parent.name}: {exc}")
 
 
 def _check_generation_config(config: ServeConfig) -> None:
@@ -364,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     config = _resolve_model(config, args.revision)
     _check_model_config(config)
-    _check_quantization(config)
     _check_generation_config(config)
     try:
         return serve(config)
