@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import zmq
 
-from appliance.logging import setup_logging
+from appliance.logging import get_logger, setup_logging
 from appliance.messages import (
     Heartbeat,
     ProcessReady,
+    StartupFailed,
     StartupProgress,
     VisualInfo,
     WorkerInfo,
@@ -29,6 +31,10 @@ from appliance.messages import (
 )
 
 HEARTBEAT_INTERVAL_S = 1.0  # a role's heartbeat period; the launcher's deadline is in envs
+FAILURE_LINGER_MS = 2000  # how long a failing role waits for its StartupFailed to leave
+
+logger = get_logger(__name__)
+_ready = False  # this process sent its ProcessReady: a later exception is a fault, shown whole
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,34 @@ def _set_process_title(title: str) -> None:
         pass
 
 
+def is_startup_failure(exc: BaseException) -> bool:
+    """Whether `exc`, raised while a role starts, is a fact about its input or machine (a checkpoint
+    that does not match the model, an unsupported option or file, too little host or device
+    memory), said in one line, rather than a fault in the code, whose traceback is wanted."""
+    return (
+        isinstance(exc, (ValueError, OSError, MemoryError))
+        or type(exc).__name__ == "OutOfMemoryError"  # torch's, a RuntimeError
+    )
+
+
+def run_role(target, role: str, launcher: str, *args) -> None:
+    """Every spawned role's entry: `target(*args)`. An exception `is_startup_failure` names, raised
+    before the role was ready, goes to the launcher as one StartupFailed line and the process
+    exits 1 without a traceback (APPLIANCE_LOG_LEVEL=debug logs it); anything else propagates and
+    multiprocessing prints it whole."""
+    try:
+        target(*args)
+    except Exception as exc:
+        if _ready or not is_startup_failure(exc):
+            raise
+        logger.debug("%s failed during startup", role, exc_info=True)
+        sock = zmq_socket(zmq.Context.instance(), zmq.PUSH, launcher, bind=False)
+        sock.setsockopt(zmq.LINGER, FAILURE_LINGER_MS)  # close() waits until it is delivered
+        sock.send(encode(StartupFailed(role, f"{type(exc).__name__}: {exc}")))
+        sock.close()
+        sys.exit(1)
+
+
 class RoleLink:
     """A role's PUSH socket to the launcher: progress lines and the ready message; and, from its
     own thread and socket, a Heartbeat every HEARTBEAT_INTERVAL_S. The thread beats while the main
@@ -151,6 +185,8 @@ class RoleLink:
     def ready(
         self, worker: WorkerInfo | None = None, visual: VisualInfo | None = None, port: int = 0
     ) -> None:
+        global _ready
+        _ready = True
         msg = ProcessReady(self.role, self.rank, os.getpid(), worker, visual, port)
         self._sock.send(encode(msg))
 

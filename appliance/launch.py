@@ -22,7 +22,7 @@ import zmq
 
 from appliance import envs
 from appliance.config import ServeConfig
-from appliance.ipc import Addresses, zmq_socket
+from appliance.ipc import Addresses, run_role, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
     Drain,
@@ -31,6 +31,7 @@ from appliance.messages import (
     Fatal,
     Heartbeat,
     ProcessReady,
+    StartupFailed,
     StartupProgress,
     ToLauncher,
     VisualInfo,
@@ -73,12 +74,16 @@ class Launcher:
         self._stop_signal: int | None = None
         self._t0 = time.monotonic()
         self._last_beat: dict[str, float] = {}  # role -> monotonic time of its last Heartbeat
+        self._failures: dict[str, str] = {}  # role -> the reason its StartupFailed gave
         self._serving_since = float("inf")  # set when every role is ready
         self._heartbeat_timeout = float(envs.APPLIANCE_HEARTBEAT_TIMEOUT)
 
     # -------------------------------------------------------------- spawning
     def _spawn(self, role: str, target, *args) -> None:
-        proc = self._mp.Process(target=target, args=args, name=role, daemon=False)
+        launcher = self.addrs.launcher
+        proc = self._mp.Process(
+            target=run_role, args=(target, role, launcher, *args), name=role, daemon=False
+        )
         proc.start()
         self._procs[role] = proc
         logger.debug("spawned %s (pid %d)", role, proc.pid)
@@ -123,11 +128,21 @@ class Launcher:
         self._spawn("router", run_router, self.config.engine, self.addrs, info, self.with_visual)
 
     # -------------------------------------------------------------- supervision
-    def _dead_role(self) -> str | None:
-        for role, proc in self._procs.items():
-            if proc.exitcode is not None:
-                return f"{role} (pid {proc.pid}) exited with code {proc.exitcode}"
-        return None
+    def _dead_role(self, when: str = "") -> str | None:
+        """A line naming a role that exited (`when` follows "failed" / "exited"): the reason its
+        StartupFailed gave if one did, which is then the role named."""
+        dead = [(role, proc) for role, proc in self._procs.items() if proc.exitcode is not None]
+        if not dead:
+            return None
+        while self._inbox.poll(50):  # a failing role sends its reason just before it exits
+            msg = self._decoder.decode(self._inbox.recv())
+            if isinstance(msg, StartupFailed):
+                self._failures.setdefault(msg.role, msg.reason)
+        for role, proc in dead:
+            if role in self._failures:
+                return f"{role} (pid {proc.pid}) failed{when}: {self._failures[role]}"
+        role, proc = dead[0]
+        return f"{role} (pid {proc.pid}) exited with code {proc.exitcode}{when}"
 
     def _silent_role(self) -> str | None:
         """A role that sent no Heartbeat for APPLIANCE_HEARTBEAT_TIMEOUT seconds (stopped, hung in
@@ -159,6 +174,8 @@ class Launcher:
         if isinstance(msg, Heartbeat):
             role = msg.role if msg.role != "worker" else f"worker {msg.rank}"
             self._last_beat[role] = time.monotonic()
+        elif isinstance(msg, StartupFailed):
+            self._failures.setdefault(msg.role, msg.reason)
         return msg
 
     def _wait_startup(self) -> WorkerInfo:
@@ -171,9 +188,9 @@ class Launcher:
         while pending:
             if self._stop_signal is not None:
                 raise KeyboardInterrupt
-            dead = self._dead_role()
+            dead = self._dead_role(" during startup")
             if dead is not None:
-                raise LaunchError(f"{dead} during startup")
+                raise LaunchError(dead)
             msg = self._poll(100)
             if isinstance(msg, StartupProgress):
                 who = msg.role if msg.role != "worker" else f"worker {msg.rank}"
@@ -215,6 +232,7 @@ class Launcher:
             for proc in self._procs.values():
                 if proc.exitcode is None:
                     proc.kill()
+            self._remove_leftovers()
             os._exit(1)
         self._stop_signal = signum
 
@@ -297,14 +315,19 @@ class Launcher:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(1.0)
+        self._remove_leftovers()
+        self._inbox.close()
+        self._control.close()
+
+    def _remove_leftovers(self) -> None:
+        """The run folder (ipc sockets) and any image embeddings a killed visual server left in
+        shared memory: after every stop, the second signal's too."""
         visual = self._procs.get("visual")
         if visual is not None:
             from visual.cache import remove_leftover_segments
 
             if remove_leftover_segments(visual.pid):  # only after a crash: SIGTERM cleans up
                 logger.warning("removed image embeddings the visual server left in shared memory")
-        self._inbox.close()
-        self._control.close()
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
 

@@ -480,6 +480,15 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     rank: int  # worker TP rank; 0 for the other roles
 
 
+class StartupFailed(msgspec.Struct, tag="failed", frozen=True):
+    """A role could not start for a reason its user can act on (a checkpoint that does not fit the
+    model, an unsupported option, too little memory): one line instead of a traceback. Written by
+    ipc.run_role just before the role exits, read by launcher (and the offline WorkerGroup)."""
+
+    role: str  # the launcher's name for the process: "server", "worker 1", ...
+    reason: str  # "<exception type>: <its message>"
+
+
 class EngineReady(msgspec.Struct, tag="engine_ready", frozen=True):
     """Every role is up: start admitting requests. Written by launcher, read by server."""
 
@@ -505,5 +514,5 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
 ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest
 ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ReleaseImages
 ToServer = DetokOutput | RouterStats | RouterStatus | VisualStats
-ToLauncher = StartupProgress | ProcessReady | Drained | Heartbeat
+ToLauncher = StartupProgress | ProcessReady | Drained | Heartbeat | StartupFailed
 ToServerControl = EngineReady | Drain | Fatal

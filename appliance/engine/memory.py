@@ -28,6 +28,11 @@ from appliance.models.context import forward_context
 
 log = get_logger(__name__)
 
+
+class NotEnoughDeviceMemory(MemoryError):
+    """The pools do not fit beside the weights (ipc.run_role reports it in one line)."""
+
+
 CPU_DEFAULT_KV_SLOTS = 32768
 
 
@@ -142,7 +147,7 @@ class RunnerMemory:
             str(self.kv_dtype).removeprefix("torch."),
         )
         if slots < sched.max_num_batched_tokens:
-            raise RuntimeError(
+            raise NotEnoughDeviceMemory(
                 f"not enough device memory for the KV pool: {slots} slots fit, "
                 f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}"
             )

@@ -15,9 +15,10 @@ from pathlib import Path
 import zmq
 
 from appliance.config import EngineConfig
-from appliance.ipc import Addresses, zmq_socket
+from appliance.ipc import Addresses, run_role, zmq_socket
 from appliance.messages import (
     ProcessReady,
+    StartupFailed,
     StepPlan,
     StepResult,
     ToLauncher,
@@ -51,8 +52,9 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         self._procs = [
             ctx.Process(
-                target=run_worker,
-                args=(engine, self.addrs, r, self.tp, runner_path),
+                target=run_role,
+                args=(run_worker, f"worker {r}", self.addrs.launcher)
+                + (engine, self.addrs, r, self.tp, runner_path),
                 name=f"worker {r}",
                 daemon=True,
             )
@@ -66,18 +68,28 @@ class WorkerGroup:
 
     def _wait_ready(self) -> WorkerInfo:
         dec, pending, info = decoder(ToLauncher), set(range(self.tp)), None
+        failures: dict[str, str] = {}  # "worker r" -> the reason its StartupFailed gave
         while pending:
-            for rank, proc in enumerate(self._procs):
-                if proc.exitcode is not None:
-                    self.close()
-                    raise WorkerError(
-                        f"worker {rank} exited with code {proc.exitcode} during startup"
-                    )
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
+            while dead and self._inbox.poll(50):  # a failing worker's reason, sent as it exits
+                msg = dec.decode(self._inbox.recv())
+                if isinstance(msg, StartupFailed):
+                    failures.setdefault(msg.role, msg.reason)
+            if dead:
+                self.close()
+                named = [(r, failures[f"worker {r}"]) for r, _ in dead if f"worker {r}" in failures]
+                if named:
+                    raise WorkerError(f"worker {named[0][0]} failed during startup: {named[0][1]}")
+                raise WorkerError(
+                    f"worker {dead[0][0]} exited with code {dead[0][1]} during startup"
+                )
             if self._inbox.poll(100):
                 msg = dec.decode(self._inbox.recv())
                 if isinstance(msg, ProcessReady):
                     pending.discard(msg.rank)
                     info = msg.worker or info
+                elif isinstance(msg, StartupFailed):
+                    failures.setdefault(msg.role, msg.reason)
         assert info is not None
         return info
 

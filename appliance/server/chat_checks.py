@@ -30,6 +30,7 @@ _SCHEMA_ONE = (
     "unevaluatedProperties",
     "unevaluatedItems",
 )
+SWITCHES = ("enable_thinking", "thinking")  # template switches: booleans only
 _NUMBERS = ("minimum", "maximum", "multipleOf")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
@@ -39,6 +40,13 @@ def template_kwargs(body: ChatCompletionRequest, trusted: bool) -> dict[str, Any
     own template (`chat_template`, or the same key inside chat_template_kwargs) only where the
     server was started with --trust-request-chat-template: a template is code the server runs."""
     kwargs = dict(body.chat_template_kwargs or {})
+    for switch in SWITCHES:
+        if switch in kwargs and not isinstance(kwargs[switch], bool):
+            # the template tests `enable_thinking is false`: "false" or 0 would think anyway
+            raise BadRequest(
+                f"chat_template_kwargs.{switch}: expected true or false, got {kwargs[switch]!r}.",
+                "chat_template_kwargs",
+            )
     own = body.chat_template if body.chat_template is not None else kwargs.get("chat_template")
     param = "chat_template" if body.chat_template is not None else "chat_template_kwargs"
     if own is None:

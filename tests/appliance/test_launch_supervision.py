@@ -21,6 +21,7 @@ def test_the_first_role_to_die_is_reported():
     launcher = Launcher.__new__(Launcher)  # only the supervision's state: no roles of its own
     launcher._inbox = ctx.socket(zmq.PULL)
     launcher._inbox.bind("inproc://launch-supervision-test")
+    launcher._failures = {}
     fork = mp.get_context("fork")
     # "worker 0" is listed first but dies 80 ms after "worker 1", as a gloo peer aborts
     launcher._procs = {

@@ -110,6 +110,20 @@ def test_bad_options_name_the_field(tiny_dense):
         LLM(str(tiny_dense), mtp_step=4)
 
 
+def test_a_tp2_worker_that_cannot_load_says_why(tiny_dense, tmp_path):
+    """TP=2 workers load in their own processes: the checkpoint's fault reaches the caller as one
+    line naming the worker, the exception and the tensor."""
+    from appliance.offline.workers import WorkerError
+    from tests.e2e.test_cli import _without_a_tensor
+
+    missing = _without_a_tensor(tiny_dense, tmp_path / "model", "layers.2.mlp.up_proj")
+    with pytest.raises(
+        WorkerError, match=r"worker \d failed during startup: CheckpointMismatch"
+    ) as e:
+        LLM(str(tmp_path / "model"), tp=2, **OPTS)
+    assert missing.replace("language_model.", "") in str(e.value)
+
+
 def test_tp2_worker_processes_match_tp1(tiny_moe):
     prompts = [[5, 6, 7] * 10, "def f(x):", [9] * 40]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

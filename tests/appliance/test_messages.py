@@ -140,6 +140,9 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.ProcessReady: m.ProcessReady("worker", 0, 1234, WORKER, VISUAL_INFO),
     m.Drained: m.Drained(aborted=2),
     m.Heartbeat: m.Heartbeat("worker", 1),
+    m.StartupFailed: m.StartupFailed(
+        "worker 1", "CheckpointMismatch: missing keys: lm_head.weight"
+    ),
     m.EngineReady: m.EngineReady(max_model_len=512, num_kv_slots=1024),
     m.Drain: m.Drain(timeout_s=30.0),
     m.Fatal: m.Fatal("worker 1", "worker 1 (pid 99) died with exit code -9"),
@@ -155,7 +158,7 @@ UNIONS = {
     ),
     m.ToVisual: (m.TokenizedRequest, m.AbortRequest, m.StatusQuery, m.ReleaseImages),
     m.ToServer: (m.DetokOutput, m.RouterStats, m.RouterStatus, m.VisualStats),
-    m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained, m.Heartbeat),
+    m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained, m.Heartbeat, m.StartupFailed),
     m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal),
 }
 

@@ -295,6 +295,47 @@ def test_cuda_without_a_gpu_is_one_line_before_loading(tmp_path):
     assert not any(tmp_path.iterdir())  # the default model was not built first
 
 
+def _without_a_tensor(src, dest, fragment: str) -> str:
+    """A copy of checkpoint `src` in `dest` with the first tensor whose name has `fragment` left
+    out; returns that name."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dest)
+    (path,) = sorted(dest.glob("*.safetensors"))
+    state = load_file(path)
+    name = next(k for k in state if fragment in k)
+    del state[name]
+    save_file(state, path, metadata={"format": "pt"})
+    return name
+
+
+class FaultyRunner:
+    """A runner whose constructor has a bug (not a fact about the input): keep its traceback."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("a bug in the runner")
+
+
+def test_a_role_that_cannot_start_says_why_in_one_line(tiny_dense, tmp_path):
+    """A checkpoint missing a tensor is found by the worker while it loads: the launcher's last line
+    names the worker, the exception and the tensor, with no traceback; a fault in the code (an
+    exception that is not about the input) keeps its traceback."""
+    model = tmp_path / "model"
+    missing = _without_a_tensor(tiny_dense, model, "layers.1.mlp.down_proj")
+    args = ["serve", str(model), "--port", str(free_port())]
+    code, err, _ = _run_cli(args, {"APPLIANCE_LOG_COLOR": "never"})
+    assert code == 1, err
+    last = err.strip().splitlines()[-1]
+    assert "worker 0 (pid " in last and "failed during startup: CheckpointMismatch: " in last, err
+    assert missing.replace("language_model.", "") in last
+    assert "Traceback" not in err, err
+
+    runner = "tests.e2e.test_cli:FaultyRunner"
+    code, err, _ = _run_cli([*args[:2], "--port", str(free_port()), "--runner", runner], {})
+    assert code == 1 and "Traceback" in err and "RuntimeError: a bug in the runner" in err, err
+    assert "worker 0 (pid " in err and "exited with code 1 during startup" in err
+
+
 def test_unknown_hub_id_is_one_line_naming_what_was_tried(tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     code, err, seconds = _run_cli(["serve", "no-org/no-model", "--revision", "v9"], env, tmp_path)

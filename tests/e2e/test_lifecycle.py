@@ -78,18 +78,23 @@ def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
         app.stop()
 
 
+def _long_stream(app, model: str):
+    """An open streamed chat request of 400 tokens: its chunks."""
+    sdk = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
+    stream = sdk.chat.completions.create(
+        model=model,
+        messages=MSGS,
+        max_tokens=400,
+        stream=True,
+        extra_body={**NO_THINK, "ignore_eos": True},
+    )
+    return iter(stream)
+
+
 def test_killed_worker_fails_streams_health_and_launcher(tiny_dense, tmp_path):
     app = start_appliance(tiny_dense, tmp_path / "kill.log")
     try:
-        sdk = openai.OpenAI(base_url=f"{app.url}/v1", api_key="none", max_retries=0)
-        stream = sdk.chat.completions.create(
-            model=tiny_dense.name,
-            messages=MSGS,
-            max_tokens=400,
-            stream=True,
-            extra_body={**NO_THINK, "ignore_eos": True},
-        )
-        chunks = iter(stream)
+        chunks = _long_stream(app, tiny_dense.name)
         for _ in range(3):
             next(chunks)
         os.kill(app.role_pid("worker 0"), signal.SIGKILL)
@@ -141,3 +146,25 @@ def test_port_0_logs_the_port_it_got_and_a_dot_folder_keeps_its_name(tiny_dense,
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_a_second_sigterm_stops_at_once_and_leaves_no_run_folder(tiny_dense, tmp_path):
+    """SIGTERM drains; a second one while a request is still open stops everything at once (exit
+    1), and still removes the launcher's run folder (its ipc sockets)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    app = start_appliance(tiny_dense, tmp_path / "twice.log", env={"TMPDIR": str(temp)})
+    try:
+        assert [p.name for p in temp.iterdir() if p.name.startswith("appliance-")]
+        chunks = _long_stream(app, tiny_dense.name)
+        next(chunks)
+        app.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "draining" not in app.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        app.proc.send_signal(signal.SIGTERM)
+        assert app.proc.wait(30) == 1
+        assert "second signal: stopping now without draining" in app.log()
+        assert not [p.name for p in temp.iterdir() if p.name.startswith("appliance-")]
+    finally:
+        app.stop()

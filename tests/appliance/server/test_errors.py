@@ -396,6 +396,19 @@ def test_a_request_template_needs_the_servers_trust(make_server, extra, param):
     assert request.prompt_token_ids == rendered
 
 
+@pytest.mark.parametrize("value", ["false", "no", 0, None, {"x": 1}])
+def test_a_thinking_switch_that_is_not_a_boolean_is_refused(make_server, value):
+    """Qwen's template tests `enable_thinking is false`: the string "false" or 0 would leave
+    thinking on without a word, so anything but true / false is a 400 naming the key."""
+    client, engine, _ = make_server()
+    body = {"messages": MSG, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": value}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert_error(r, 400, "chat_template_kwargs", contains="enable_thinking")
+    assert engine.received == []
+    body["chat_template_kwargs"]["enable_thinking"] = False
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_a_model_without_a_chat_template_says_so(make_server, tokenizer, monkeypatch):
     """No template in the checkpoint: chat requests get a 400 naming that (not the messages),
     nothing reaches the engine, and completions still serve."""
