@@ -19,10 +19,22 @@ import warnings
 from dataclasses import dataclass
 
 import httpx
-from PIL import Image
+from PIL import Image, ImageOps
 
-DECODABLE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # PIL format names we hand to Image.open
-DATA_URI_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
+DECODABLE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # PIL format names Image.open may try
+# declared media types of data: URIs; the decoder tells the format from the bytes (vLLM's rule),
+# so a generic type is as good as the right one
+DATA_URI_TYPES = (
+    "image/png",
+    "image/jpeg",
+    "image/jpg",
+    "image/webp",
+    "image/gif",
+    "image/bmp",
+    "application/octet-stream",
+)
+# EXIF orientations that turn the picture a quarter: width and height swap
+_QUARTER_TURNS = (5, 6, 7, 8)
 _REDIRECT_CODES = (301, 302, 303, 307, 308)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
@@ -56,15 +68,8 @@ class FetchOptions:
     timeout_s: float = 10.0  # whole fetch deadline: every redirect hop plus the body
     max_redirects: int = 3  # redirect hops followed before giving up
     allowed_networks: tuple[str, ...] = ()  # CIDRs fetched even if non-public ("127.0.0.1/32")
-    allowed_content_types: tuple[str, ...] = (  # media types accepted from the server
-        "image/png",
-        "image/jpeg",
-        "image/jpg",
-        "image/webp",
-        "image/gif",
-        "application/octet-stream",
-        "binary/octet-stream",
-    )
+    # media types accepted from the server (the decoder tells the format from the bytes)
+    allowed_content_types: tuple[str, ...] = (*DATA_URI_TYPES, "binary/octet-stream")
     user_agent: str = "appliance-image-fetch/1"  # User-Agent header sent with each request
 
     def __post_init__(self) -> None:
@@ -104,9 +109,9 @@ def _open_header(data: bytes, max_pixels: int) -> Image.Image:
             Image.MAX_IMAGE_PIXELS = previous
 
 
-def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
-    """Decode PNG / JPEG / WebP / GIF (first frame) bytes into a fully loaded RGB image."""
-    limits = limits or ImageLimits()
+def _load(data: bytes, limits: ImageLimits) -> Image.Image:
+    """The first frame of PNG / JPEG / WebP / GIF / BMP bytes, fully decoded (every truncation or
+    corruption found) within the byte and pixel limits."""
     if not data:
         raise ImageError("image is empty")
     if len(data) > limits.max_bytes:
@@ -116,7 +121,7 @@ def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
     except Image.DecompressionBombError:
         raise ImageError(f"image has more than {limits.max_pixels} pixels") from None
     except Image.UnidentifiedImageError:
-        raise ImageError("data is not a supported image (PNG, JPEG, WebP or GIF)") from None
+        raise ImageError("data is not a supported image (PNG, JPEG, WebP, GIF or BMP)") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise ImageError(f"could not read image header: {exc}") from None
     width, height = image.size
@@ -129,18 +134,49 @@ def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
     try:
         image.seek(0)  # first frame of an animated GIF / WebP
         image.load()
-        return to_rgb(image)
+        return image
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         raise ImageError(f"could not decode {image.format} image: {exc}") from None
+
+
+def _orientation(image: Image.Image) -> int:
+    try:
+        return int(image.getexif().get(0x0112, 1))  # the EXIF Orientation tag
+    except (OSError, SyntaxError, ValueError, TypeError):
+        return 1  # unreadable EXIF: as stored, as exif_transpose leaves it
+
+
+def check_image(data: bytes, limits: ImageLimits | None = None) -> tuple[int, int]:
+    """(width, height) of the picture `decode_image` gives, after decoding it in full to find any
+    fault (the API server's check: no RGB copy, no turn)."""
+    image = _load(data, limits or ImageLimits())
+    width, height = image.size
+    return (height, width) if _orientation(image) in _QUARTER_TURNS else (width, height)
+
+
+def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
+    """PNG / JPEG / WebP / GIF (first frame) / BMP bytes as a loaded RGB image, turned upright as
+    its EXIF orientation says (what transformers' load_image, vLLM and a photo viewer show)."""
+    image = _load(data, limits or ImageLimits())
+    if _orientation(image) != 1:
+        try:
+            image = ImageOps.exif_transpose(image)
+        except (OSError, SyntaxError, ValueError, TypeError) as exc:
+            raise ImageError(f"could not apply the image's EXIF orientation: {exc}") from None
+    return to_rgb(image)
 
 
 # ----------------------------------------------------------------------------------- data: URIs
 
 
+def is_data_uri(url: str) -> bool:
+    return url[:5].lower() == "data:"
+
+
 def parse_data_uri(uri: str, limits: ImageLimits | None = None) -> bytes:
     """Bytes of a `data:image/<type>;base64,<payload>` URI (RFC 2397, base64 form only)."""
     limits = limits or ImageLimits()
-    if not uri.startswith("data:"):
+    if not is_data_uri(uri):  # URI schemes are case-insensitive (RFC 3986)
         raise ImageError("not a data: URI")
     header, comma, payload = uri[5:].partition(",")
     if not comma:
@@ -296,7 +332,7 @@ async def load_image(
 ) -> Image.Image:
     """An OpenAI `image_url.url` (data: URI or http(s) URL) as a decoded RGB image."""
     limits = limits or ImageLimits()
-    if url.startswith("data:"):
+    if is_data_uri(url):
         data = parse_data_uri(url, limits)
     else:
         data = await fetch_image_bytes(url, fetch, limits)

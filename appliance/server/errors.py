@@ -75,10 +75,19 @@ class RequestTimeout(APIError):
     status = 408
     type = "timeout_error"
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, started: bool = True):
+        # not started: the time went into fetching its images or building its prompt
+        advice = (
+            "Ask for fewer tokens or retry later."
+            if started
+            else (
+                "It was still fetching its images or building its prompt: send smaller or "
+                "fewer images, or retry later."
+            )
+        )
         super().__init__(
             f"The request did not finish within the server's {timeout_s:g} s limit and was "
-            "aborted. Ask for fewer tokens or retry later.",
+            f"aborted. {advice}",
             None,
             "request_timeout",
         )

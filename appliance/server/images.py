@@ -1,6 +1,7 @@
 """Image parts of chat requests on the API server: fetch or unpack each `image_url`, decode it to
-check it (every refusal is an HTTP 400 naming the image and the reason), work out its ViT grid, and
-expand the chat template's single `<|image_pad|>` per image into t*h*w/merge^2 of them.
+check it (on a thread pool of its own, a request at most half of it; every refusal is an HTTP 400
+naming the image and the reason), work out its ViT grid from its upright size, and expand the chat
+template's single `<|image_pad|>` per image into t*h*w/merge^2 of them.
 
 Called by serving_chat.py (loading, before the prompt is built) and prompts.py (expansion). The
 pixels themselves are not processed here: the encoded file travels on to the visual server in
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from appliance.config import VisualConfig
@@ -27,13 +30,19 @@ from visual.image_io import (
     FetchOptions,
     ImageError,
     ImageLimits,
-    decode_image,
+    check_image,
     fetch_image_bytes,
+    is_data_uri,
     parse_data_uri,
 )
 from visual.preprocess import PreprocessConfig, image_grid
 
 NOT_SUPPORTED = "messages: image input is not supported by this model server."
+# Images are decoded (to check them) on threads of their own, and one request uses at most half of
+# them: a request with many large pictures does not hold up the next request's small one.
+DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
+DECODES_PER_REQUEST = DECODE_THREADS // 2
+_decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-check")
 
 
 @dataclass(frozen=True)
@@ -85,16 +94,22 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[ImagePart]:
 
 
 async def _load_one(
-    support: ImageSupport, url: str, index: int, metrics: MetricsRecorder | None
+    support: ImageSupport,
+    url: str,
+    index: int,
+    metrics: MetricsRecorder | None,
+    decoding: asyncio.Semaphore,
 ) -> RequestImage:
     start = time.monotonic()
     try:
-        if url.startswith("data:"):
+        if is_data_uri(url):
             data = parse_data_uri(url, support.limits)
         else:
             data = await fetch_image_bytes(url, support.fetch, support.limits)
-        image = await asyncio.to_thread(decode_image, data, support.limits)
-        grid = image_grid(image.height, image.width, support.preprocess)
+        async with decoding:
+            loop = asyncio.get_running_loop()
+            width, height = await loop.run_in_executor(_decoder, check_image, data, support.limits)
+        grid = image_grid(height, width, support.preprocess)
     except ImageError as exc:
         raise BadRequest(f"messages: image {index + 1}: {exc.reason}", "messages") from None
     if metrics is not None:
@@ -121,11 +136,9 @@ async def load_images(
             f"messages: {len(parts)} images; at most {support.max_images} per request.",
             "messages",
         )
-    return list(
-        await asyncio.gather(
-            *(_load_one(support, p.image_url.url, i, metrics) for i, p in enumerate(parts))
-        )
-    )
+    decoding = asyncio.Semaphore(DECODES_PER_REQUEST)
+    loads = [_load_one(support, p.image_url.url, i, metrics, decoding) for i, p in enumerate(parts)]
+    return list(await asyncio.gather(*loads))
 
 
 def expand_image_tokens(

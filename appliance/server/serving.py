@@ -7,6 +7,7 @@ supplies what differs per route: its checks, its prompts and the wording of its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from appliance.messages import Guide, TextDelta, TokenizedRequest, TokenLogprob
 from appliance.sampling_params import SamplingParams
 from appliance.server.engine_client import EngineClient, RequestGroup
-from appliance.server.errors import APIError, BadRequest, sse_error
+from appliance.server.errors import APIError, BadRequest, RequestTimeout, sse_error
 from appliance.server.guides import compile_guide, request_guide
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import (
@@ -35,6 +36,7 @@ from appliance.server.state import (
     first_item,
     iterate_deltas,
     new_request_id,
+    wait_disconnect,
 )
 
 Body = TypeVar("Body", bound="ChatCompletionRequest | CompletionRequest", contravariant=True)
@@ -103,7 +105,9 @@ async def serve(
     arrival = time.monotonic()
     state.metrics.frontend_enter()
     try:
-        answer = await _admit(endpoint, state, body, arrival)
+        answer = await _admit_watched(endpoint, state, body, request, arrival)
+    except ClientGone:
+        return Response(status_code=499)
     finally:
         state.metrics.frontend_exit()
     # for the access log (app.AccessLog): the completion id and how the request ended
@@ -114,6 +118,31 @@ async def serve(
     except BaseException as exc:
         state.client.abort(answer.group, exit_reason(exc))
         raise
+
+
+async def _admit_watched(
+    endpoint: Endpoint[Body], state: ServerState, body: Body, request: Request, arrival: float
+) -> _Answer:
+    """`_admit`, given up (its image fetches cancelled) when the client leaves (ClientGone) or the
+    request's --request-timeout passes first: fetching images, rendering the prompt and compiling a
+    grammar count against the deadline as the generation does."""
+    admit = asyncio.ensure_future(_admit(endpoint, state, body, arrival))
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    limit = state.config.request_timeout
+    try:
+        wait = max(0.0, arrival + limit - time.monotonic()) if limit else None
+        done, _ = await asyncio.wait({admit, gone}, timeout=wait, return_when="FIRST_COMPLETED")
+        if admit in done:  # its submit is its last step: not done, nothing was submitted
+            return admit.result()
+        admit.cancel()
+        if gone in done:
+            raise ClientGone
+        raise RequestTimeout(limit, started=False)
+    except asyncio.CancelledError:
+        admit.cancel()
+        raise
+    finally:
+        gone.cancel()
 
 
 async def _admit(

@@ -127,7 +127,7 @@ def exit_reason(exc: BaseException) -> str:
     return "error"
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -139,7 +139,7 @@ async def abort_on_disconnect(request: Request, client: EngineClient, group: Req
     choices open."""
 
     async def watch() -> None:
-        await _wait_disconnect(request)
+        await wait_disconnect(request)
         client.abort(group, "client_gone")
         group.queue.put_nowait(None)
 
@@ -186,7 +186,7 @@ async def first_item(
     """Waits for a stream's first delta before any byte is sent, so that a rejection by the router
     (queue full, KV too small) still gets its real HTTP status instead of an in-stream error."""
     get = asyncio.ensure_future(_next_item(group))
-    gone = asyncio.ensure_future(_wait_disconnect(request))
+    gone = asyncio.ensure_future(wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
         if get not in done:

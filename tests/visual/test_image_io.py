@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from visual.image_io import ImageError, ImageLimits, decode_image, parse_data_uri
+from visual.image_io import ImageError, ImageLimits, check_image, decode_image, parse_data_uri
 
 
 def encode(image: Image.Image, fmt: str, **kwargs) -> bytes:
@@ -32,7 +32,7 @@ def png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
 
 
-@pytest.mark.parametrize("fmt,kwargs", [("PNG", {}), ("WEBP", {"lossless": True})])
+@pytest.mark.parametrize("fmt,kwargs", [("PNG", {}), ("WEBP", {"lossless": True}), ("BMP", {})])
 def test_lossless_formats_decode_exactly(fmt, kwargs, make_image):
     image = make_image(37, 23, seed=4)
     decoded = decode_image(encode(image, fmt, **kwargs))
@@ -79,7 +79,26 @@ def test_non_image_bytes_are_refused():
 
 def test_unsupported_format_is_refused(make_image):
     with pytest.raises(ImageError, match="not a supported image"):
-        decode_image(encode(make_image(8, 8), "BMP"))
+        decode_image(encode(make_image(8, 8), "TIFF"))
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_exif_orientation_turns_the_picture_upright(make_image, orientation):
+    """A phone photo stores its pixels as the sensor saw them and says how to turn them (EXIF
+    Orientation): decoded as transformers' load_image and vLLM do, upright; check_image (the API
+    server's, which sizes the ViT grid) gives the upright size without turning anything."""
+    image = make_image(40, 12, seed=5)  # stored landscape
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(image, "PNG", exif=exif.tobytes())
+    decoded = decode_image(data)
+    upright = {1: image, 3: image.transpose(Image.Transpose.ROTATE_180)}.get(orientation)
+    if orientation == 6:
+        upright = image.transpose(Image.Transpose.ROTATE_270)
+    if orientation == 8:
+        upright = image.transpose(Image.Transpose.ROTATE_90)
+    assert decoded.size == upright.size and check_image(data) == upright.size
+    assert np.array_equal(np.asarray(decoded), np.asarray(upright.convert("RGB")))
 
 
 def test_decompression_bomb_header_is_refused_and_pil_limit_restored():
@@ -109,7 +128,12 @@ def test_data_uri_round_trip(make_image):
     image = make_image(16, 12, seed=2)
     payload = base64.b64encode(encode(image, "PNG")).decode()
     wrapped = "\n".join(payload[i : i + 60] for i in range(0, len(payload), 60))
-    for uri in (f"data:image/png;base64,{payload}", f"data:IMAGE/PNG;base64,{wrapped}"):
+    uris = (
+        f"data:image/png;base64,{payload}",
+        f"data:IMAGE/PNG;base64,{wrapped}",
+        f"DATA:application/octet-stream;base64,{payload}",  # schemes are case-insensitive
+    )
+    for uri in uris:
         decoded = decode_image(parse_data_uri(uri))
         assert np.array_equal(np.asarray(decoded), np.asarray(image))
 

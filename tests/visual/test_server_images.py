@@ -202,3 +202,39 @@ def test_placeholder_count_must_match_and_context_counts_image_tokens(ckpt):
         )
     with pytest.raises(BadRequest, match="image input is not supported"):
         PromptBuilder(tokenizer, max_model_len=512).chat(msgs, None, None)
+
+
+def test_one_request_decodes_on_at_most_half_the_checking_threads(ckpt, monkeypatch):
+    """Images are checked on a pool of their own, a request at most DECODES_PER_REQUEST at a
+    time: a request of many large pictures leaves threads free for the next request's image."""
+    import appliance.server.images as images
+    from visual.image_io import check_image
+
+    busy, most, lock = [0], [0], threading.Lock()
+
+    def slow_check(data, limits):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            threading.Event().wait(0.05)
+            return check_image(data, limits)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(images, "check_image", slow_check)
+    support = image_support(ckpt, CONFIG)
+    many = [message(*[{"url": data_uri(png(16, 16, seed))} for seed in range(8)])]
+    one = [message("and this", {"url": data_uri(png(16, 16, 99))})]
+
+    async def both():
+        big = asyncio.ensure_future(load_images(support, many))
+        await asyncio.sleep(0.01)
+        small = await load_images(support, one)
+        return big.done(), small, await big
+
+    assert len(asyncio.run(load_images(support, many))) == 8
+    assert most[0] == images.DECODES_PER_REQUEST <= images.DECODE_THREADS // 2
+    big_done_first, small, big = asyncio.run(both())
+    assert len(big) == 8 and len(small) == 1 and not big_done_first
