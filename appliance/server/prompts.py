@@ -130,6 +130,9 @@ class PromptBuilder:
         ids = self._encode(text, "messages")
         data: list[ImageData] = []
         if images:
+            _check_no_typed_placeholder(
+                messages, self.tokenizer.convert_ids_to_tokens(image_token_id)
+            )
             ids, data = expand_image_tokens(ids, image_token_id, images)
         self.check_tokens(len(ids), "messages")
         return Prompt(ids, text, data, self._turn_start(ids) if add_generation_prompt else -1)
@@ -202,6 +205,21 @@ class PromptBuilder:
 def message_chars(messages: list[ChatMessage]) -> int:
     """The text characters of a conversation (what `check_chars` limits), images left out."""
     return sum(_text_chars(m.content) for m in messages)
+
+
+def _check_no_typed_placeholder(messages: list[ChatMessage], placeholder: str) -> None:
+    """The image placeholder token typed as text would take an image's place (or be counted as
+    one): refused, naming the message, when the request has images."""
+    for index, message in enumerate(messages):
+        content = message.content
+        parts = content if isinstance(content, list) else [content or ""]
+        texts = [p if isinstance(p, str) else getattr(p, "text", "") for p in parts]
+        if any(placeholder in text for text in texts):
+            raise BadRequest(
+                f"messages.{index}.content: contains {placeholder}, the image placeholder "
+                "token, as text; it may not appear in a request with images.",
+                "messages",
+            )
 
 
 def _text_chars(content: str | list | None) -> int:

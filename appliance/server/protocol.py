@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
@@ -52,6 +52,19 @@ class ImagePart(_Schema):
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+def _chat_part(part: Any) -> Any:
+    """The Responses API's spellings, which vLLM also takes in chat messages, as chat parts:
+    {"type": "input_text", "text"} and {"type": "input_image", "image_url": "<url>", "detail"}."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") == "input_text":
+        return {**part, "type": "text"}
+    if part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+        image = {"url": part["image_url"], "detail": part.get("detail")}
+        return {"type": "image_url", "image_url": image}
+    return part
+
+
 class ChatMessage(_Schema):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -59,6 +72,11 @@ class ChatMessage(_Schema):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _responses_parts(cls, content: Any) -> Any:
+        return [_chat_part(p) for p in content] if isinstance(content, list) else content
 
 
 class StreamOptions(_Schema):

@@ -202,6 +202,12 @@ def test_placeholder_count_must_match_and_context_counts_image_tokens(ckpt):
         )
     with pytest.raises(BadRequest, match="image input is not supported"):
         PromptBuilder(tokenizer, max_model_len=512).chat(msgs, None, None)
+    # the placeholder typed as text would take the image's place: refused naming the message
+    typed = [message("hi"), message("look <|image_pad|> here", {"url": data_uri(png(128, 128, 7))})]
+    with pytest.raises(BadRequest, match=r"messages\.1\.content: contains <\|image_pad\|>"):
+        PromptBuilder(tokenizer, max_model_len=512).chat(
+            typed, None, None, True, images, support.image_token_id
+        )
 
 
 def test_one_request_decodes_on_at_most_half_the_checking_threads(ckpt, monkeypatch):
@@ -238,3 +244,27 @@ def test_one_request_decodes_on_at_most_half_the_checking_threads(ckpt, monkeypa
     assert most[0] == images.DECODES_PER_REQUEST <= images.DECODE_THREADS // 2
     big_done_first, small, big = asyncio.run(both())
     assert len(big) == 8 and len(small) == 1 and not big_done_first
+
+
+def test_responses_style_parts_are_chat_parts(ckpt):
+    """{"type": "input_text"} and {"type": "input_image", "image_url": "<url>"} (the Responses API's
+    spellings, which vLLM takes in chat messages too) are read as text and image_url parts."""
+    from appliance.server.protocol import ImagePart, TextPart
+
+    url = data_uri(png(16, 16, 7))
+    spelled = ChatMessage.model_validate(
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "what is it?"},
+                {"type": "input_image", "image_url": url, "detail": "low"},
+            ],
+        }
+    )
+    text, image = spelled.content
+    assert isinstance(text, TextPart) and text.text == "what is it?"
+    assert isinstance(image, ImagePart) and image.image_url.url == url
+    assert image.image_url.detail == "low"
+    (loaded,) = asyncio.run(load_images(image_support(ckpt, CONFIG), [spelled]))
+    (plain,) = asyncio.run(load_images(image_support(ckpt, CONFIG), [message({"url": url})]))
+    assert loaded == plain
