@@ -176,8 +176,9 @@ def convert_value(raw: str, types: frozenset[str]) -> Any:
     """Convert a parameter's raw text (Qwen's surrounding newlines stripped) to a JSON value.
 
     `null` (any case) is None whatever the type, as in vLLM/SGLang. Otherwise the non-string types
-    are tried in a fixed order (integer, number, boolean, object/array/any); a value none of them
-    accepts stays the raw string. Integers accept an integral float spelling ("5.0" → 5); numbers
+    are tried in a fixed order (integer, number, boolean, object/array/any), then, where a string
+    is one of several types, a JSON string literal (`"5"` -> "5"); a value none of them accepts
+    stays the raw string. Integers accept an integral float spelling ("5.0" → 5); numbers
     keep Python's int/float distinction ("5" → 5, "5.0" → 5.0); NaN and infinities stay strings.
     """
     if raw.lower() == "null":
@@ -194,6 +195,15 @@ def convert_value(raw: str, types: frozenset[str]) -> Any:
     if types & {"object", "array", "any"}:
         ok, value = _to_structure(text, types)
         if ok:
+            return value
+    if "string" in types and text.startswith('"'):
+        # a string where other types are allowed too is written as JSON (with quotes) by an
+        # enforced call (appliance/server/tool_grammar.py) and by models that quote it
+        try:
+            value = _json_loads(text)
+        except ValueError:
+            value = None
+        if isinstance(value, str):
             return value
     if "string" not in types:
         logger.debug("value %.80r does not match %s; kept as a string", raw, sorted(types))

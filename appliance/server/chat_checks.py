@@ -15,6 +15,7 @@ from appliance.server.errors import BadRequest
 from appliance.server.protocol import ChatCompletionRequest, ChatMessage
 
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+PARAMETER_NAME = re.compile(r"^[^<>\r\n]+$")  # what `<parameter=KEY>` can carry
 _TYPES = frozenset({"string", "number", "integer", "boolean", "object", "array", "null"})
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -75,7 +76,9 @@ def check_messages(messages: list[ChatMessage]) -> None:
 
 
 def check_tools(tools: list[dict[str, Any]] | None) -> None:
-    """Each tool is {"type": "function", "function": {"name", "description"?, "parameters"?}}."""
+    """Each tool is {"type": "function", "function": {"name", "description"?, "parameters"?}},
+    its name not another tool's, its parameter names writable in the XML call format."""
+    seen: set[str] = set()
     for index, tool in enumerate(tools or []):
         where = f"tools.{index}"
         function = tool.get("function")
@@ -90,10 +93,18 @@ def check_tools(tools: list[dict[str, Any]] | None) -> None:
                 f"{name!r:.80}.",
                 "tools",
             )
+        if name in seen:  # a call names its function: two schemas for one name are ambiguous
+            raise BadRequest(f"{where}.function.name: {name!r} names another tool too.", "tools")
+        seen.add(name)
         if not isinstance(function.get("description", ""), str):
             raise BadRequest(f"{where}.function.description: expected a string.", "tools")
         if "parameters" in function:
             problem = parameters_problem(function["parameters"])
+            if problem is None:
+                properties = function["parameters"].get("properties") or {}
+                bad = [key for key in properties if not PARAMETER_NAME.match(key)]
+                if bad:  # `<parameter=KEY>` ends at the first '>': the call could not be read
+                    problem = f"parameter name {bad[0]!r:.80} has '<', '>' or a line break."
             if problem is not None:
                 raise BadRequest(f"Invalid schema for function '{name}': {problem}", "tools")
 

@@ -3,7 +3,8 @@ compiled once here before submitting (a bad schema, regex or grammar is a 400 na
 
 Sources, at most one per request: OpenAI `response_format` (`json_object`, `json_schema`), vLLM's
 `structured_outputs` {json | regex | choice | grammar | json_object} and its older `guided_json` /
-`guided_regex` / `guided_choice` / `guided_grammar`, and `tool_choice` "required" or a named
+`guided_regex` / `guided_choice` / `guided_grammar`, SGLang's `regex` / `ebnf` / `json_schema`, and
+`tool_choice` "required" or a named
 function (a grammar over the Qwen3-coder XML tool-call format built from `tools`, so the tool-call
 parser produces the calls as it does for free output). Called by serving.py's `_admit`.
 """
@@ -60,11 +61,14 @@ _ANNOTATIONS = frozenset(
 _LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _EXTRA_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-_LEGACY = {
+_LEGACY = {  # vLLM's older spellings, then SGLang's
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    "regex": "regex",
+    "ebnf": "grammar",
+    "json_schema": "json",
 }
 
 
@@ -194,7 +198,7 @@ def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
         return Guide("json_schema", json.dumps({"type": "object"}))
     if kind == "json_schema":
         spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
+        if not isinstance(spec, dict) or "schema" not in spec or "name" not in spec:
             raise BadRequest(
                 "response_format: json_schema needs {'name', 'schema'}.", "response_format"
             )
@@ -225,7 +229,7 @@ def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, An
 def _sources(body: Any) -> list[tuple[str, Guide | None]]:
     found: list[tuple[str, Guide | None]] = []
     fmt = getattr(body, "response_format", None)
-    if fmt:
+    if fmt is not None:  # {} too: a format that says nothing is refused, not ignored
         found.append(("response_format", _response_format_guide(fmt)))
     extras = getattr(body, "structured_outputs", None)
     if extras is not None:
@@ -247,9 +251,13 @@ def _sources(body: Any) -> list[tuple[str, Guide | None]]:
     return [(name, guide) for name, guide in found if guide is not None]
 
 
-def request_guide(body: Any, prompt_text: str | None, tokenizer: Any) -> tuple[str, Guide] | None:
+def request_guide(
+    body: Any, prompt_text: str | None, tokenizer: Any, reasoning: str = "auto"
+) -> tuple[str, Guide] | None:
     """The request field that asks for structure and its guide, or None when the output is free.
-    When the prompt opens a reasoning block, the grammar starts after the `</think>` token."""
+    When the prompt opens a reasoning block, the grammar starts after the `</think>` token, unless
+    the server leaves reasoning in the content (`--reasoning off`): then the whole answer is the
+    content the grammar shapes, from its first token (as vLLM without a reasoning parser)."""
     found = _sources(body)
     if not found:
         return None
@@ -257,7 +265,7 @@ def request_guide(body: Any, prompt_text: str | None, tokenizer: Any) -> tuple[s
         names = " and ".join(name for name, _ in found)
         raise BadRequest(f"{names}: only one output constraint per request.", found[1][0])
     param, guide = found[0]
-    if prompt_text and prompt_opens_reasoning(prompt_text):
+    if reasoning != "off" and prompt_text and prompt_opens_reasoning(prompt_text):
         think_end = tokenizer.convert_tokens_to_ids(THINK_END)
         if isinstance(think_end, int) and think_end >= 0:
             guide = Guide(guide.kind, guide.spec, after_token=think_end)

@@ -122,6 +122,10 @@ class _SamplingFields(_Schema):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # SGLang's spellings: a regex, an EBNF grammar, a JSON schema as JSON text
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: dict[str, Any] | str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

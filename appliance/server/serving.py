@@ -162,7 +162,8 @@ async def _admit(
     )
     prompts = await endpoint.prompts(state, body)
     guide = None
-    if found := request_guide(body, prompts[0].text, state.prompts.tokenizer):
+    tokenizer, reasoning = state.prompts.tokenizer, state.config.reasoning
+    if found := request_guide(body, prompts[0].text, tokenizer, reasoning):
         param, guide = found
         await compile_guide(state.grammars, guide, param)  # 400 for a grammar that fails
     group_id = new_request_id(endpoint.id_prefix)

@@ -8,7 +8,9 @@ Qwen3-coder XML format that appliance/parsers/qwen3_coder.py parses, as an xgram
 
 A VALUE whose schema type is string (or string/null) is raw text, as the parser keeps it: one of
 its `enum` values, its `pattern`, its `format`, or text without `<` within its length bounds. Any
-other VALUE is compact JSON following the property's schema (the parser converts it by type). No
+other VALUE is compact JSON following the property's schema (the parser converts it by type; a
+string allowed beside other types is then a quoted JSON string, which the parser unquotes; a number
+without bounds gets +-NUMBER_BOUND, so it is a plain decimal). No
 free whitespace anywhere: the parser would keep it inside a string value. Called by
 appliance/server/guides.py.
 """
@@ -24,6 +26,7 @@ from appliance.server.errors import BadRequest
 
 Format = dict[str, Any]
 _REGEX_SPECIAL = set("\\.^$|?*+()[]{}/")
+NUMBER_BOUND = 1e300  # |value| of a number parameter with no bounds of its own
 
 
 def _const(text: str) -> Format:
@@ -64,9 +67,22 @@ def _raw_string(schema: dict[str, Any]) -> Format:
     return {"type": "regex", "pattern": f"[^<]{bounds}"}
 
 
+def _finite(schema: dict[str, Any]) -> dict[str, Any]:
+    """A number schema with no bounds gets NUMBER_BOUND ones: the grammar then writes plain
+    decimals, never an exponent so large that the value reads back as infinity (not JSON)."""
+    types = schema.get("type")
+    if "number" not in (types if isinstance(types, list) else [types]):
+        return schema
+    if any(k in schema for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        return schema
+    return {**schema, "minimum": -NUMBER_BOUND, "maximum": NUMBER_BOUND}
+
+
 def _value(schema: Any, definitions: dict[str, Any]) -> Format:
     if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
         return _raw_string(schema)
+    if isinstance(schema, dict):
+        schema = _finite(schema)
     if schema is None:
         schema = True
     elif isinstance(schema, dict) and definitions:

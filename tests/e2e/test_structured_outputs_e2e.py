@@ -350,7 +350,12 @@ BAD = [
     ({"extra_body": {"guided_regex": "(abc"}}, "guided_regex", "parenthesis"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None, "schema"),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strin"}},
+            }
+        },
         "response_format",
         "strin",
     ),

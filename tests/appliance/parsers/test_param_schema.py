@@ -79,6 +79,11 @@ def test_only_plain_strings_stream() -> None:
         ('"s"', {"$ref": "#/x"}, "s"),
         ("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, 7),
         ("seven", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "seven"),
+        # a string beside other types, quoted as JSON (an enforced call writes it so): unquoted
+        ('"At"', {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "At"),
+        ('"5"', {"type": ["integer", "string"]}, "5"),
+        ('"open', {"type": ["integer", "string"]}, '"open'),
+        ('"s"', {"type": "string"}, '"s"'),  # a plain string keeps what the model wrote
         ("", {"type": "integer"}, ""),
     ],
 )

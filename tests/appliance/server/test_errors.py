@@ -349,6 +349,31 @@ def test_tool_choice_is_validated_like_openai(make_server, extra, fragment):
         assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
+def _function(name: str, **properties) -> dict:
+    return {
+        "type": "function",
+        "function": {"name": name, "parameters": {"type": "object", "properties": properties}},
+    }
+
+
+@pytest.mark.parametrize(
+    "tools, fragment",
+    [
+        ([_function("f", a={"type": "integer"}), _function("f")], "'f' names another tool"),
+        ([_function("f", **{"a>b": {"type": "string"}})], "parameter name 'a>b'"),
+        ([_function("f", **{"</parameter>": {}})], "has '<', '>' or a line break"),
+        ([_function("f", **{"a\nb": {}})], "has '<', '>' or a line break"),
+    ],
+)
+def test_tools_a_call_could_not_name_are_refused(make_server, tools, fragment):
+    """Two tools of one name, or a parameter name the XML call format cannot carry (`<parameter=
+    KEY>` ends at the first '>'), would give calls typed against the wrong schema or mangled."""
+    client, engine, _ = make_server()
+    body = {"messages": MSG, "max_tokens": 2, "tools": tools, "tool_choice": "required"}
+    assert_error(client.post("/v1/chat/completions", json=body), 400, "tools", contains=fragment)
+    assert engine.received == []
+
+
 def test_error_codes_are_strings_or_null_and_headers_follow_the_status(make_server):
     client, engine, _ = make_server(max_open=1)
     r = client.get("/v1/chat/completions")

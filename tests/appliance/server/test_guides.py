@@ -64,6 +64,9 @@ def _body(**fields) -> types.SimpleNamespace:
             "guided_regex",
             "guided_choice",
             "guided_grammar",
+            "regex",
+            "ebnf",
+            "json_schema",
             "tools",
             "tool_choice",
         )
@@ -91,8 +94,19 @@ def test_sources_map_to_guides():
     # thinking on: the grammar starts after </think>
     _, guide = request_guide(_body(guided_regex="a"), "<|im_start|>assistant\n<think>\n", _Tok())
     assert guide.after_token == 77
+    # ... unless the server leaves reasoning in the content: the grammar shapes all of it
+    thinking = "<|im_start|>assistant\n<think>\n"
+    _, guide = request_guide(_body(guided_regex="a"), thinking, _Tok(), reasoning="off")
+    assert guide.after_token == -1
     # tool_choice auto / none constrain nothing
     assert request_guide(_body(tools=TOOLS, tool_choice="auto"), None, _Tok()) is None
+    # SGLang's spellings
+    _, guide = request_guide(_body(regex="(yes|no)"), None, _Tok())
+    assert (guide.kind, guide.spec) == ("regex", "(yes|no)")
+    _, guide = request_guide(_body(ebnf='root ::= "A"'), None, _Tok())
+    assert (guide.kind, guide.spec) == ("grammar", 'root ::= "A"')
+    param, guide = request_guide(_body(json_schema=json.dumps(schema)), None, _Tok())
+    assert (param, guide.kind, json.loads(guide.spec)) == ("json_schema", "json_schema", schema)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +119,9 @@ def test_sources_map_to_guides():
         ({"guided_choice": ["a", 1]}, "list of strings"),
         ({"guided_regex": "a", "guided_grammar": "root ::= x"}, "only one"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "needs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "needs"),
+        ({"response_format": {}}, "missing 'type'"),
+        ({"regex": "a", "ebnf": "root ::= x"}, "only one"),
         ({"response_format": {"json_schema": {"schema": {}}}}, "missing 'type'"),
         # accepted by xgrammar 0.2.9 but left unenforced (it only logs a warning): refused
         ({"guided_json": {"allOf": [{"type": "object"}, {"required": []}]}}, "allOf with more"),
@@ -152,32 +169,70 @@ def tokenizer(tiny_dense):
     return AutoTokenizer.from_pretrained(str(tiny_dense))
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
-def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer, choice):
-    guide = tool_call_guide(TOOLS, choice)
+def _walks(tokenizer, guide, tools, seed: int, count: int):
+    """`count` random walks through `guide` on the tiny tokenizer (random logits under its
+    bitmask): each must end with the stop token and parse into one call; yields (name, args)."""
     guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
-    gen = torch.Generator().manual_seed(0)
-    names = set()
-    for walk in range(12):
+    gen = torch.Generator().manual_seed(seed)
+    for walk in range(count):
         guided.admit(walk, guide, [])
         tokens = []
         while not guided.terminated(walk):
             logits = apply_token_bitmask(
                 torch.randn(1, 2000, generator=gen), guided.bitmask([(walk, [])])
             )
-            token = int(torch.multinomial(torch.softmax(logits, -1), 1))
-            tokens.append(token)
-            guided.advance(walk, [token])
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
+            guided.advance(walk, tokens[-1:])
             assert len(tokens) < 400
-        text = tokenizer.decode(tokens[:-1])  # the stop token ends it
         assert tokens[-1] == EOS
-        result = parse_tool_calls(text, TOOLS)
-        (call,) = result.tool_calls
-        name = call["function"]["name"]
+        (call,) = parse_tool_calls(tokenizer.decode(tokens[:-1]), tools).tool_calls
+        yield call["function"]["name"], json.loads(call["function"]["arguments"])
+
+
+def _parameters(tools, name: str) -> dict:
+    return next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer, choice):
+    names = set()
+    for name, args in _walks(tokenizer, tool_call_guide(TOOLS, choice), TOOLS, 0, 12):
         names.add(name)
-        params = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
-        jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+        jsonschema.validate(args, _parameters(TOOLS, name))
     assert names == ({"book", "ping"} if choice == "required" else {"book"})
+
+
+UNION_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "v": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 6}]},
+                    "w": {"type": ["string", "integer"], "maxLength": 4},
+                    "x": {"type": "number"},
+                },
+                "required": ["v", "w", "x"],
+            },
+        },
+    }
+]
+
+
+def test_union_and_unbounded_number_parameters_parse_into_valid_values(tokenizer):
+    """A string allowed beside other types is written quoted and read back unquoted (it kept
+    its quotes inside the value); a number with no bounds is never an exponent that reads back as
+    infinity (it came back as a string)."""
+    strings = 0
+    guide = tool_call_guide(UNION_TOOLS, "required")
+    for _, args in _walks(tokenizer, guide, UNION_TOOLS, 3, 16):
+        jsonschema.validate(args, UNION_TOOLS[0]["function"]["parameters"])
+        assert isinstance(args["x"], int | float) and not isinstance(args["x"], bool)
+        strings += sum(isinstance(args[k], str) for k in ("v", "w"))
+        assert not any(isinstance(args[k], str) and args[k].startswith('"') for k in ("v", "w"))
+    assert strings  # the walks took the string branches too
 
 
 OPTIONAL_TOOLS = [
@@ -205,20 +260,8 @@ OPTIONAL_TOOLS = [
 def test_tool_string_formats_and_optional_branches_are_enforced(tokenizer):
     # a string parameter's format, and the constraints inside Optional[...] (anyOf with null, as
     # pydantic writes it), hold in the raw XML text too (they were free text)
-    guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
     guide = tool_call_guide(OPTIONAL_TOOLS, "required")
-    gen = torch.Generator().manual_seed(1)
-    for walk in range(6):
-        guided.admit(walk, guide, [])
-        tokens = []
-        while not guided.terminated(walk):
-            mask = guided.bitmask([(walk, [])])
-            logits = apply_token_bitmask(torch.randn(1, 2000, generator=gen), mask)
-            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
-            guided.advance(walk, tokens[-1:])
-            assert len(tokens) < 400
-        (call,) = parse_tool_calls(tokenizer.decode(tokens[:-1]), OPTIONAL_TOOLS).tool_calls
-        args = json.loads(call["function"]["arguments"])
+    for _, args in _walks(tokenizer, guide, OPTIONAL_TOOLS, 1, 6):
         jsonschema.validate(args, OPTIONAL_TOOLS[0]["function"]["parameters"])
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["day"])
         hexes = r"[0-9a-fA-F]{8}-" + r"[0-9a-fA-F]{4}-" * 3 + r"[0-9a-fA-F]{12}"
