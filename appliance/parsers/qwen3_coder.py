@@ -22,7 +22,10 @@ final `arguments`, which is exactly `json.dumps(final_arguments_dict)` with Pyth
   never has duplicate keys;
 - text outside `<tool_call>` blocks is content, verbatim, except whitespace that touches a block
   (before it, or ending the output after one), which is dropped; text inside a block but outside
-  the tags is dropped; a partial tag at a chunk edge is held until it is decided.
+  the tags is dropped; a partial tag at a chunk edge is held until it is decided;
+- a block with no `<function=` in it is held until it ends: a Hermes-style call in it (Qwen3's
+  `{"name": ..., "arguments": {...}}`) is a call, emitted whole; anything else is content, as
+  written (`<tool_call>` and all), so nothing the model wrote is lost.
 Input is text: the detokenizer must hold back incomplete UTF-8 so a character never changes later.
 """
 
@@ -169,6 +172,7 @@ class ToolCallParser:
         self._space = ""  # whitespace held in content until we know whether a block follows
         self._seen_block = False
         self._call: _Call | None = None  # the open call (None inside a dropped one, or none open)
+        self._raw: list[str] | None = None  # the open block's text while it has no <function=
         self._param: _Param | None = None
         self._calls: list[_Call] = []
         self._content: list[str] = []
@@ -196,6 +200,8 @@ class ToolCallParser:
         if not self._enabled:
             return ParsedDelta()
         self._run(final=True)
+        if self._state == _BLOCK and self._raw is not None:  # ended in a block with no function
+            self._end_raw_block()
         if self._state == _VALUE:
             self._close_param()
         if self._state in (_VALUE, _BODY):
@@ -267,6 +273,8 @@ class ToolCallParser:
             return False
         at = self._pending.find(TOOL_CALL_START)
         if at >= 0:
+            before = self._space + self._pending[:at]
+            self._raw = [before[len(before.rstrip()) :], TOOL_CALL_START]  # whitespace, tag
             self._content_text(self._pending[:at], block_follows=True)
             self._pending = self._pending[at + len(TOOL_CALL_START) :]
             self._state, self._seen_block = _BLOCK, True
@@ -282,9 +290,14 @@ class ToolCallParser:
         self._space = "" if block_follows else text[len(body) :]
         self._emit_content(body)
 
-    def _next_tag(self, tags: tuple[str, ...], final: bool) -> str | None:
-        """Drop text up to the next '<'; return the tag it starts, '' for no tag, None to wait."""
+    def _next_tag(
+        self, tags: tuple[str, ...], final: bool, dropped: list[str] | None = None
+    ) -> str | None:
+        """Drop text up to the next '<' (into `dropped`, if given); return the tag it starts, ''
+        for no tag, None to wait."""
         at = self._pending.find("<")
+        if dropped is not None:
+            dropped.append(self._pending[:at] if at >= 0 else self._pending)
         self._pending = self._pending[at:] if at >= 0 else ""
         if not self._pending:
             return None
@@ -294,6 +307,8 @@ class ToolCallParser:
         if not final and any(t.startswith(self._pending) for t in tags):
             return None
         self._pending = self._pending[1:]  # a '<' that starts no tag: junk between tags
+        if dropped is not None:
+            dropped.append("<")
         return ""
 
     def _header(self, tag: str, final: bool) -> str | None:
@@ -309,8 +324,9 @@ class ToolCallParser:
         return name
 
     def _step_block(self, final: bool) -> bool:
-        tag = self._next_tag(_BLOCK_TAGS, final)
+        tag = self._next_tag(_BLOCK_TAGS, final, self._raw)
         if tag == FUNCTION_START:
+            self._raw = None  # a call, even one cut short in its header
             name = self._header(tag, final)
             if name is None:
                 return False
@@ -319,9 +335,28 @@ class ToolCallParser:
         elif tag == TOOL_CALL_END:
             self._pending = self._pending[len(tag) :]
             self._state = _TEXT
+            if self._raw is not None:
+                self._raw.append(tag)
+                self._end_raw_block()
         elif tag == TOOL_CALL_START:  # a repeated opener: nothing to do
             self._pending = self._pending[len(tag) :]
+            if self._raw is not None:
+                self._raw.append(tag)
         return tag is not None
+
+    def _end_raw_block(self) -> None:
+        """A block that opened no `<function=`: a Hermes-style JSON call, or content."""
+        text, self._raw = "".join(self._raw), None
+        inner = text.strip().removeprefix(TOOL_CALL_START).removesuffix(TOOL_CALL_END).strip()
+        call = _hermes_call(inner)
+        if call is None:
+            self._emit_content(text)
+            return
+        name, arguments = call
+        self._open_function(name)
+        if self._call is not None:
+            self._emit_args(self._call, json.dumps(arguments)[1:])  # after its "{"
+            self._call = None
 
     def _step_body(self, final: bool) -> bool:
         tag = self._next_tag(_BODY_TAGS, final)
@@ -438,6 +473,24 @@ class ToolCallParser:
             value = convert_value(rest, param.types)
             call.values[param.name] = value
             call.tail = json.dumps(value)
+
+
+def _hermes_call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, arguments) of `{"name": ..., "arguments": {...}}` (or "parameters", or arguments
+    as JSON text), the JSON call format of Qwen3 and Hermes; None for anything else."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return (value["name"], arguments) if isinstance(arguments, dict) else None
 
 
 def parse_tool_calls(

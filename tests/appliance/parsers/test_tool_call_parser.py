@@ -119,6 +119,25 @@ CASES = {
         [("get_weather", {"city": "Paris"})],
     ),
     "truncated_function_name": ToolCase("Hi\n<tool_call>\n<function=get_wea", "Hi", []),
+    # a block with no <function=: a Hermes-style JSON call (Qwen3's format) is a call ...
+    "hermes_json_call": ToolCase(
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+        "\n</tool_call>",
+        "Sure.",
+        [("get_weather", {"city": "Paris", "days": 2})],
+    ),
+    "hermes_json_arguments_as_text": ToolCase(
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"unit\\": \\"c\\"}"}</tool_call>',
+        None,
+        [("get_weather", {"unit": "c"})],
+    ),
+    # ... and anything else in it is content, as written: nothing the model wrote is lost
+    "block_without_a_call_is_content": ToolCase(
+        "Call <tool_call> maybe</tool_call> later", "Call <tool_call> maybe</tool_call> later", []
+    ),
+    "unclosed_block_without_a_call_is_content": ToolCase(
+        "Call <tool_call> maybe <b>", "Call <tool_call> maybe <b>", []
+    ),
     # max_tokens cut the call inside its closing tag: the partial tag is not the value's
     "truncated_closer_dropped": ToolCase(
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis</param",
