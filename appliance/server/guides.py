@@ -211,9 +211,12 @@ def _response_format_guide(fmt: dict[str, Any]) -> Guide | None:
     )
 
 
-def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any]) -> Guide:
-    """One Qwen3-coder XML tool call of the named function (or of any tool, for "required"),
-    its parameters following the function's schema."""
+def tool_call_guide(
+    tools: list[dict[str, Any]], tool_choice: str | dict[str, Any], parallel: bool = True
+) -> Guide:
+    """One Qwen3-coder XML tool call of the named function, or, for "required", one or more calls
+    of any of the tools (one when not `parallel`, OpenAI's parallel_tool_calls), each call's
+    parameters following its function's schema."""
     named = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     functions = []
     for tool in tools:
@@ -223,7 +226,7 @@ def tool_call_guide(tools: list[dict[str, Any]], tool_choice: str | dict[str, An
             params = function.get("parameters")
             check_schema(params or {}, "tools", f"#/tools/{name}/parameters")
             functions.append((name, params))
-    return Guide("structural_tag", tool_call_tag(functions))
+    return Guide("structural_tag", tool_call_tag(functions, many=named is None and parallel))
 
 
 def _sources(body: Any) -> list[tuple[str, Guide | None]]:
@@ -247,7 +250,8 @@ def _sources(body: Any) -> list[tuple[str, Guide | None]]:
     choice = getattr(body, "tool_choice", None)
     tools = getattr(body, "tools", None)
     if tools and (choice == "required" or isinstance(choice, dict)):
-        found.append(("tool_choice", tool_call_guide(tools, choice)))
+        parallel = getattr(body, "parallel_tool_calls", True) is not False
+        found.append(("tool_choice", tool_call_guide(tools, choice, parallel)))
     return [(name, guide) for name, guide in found if guide is not None]
 
 

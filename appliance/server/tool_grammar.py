@@ -1,5 +1,6 @@
-"""The grammar of one enforced tool call (`tool_choice` "required" or a named function) in the
-Qwen3-coder XML format that appliance/parsers/qwen3_coder.py parses, as an xgrammar structural tag:
+"""The grammar of enforced tool calls (`tool_choice` "required": one or more, one if
+parallel_tool_calls is false; a named function: one) in the Qwen3-coder XML format that
+appliance/parsers/qwen3_coder.py parses, as an xgrammar structural tag (calls a newline apart):
 
     <tool_call>\\n<function=NAME>\\n
     <parameter=KEY>\\nVALUE\\n</parameter>\\n     (per property, in schema order; optional ones may
@@ -118,8 +119,12 @@ def function_call_format(name: str, parameters: dict[str, Any] | None) -> Format
     return {"type": "sequence", "elements": elements}
 
 
-def tool_call_tag(functions: list[tuple[str, dict[str, Any] | None]]) -> str:
-    """The structural tag (JSON text) of one call of any of `functions` (name, parameters)."""
+def tool_call_tag(functions: list[tuple[str, dict[str, Any] | None]], many: bool = False) -> str:
+    """The structural tag (JSON text) of one call of any of `functions` (name, parameters), or,
+    with `many`, of one or more such calls, a newline between two."""
     calls = [function_call_format(name, params) for name, params in functions]
-    fmt = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    fmt = _one_of(calls)
+    if many:
+        more = {"type": "sequence", "elements": [_const("\n"), fmt]}
+        fmt = {"type": "sequence", "elements": [fmt, {"type": "star", "content": more}]}
     return json.dumps({"type": "structural_tag", "format": fmt})

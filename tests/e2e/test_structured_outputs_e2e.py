@@ -280,8 +280,11 @@ def _check_call(call, function: str | None) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_and_named(apps, stream):
     named = {"type": "function", "function": {"name": "get_time"}}
+    # one call each ("required" without parallel calls: random weights would chain calls up to
+    # max_tokens; one or more calls are tests/appliance/server/test_guides.py's random walks)
     requests = [
         {"tools": TOOLS, "tool_choice": choice, "seed": i, "n": 2, "max_tokens": 200}
+        | ({"parallel_tool_calls": False} if choice == "required" else {})
         for i, choice in enumerate(["required", named, "required", named])
     ]
     expected = [None, "get_time", None, "get_time"]

@@ -171,7 +171,8 @@ def tokenizer(tiny_dense):
 
 def _walks(tokenizer, guide, tools, seed: int, count: int):
     """`count` random walks through `guide` on the tiny tokenizer (random logits under its
-    bitmask): each must end with the stop token and parse into one call; yields (name, args)."""
+    bitmask): each must end with the stop token and parse into calls; yields each walk's
+    [(name, args), ...]."""
     guided = GuidedDecoding(lambda: tokenizer, 2000, [EOS])
     gen = torch.Generator().manual_seed(seed)
     for walk in range(count):
@@ -183,23 +184,36 @@ def _walks(tokenizer, guide, tools, seed: int, count: int):
             )
             tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
             guided.advance(walk, tokens[-1:])
-            assert len(tokens) < 400
+            assert len(tokens) < 2000
         assert tokens[-1] == EOS
-        (call,) = parse_tool_calls(tokenizer.decode(tokens[:-1]), tools).tool_calls
-        yield call["function"]["name"], json.loads(call["function"]["arguments"])
+        calls = parse_tool_calls(tokenizer.decode(tokens[:-1]), tools).tool_calls
+        assert calls
+        yield [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 def _parameters(tools, name: str) -> dict:
     return next(t for t in tools if t["function"]["name"] == name)["function"]["parameters"]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
-def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer, choice):
-    names = set()
-    for name, args in _walks(tokenizer, tool_call_guide(TOOLS, choice), TOOLS, 0, 12):
-        names.add(name)
-        jsonschema.validate(args, _parameters(TOOLS, name))
+@pytest.mark.parametrize(
+    ("choice", "parallel"),
+    [
+        ("required", True),
+        ("required", False),
+        ({"type": "function", "function": {"name": "book"}}, True),
+    ],
+)
+def test_random_walks_through_the_tool_grammar_parse_into_valid_calls(tokenizer, choice, parallel):
+    """ "required" is one or more calls (one without parallel_tool_calls), a named function one."""
+    names, counts = set(), set()
+    guide = tool_call_guide(TOOLS, choice, parallel)
+    for calls in _walks(tokenizer, guide, TOOLS, 0, 12):
+        counts.add(len(calls))
+        for name, args in calls:
+            names.add(name)
+            jsonschema.validate(args, _parameters(TOOLS, name))
     assert names == ({"book", "ping"} if choice == "required" else {"book"})
+    assert counts == {1} if choice != "required" or not parallel else max(counts) > 1
 
 
 UNION_TOOLS = [
@@ -227,7 +241,9 @@ def test_union_and_unbounded_number_parameters_parse_into_valid_values(tokenizer
     infinity (it came back as a string)."""
     strings = 0
     guide = tool_call_guide(UNION_TOOLS, "required")
-    for _, args in _walks(tokenizer, guide, UNION_TOOLS, 3, 16):
+    for _, args in (
+        call for calls in _walks(tokenizer, guide, UNION_TOOLS, 3, 16) for call in calls
+    ):
         jsonschema.validate(args, UNION_TOOLS[0]["function"]["parameters"])
         assert isinstance(args["x"], int | float) and not isinstance(args["x"], bool)
         strings += sum(isinstance(args[k], str) for k in ("v", "w"))
@@ -261,7 +277,9 @@ def test_tool_string_formats_and_optional_branches_are_enforced(tokenizer):
     # a string parameter's format, and the constraints inside Optional[...] (anyOf with null, as
     # pydantic writes it), hold in the raw XML text too (they were free text)
     guide = tool_call_guide(OPTIONAL_TOOLS, "required")
-    for _, args in _walks(tokenizer, guide, OPTIONAL_TOOLS, 1, 6):
+    for _, args in (
+        call for calls in _walks(tokenizer, guide, OPTIONAL_TOOLS, 1, 6) for call in calls
+    ):
         jsonschema.validate(args, OPTIONAL_TOOLS[0]["function"]["parameters"])
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["day"])
         hexes = r"[0-9a-fA-F]{8}-" + r"[0-9a-fA-F]{4}-" * 3 + r"[0-9a-fA-F]{12}"
