@@ -403,7 +403,8 @@ class ModelRunner(RunnerMemory):
         """The oldest submitted step's result (waits for its device work)."""
         result = self._pending.popleft().result()
         if self._pending:  # a guided step's sampling waited for this result: behind its forward
-            self._pending[0].launch_deferred()
+            with torch.inference_mode():  # as the rest of its launch ran
+                self._pending[0].launch_deferred()
         if self._metered.popleft():
             self.busy.collected()
         ready = self.guided.newly_compiled() if self.guided else []

@@ -63,8 +63,14 @@ THINK_CALL = (
     "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
 )
 ANSWER = "It is 18 degrees and sunny in Paris."
+# the canonical form, as the grammar of tool_choice "required" writes it
+CANONICAL_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
 SCRIPTS = {  # prompt trigger -> forced model output
     "[case:weather]": WEATHER_CALL,
+    "[case:canonical]": CANONICAL_CALL,
     "[case:two]": TWO_CALLS,
     "[case:think]": THINK_CALL,
     "[case:answer]": ANSWER,
@@ -197,6 +203,21 @@ def test_one_call_stream_and_non_stream(sdk, tokenizer):
     _check_message(out.choices[0], [PARIS], None)
     scripted = tokenizer.encode(WEATHER_CALL, add_special_tokens=False)
     assert out.usage.completion_tokens == len(scripted) + 1  # the script, then the forced EOS
+
+
+def test_a_required_call_under_its_grammar(sdk):
+    """tool_choice "required" samples under a grammar, behind the step in flight (its sampling
+    is launched when that step is collected, in inference mode as the rest of the step): the
+    scripted canonical call passes the grammar whole."""
+    out = sdk.chat.completions.create(
+        model=MODEL,
+        messages=_user("[case:canonical]"),
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        extra_body=NO_THINK,
+    )
+    _check_message(out.choices[0], [PARIS], None)
 
 
 def test_two_functions_in_one_block_after_text(sdk):
