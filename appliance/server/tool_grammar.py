@@ -56,6 +56,12 @@ def _raw_string(schema: dict[str, Any]) -> Format:
         texts = [v for v in values if isinstance(v, str)] + ["null"] * (None in values)
         if not texts:
             raise BadRequest("tools: a string parameter's enum has no string value.", "tools")
+        if any(isinstance(v, str) and v.lower() == "null" for v in values):
+            raise BadRequest(  # the parser reads the text null as JSON null (vLLM's rule)
+                "tools: a string parameter's enum value 'null' cannot be told apart from JSON "
+                "null in the XML tool-call format; rename it.",
+                "tools",
+            )
         return _one_of([_const(t) for t in texts])
     if isinstance(schema.get("pattern"), str):
         return {"type": "regex", "pattern": schema["pattern"]}

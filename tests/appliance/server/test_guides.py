@@ -140,6 +140,21 @@ def test_sources_map_to_guides():
         ({"guided_json": {"type": "object", "required": ["a"]}}, "required 'a' without"),
         # JSON text skips the body's depth limit: the same limit, and no RecursionError (a 500)
         ({"guided_json": _nested(40)}, "nests deeper than 64"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"properties": {"v": {"enum": ["a", "NULL"]}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "enum value 'null' cannot be told apart",
+        ),
         ({"structured_outputs": {"json": _nested(5000)}}, "nests deeper than 64"),
     ],
 )
