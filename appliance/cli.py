@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any, NoReturn
 
-from appliance import envs
+from appliance import __version__, envs
 from appliance.config import ServeConfig
 
 _POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL
@@ -193,6 +193,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         subparsers=subparsers,
         help="show every command's options and exit",
     )
+    parser.add_argument("-V", "--version", action="version", version=f"appliance {__version__}")
     serve = subparsers.add_parser(
         "serve",
         allow_abbrev=False,  # --max-model 5 is not --max-model-len

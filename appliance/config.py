@@ -218,6 +218,9 @@ class ServerConfig:
         _check(self.reasoning in ("auto", "on", "off"), "reasoning", "auto, on or off")
         _check(self.max_request_bytes >= 1024, "max_request_bytes", "an integer >= 1024")
         _check(self.request_timeout >= 0, "request_timeout", "a number >= 0 (0 = no limit)")
+        keys = [part.strip() for part in self.api_key.split(",")]
+        # ", " would leave no key: authentication off while the config block shows one
+        _check(not self.api_key or any(keys), "api_key", "at least one key (comma-separated)")
         _check(bool(self.generation_config), "generation_config", "auto, none or a folder")
 
 

@@ -6,6 +6,7 @@ attribute access so tests can monkeypatch os.environ. Documented in docs/operati
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +33,33 @@ def _bool(text: str) -> bool:
 
 
 def _number(text: str) -> float:
+    """A finite number >= 0 (the numeric flags are seconds; 0 = off)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ValueError("a number") from None
+        raise ValueError("a number >= 0") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("a number >= 0")
+    return value
+
+
+def _seconds(floor: float) -> Callable[[str], float]:
+    """A number of seconds: 0 (off) or at least `floor` (a flood of log lines otherwise)."""
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        if 0 < value < floor:
+            raise ValueError(f"0 (off) or a number >= {floor:g}")
+        return value
+
+    return parse
+
+
+def _keys(text: str) -> str:
+    """Comma-separated API keys: set, it must hold one (", " would switch authentication off)."""
+    if text and not any(part.strip() for part in text.split(",")):
+        raise ValueError("at least one key (comma-separated), or unset for no authentication")
+    return text
 
 
 _REGISTRY: dict[str, EnvVar] = {}
@@ -59,7 +83,10 @@ _register(
     "NO_COLOR", False, lambda s: s != "", "Standard no-color switch; any value disables color."
 )
 _register(
-    "APPLIANCE_LOG_STATS_INTERVAL", 10.0, _number, "Seconds between windowed stats lines (0 = off)."
+    "APPLIANCE_LOG_STATS_INTERVAL",
+    10.0,
+    _seconds(0.1),
+    "Seconds between windowed stats lines (0 = off).",
 )
 _register(
     "APPLIANCE_GDN_PREFILL_BACKEND",
@@ -91,13 +118,13 @@ _register(
 _register(
     "APPLIANCE_GPU_BUSY_LOG",
     0.0,
-    _number,
+    _seconds(0.1),
     "Seconds between worker log lines of the device's busy share while serving (0 = off).",
 )
 _register(
     "APPLIANCE_HEARTBEAT_TIMEOUT",
     8.0,
-    _number,
+    _seconds(2.0),
     "Seconds a role may go without a heartbeat (one a second) before the launcher fails the "
     "appliance naming it, as if it died (0 = off).",
 )
@@ -113,7 +140,7 @@ _register(
 _register(
     "APPLIANCE_API_KEY",
     "",
-    str,
+    _keys,
     "Comma-separated API keys clients must send (Bearer); --api-key wins; empty = no auth.",
 )
 

@@ -8,6 +8,7 @@ server, then exiting non-zero), and on SIGTERM/SIGINT drains the server and exit
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -367,9 +368,12 @@ def check_port(host: str, port: int) -> None:
                 sock.bind(address)
             except OSError as exc:
                 reason = exc.strerror or str(exc)
-                raise LaunchError(
-                    f"cannot listen on {where}: {reason} (another server? pick --port)"
-                ) from None
+                hint = {
+                    errno.EADDRINUSE: " (another server? pick --port)",
+                    errno.EADDRNOTAVAIL: " (not an address of this host: pick --host)",
+                    errno.EACCES: " (a port below 1024 needs privileges: pick --port)",
+                }.get(exc.errno, "")
+                raise LaunchError(f"cannot listen on {where}: {reason}{hint}") from None
 
 
 def preflight(config: ServeConfig) -> None:

@@ -17,6 +17,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from appliance import __version__
 from appliance.logging import log_access
 from appliance.messages import RouterStats, VisualStats
 from appliance.metrics import flat_report
@@ -156,23 +157,31 @@ def build_app(
 
     # The model list answers what /health answers while the server cannot serve (starting,
     # draining, a role died): a 200 there would tell a client the model is ready when it is not.
+    @app.head("/v1/models", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/v1/models", responses=error_responses(401, 500, 503))
     async def models():
         state.check_accepting()
         return {"object": "list", "data": [model_card()]}
 
+    @app.head("/v1/models/{model:path}", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/v1/models/{model:path}", responses=error_responses(401, 404, 500, 503))
     async def model(model: str):
         state.check_accepting()
         state.check_model(model)
         return model_card()
 
+    @app.head("/health", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/health", responses=error_responses(500, 503))
     async def health():
         err = state.health_error()
         if err is not None:
             return error_response(err)
         return Response(status_code=200)
+
+    @app.head("/version", include_in_schema=False)  # uptime checkers send HEAD
+    @app.get("/version", responses=error_responses(401))
+    async def version():
+        return {"version": __version__}
 
     @app.get("/debug/status", responses=error_responses(401, 500, 503))
     async def debug_status():
@@ -194,6 +203,7 @@ def build_app(
             }
         )
 
+    @app.head("/metrics", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/metrics", responses=error_responses(401))
     async def metrics():
         body, content_type = state.metrics.render()

@@ -104,6 +104,6 @@ def install_auth(app: FastAPI, config: ServerConfig) -> None:
             CORSMiddleware,
             allow_origins=list(origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type", "x-api-key", "x-request-id"],
+            allow_headers=["*"],  # SDKs send their own (x-stainless-*, openai-organization)
             expose_headers=["x-request-id", "retry-after"],
         )

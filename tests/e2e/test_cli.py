@@ -116,6 +116,11 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "argument --tp/--tensor-parallel-size/--tp-size: invalid int value: 'two'" in err
+    with pytest.raises(SystemExit):  # a key list without a key would switch authentication off
+        main(["serve", str(tmp_path), "--api-key", " , "])
+    err = capsys.readouterr().err
+    expected = "--api-key  , : expected at least one key (comma-separated)"
+    assert err == f"appliance serve: error: {expected}\n"
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "missing")])
     err = capsys.readouterr().err
@@ -250,6 +255,12 @@ def _run_cli(args: list[str], env: dict[str, str], cwd=ROOT) -> tuple[int, str, 
         ("APPLIANCE_LOG_LEVEL", "loud", "expected one of DEBUG, INFO, WARNING, ERROR"),
         ("APPLIANCE_LOG_COLOR", "pink", "expected one of auto, always, never"),
         ("APPLIANCE_LOG_STATS_INTERVAL", "often", "expected a number"),
+        ("APPLIANCE_LOG_STATS_INTERVAL", "-5", "expected a number >= 0"),
+        ("APPLIANCE_LOG_STATS_INTERVAL", "nan", "expected a number >= 0"),
+        ("APPLIANCE_LOG_STATS_INTERVAL", "0.001", "expected 0 (off) or a number >= 0.1"),
+        ("APPLIANCE_HEARTBEAT_TIMEOUT", "inf", "expected a number >= 0"),
+        ("APPLIANCE_HEARTBEAT_TIMEOUT", "0.5", "expected 0 (off) or a number >= 2"),
+        ("APPLIANCE_API_KEY", " , ", "expected at least one key"),
     ],
 )
 def test_bad_env_flag_is_one_line_before_anything_starts(tmp_path, flag, value, expected):
@@ -280,6 +291,13 @@ def test_busy_port_is_one_line_before_loading(tmp_path):
     assert err.startswith(f"appliance serve: error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in err and err.count("\n") == 1, err
     assert not any(tmp_path.iterdir())  # the default model was not built first
+
+
+def test_a_host_that_is_not_this_machines_is_one_line_naming_host(tmp_path):
+    args = ["serve", "--host", "192.0.2.1", "--port", str(free_port())]  # TEST-NET-1: nobody's
+    code, err, _ = _run_cli(args, {"APPLIANCE_HOME": str(tmp_path)})
+    assert code != 0 and err.count("\n") == 1, err
+    assert "cannot listen on 192.0.2.1:" in err and "not an address of this host" in err
 
 
 def test_cuda_without_a_gpu_is_one_line_before_loading(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from appliance import __version__
 from appliance.server import auth
 from tests.appliance.server.test_errors import MSG, assert_error
 
@@ -32,6 +33,15 @@ def test_every_route_but_the_probes_needs_a_key(make_server):
     assert engine.received == []
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
+    # HEAD (uptime checkers) answers as GET does, without a body; /version behind the key
+    assert client.head("/health").status_code == 200
+    assert client.head("/metrics").status_code == 200
+    assert client.head("/v1/models").status_code == 401
+    assert client.get("/version").status_code == 401
+    keyed = bearer("sk-first")
+    r = client.head("/v1/models", headers=keyed)
+    assert r.status_code == 200 and r.content == b""
+    assert client.get("/version", headers=keyed).json() == {"version": __version__}
 
 
 @pytest.mark.parametrize(
@@ -133,7 +143,8 @@ def test_cors_for_the_allowed_origins(make_server):
     preflight = {
         "Origin": "https://ui.example",
         "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type",
+        # the OpenAI JS SDK's own headers too
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
     }
     r = client.options("/v1/chat/completions", headers=preflight)  # preflights carry no key
     assert r.status_code == 200
