@@ -198,6 +198,12 @@ class MetricsRecorder:
         """A request ended (any reason). Token counters were fed live; this records the rest."""
         reason = finish_reason if finish_reason in FINISH_REASONS else "error"
         with self._lock:
+            if ttft_s is None and reason in ("stop", "length"):
+                # finished without a token (max_tokens 0: prompt logprobs, lm-eval's scoring):
+                # its prompt was computed all the same, which no first token has counted
+                self.prompt_tokens.inc(prompt_tokens)
+                if self.window is not None:
+                    self.window.on_prompt(request_id, prompt_tokens)
             self.requests_finished.labels(model_name=self.model_name, finish_reason=reason).inc()
             self.e2e.observe(e2e_s)
             self.request_prompt_tokens.observe(prompt_tokens)

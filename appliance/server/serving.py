@@ -187,7 +187,10 @@ async def _respond(
     group = answer.group
     if not body.stream:
         async with abort_on_disconnect(request, state.client, group):
-            return JSONResponse(await _collect(state.client, answer))
+            answer_body = await _collect(state.client, answer)
+        if group.abort_reason == "client_gone":  # nobody to send it to (nginx's 499)
+            return Response(status_code=499)
+        return JSONResponse(answer_body)
     try:
         first = await first_item(request, state.client, group)
     except ClientGone:

@@ -258,3 +258,17 @@ def test_every_series_is_prefixed_and_labelled_with_the_model() -> None:
     assert "appliance_time_to_first_token_seconds_bucket" in names
     assert "appliance_prompt_tokens_total" in names
     assert "appliance_num_requests_running" in names
+
+
+def test_a_request_that_generates_nothing_still_counts_its_prompt() -> None:
+    """max_tokens 0 (prompt logprobs; lm-eval's loglikelihood requests): no first token, but the
+    prompt was computed, so prompt tokens and the stats window count it; an aborted request that
+    never got a token does not (its prompt may never have run)."""
+    window = StatsWindow(clock=lambda: 0.0)
+    rec = MetricsRecorder("m", window=window)
+    rec.on_request_finished("a", "length", e2e_s=0.2, prompt_tokens=12, generation_tokens=0)
+    rec.on_request_finished("b", "abort", e2e_s=0.1, prompt_tokens=30, generation_tokens=0)
+    s = scrape(rec)
+    assert value(s, "appliance_prompt_tokens_total") == 12
+    assert value(s, "appliance_generation_tokens_total") == 0
+    assert window.roll(now=1.0).prompt_tokens == 12

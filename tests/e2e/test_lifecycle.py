@@ -149,13 +149,22 @@ def test_port_0_logs_the_port_it_got_and_a_dot_folder_keeps_its_name(tiny_dense,
 
 
 def test_a_second_sigterm_stops_at_once_and_leaves_no_run_folder(tiny_dense, tmp_path):
-    """SIGTERM drains; a second one while a request is still open stops everything at once (exit
-    1), and still removes the launcher's run folder (its ipc sockets)."""
+    """A JSON answer whose client left is a 499 in the access log. SIGTERM drains; a second one
+    while a request is still open stops everything at once (exit 1), and still removes the
+    launcher's run folder (its ipc sockets)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     app = start_appliance(tiny_dense, tmp_path / "twice.log", env={"TMPDIR": str(temp)})
     try:
         assert [p.name for p in temp.iterdir() if p.name.startswith("appliance-")]
+        # a JSON (not streamed) answer whose client left is logged 499, not 200
+        body = {"messages": MSGS, "max_tokens": 400, **NO_THINK, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=0.3)
+        deadline = time.monotonic() + 30
+        while "POST /v1/chat/completions 499" not in app.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "POST /v1/chat/completions 499" in app.log(), app.log()[-2000:]
         chunks = _long_stream(app, tiny_dense.name)
         next(chunks)
         app.proc.send_signal(signal.SIGTERM)
