@@ -478,17 +478,21 @@ class ToolCallParser:
 def _hermes_call(text: str) -> tuple[str, dict[str, Any]] | None:
     """(name, arguments) of `{"name": ..., "arguments": {...}}` (or "parameters", or arguments
     as JSON text), the JSON call format of Qwen3 and Hermes; None for anything else."""
+
+    def strict(raw: str) -> Any:  # JSON only: NaN / Infinity would make the arguments invalid
+        return json.loads(raw, parse_constant=lambda constant: float("x" + constant))
+
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = strict(text)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except ValueError:
+            arguments = strict(arguments)
+        except (ValueError, RecursionError):
             return None
     return (value["name"], arguments) if isinstance(arguments, dict) else None
 

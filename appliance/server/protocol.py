@@ -62,6 +62,8 @@ def _chat_part(part: Any) -> Any:
     if part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
         image = {"url": part["image_url"], "detail": part.get("detail")}
         return {"type": "image_url", "image_url": image}
+    if part.get("type") == "input_image" and isinstance(part.get("image_url"), dict):
+        return {"type": "image_url", "image_url": part["image_url"]}  # the chat form inside
     return part
 
 

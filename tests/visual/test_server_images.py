@@ -268,3 +268,6 @@ def test_responses_style_parts_are_chat_parts(ckpt):
     (loaded,) = asyncio.run(load_images(image_support(ckpt, CONFIG), [spelled]))
     (plain,) = asyncio.run(load_images(image_support(ckpt, CONFIG), [message({"url": url})]))
     assert loaded == plain
+    nested = {"role": "user", "content": [{"type": "input_image", "image_url": {"url": url}}]}
+    (image,) = ChatMessage.model_validate(nested).content
+    assert isinstance(image, ImagePart) and image.image_url.url == url

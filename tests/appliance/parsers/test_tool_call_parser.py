@@ -131,6 +131,11 @@ CASES = {
         None,
         [("get_weather", {"unit": "c"})],
     ),
+    "hermes_json_with_nan_is_content": ToolCase(
+        '<tool_call>{"name": "get_weather", "arguments": {"days": NaN}}</tool_call>',
+        '<tool_call>{"name": "get_weather", "arguments": {"days": NaN}}</tool_call>',
+        [],
+    ),
     # ... and anything else in it is content, as written: nothing the model wrote is lost
     "block_without_a_call_is_content": ToolCase(
         "Call <tool_call> maybe</tool_call> later", "Call <tool_call> maybe</tool_call> later", []
