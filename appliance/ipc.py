@@ -161,6 +161,16 @@ def run_role(target, role: str, launcher: str, *args) -> None:
         sys.exit(1)
 
 
+def read_failures(sock: zmq.Socket, dec, failures: dict[str, str], wait_ms: int = 50) -> None:
+    """Reads what `sock` (a launcher's inbox) holds, waiting up to `wait_ms` for each next message,
+    keeping each StartupFailed's reason by role; the rest is dropped (a role died: the caller is
+    failing). A failing role sends its reason just before it exits (run_role)."""
+    while sock.poll(wait_ms):
+        msg = dec.decode(sock.recv())
+        if isinstance(msg, StartupFailed):
+            failures.setdefault(msg.role, msg.reason)
+
+
 class RoleLink:
     """A role's PUSH socket to the launcher: progress lines and the ready message; and, from its
     own thread and socket, a Heartbeat every HEARTBEAT_INTERVAL_S. The thread beats while the main

@@ -23,7 +23,7 @@ import zmq
 
 from appliance import envs
 from appliance.config import ServeConfig
-from appliance.ipc import Addresses, run_role, zmq_socket
+from appliance.ipc import Addresses, read_failures, run_role, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
     Drain,
@@ -135,10 +135,7 @@ class Launcher:
         dead = [(role, proc) for role, proc in self._procs.items() if proc.exitcode is not None]
         if not dead:
             return None
-        while self._inbox.poll(50):  # a failing role sends its reason just before it exits
-            msg = self._decoder.decode(self._inbox.recv())
-            if isinstance(msg, StartupFailed):
-                self._failures.setdefault(msg.role, msg.reason)
+        read_failures(self._inbox, self._decoder, self._failures)
         for role, proc in dead:
             if role in self._failures:
                 return f"{role} (pid {proc.pid}) failed{when}: {self._failures[role]}"

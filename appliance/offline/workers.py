@@ -15,7 +15,7 @@ from pathlib import Path
 import zmq
 
 from appliance.config import EngineConfig
-from appliance.ipc import Addresses, run_role, zmq_socket
+from appliance.ipc import Addresses, read_failures, run_role, zmq_socket
 from appliance.messages import (
     ProcessReady,
     StartupFailed,
@@ -71,11 +71,8 @@ class WorkerGroup:
         failures: dict[str, str] = {}  # "worker r" -> the reason its StartupFailed gave
         while pending:
             dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
-            while dead and self._inbox.poll(50):  # a failing worker's reason, sent as it exits
-                msg = dec.decode(self._inbox.recv())
-                if isinstance(msg, StartupFailed):
-                    failures.setdefault(msg.role, msg.reason)
             if dead:
+                read_failures(self._inbox, dec, failures)
                 self.close()
                 named = [(r, failures[f"worker {r}"]) for r, _ in dead if f"worker {r}" in failures]
                 if named:

@@ -10,6 +10,7 @@ import time
 import zmq
 
 from appliance.launch import Launcher
+from appliance.messages import ToLauncher, decoder
 
 
 def _sleep(seconds: float) -> None:
@@ -22,6 +23,7 @@ def test_the_first_role_to_die_is_reported():
     launcher._inbox = ctx.socket(zmq.PULL)
     launcher._inbox.bind("inproc://launch-supervision-test")
     launcher._failures = {}
+    launcher._decoder = decoder(ToLauncher)
     fork = mp.get_context("fork")
     # "worker 0" is listed first but dies 80 ms after "worker 1", as a gloo peer aborts
     launcher._procs = {
