@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +75,15 @@ class Addresses:
             addr["visual"],
         )
 
+    @property
+    def run_dir(self) -> Path | None:
+        """The launcher's run folder (the ipc sockets and dist_init file live there)."""
+        return Path(self.dist_init.removeprefix("file://")).parent if self.dist_init else None
+
+    def remove_run_dir(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
     def for_server(self, with_visual: bool) -> Addresses:
         """The server's view: with a visual server, its engine socket ("router") is the visual
         server's inbox, which relays text-only traffic and encodes images on the way."""
@@ -99,12 +110,14 @@ def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Soc
     return sock
 
 
-def child_init(role: str) -> None:
+def child_init(role: str, on_orphan: Callable[[], object] | None = None) -> None:
     """First call in every spawned role: logging, signals, and exit if the launcher disappears.
 
     Each role runs in its own session, so signals sent to the launcher's process group (Ctrl-C,
     `timeout`, a supervisor) reach only the launcher, which drains and then stops the roles with
-    SIGTERM (default action: exit). A role whose launcher vanished exits within a second.
+    SIGTERM (default action: exit). A role whose launcher vanished (`kill -9`, the OOM killer)
+    runs `on_orphan` (what the launcher would have removed after it: the run folder, shared
+    memory) and exits within a second.
     """
     mp.current_process().name = role
     _set_process_title(f"appliance-{role.replace(' ', '')}")
@@ -117,6 +130,11 @@ def child_init(role: str) -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent:
+                if on_orphan is not None:
+                    try:
+                        on_orphan()
+                    except Exception:  # exiting regardless; nothing to report it to
+                        pass
                 os._exit(1)
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()

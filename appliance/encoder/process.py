@@ -13,6 +13,7 @@ Startup: load the ViT on the first worker's device, measure the worst-case activ
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import threading
@@ -33,7 +34,7 @@ from appliance.messages import (
     decoder,
     encode,
 )
-from visual.cache import EmbeddingCache
+from visual.cache import EmbeddingCache, remove_leftover_segments
 from visual.checkpoint import preprocess_config
 from visual.image_io import ImageLimits
 from visual.pipeline import ImageJob, encode_jobs
@@ -166,7 +167,7 @@ def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
     from visual.encoder import VisionEncoder  # torch: not in the launcher, which imports this
     from visual.shm import UntrackedSegmentStore
 
-    child_init("visual")
+    child_init("visual", on_orphan=lambda: remove_leftover_segments(os.getpid()))
     signal.signal(signal.SIGTERM, _raise_exit)  # unlink the cache's segments on the way out
     link = RoleLink(addrs.launcher, "visual")
     visual = config.server.visual

@@ -112,7 +112,7 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
 
 
 def run_server(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
-    child_init("server")
+    child_init("server", on_orphan=addrs.remove_run_dir)
     link = RoleLink(addrs.launcher, "server")
     link.progress("loading tokenizer")
     state = build_state(config, model_dir, addrs)

@@ -160,3 +160,34 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_killed_launcher_leaves_no_role_run_folder_or_segment(tiny_dense, tmp_path):
+    """`kill -9` of the launcher itself (the OOM killer, a supervisor's hard stop): every role
+    notices within a second and exits, the server removing the run folder (its ipc sockets) and
+    the visual server its image embeddings in shared memory, which the launcher would have
+    removed after them."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    app = start_appliance(tiny_dense, tmp_path / "appliance.log", env={"TMPDIR": str(temp)})
+    pids = {who: int(pid) for who, pid in re.findall(r"\ds\] (.+?) ready \(pid (\d+)", app.log())}
+    try:
+        assert "visual" in pids, app.log()[-2000:]
+        assert [p.name for p in temp.iterdir() if p.name.startswith("appliance-")]
+        resp = httpx.post(f"{app.url}/v1/chat/completions", json=IMAGE_BODY, timeout=60)
+        assert resp.status_code == 200, resp.text
+        mine = f"{SEGMENT_PREFIX}{pids['visual']}_"
+        assert [p for p in SHM.iterdir() if p.name.startswith(mine)]
+        app.proc.kill()
+        app.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [who for who, pid in pids.items() if _alive(pid)]
+        assert not [p.name for p in temp.iterdir() if p.name.startswith("appliance-")]
+        assert not [p.name for p in SHM.iterdir() if p.name.startswith(mine)]
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        app.stop()
