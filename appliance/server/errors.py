@@ -74,6 +74,9 @@ class RequestTimeout(APIError):
 
     status = 408
     type = "timeout_error"
+    # the OpenAI SDKs retry a 408 twice by default: each retry would run the same generation into
+    # the same deadline, so the client is told not to (the header they honour)
+    headers = {"x-should-retry": "false"}
 
     def __init__(self, timeout_s: float, started: bool = True):
         # not started: the time went into fetching its images or building its prompt
@@ -122,6 +125,7 @@ class ServiceUnavailable(APIError):
 class EngineFailed(APIError):
     status = 500
     type = "server_error"
+    headers = {"x-should-retry": "false"}  # the SDKs' retries would meet the same failure
 
 
 def error_for_status(status: int, message: str) -> APIError:

@@ -231,8 +231,9 @@ def _text_chars(content: str | list | None) -> int:
 def _message_dict(message: ChatMessage, with_images: bool = False) -> dict[str, Any]:
     """A message as the chat template expects it: text parts joined into one string, or, when it
     has images, a list of {"type": "text"} / {"type": "image"} parts (the Qwen templates emit
-    one <|vision_start|><|image_pad|><|vision_end|> per image part)."""
-    out: dict[str, Any] = {"role": message.role}
+    one <|vision_start|><|image_pad|><|vision_end|> per image part). OpenAI's `developer` role
+    is its newer name for `system` (the SDKs send it), which Qwen's templates know."""
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
     content = message.content
     if isinstance(content, list):
         if any(isinstance(p, ImagePart) for p in content):

@@ -233,3 +233,27 @@ def test_the_ranges_in_the_openapi_schema_are_the_ones_enforced():
                 with pytest.raises(ValueError, match=name):
                     SamplingParams(**{name: prop[key] + outside})
     assert documented >= 12
+
+
+def test_a_developer_message_is_rendered_as_the_system_message():
+    """OpenAI's `developer` role (what newer SDK code sends) is `system` to Qwen's template, which
+    refuses any role it does not know."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import appliance.assets
+    from appliance.server.protocol import ChatMessage
+
+    shipped = Path(appliance.assets.__file__).parent / "default"  # Qwen's template, in short
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(shipped), 4096)
+
+    def render(role: str) -> str:
+        messages = [
+            ChatMessage(role=role, content="Be brief."),
+            ChatMessage(role="user", content="hi"),
+        ]
+        return builder.chat(messages, None, None).text
+
+    assert render("developer") == render("system")
+    assert "<|im_start|>system\nBe brief." in render("developer")

@@ -181,6 +181,8 @@ def test_a_request_past_its_deadline_is_aborted(make_server, tokenizer):
     err = r.json()["error"]
     assert err["code"] == "request_timeout" and err["type"] == "timeout_error"
     assert "0.3 s" in err["message"]
+    # the OpenAI SDKs would retry a 408 twice, each run meeting the same deadline
+    assert r.headers["x-should-retry"] == "false"
     assert wait_released(state, engine) == dict.fromkeys(counters(state, engine), 0)
     # A stream that already started ends with the error event, then [DONE].
     body = {"messages": MSG, "max_tokens": 40, "stream": True}
