@@ -301,6 +301,9 @@ def _check_model_config(config: ServeConfig) -> None:
         _fail(f"{path}: no {exc.args[0]!r}, which the model needs")
     except (TypeError, ValueError) as exc:
         _fail(f"{path}: {exc}")
+    problem = text.tp_problem(config.engine.parallel.tp)
+    if problem is not None:
+        _fail(f"--tp {config.engine.parallel.tp}: {problem} ({path})")
     if model.max_model_len > text.max_position_embeddings:
         _fail(
             f"--max-model-len {model.max_model_len} is more than the model's "
@@ -319,6 +322,19 @@ def _check_generation_config(config: ServeConfig) -> None:
         _fail(str(exc))
 
 
+def _check_runner(runner: str) -> None:
+    """--runner's module must be importable (found, not imported: the workers import it)."""
+    import importlib.util
+
+    module = runner.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not there, an empty name
+        found = False
+    if not found:
+        _fail(f"--runner {runner}: no module {module!r} can be imported")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, dests = build_parser()
     args = parser.parse_args(argv)
@@ -328,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `appliance backends | head`: the reader left, as cat ends
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
-    if args.command != "serve":
-        parser.print_usage()
+    if args.command != "serve":  # bare `appliance`: what it can do
+        parser.print_help(sys.stderr)
         return 2
     try:
         config = _build_config(args, dests)
@@ -346,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     config = _resolve_model(config, args.revision)
     _check_model_config(config)
     _check_generation_config(config)
+    _check_runner(config.launch.runner)
     try:
         return serve(config)
     except LaunchError as exc:  # the port was taken while the model was being resolved

@@ -52,6 +52,27 @@ class TextConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this model's layers cannot be split over `tp` ranks (heads, KV heads, linear heads
+        and MLP widths must divide; KV heads fewer than the ranks are replicated), or None. The
+        layers check the same when they are built; this says it before any process starts."""
+        widths = {
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": 0 if self.is_moe else self.intermediate_size,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+        }
+        if self.linear_attention_layers:
+            widths["linear_num_key_heads"] = self.linear_num_key_heads
+            widths["linear_num_value_heads"] = self.linear_num_value_heads
+        bad = [f"{name} {value}" for name, value in widths.items() if value % tp]
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:
+            bad.append(f"num_key_value_heads {kv} (nor a divisor of {tp})")
+        if not bad:
+            return None
+        return f"tp {tp} does not divide {', '.join(bad)}"
+
     @property
     def full_attention_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]

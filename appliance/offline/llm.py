@@ -48,6 +48,27 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
     return EngineConfig(**{name: replace(cfg, **values[name]) for name, cfg in sections.items()})
 
 
+def vllm_keywords(options: dict, tp: int) -> int:
+    """vLLM's spellings of the same options, as `appliance serve` takes its flags
+    (`tensor_parallel_size` for `tp`, `enforce_eager` ...): moved to ours in `options`; returns
+    the tensor-parallel size. Theirs that mean something else here raise ValueError naming ours."""
+    from appliance.cli import FLAG_ALIASES, FLAG_HINTS
+
+    for ours, flags in FLAG_ALIASES.items():
+        for flag in flags:
+            theirs = flag.lstrip("-").replace("-", "_")
+            if theirs in options:
+                value = options.pop(theirs)
+                if ours == "tp":
+                    tp = value
+                else:
+                    options[ours] = value
+    for flag, hint in FLAG_HINTS.items():
+        if flag.lstrip("-").replace("-", "_") in options:
+            raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: use {hint}")
+    return tp
+
+
 class LLM:
     """`model`: a checkpoint folder, a Hugging Face Hub id `ORG/NAME` (at `revision`, through the
     Hub cache, as `appliance serve` resolves it), or None for the embedded default model.
@@ -63,9 +84,12 @@ class LLM:
         generation_config: str = "auto",
         **options,
     ) -> None:
+        options = dict(options)
+        tp = vllm_keywords(options, tp)
         self.config = build_engine_config(model, tp, options)
         from appliance.assets.resolve import resolve_model_dir
         from appliance.engine.runner import ModelRunner
+        from appliance.models.config import load_text_config
 
         self.model_dir = resolve_model_dir(
             self.config.model.model_dir, revision, self.config.model.load_format
@@ -73,6 +97,9 @@ class LLM:
         self.config = replace(
             self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )
+        problem = load_text_config(self.model_dir, self.config.model.quantization).tp_problem(tp)
+        if problem is not None:
+            raise ValueError(f"tp: {problem}")  # before any worker process starts
         self.sampling_defaults = generation_defaults(self.model_dir, generation_config)
         if tp == 1:
             self.runner = ModelRunner(self.config)
@@ -185,6 +212,41 @@ class LLM:
             self._abort(sorted(open_ids))
             raise
         return list(outputs.values())
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[CompletionOutput]:
+        """`generate` over conversations in OpenAI's message format (one conversation, or a list
+        of them), rendered by the model's chat template as the server renders
+        /v1/chat/completions (`chat_template_kwargs`, e.g. {"enable_thinking": False}; `tools`
+        in OpenAI's format). The text is what the model wrote, thinking and tool-call markup
+        included (vLLM's LLM.chat too); text parts only. A conversation the template or the
+        message format refuses raises ValueError."""
+        from pydantic import TypeAdapter
+
+        from appliance.server.errors import APIError
+        from appliance.server.prompts import PromptBuilder
+        from appliance.server.protocol import ChatMessage
+
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        read = TypeAdapter(list[ChatMessage])
+        builder = PromptBuilder(self.tokenizer.hf, self.scheduler.max_model_len)
+        prompts: list[str | list[int]] = []
+        for i, conversation in enumerate(conversations):
+            try:
+                parsed = read.validate_python(conversation)
+                prompt = builder.chat(parsed, tools, chat_template_kwargs, add_generation_prompt)
+            except APIError as exc:
+                where = "" if single else f"conversation {i}: "
+                raise ValueError(f"{where}{exc.message}") from None
+            prompts.append(prompt.token_ids)
+        return self.generate(prompts, sampling_params)
 
     def _run(self, outputs: dict[str, CompletionOutput], open_ids: set[str]) -> None:
         while open_ids:

@@ -138,3 +138,49 @@ def test_tp2_worker_processes_match_tp1(tiny_moe):
         assert tp2.scheduler.stats().prefix_cache_hits - hits == len(prompts[0]) + 9
     plain = LLM(str(tiny_moe), prefix_caching=False, **OPTS)
     assert got == plain.generate(turn2, params)[0].token_ids
+
+
+def test_chat_renders_conversations_as_the_server_does(llm):
+    """`chat` is `generate` over the chat template's rendering: one conversation or several, a
+    developer message as the system one, chat_template_kwargs and tools passed to the template."""
+    from appliance.server.prompts import PromptBuilder
+    from appliance.server.protocol import ChatMessage
+
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    talk = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    builder = PromptBuilder(llm.tokenizer.hf, 256)
+    kwargs = {"enable_thinking": False}
+    rendered = builder.chat([ChatMessage(**m) for m in talk], None, kwargs).token_ids
+    assert "<|im_start|>system\nBe brief." in llm.tokenizer.hf.decode(rendered)
+    [alone] = llm.chat(talk, greedy, chat_template_kwargs=kwargs)
+    assert alone.prompt_token_ids == rendered
+    assert alone.text == llm.generate([rendered], greedy)[0].text
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    two = llm.chat([talk, talk[1:]], greedy, chat_template_kwargs=kwargs, tools=tools)
+    assert len(two) == 2 and "get_time" in llm.tokenizer.hf.decode(two[1].prompt_token_ids)
+    with pytest.raises(ValueError, match="conversation 1: .*chat template rejected"):
+        llm.chat([talk, []], greedy)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "robot", "content": "hi"}], greedy)
+
+
+def test_vllm_keywords_and_a_tp_the_model_cannot_split(tiny_dense):
+    with LLM(str(tiny_dense), tensor_parallel_size=1, enforce_eager=True, **OPTS) as llm:
+        assert llm.config.parallel.tp == 1 and llm.config.graphs.disable_cuda_graph
+    with pytest.raises(ValueError, match="gpu_memory_utilization: use --mem-fraction"):
+        LLM(str(tiny_dense), gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="tp 3 does not divide num_attention_heads 4"):
+        LLM(str(tiny_dense), tensor_parallel_size=3, **OPTS)
+
+
+def test_the_readme_offline_example_answers_as_printed(capsys):
+    """README's offline example, run as printed: the embedded default model (`LLM()`) answers
+    the chat with what its comment says."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    block = re.search(r"Offline, in Python.*?```python\n(.*?)```", readme, re.S).group(1)
+    expected = re.search(r"print\(.*\)  # (.+)", block).group(1)
+    exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == expected == "Paris"

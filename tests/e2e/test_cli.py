@@ -190,6 +190,19 @@ def _without_hidden_size(config: dict) -> dict:
             ["--max-model-len", "300000"],
             "--max-model-len 300000 is more than the model's max_position_embeddings (262144",
         ),
+        (  # 4 heads, 2 KV heads, 2 / 4 linear heads, MLP 128 wide: before 7 processes start
+            lambda c: c,
+            ["--tp", "3"],
+            "--tp 3: tp 3 does not divide num_attention_heads 4, intermediate_size 128, "
+            "linear_num_key_heads 2, linear_num_value_heads 4, num_key_value_heads 2 (nor a "
+            "divisor of 3)",
+        ),
+        (lambda c: c, ["--tp", "8"], "--tp 8: tp 8 does not divide num_attention_heads 4, "),
+        (
+            lambda c: c,
+            ["--runner", "nosuch.mod:Runner"],
+            "--runner nosuch.mod:Runner: no module 'nosuch.mod' can be imported",
+        ),
     ],
 )
 def test_a_config_the_model_cannot_use_is_one_line_before_starting(
@@ -418,3 +431,9 @@ def test_documented_serve_commands_parse():
             continue  # placeholders in prose, not commands
         config = _build_config(parser.parse_args(["serve", *argv]), dests)
         assert isinstance(config, ServeConfig), tail
+
+
+def test_bare_appliance_shows_its_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: appliance") and "serve" in err and "backends" in err
