@@ -7,9 +7,11 @@ through errors.py; value rules that pydantic cannot express are SamplingParams',
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from appliance.sampling_params import SamplingParams
 from appliance.server.errors import BadRequest
@@ -32,6 +34,31 @@ class _Schema(BaseModel):
     # Strict types, as OpenAI checks them: no "2" or 2.0 or true for an integer, no "yes" for a
     # boolean (in particular `"prompt": [[false]]` is not a token-id prompt).
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit null for a field that has a default but no null of its own (`n`, `stream`,
+        `logprobs`, `echo` ...) means its default: OpenAI's spec marks them nullable and the SDKs
+        send None as null, as vLLM reads them."""
+        if isinstance(data, dict):
+            defaulted = _defaulted_not_nullable(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+        return data
+
+
+@functools.cache
+def _defaulted_not_nullable(cls: type[BaseModel]) -> frozenset[str]:
+    names = set()
+    for name, info in cls.model_fields.items():
+        if info.is_required():
+            continue
+        nullable = get_origin(info.annotation) in (Union, types.UnionType) and type(
+            None
+        ) in get_args(info.annotation)
+        if not nullable:
+            names.add(name)
+    return frozenset(names)
 
 
 class TextPart(_Schema):
@@ -144,8 +171,11 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
     def requested_max_tokens(self) -> int | None:
-        # Both spellings are accepted; max_tokens wins when both are set.
-        return self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        # Both spellings are accepted; max_completion_tokens (OpenAI's current name, max_tokens
+        # is deprecated) wins when both are set, as in vLLM and SGLang.
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:  # 0 without logprobs asks for nothing
@@ -251,6 +281,19 @@ def sampling_params(
         raise BadRequest(
             f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
             "stop",
+        )
+    for stop in [req.stop] if isinstance(req.stop, str) else req.stop or []:
+        try:
+            stop.encode()
+        except UnicodeEncodeError:
+            raise BadRequest(
+                f"stop: {stop!r} is not valid Unicode (a lone surrogate escape).", "stop"
+            ) from None
+    bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequest(
+            f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size}).",
+            "stop_token_ids",
         )
     fields = {
         "temperature": req.temperature,

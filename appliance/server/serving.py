@@ -90,6 +90,7 @@ class _Answer:
     num_choices: int
     num_prompt_tokens: int  # over all prompts (usage.prompt_tokens)
     choices_per_prompt: int  # n: choice index = prompt index x n + choice number
+    prompt_lengths: list[int]  # per prompt
 
 
 def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -175,7 +176,16 @@ async def _admit(
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
         group.timeout_s = state.config.request_timeout
-    return _Answer(endpoint, group, formatter, head, len(requests), num_prompt_tokens, body.n)
+    return _Answer(
+        endpoint,
+        group,
+        formatter,
+        head,
+        len(requests),
+        num_prompt_tokens,
+        body.n,
+        [len(p.token_ids) for p in prompts],
+    )
 
 
 async def _respond(
@@ -322,15 +332,15 @@ async def _stream(
     include_usage: bool,
     continuous: bool = False,
 ) -> AsyncIterator[str]:
-    """With `continuous` (vLLM's continuous_usage_stats) every chunk's usage counts the tokens
-    generated so far; otherwise only the last chunk carries one."""
+    """With `continuous` (vLLM's continuous_usage_stats) every choice's chunk carries the usage
+    of that choice so far (its prompt, its tokens, as vLLM counts them); otherwise only the last
+    chunk carries one, over every choice."""
 
-    def chunk(choices: list[Choice], usage_: dict[str, int] | None = None) -> str:
+    def chunk(choices: list[Choice], usage_: dict[str, int] | None = None, index: int = 0) -> str:
         name = answer.endpoint.chunk_object_name
         if continuous and usage_ is None:
-            usage_ = usage(
-                answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)
-            )
+            prompt = answer.prompt_lengths[index // answer.choices_per_prompt]
+            usage_ = usage(prompt, tokens[index], cached[index])
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
@@ -339,7 +349,7 @@ async def _stream(
             for index in range(answer.num_choices):
                 opening = answer.formatter.opening(index)
                 if opening is not None:
-                    yield chunk([opening])
+                    yield chunk([opening], index=index)
             async for index, delta in iterate_deltas(answer.group, first):
                 tokens[index] = delta.num_output_tokens
                 cached[index] = max(cached[index], delta.cached_tokens)
@@ -347,7 +357,7 @@ async def _stream(
                 if choice is not None and delta.finish_reason is not None:
                     state.client.label_finish(answer.group, index, choice["finish_reason"])
                 if choice is not None:
-                    yield chunk([choice])
+                    yield chunk([choice], index=index)
             if include_usage:
                 cached_tokens = cached_prompt_tokens(answer, cached)
                 yield chunk([], usage(answer.num_prompt_tokens, sum(tokens), cached_tokens))

@@ -40,8 +40,11 @@ class LegacyLogprobs:
         for e in items:
             tokens.append(e.token)
             token_logprobs.append(e.logprob)
-            # a prompt's first token has no logprob and no alternatives (null, as OpenAI)
+            # a prompt's first token has no logprob and no alternatives (null, as OpenAI); else
+            # the top N and the token itself, as OpenAI's up to N + 1 entries (and vLLM's)
             top.append(None if e.logprob is None else {t: lp for t, lp, _ in e.top})
+            if top[-1] is not None:
+                top[-1].setdefault(e.token, e.logprob)
             offsets.append(self.offset)
             self.offset += len(self._utf8.decode(bytes(e.bytes)))
         return {

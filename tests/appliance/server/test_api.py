@@ -117,9 +117,28 @@ def test_max_tokens_length_and_alias(make_server):
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == 3
     assert [r.max_tokens for r in engine.received] == [3, 3]
-    # max_tokens wins over max_completion_tokens when both are set.
+    # max_completion_tokens (OpenAI's current name) wins when both are set, as in vLLM.
     chat(client, max_tokens=2, max_completion_tokens=5)
-    assert engine.received[-1].max_tokens == 2
+    assert engine.received[-1].max_tokens == 5
+
+
+def test_null_for_a_defaulted_field_is_its_default(make_server):
+    """The OpenAI SDKs send an explicit None as null; OpenAI's spec marks n, stream, logprobs,
+    echo ... nullable: null is the default, not a 400."""
+    client, engine, _ = make_server()
+    nulls = dict.fromkeys(["n", "stream", "logprobs", "parallel_tool_calls", "ignore_eos"])
+    r = chat(client, max_tokens=3, **nulls, add_generation_prompt=None, skip_special_tokens=None)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "echo": None, "n": None}
+    )
+    assert r.status_code == 200, r.text
+    assert not r.json()["choices"][0]["text"].startswith("hi")  # no echo
+    # a field with no default stays required
+    r = client.post("/v1/completions", json={"prompt": None})
+    assert r.status_code == 400 and "prompt" in r.text
 
 
 def test_stop_string(make_server):

@@ -269,6 +269,8 @@ HUGE = 2**70  # does not fit any wire integer
         ({"n": 16, "top_k": HUGE}, "top_k"),
         ({"stop_token_ids": [HUGE]}, "stop_token_ids"),
         ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": [5, 999999]}, "stop_token_ids"),  # outside the vocabulary
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"seed": HUGE}, "seed"),
         ({"max_tokens": HUGE}, "max_tokens"),
     ],
@@ -444,3 +446,15 @@ def test_a_model_without_a_chat_template_says_so(make_server, tokenizer, monkeyp
     assert engine.received == []
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_a_stop_string_that_is_not_unicode_is_a_400_naming_stop(make_server):
+    import json
+
+    client, _, state = make_server()
+    body = json.dumps({"messages": MSG, "stop": ["ok", "\ud800"]})  # a lone surrogate escape
+    r = client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert_error(r, 400, "stop")
+    assert state.client.num_open == 0

@@ -107,6 +107,20 @@ def test_stream_options_only_with_stream_and_only_known_keys(make_server):
         assert counts == sorted(counts) and counts[0] <= 1 < counts[-1], counts
         assert chunks[-1].choices == [] and counts[-2] == counts[-1]
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    # with n > 1 each choice's chunks count that choice's tokens (vLLM's per-choice counts);
+    # the last, choice-less chunk counts them all
+    chunks = list(
+        sdk.completions.create(
+            model="tiny", prompt="hi", n=2, stream=True, stream_options=options, max_tokens=4
+        )
+    )
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        per_choice[c.choices[0].index].append(c.usage.completion_tokens)
+    assert per_choice[0] == sorted(per_choice[0]) and per_choice[0][-1] == 4, per_choice
+    assert per_choice[1] == sorted(per_choice[1]) and per_choice[1][-1] == 4, per_choice
+    assert chunks[-1].usage.completion_tokens == 8
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}  # once
 
 
 # ---------------------------------------------------------------- logit_bias and logprobs=0
@@ -145,7 +159,7 @@ def test_completions_logprobs_zero_is_the_sampled_token_only(make_server):
     assert engine.received[-1].sampling.logprobs == 0
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 3 and lp.token_logprobs == [-0.25] * 3
-    assert lp.top_logprobs == [{}, {}, {}]
+    assert lp.top_logprobs == [{t: -0.25} for t in lp.tokens]
     assert lp.text_offset[0] == 0 and "".join(lp.tokens) == out.choices[0].text
 
 
@@ -320,3 +334,18 @@ def test_client_disconnect_mid_stream_is_logged_and_counted(make_server, tokeniz
     while not engine.aborted and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(engine.aborted) == 1 and state.client.num_open == 0
+
+
+def test_completions_top_logprobs_hold_the_sampled_token_too():
+    """A sampled token outside the top N still has its entry (OpenAI's up to N + 1), after them;
+    one inside them is not repeated."""
+    from appliance.messages import TokenLogprob
+    from appliance.server.serving_completion import LegacyLogprobs
+
+    items = [
+        TokenLogprob(" Seoul", -3.5, list(b" Seoul"), [(" Paris", -0.3, list(b" Paris"))]),
+        TokenLogprob(" is", -0.1, list(b" is"), [(" is", -0.1, list(b" is"))]),
+    ]
+    top = LegacyLogprobs(0).entries(items)["top_logprobs"]
+    assert top == [{" Paris": -0.3, " Seoul": -3.5}, {" is": -0.1}]
+    assert list(top[0]) == [" Paris", " Seoul"]
