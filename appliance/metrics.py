@@ -194,20 +194,27 @@ class MetricsRecorder:
         generation_tokens: int,
         ttft_s: float | None = None,
         queue_time_s: float | None = None,
+        prompt_counted: bool = False,
     ) -> None:
-        """A request ended (any reason). Token counters were fed live; this records the rest."""
+        """A request ended (any reason). Token counters were fed live; this records the rest.
+        `prompt_counted`: another choice of its prompt already counted the prompt's tokens.
+        The per-request histograms (e2e, prompt and generation tokens) take the requests that
+        were served: a first token, or a finish without one (max_tokens 0); refusals and aborts
+        before any token are only counted by finish reason."""
         reason = finish_reason if finish_reason in FINISH_REASONS else "error"
+        served = ttft_s is not None or reason in ("stop", "length")
         with self._lock:
-            if ttft_s is None and reason in ("stop", "length"):
+            if ttft_s is None and reason in ("stop", "length") and not prompt_counted:
                 # finished without a token (max_tokens 0: prompt logprobs, lm-eval's scoring):
                 # its prompt was computed all the same, which no first token has counted
                 self.prompt_tokens.inc(prompt_tokens)
                 if self.window is not None:
                     self.window.on_prompt(request_id, prompt_tokens)
             self.requests_finished.labels(model_name=self.model_name, finish_reason=reason).inc()
-            self.e2e.observe(e2e_s)
-            self.request_prompt_tokens.observe(prompt_tokens)
-            self.request_generation_tokens.observe(generation_tokens)
+            if served:
+                self.e2e.observe(e2e_s)
+                self.request_prompt_tokens.observe(prompt_tokens)
+                self.request_generation_tokens.observe(generation_tokens)
             if ttft_s is not None and generation_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (generation_tokens - 1))
             if queue_time_s is not None:

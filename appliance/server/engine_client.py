@@ -43,12 +43,21 @@ logger = get_logger(__name__)
 
 
 @dataclass
+class _Prompt:
+    """One prompt of a request, shared by its n choices: its tokens are counted once (as usage
+    counts them), by the first choice that computes it."""
+
+    counted: bool = False
+
+
+@dataclass
 class _Choice:
     """Bookkeeping of one sub-request (one choice) for metrics and aborts."""
 
     index: int
     prompt_tokens: int
     arrival: float
+    prompt: _Prompt = field(default_factory=_Prompt)
     last_delivery: float = 0.0
     first_token_s: float | None = None
     num_tokens: int = 0
@@ -140,9 +149,11 @@ class EngineClient:
         requests: list[TokenizedRequest],
         arrival: float,
         label_stops: bool = False,
+        choices_per_prompt: int = 1,
     ) -> RequestGroup:
         """label_stops: the caller names the metrics finish reason of each choice that ends "stop"
-        (label_finish), as the formatted answer says it; release records any it did not name."""
+        (label_finish), as the formatted answer says it; release records any it did not name.
+        `requests` are prompt by prompt, `choices_per_prompt` (n) each."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         if len(requests) > self.max_open:  # never fits, however long the client waits: no 429
@@ -163,8 +174,10 @@ class EngineClient:
         except (OverflowError, TypeError, ValueError) as exc:
             raise BadRequest(f"The request has a value the engine cannot carry: {exc}.") from None
         group = RequestGroup(group_id, pending_stops={} if label_stops else None)
+        prompts = [_Prompt() for _ in range(-(-len(requests) // choices_per_prompt))]
         for index, req in enumerate(requests):
-            group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival)
+            prompt = prompts[index // choices_per_prompt]
+            group.choices[req.req_id] = _Choice(index, len(req.prompt_token_ids), arrival, prompt)
             self._groups[req.req_id] = group
         sent: list[str] = []
         try:
@@ -320,14 +333,20 @@ class EngineClient:
             return
         if choice.first_token_s is None:
             choice.first_token_s = now - choice.arrival
+            counted, choice.prompt.counted = choice.prompt.counted, True
             if self.metrics is not None:
-                self.metrics.on_first_token(req_id, choice.first_token_s, choice.prompt_tokens, n)
+                prompt = 0 if counted else choice.prompt_tokens  # once for its n choices
+                self.metrics.on_first_token(req_id, choice.first_token_s, prompt, n)
         elif self.metrics is not None:
             self.metrics.on_tokens(req_id, n, now - choice.last_delivery)
         choice.last_delivery = now
         choice.num_tokens += n
 
     def _record_finish(self, req_id: str, choice: _Choice, reason: str) -> None:
+        # a choice that finished without a token still computed its prompt (max_tokens 0)
+        counted = choice.prompt.counted
+        if reason in ("stop", "length"):
+            choice.prompt.counted = True
         if self.metrics is not None:
             self.metrics.on_request_finished(
                 req_id,
@@ -336,4 +355,5 @@ class EngineClient:
                 choice.prompt_tokens,
                 choice.num_tokens,
                 ttft_s=choice.first_token_s,
+                prompt_counted=counted,
             )

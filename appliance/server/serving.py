@@ -172,7 +172,7 @@ async def _admit(
     formatter = endpoint.formatter(state, body, prompts)
     head = {"id": group_id, "created": int(time.time()), "model": model}
     num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    group = state.client.submit(group_id, requests, arrival, formatter.labels_stops)
+    group = state.client.submit(group_id, requests, arrival, formatter.labels_stops, body.n)
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
         group.timeout_s = state.config.request_timeout
@@ -303,6 +303,7 @@ async def _collect(client: EngineClient, answer: _Answer) -> dict[str, Any]:
     return {
         **answer.head,
         "object": answer.endpoint.object_name,
+        "system_fingerprint": None,  # OpenAI's key; no fingerprint here (vLLM: null too)
         "choices": choices,
         "usage": usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
     }
@@ -318,7 +319,7 @@ def sse_chunk(
 ) -> str:
     """One server-sent event of a stream. With include_usage every chunk carries `usage` (null but
     in the last one), as OpenAI does."""
-    body = {**head, "object": object_name, "choices": choices}
+    body = {**head, "object": object_name, "system_fingerprint": None, "choices": choices}
     if include_usage:
         body["usage"] = usage_
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -229,6 +229,29 @@ def test_router_refusals_count_as_rejected_not_error(make_server):
     sdk_for(client).chat.completions.create(model="tiny", messages=MSG)
     assert finished(state, "stop") == 1
     assert 'finish_reason="rejected"' in client.get("/metrics").text
+    # the refusals are not served requests: only the one answer is in the per-request histograms
+    e2e = state.metrics.registry.get_sample_value(
+        "appliance_e2e_request_latency_seconds_count", {"model_name": "tiny"}
+    )
+    assert e2e == 1
+
+
+def test_prompt_tokens_count_each_prompt_once_like_usage(make_server):
+    """n choices share their prompt: appliance_prompt_tokens_total rises by usage.prompt_tokens
+    (each prompt once), prompt by prompt, with or without tokens generated."""
+    client, _, state = make_server()
+
+    def prompt_total() -> float:
+        return state.metrics.registry.get_sample_value(
+            "appliance_prompt_tokens_total", {"model_name": "tiny"}
+        )
+
+    sdk = sdk_for(client)
+    for kw in ({"max_tokens": 3}, {"max_tokens": 0, "echo": True, "logprobs": 1}):
+        before = prompt_total()
+        out = sdk.completions.create(model="tiny", prompt=["hi there", "a b c d"], n=3, **kw)
+        assert len(out.choices) == 6
+        assert prompt_total() - before == out.usage.prompt_tokens, kw
 
 
 class AccessLines(logging.Handler):
