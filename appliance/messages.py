@@ -37,10 +37,16 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = {}  # token id -> added to its logit before sampling (OpenAI)
     guide: Guide | None = None  # structured output: the sampled tokens must follow its grammar
+    # vLLM's min_tokens: `min_tokens_ban` (eos unless ignore_eos, and the stop token ids; the
+    # router fills it at admission) cannot be sampled before `min_tokens` tokens are generated
+    min_tokens: int = 0
+    min_tokens_ban: list[int] = []
+    allowed_token_ids: list[int] = []  # vLLM's: sample only among these ids ([]: all)
 
 
 def mtp_compatible(options: SamplingOptions) -> bool:
-    """Whether a request can decode with MTP drafts. Penalties, logprobs and a logit bias need
+    """Whether a request can decode with MTP drafts. Penalties, logprobs, a logit bias, min_tokens
+    and allowed_token_ids need
     per-row history, reporting or logits edits that verify rows (and the fused MTP step) do not
     carry, so such requests decode one token per step (in the same batch). Read by the router (to
     plan verify rows) — the worker just follows num_draft."""
@@ -50,6 +56,8 @@ def mtp_compatible(options: SamplingOptions) -> bool:
         and options.presence_penalty == 0.0
         and options.frequency_penalty == 0.0
         and options.repetition_penalty == 1.0
+        and options.min_tokens == 0
+        and not options.allowed_token_ids
     )
 
 

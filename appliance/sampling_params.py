@@ -55,11 +55,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # detokenizer: keep the stop string / token's text
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
     guide: Guide | None = None  # structured output: Guide("json_schema" / "regex" / "grammar", ..)
+    # vLLM's: eos (unless ignore_eos) and stop_token_ids are not sampled before min_tokens tokens
+    # (stop strings still end the text)
+    min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -112,6 +118,21 @@ class SamplingParams:
                 value,
             )
         self._validate_logit_bias()
+        mt = self.min_tokens
+        _check(
+            _is_int(mt) and 0 <= mt <= self.max_tokens,
+            "min_tokens",
+            f"an integer in [0, max_tokens ({self.max_tokens})]",
+            mt,
+        )
+        allowed = self.allowed_token_ids
+        _check(
+            allowed is None
+            or (bool(allowed) and all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in allowed)),
+            "allowed_token_ids",
+            f"None or a non-empty list of token ids in [0, {MAX_TOKEN_ID})",
+            allowed,
+        )
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -161,6 +182,8 @@ class SamplingParams:
             prompt_logprobs=self.prompt_logprobs,
             logit_bias={t: float(b) for t, b in (self.logit_bias or {}).items() if b},
             guide=self.guide,
+            min_tokens=self.min_tokens,
+            allowed_token_ids=sorted(set(self.allowed_token_ids or [])),
         )
 
     def to_detok(self) -> DetokParams:

@@ -11,6 +11,8 @@ import collections
 import time
 from typing import Protocol
 
+import msgspec
+
 from appliance.logging import get_logger
 from appliance.messages import (
     DetokRegister,
@@ -76,10 +78,14 @@ class EngineCore:
 
     def enqueue(self, msg: TokenizedRequest) -> None:
         """Queues a request; raises QueueFull, or SchedulerError / ValueError for a bad one."""
+        sampling = msg.sampling
+        if sampling.min_tokens:  # what would end it early: eos (unless ignored), stop ids
+            ban = set(msg.stop_token_ids) | (set() if msg.ignore_eos else self.eos_token_ids)
+            sampling = msgspec.structs.replace(sampling, min_tokens_ban=sorted(ban))
         req = Request(
             req_id=msg.req_id,
             prompt_token_ids=msg.prompt_token_ids,
-            sampling=msg.sampling,
+            sampling=sampling,
             max_tokens=msg.max_tokens,
             eos_token_ids=self.eos_token_ids,
             stop_token_ids=frozenset(msg.stop_token_ids),

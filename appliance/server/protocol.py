@@ -137,6 +137,15 @@ class _SamplingFields(_Schema):
     frequency_penalty: float | None = documented(minimum=-2, maximum=2)
     repetition_penalty: float | None = documented(exclusiveMinimum=0)
     ignore_eos: bool = False
+    # vLLM's: eos and stop_token_ids held back for the first min_tokens tokens; sampling among
+    # allowed_token_ids only
+    min_tokens: int | None = documented(minimum=0)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored
+    use_beam_search: bool = False
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -238,6 +247,22 @@ _ERROR_MEANINGS = {
 }
 
 
+UNSUPPORTED = {
+    "use_beam_search": "beam search is not supported",
+    "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
+    "prompt_logprobs": "not supported; /v1/completions with echo and logprobs scores the prompt",
+    "truncate_prompt_tokens": "not supported; send the part of the prompt to keep",
+}
+
+
+def check_unsupported(req: _SamplingFields) -> None:
+    """vLLM's sampling fields this server does not implement: a 400 naming the field when one is
+    set, rather than a silent answer without it."""
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name) not in (None, False, []):
+            raise BadRequest(f"{name}: {why}.", name)
+
+
 def check_stream_options(req: _SamplingFields) -> None:
     """stream_options only with stream=true, as OpenAI answers it."""
     if req.stream_options is not None and not req.stream:
@@ -277,6 +302,7 @@ def sampling_params(
     model's generation_config.json, appliance/generation_defaults.py), then OpenAI's.
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
     check_stream_options(req)
+    check_unsupported(req)
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
         raise BadRequest(
             f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
@@ -289,12 +315,12 @@ def sampling_params(
             raise BadRequest(
                 f"stop: {stop!r} is not valid Unicode (a lone surrogate escape).", "stop"
             ) from None
-    bad = next((t for t in req.stop_token_ids or [] if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadRequest(
-            f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size}).",
-            "stop_token_ids",
-        )
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(req, name) or [] if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadRequest(
+                f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size}).", name
+            )
     fields = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -311,7 +337,8 @@ def sampling_params(
     try:
         return SamplingParams(
             n=req.n,
-            max_tokens=req.requested_max_tokens() or 1,
+            # unset: the context's room, known per prompt later (serving.choice_requests)
+            max_tokens=req.requested_max_tokens() or max(1, req.min_tokens or 0),
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
@@ -320,6 +347,8 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, vocab_size),
+            min_tokens=req.min_tokens or 0,
+            allowed_token_ids=req.allowed_token_ids or None,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

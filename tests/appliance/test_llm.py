@@ -184,3 +184,20 @@ def test_the_readme_offline_example_answers_as_printed(capsys):
     expected = re.search(r"print\(.*\)  # (.+)", block).group(1)
     exec(compile(block, "README.md", "exec"), {})
     assert capsys.readouterr().out.strip() == expected == "Paris"
+
+
+def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
+    """The router fills min_tokens' ban at admission (the stop ids, eos unless ignored): a stop
+    id the greedy answer starts with cannot end it before min_tokens tokens; allowed_token_ids
+    keeps every token among them."""
+    prompt = [11, 300, 42, 7, 99]
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    stopped = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first])
+    [short] = llm.generate(prompt, stopped)
+    assert short.token_ids == [first] and short.finish_reason == "stop"
+    held = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first], min_tokens=6)
+    [out] = llm.generate(prompt, held)
+    assert len(out.token_ids) >= 6 and first not in out.token_ids[:6]
+    allowed = SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[50, 60, 70])
+    [only] = llm.generate(prompt, allowed)
+    assert len(only.token_ids) == 8 and set(only.token_ids) <= {50, 60, 70}

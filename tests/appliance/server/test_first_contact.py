@@ -372,3 +372,37 @@ def test_completions_top_logprobs_hold_the_sampled_token_too():
     top = LegacyLogprobs(0).entries(items)["top_logprobs"]
     assert top == [{" Paris": -0.3, " Seoul": -3.5}, {" is": -0.1}]
     assert list(top[0]) == [" Paris", " Seoul"]
+
+
+def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tokenizer):
+    client, engine, _ = make_server()
+    sdk = sdk_for(client)
+    sdk.completions.create(
+        model="tiny",
+        prompt="hi",
+        max_tokens=6,
+        extra_body={"min_tokens": 4, "allowed_token_ids": [9, 8]},
+    )
+    options = engine.received[-1].sampling
+    assert options.min_tokens == 4 and options.allowed_token_ids == [8, 9]
+    # max_tokens unset (the context's room): min_tokens alone is fine
+    sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"min_tokens": 3})
+    assert engine.received[-1].sampling.min_tokens == 3
+    bad = [
+        ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+        ({"allowed_token_ids": [len(tokenizer)]}, "allowed_token_ids"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    ]
+    received = len(engine.received)
+    for extra, param in bad:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model="tiny", messages=MSG, extra_body=extra)
+        assert info.value.body["param"] == param, extra
+    assert len(engine.received) == received
+    # their defaults are accepted as not set
+    sdk.chat.completions.create(
+        model="tiny", messages=MSG, extra_body={"use_beam_search": False, "bad_words": []}
+    )

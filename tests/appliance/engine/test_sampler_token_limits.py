@@ -1,0 +1,50 @@
+"""vLLM's min_tokens and allowed_token_ids in the worker's sampler: eos and the stop ids are not
+sampled before min_tokens generated tokens; only the allowed ids are sampled; both hold for
+greedy and sampled rows, and such requests decode without MTP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from appliance.engine.sampler import Sampler, apply_token_limits
+from appliance.messages import SamplingOptions, decoder, encode, mtp_compatible
+from appliance.sampling_params import SamplingParams
+
+EOS = 3
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_enough_tokens() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]]).repeat(4, 1)  # eos (3) then 4 lead
+    row = SamplingOptions(temperature=0.0, logprobs=0, min_tokens=3, min_tokens_ban=[EOS, 4])
+    # prompt of 10 tokens: offsets 10, 11, 12 sample generated tokens 1-3, offset 13 the 4th
+    out = Sampler().sample(logits, [row] * 4, None, [10, 11, 12, 13], prompt_lens=[10] * 4)
+    assert out.token_ids.tolist() == [2, 2, 2, EOS]
+    assert out.logprobs[0] > -0.5  # of what can be sampled: eos and 4 are out
+    sampled = SamplingOptions(temperature=1.0, seed=5, min_tokens=2, min_tokens_ban=[EOS, 4])
+    many = Sampler().sample(logits.repeat(8, 1)[:8], [sampled] * 8, None, list(range(8)), [0] * 8)
+    assert not {EOS, 4} & set(many.token_ids[:2].tolist())
+
+
+def test_allowed_token_ids_and_rows_without_limits_untouched() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 2.0, 9.0]])
+    rows = [SamplingOptions(allowed_token_ids=[0, 1]), SamplingOptions()]
+    out = apply_token_limits(logits, rows, [0, 0], None)
+    assert out[0].tolist() == [0.0, 1.0, float("-inf"), float("-inf")]
+    assert out[1].tolist() == logits[1].tolist() and logits[0, 3] == 9.0  # input not modified
+    assert apply_token_limits(logits, [SamplingOptions()] * 2, [0, 0], None) is logits
+    seeded = [SamplingOptions(temperature=1.0, seed=s, allowed_token_ids=[0, 1]) for s in range(16)]
+    drawn = Sampler().sample(torch.zeros(16, 4), seeded, None, [0] * 16).token_ids.tolist()
+    assert set(drawn) == {0, 1}
+
+
+def test_validation_wire_and_mtp() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    options = SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=[7, 5, 7]).to_options()
+    assert options.min_tokens == 4 and options.allowed_token_ids == [5, 7]
+    assert decoder(SamplingOptions).decode(encode(options)) == options
+    assert not mtp_compatible(options) and mtp_compatible(SamplingParams().to_options())
+    assert not mtp_compatible(SamplingParams(max_tokens=8, min_tokens=1).to_options())
