@@ -8,6 +8,7 @@ initialised here, before the runner loads its TP shard.
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 
 import zmq
@@ -65,7 +66,23 @@ def run_worker(
     if rank == 0:
         info = runner.info()
     link.ready(info)
-    serve_steps(runner, inbox, results)
+    try:
+        serve_steps(runner, inbox, results)
+    except RuntimeError as exc:  # torch.distributed's DistBackendError among them
+        if world_size == 1 or not peer_lost(exc):
+            raise
+        # a symptom of another rank's death, which the launcher names and acts on: one line
+        first = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        logger.error("worker %d: a tensor-parallel peer is gone (%s); exiting", rank, first)
+        sys.exit(1)
+
+
+# what a collective raises when another rank died mid-step (gloo's TCP pairs; NCCL's remote error)
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
+
+
+def peer_lost(exc: BaseException) -> bool:
+    return any(marker in str(exc) for marker in PEER_LOST)
 
 
 def serve_steps(runner, inbox: zmq.Socket, results: zmq.Socket | None) -> None:
