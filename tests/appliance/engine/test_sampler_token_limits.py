@@ -48,3 +48,22 @@ def test_validation_wire_and_mtp() -> None:
     assert decoder(SamplingOptions).decode(encode(options)) == options
     assert not mtp_compatible(options) and mtp_compatible(SamplingParams().to_options())
     assert not mtp_compatible(SamplingParams(max_tokens=8, min_tokens=1).to_options())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_min_tokens_and_allowed_token_ids_on_the_gpu(tiny_dense) -> None:
+    """The same through the served GPU path: CUDA graphs for decode, the Triton sampling kernel
+    for sampled rows, the router's ban filled at admission."""
+    from appliance import LLM
+
+    llm = LLM(str(tiny_dense), device="cuda", max_num_seqs=4, num_kv_slots=2048, max_model_len=256)
+    prompt = [11, 300, 42, 7, 99]
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+        stopped = SamplingParams(max_tokens=12, stop_token_ids=[first], min_tokens=6, **sampling)
+        [out] = llm.generate(prompt, stopped)
+        assert len(out.token_ids) >= 6 and first not in out.token_ids[:6], sampling
+        allowed = SamplingParams(max_tokens=8, allowed_token_ids=[50, 60, 70], **sampling)
+        [only] = llm.generate([prompt, prompt], allowed)[:1]
+        assert len(only.token_ids) == 8 and set(only.token_ids) <= {50, 60, 70}, sampling
