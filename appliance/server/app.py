@@ -29,6 +29,12 @@ from appliance.server.serving import serve
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
 from appliance.server.state import ServerState
+from appliance.server.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 _ROUTES = (
     "/v1/chat/completions",
@@ -142,6 +148,15 @@ def build_app(
     @app.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request):
         return await serve(COMPLETION, state, body, request)
+
+    # vLLM's (and SGLang's) token counting, built as the two routes above build their prompts
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
+    async def tokenize_route(body: TokenizeRequest):
+        return await tokenize(state, body)
+
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
+    async def detokenize_route(body: DetokenizeRequest):
+        return detokenize(state, body)
 
     def model_card() -> dict[str, Any]:
         return {

@@ -406,3 +406,31 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
     sdk.chat.completions.create(
         model="tiny", messages=MSG, extra_body={"use_beam_search": False, "bad_words": []}
     )
+
+
+def test_tokenize_and_detokenize_as_vllm(make_server, tokenizer):
+    """/tokenize counts what a request would be fed (a completion prompt, or a conversation
+    through the chat template); /detokenize gives ids' text back."""
+    client, engine, _ = make_server()
+    r = client.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] > 0
+    assert body["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    # a conversation: the ids the chat route feeds the engine
+    client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1})
+    fed = engine.received[-1].prompt_token_ids
+    chat = client.post("/tokenize", json={"messages": MSG}).json()
+    assert chat["tokens"] == fed and chat["token_strs"] is None
+    back = client.post("/detokenize", json={"tokens": ids}).json()
+    assert back == {"prompt": "hello world"}
+    for path, bad, param in [
+        ("/tokenize", {"prompt": "a", "messages": MSG}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/detokenize", {"tokens": [len(tokenizer)]}, "tokens"),
+        ("/tokenize", {"messages": MSG, "chat_template": "{{ 1 }}"}, "chat_template"),
+    ]:
+        r = client.post(path, json=bad)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (bad, r.text)
