@@ -43,7 +43,12 @@ class ModelConfig:
             "dtype",
             "auto, float32, bfloat16 or float16",
         )
-        _check(self.max_model_len >= 0, "max_model_len", "an integer >= 0")
+        # a context must hold a prompt token and a generated one
+        _check(
+            self.max_model_len == 0 or self.max_model_len >= 2,
+            "max_model_len",
+            "0 (the checkpoint's) or an integer >= 2",
+        )
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,11 @@ def test_bad_values_name_the_flag_in_one_line(capsys, tmp_path):
     err = capsys.readouterr().err
     expected = "--api-key  , : expected at least one key (comma-separated)"
     assert err == f"appliance serve: error: {expected}\n"
+    with pytest.raises(SystemExit):  # no room for a prompt token and a generated one
+        main(["serve", str(tmp_path), "--max-model-len", "1"])
+    err = capsys.readouterr().err
+    expected = "--max-model-len 1: expected 0 (the checkpoint's) or an integer >= 2"
+    assert err == f"appliance serve: error: {expected}\n"
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path / "missing")])
     err = capsys.readouterr().err
