@@ -301,7 +301,10 @@ def _check_model_config(config: ServeConfig) -> None:
         _fail(f"{path}: no {exc.args[0]!r}, which the model needs")
     except (TypeError, ValueError) as exc:
         _fail(f"{path}: {exc}")
-    problem = text.tp_problem(config.engine.parallel.tp)
+    try:
+        problem = text.tp_problem(config.engine.parallel.tp)
+    except TypeError as exc:  # a size that is not a number (null)
+        _fail(f"{path}: {exc}")
     if problem is not None:
         _fail(f"--tp {config.engine.parallel.tp}: {problem} ({path})")
     if model.max_model_len > text.max_position_embeddings:

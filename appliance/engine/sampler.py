@@ -12,9 +12,10 @@ Choices, documented here once:
   frequency * count + presence * [count > 0]).
 - Logit bias (OpenAI `logit_bias`): added to the penalised logits of the named token ids, on every
   row of the request; ids past the logits' vocabulary are ignored (the server refuses them).
-- min_tokens / allowed_token_ids (vLLM's): before `min_tokens` generated tokens, the row's
-  `min_tokens_ban` ids (eos, stop token ids) are -inf; with `allowed_token_ids` every other id is.
-  Both after the bias, like the grammar's mask, so logprobs are those of what can be sampled.
+- allowed_token_ids / min_tokens (vLLM's): with `allowed_token_ids` every other id is -inf (after
+  the bias, before the grammar's mask); before `min_tokens` generated tokens the row's
+  `min_tokens_ban` ids (eos, stop token ids) are -inf, last, unless nothing else is left to
+  sample. Logprobs are those of what can be sampled.
 - Structured outputs: the grammar's token bitmask (engine/guided.py) sets forbidden tokens to -inf
   after penalties and bias; logprobs are then those of the masked distribution. A forbidden token
   among the top logprobs (fewer allowed tokens than asked for) reads LOGPROB_FLOOR, as in vLLM:
@@ -141,41 +142,48 @@ def apply_logit_bias(
     return out
 
 
-def apply_token_limits(
-    logits: torch.Tensor,  # [B, V] fp32
-    rows: Sequence[SamplingOptions],
-    offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
-    prompt_lens: Sequence[int] | None,
-) -> torch.Tensor:
-    """Returns logits [B, V] with min_tokens' ban and allowed_token_ids applied (a new tensor if
-    any row has either, else `logits`)."""
-    banning = [i for i, r in enumerate(rows) if r.min_tokens and r.min_tokens_ban]
+def apply_allowed_ids(logits: torch.Tensor, rows: Sequence[SamplingOptions]) -> torch.Tensor:
+    """Returns logits [B, V] where rows with allowed_token_ids keep only those (a new tensor if
+    any row has them, else `logits`). Ids past the logits' vocabulary are ignored (the server
+    and the offline LLM refuse them)."""
     allowing = [i for i, r in enumerate(rows) if r.allowed_token_ids]
-    if not banning and not allowing:
+    if not allowing:
         return logits
     vocab, device = logits.shape[-1], logits.device
     out = logits.clone()
-    if banning:
-        if prompt_lens is None:
-            raise ValueError("prompt_lens: needed for min_tokens")
-        where = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
-        row_ids, token_ids = [], []
-        for i in banning:
-            if where[i] - prompt_lens[i] < rows[i].min_tokens:  # generated before this token
-                ids = [t for t in rows[i].min_tokens_ban if t < vocab]
-                row_ids += [i] * len(ids)
-                token_ids += ids
-        if row_ids:
-            index = (
-                to_device(row_ids, torch.long, device),
-                to_device(token_ids, torch.long, device),
-            )
-            out.index_put_(index, torch.tensor(float("-inf"), dtype=out.dtype, device=device))
     for i in allowing:
         keep = to_device([t for t in rows[i].allowed_token_ids if t < vocab], torch.long, device)
         row = torch.full_like(out[i], float("-inf"))
         row[keep] = out[i, keep]
         out[i] = row
+    return out
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,  # [B, V] fp32, every other mask applied
+    rows: Sequence[SamplingOptions],
+    offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
+    prompt_lens: Sequence[int] | None,
+) -> torch.Tensor:
+    """Returns logits [B, V] with each row's min_tokens ban (-inf) while it has generated fewer
+    than min_tokens tokens (a new tensor if any row bans, else `logits`). A ban that would leave
+    a row nothing to sample (allowed_token_ids or a grammar that allows only eos now) yields:
+    the row keeps its logits, on the device, without a sync."""
+    banning = [i for i, r in enumerate(rows) if r.min_tokens and r.min_tokens_ban]
+    if not banning:
+        return logits
+    if prompt_lens is None:
+        raise ValueError("prompt_lens: needed for min_tokens")
+    where = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    vocab, device = logits.shape[-1], logits.device
+    active = [i for i in banning if where[i] - prompt_lens[i] < rows[i].min_tokens]
+    if not active:
+        return logits
+    out = logits.clone()
+    for i in active:
+        ids = to_device([t for t in rows[i].min_tokens_ban if t < vocab], torch.long, device)
+        banned = out[i].index_fill(0, ids, float("-inf"))
+        out[i] = torch.where(banned.amax() > float("-inf"), banned, out[i])
     return out
 
 
@@ -223,11 +231,12 @@ class Sampler:
         if token_history is not None:
             logits = apply_penalties(logits, rows, token_history, prompt_lens)
         logits = apply_logit_bias(logits, rows)
-        logits = apply_token_limits(logits, rows, offsets, prompt_lens)
+        logits = apply_allowed_ids(logits, rows)
         if token_bitmask is not None:
             if device.type == "cuda":  # pageable host memory would wait for the whole stream
                 token_bitmask = token_bitmask.pin_memory()
             logits = apply_token_bitmask(logits, token_bitmask.to(device, non_blocking=True))
+        logits = apply_min_tokens(logits, rows, offsets, prompt_lens)
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
             # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)

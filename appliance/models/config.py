@@ -58,7 +58,13 @@ class TextConfig:
         layers check the same when they are built; this says it before any process starts."""
         widths = {
             "num_attention_heads": self.num_attention_heads,
-            "intermediate_size": 0 if self.is_moe else self.intermediate_size,
+            # a MoE model's dense MLP layers (Qwen3-VL's mlp_only_layers) use intermediate_size
+            "intermediate_size": (
+                self.intermediate_size
+                if not self.is_moe
+                or (self.raw.get("text_config") or self.raw).get("mlp_only_layers")
+                else 0
+            ),
             "moe_intermediate_size": self.moe_intermediate_size,
             "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
         }

@@ -154,6 +154,13 @@ class LLM:
         server's choices)."""
         if params.guide is not None:
             self._check_guide(params.guide)
+        vocab = len(self.tokenizer.hf)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = next((t for t in getattr(params, name) or [] if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name}: token id {bad} is not in the vocabulary (0..{vocab - 1})"
+                )
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
             prompt_token_ids=ids,

@@ -44,6 +44,9 @@ _ROUTES = (
     "/health",
     "/metrics",
     "/debug/status",
+    "/tokenize",
+    "/detokenize",
+    "/version",
 )
 
 

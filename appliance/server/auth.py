@@ -105,5 +105,5 @@ def install_auth(app: FastAPI, config: ServerConfig) -> None:
             allow_origins=list(origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],  # SDKs send their own (x-stainless-*, openai-organization)
-            expose_headers=["x-request-id", "retry-after"],
+            expose_headers=["x-request-id", "retry-after", "x-should-retry"],
         )

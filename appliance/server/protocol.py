@@ -259,7 +259,8 @@ def check_unsupported(req: _SamplingFields) -> None:
     """vLLM's sampling fields this server does not implement: a 400 naming the field when one is
     set, rather than a silent answer without it."""
     for name, why in UNSUPPORTED.items():
-        if getattr(req, name) not in (None, False, []):
+        value = getattr(req, name)
+        if value is not None and value is not False and value != []:  # 0 is set (0 == False)
             raise BadRequest(f"{name}: {why}.", name)
 
 
@@ -303,6 +304,11 @@ def sampling_params(
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
     check_stream_options(req)
     check_unsupported(req)
+    requested = req.requested_max_tokens()
+    if requested is not None and (req.min_tokens or 0) > requested:
+        raise BadRequest(
+            f"min_tokens: {req.min_tokens} is more than max_tokens ({requested}).", "min_tokens"
+        )
     if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
         raise BadRequest(
             f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
@@ -337,8 +343,9 @@ def sampling_params(
     try:
         return SamplingParams(
             n=req.n,
-            # unset: the context's room, known per prompt later (serving.choice_requests)
-            max_tokens=req.requested_max_tokens() or max(1, req.min_tokens or 0),
+            # unset: the context's room, known per prompt later (serving.choice_requests, which
+            # checks min_tokens against it); 0 (completions: score the prompt) has its own path
+            max_tokens=requested or max(1, req.min_tokens or 0),
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
@@ -348,7 +355,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, vocab_size),
             min_tokens=req.min_tokens or 0,
-            allowed_token_ids=req.allowed_token_ids or None,
+            allowed_token_ids=req.allowed_token_ids,
             **{k: v for k, v in fields.items() if v is not None},
         )
     except ValueError as exc:

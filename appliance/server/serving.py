@@ -245,6 +245,12 @@ def choice_requests(
         max_tokens = state.prompts.max_tokens_for(
             body.requested_max_tokens(), len(prompt.token_ids)
         )
+        if params.min_tokens > max_tokens:  # max_tokens unset: the room the context leaves
+            raise BadRequest(
+                f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this "
+                "prompt leaves in the model's context.",
+                "min_tokens",
+            )
         for choice in range(body.n):
             request = TokenizedRequest(
                 req_id=f"{group_id}-{len(requests)}",

@@ -3,7 +3,7 @@ the model for a completion prompt or a chat conversation, and the text of given 
 built exactly as /v1/completions and /v1/chat/completions build theirs (PromptBuilder, the chat
 template with its kwargs and tools), so the count is what a request would be charged.
 
-Used by app.py; images in messages are refused (they are expanded only where they are loaded).
+Used by app.py; images in messages are refused (their token count is known once they are loaded).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Any
 
 from pydantic import Field
 
-from appliance.server.chat_checks import template_kwargs
+from appliance.server.chat_checks import check_messages, check_tools, template_kwargs
 from appliance.server.errors import BadRequest
-from appliance.server.prompts import message_chars
-from appliance.server.protocol import ChatMessage, _Schema
+from appliance.server.prompts import PromptBuilder, message_chars
+from appliance.server.protocol import ChatMessage, ImagePart, _Schema
 from appliance.server.state import ServerState
+
+LONGEST = 2**62  # a counting builder's context and characters: none refused for its length
 
 
 class TokenizeRequest(_Schema):
@@ -38,11 +40,26 @@ class DetokenizeRequest(_Schema):
 
 
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
+    state.check_accepting()  # the context length is known once the engine is ready
     state.check_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("Give either prompt or messages.", "prompt")
-    builder = state.prompts
+    # counting whether a prompt fits is what this is for: no context-length refusal (as vLLM);
+    # the body limit (--max-request-bytes) bounds the text
+    served = state.prompts
+    builder = PromptBuilder(served.tokenizer, LONGEST, LONGEST)
     if body.messages is not None:
+        check_messages(body.messages)  # what the chat route refuses, this refuses too
+        check_tools(body.tools)
+        for message in body.messages:
+            if isinstance(message.content, list) and any(
+                isinstance(p, ImagePart) for p in message.content
+            ):
+                raise BadRequest(
+                    "messages: /tokenize counts text; an image's tokens depend on its size, "
+                    "known once it is loaded (usage.prompt_tokens of the chat request has them).",
+                    "messages",
+                )
         chars = message_chars(body.messages)
         kwargs = template_kwargs(body, state.config.trust_request_chat_template)
         args = (body.messages, body.tools, kwargs, body.add_generation_prompt)
@@ -60,6 +77,7 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
 
 
 def detokenize(state: ServerState, body: DetokenizeRequest) -> dict[str, Any]:
+    state.check_accepting()
     state.check_model(body.model)
     vocab = state.prompts.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)

@@ -201,3 +201,7 @@ def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
     allowed = SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[50, 60, 70])
     [only] = llm.generate(prompt, allowed)
     assert len(only.token_ids) == 8 and set(only.token_ids) <= {50, 60, 70}
+    vocab = len(llm.tokenizer.hf)
+    for name in ("allowed_token_ids", "stop_token_ids"):
+        with pytest.raises(ValueError, match=f"{name}: token id {vocab} is not in the vocabulary"):
+            llm.generate(prompt, SamplingParams(max_tokens=2, **{name: [5, vocab]}))

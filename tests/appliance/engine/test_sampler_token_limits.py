@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, apply_token_limits
+from appliance.engine.sampler import Sampler, apply_allowed_ids, apply_min_tokens
 from appliance.messages import SamplingOptions, decoder, encode, mtp_compatible
 from appliance.sampling_params import SamplingParams
 
@@ -29,13 +29,27 @@ def test_min_tokens_bans_eos_and_stop_ids_until_enough_tokens() -> None:
 def test_allowed_token_ids_and_rows_without_limits_untouched() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 2.0, 9.0]])
     rows = [SamplingOptions(allowed_token_ids=[0, 1]), SamplingOptions()]
-    out = apply_token_limits(logits, rows, [0, 0], None)
+    out = apply_allowed_ids(logits, rows)
     assert out[0].tolist() == [0.0, 1.0, float("-inf"), float("-inf")]
     assert out[1].tolist() == logits[1].tolist() and logits[0, 3] == 9.0  # input not modified
-    assert apply_token_limits(logits, [SamplingOptions()] * 2, [0, 0], None) is logits
+    assert apply_allowed_ids(logits, [SamplingOptions()] * 2) is logits
+    assert apply_min_tokens(logits, [SamplingOptions()] * 2, [0, 0], None) is logits
     seeded = [SamplingOptions(temperature=1.0, seed=s, allowed_token_ids=[0, 1]) for s in range(16)]
     drawn = Sampler().sample(torch.zeros(16, 4), seeded, None, [0] * 16).token_ids.tolist()
     assert set(drawn) == {0, 1}
+
+
+def test_a_ban_that_would_leave_nothing_yields() -> None:
+    """allowed_token_ids (or a grammar) leaving only eos while min_tokens bans it: the row samples
+    eos rather than from nothing (token 0 and NaN logprobs)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.0, 1.0, 2.0, 9.0]])
+    only_eos = SamplingOptions(
+        temperature=0.0, logprobs=0, allowed_token_ids=[EOS], min_tokens=4, min_tokens_ban=[EOS]
+    )
+    other = SamplingOptions(temperature=0.0, logprobs=0, min_tokens=4, min_tokens_ban=[EOS])
+    out = Sampler().sample(logits, [only_eos, other], None, [5, 5], prompt_lens=[5, 5])
+    assert out.token_ids.tolist() == [EOS, 2]
+    assert all(lp == lp and lp > -1 for lp in out.logprobs)  # finite, no NaN
 
 
 def test_validation_wire_and_mtp() -> None:

@@ -395,6 +395,9 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
         ({"bad_words": ["x"]}, "bad_words"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+        ({"prompt_logprobs": 0}, "prompt_logprobs"),  # 0 is set: the prompt tokens' own
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"min_tokens": 10**6}, "min_tokens"),  # more than the context leaves
     ]
     received = len(engine.received)
     for extra, param in bad:
@@ -402,10 +405,18 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
             sdk.chat.completions.create(model="tiny", messages=MSG, extra_body=extra)
         assert info.value.body["param"] == param, extra
     assert len(engine.received) == received
+    with pytest.raises(openai.BadRequestError) as info:  # 0: score the prompt, no tokens
+        sdk.completions.create(
+            model="tiny", prompt="hi", max_tokens=0, extra_body={"min_tokens": 5}
+        )
+    assert info.value.body["param"] == "min_tokens"
     # their defaults are accepted as not set
     sdk.chat.completions.create(
         model="tiny", messages=MSG, extra_body={"use_beam_search": False, "bad_words": []}
     )
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
 def test_tokenize_and_detokenize_as_vllm(make_server, tokenizer):
@@ -423,6 +434,9 @@ def test_tokenize_and_detokenize_as_vllm(make_server, tokenizer):
     fed = engine.received[-1].prompt_token_ids
     chat = client.post("/tokenize", json={"messages": MSG}).json()
     assert chat["tokens"] == fed and chat["token_strs"] is None
+    # a prompt longer than the context is counted, not refused (what the count is for)
+    long = client.post("/tokenize", json={"prompt": "hello world " * 600}).json()
+    assert long["count"] > long["max_model_len"]
     back = client.post("/detokenize", json={"tokens": ids}).json()
     assert back == {"prompt": "hello world"}
     for path, bad, param in [
@@ -431,6 +445,14 @@ def test_tokenize_and_detokenize_as_vllm(make_server, tokenizer):
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         ("/detokenize", {"tokens": [len(tokenizer)]}, "tokens"),
         ("/tokenize", {"messages": MSG, "chat_template": "{{ 1 }}"}, "chat_template"),
+        ("/tokenize", {"messages": [*MSG, {"role": "tool", "content": "x"}]}, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": [IMAGE]}]}, "messages"),
     ]:
         r = client.post(path, json=bad)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (bad, r.text)
+
+
+def test_tokenize_before_the_engine_is_ready_is_a_503(make_server):
+    client, _, _ = make_server(ready=False)
+    assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 503
+    assert client.post("/detokenize", json={"tokens": [1]}).status_code == 503
