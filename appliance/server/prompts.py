@@ -103,9 +103,23 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         images: Sequence[RequestImage] = (),
         image_token_id: int | None = None,
+        continue_final_message: bool = False,
     ) -> Prompt:
         """Renders and tokenizes; `images` (checked by appliance/server/images.py, in message
-        order) each expand their one `<|image_pad|>` to their token count."""
+        order) each expand their one `<|image_pad|>` to their token count.
+        `continue_final_message` (vLLM's): the last, assistant message is left open for the model
+        to go on with (no end of turn, no new generation prompt)."""
+        if continue_final_message and add_generation_prompt:
+            raise BadRequest(
+                "continue_final_message: set add_generation_prompt to false with it (the last "
+                "message is continued, no new turn is opened).",
+                "continue_final_message",
+            )
+        if continue_final_message and messages[-1].role != "assistant":
+            raise BadRequest(
+                "continue_final_message: the last message must be the assistant's, to continue.",
+                "continue_final_message",
+            )
         rendered_messages = [_message_dict(m, bool(images)) for m in messages]
         self.check_chars(message_chars(messages), "messages")
         kwargs = dict(template_kwargs or {})
@@ -121,6 +135,7 @@ class PromptBuilder:
                 rendered_messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **({"continue_final_message": True} if continue_final_message else {}),
                 **kwargs,
             )
         except Exception as exc:  # jinja raise_exception() and template errors are user errors
@@ -135,7 +150,8 @@ class PromptBuilder:
             )
             ids, data = expand_image_tokens(ids, image_token_id, images)
         self.check_tokens(len(ids), "messages")
-        return Prompt(ids, text, data, self._turn_start(ids) if add_generation_prompt else -1)
+        opened = add_generation_prompt or continue_final_message  # the turn being generated
+        return Prompt(ids, text, data, self._turn_start(ids) if opened else -1)
 
     def _turn_start(self, ids: list[int]) -> int:
         """Index of the last `<|im_start|>` (ChatML: the generation prompt's), or -1."""

@@ -178,6 +178,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's; only with --trust-request-chat-template
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: go on with the last (assistant) message
 
     def requested_max_tokens(self) -> int | None:
         # Both spellings are accepted; max_completion_tokens (OpenAI's current name, max_tokens

@@ -153,6 +153,7 @@ class ChatEndpoint:
             body.add_generation_prompt,
             images,
             support.image_token_id,
+            body.continue_final_message,
         )
         return [prompt]
 

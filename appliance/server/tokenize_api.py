@@ -8,6 +8,7 @@ Used by app.py; images in messages are refused (their token count is known once 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import Field
@@ -28,6 +29,7 @@ class TokenizeRequest(_Schema):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # only with --trust-request-chat-template
     tools: list[dict[str, Any]] | None = None
@@ -62,8 +64,9 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
                 )
         chars = message_chars(body.messages)
         kwargs = template_kwargs(body, state.config.trust_request_chat_template)
+        render = functools.partial(builder.chat, continue_final_message=body.continue_final_message)
         args = (body.messages, body.tools, kwargs, body.add_generation_prompt)
-        prompt = await state.prompt_lanes.run(chars, builder.chat, *args)
+        prompt = await state.prompt_lanes.run(chars, render, *args)
     else:
         prompt = await state.prompt_lanes.run(len(body.prompt), builder.completion, body.prompt)
     ids = prompt.token_ids

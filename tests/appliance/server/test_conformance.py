@@ -257,3 +257,31 @@ def test_a_developer_message_is_rendered_as_the_system_message():
 
     assert render("developer") == render("system")
     assert "<|im_start|>system\nBe brief." in render("developer")
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open():
+    """vLLM's continue_final_message: the last (assistant) message is rendered without its end of
+    turn, for the model to go on with; with a generation prompt, or after a user message, a 400."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    import appliance.assets
+    from appliance.server.errors import BadRequest
+    from appliance.server.protocol import ChatMessage
+
+    shipped = Path(appliance.assets.__file__).parent / "default"
+    builder = PromptBuilder(AutoTokenizer.from_pretrained(shipped), 4096)
+    talk = [
+        ChatMessage(role="user", content="Name a colour."),
+        ChatMessage(role="assistant", content="The colour is"),
+    ]
+    kwargs = {"enable_thinking": False}
+    opened = builder.chat(talk, None, kwargs, False, continue_final_message=True)
+    assert opened.text.endswith("The colour is") and opened.turn_start > 0
+    closed = builder.chat(talk, None, kwargs, False)
+    assert closed.text.rstrip().endswith("<|im_end|>")
+    with pytest.raises(BadRequest, match="add_generation_prompt"):
+        builder.chat(talk, None, kwargs, True, continue_final_message=True)
+    with pytest.raises(BadRequest, match="assistant"):
+        builder.chat(talk[:1], None, kwargs, False, continue_final_message=True)

@@ -456,3 +456,16 @@ def test_tokenize_before_the_engine_is_ready_is_a_503(make_server):
     client, _, _ = make_server(ready=False)
     assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 503
     assert client.post("/detokenize", json={"tokens": [1]}).status_code == 503
+
+
+def test_continue_final_message_through_the_chat_route(make_server, tokenizer):
+    client, engine, _ = make_server()
+    talk = [*MSG, {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": talk, "add_generation_prompt": False, "continue_final_message": True}
+    r = client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert tokenizer.decode(engine.received[-1].prompt_token_ids).endswith("Once upon")
+    counted = client.post("/tokenize", json=body).json()
+    assert counted["tokens"] == engine.received[-1].prompt_token_ids
+    r = client.post("/v1/chat/completions", json={"messages": talk, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
