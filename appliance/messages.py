@@ -46,10 +46,9 @@ class SamplingOptions(msgspec.Struct, frozen=True):
 
 def mtp_compatible(options: SamplingOptions) -> bool:
     """Whether a request can decode with MTP drafts. Penalties, logprobs, a logit bias, min_tokens
-    and allowed_token_ids need
-    per-row history, reporting or logits edits that verify rows (and the fused MTP step) do not
-    carry, so such requests decode one token per step (in the same batch). Read by the router (to
-    plan verify rows) — the worker just follows num_draft."""
+    and allowed_token_ids need per-row history, reporting or logits edits that verify rows (and
+    the fused MTP step) do not carry, so such requests decode one token per step (in the same
+    batch). Read by the router (to plan verify rows) — the worker just follows num_draft."""
     return (
         options.logprobs is None
         and not options.logit_bias
