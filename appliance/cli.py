@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 
 from appliance import __version__, envs
 from appliance.config import ServeConfig
+from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
 
 _POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL
 
@@ -125,23 +126,6 @@ def _env_help() -> str:
         choices = f" [{'|'.join(var.choices)}]" if var.choices else ""
         lines.append(f"  {var.name}={var.default!r}{choices}  {var.doc}")
     return "\n".join(lines)
-
-
-# vLLM / SGLang spellings of the same settings: accepted as aliases of this appliance's flags
-FLAG_ALIASES = {
-    "tp": ("--tensor-parallel-size", "--tp-size"),
-    "disable_cuda_graph": ("--enforce-eager",),
-}
-# theirs that mean something else here: an unknown-flag error names the nearest of ours
-FLAG_HINTS = {
-    "--gpu-memory-utilization": "--mem-fraction (the share of free memory after the weights that "
-    "the KV and state pools take)",
-    "--mem-fraction-static": "--mem-fraction (the share of free memory after the weights that "
-    "the KV and state pools take)",
-    "--model": "the positional MODEL (appliance serve MODEL)",
-    "--model-path": "the positional MODEL (appliance serve MODEL)",
-    "--speculative-num-steps": "--mtp-step",
-}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -52,7 +52,7 @@ def vllm_keywords(options: dict, tp: int) -> int:
     """vLLM's spellings of the same options, as `appliance serve` takes its flags
     (`tensor_parallel_size` for `tp`, `enforce_eager` ...): moved to ours in `options`; returns
     the tensor-parallel size. Theirs that mean something else here raise ValueError naming ours."""
-    from appliance.cli import FLAG_ALIASES, FLAG_HINTS
+    from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
 
     for ours, flags in FLAG_ALIASES.items():
         for flag in flags:
