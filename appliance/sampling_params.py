@@ -134,6 +134,17 @@ class SamplingParams:
             allowed,
         )
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raises ValueError naming the first stop or allowed token id past the tokenizer's
+        vocabulary [0, vocab_size) (the checks above only know the wire's bound). The server and
+        the offline LLM call it once they know their tokenizer."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = next((t for t in getattr(self, name) or [] if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name}: token id {bad} is not in the vocabulary (0..{vocab_size - 1})"
+                )
+
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
         _check(bias is None or isinstance(bias, dict), "logit_bias", "None or a dict", bias)

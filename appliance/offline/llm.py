@@ -54,18 +54,20 @@ def vllm_keywords(options: dict, tp: int) -> int:
     the tensor-parallel size. Theirs that mean something else here raise ValueError naming ours."""
     from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
 
+    def keyword(flag: str) -> str:
+        return flag.lstrip("-").replace("-", "_")
+
     for ours, flags in FLAG_ALIASES.items():
-        for flag in flags:
-            theirs = flag.lstrip("-").replace("-", "_")
+        for theirs in map(keyword, flags):
             if theirs in options:
                 value = options.pop(theirs)
                 if ours == "tp":
                     tp = value
                 else:
                     options[ours] = value
-    for flag, hint in FLAG_HINTS.items():
-        if flag.lstrip("-").replace("-", "_") in options:
-            raise ValueError(f"{flag.lstrip('-').replace('-', '_')}: use {hint}")
+    for theirs, hint in ((keyword(flag), hint) for flag, hint in FLAG_HINTS.items()):
+        if theirs in options:
+            raise ValueError(f"{theirs}: use {hint}")
     return tp
 
 
@@ -154,13 +156,6 @@ class LLM:
         server's choices)."""
         if params.guide is not None:
             self._check_guide(params.guide)
-        vocab = len(self.tokenizer.hf)
-        for name in ("stop_token_ids", "allowed_token_ids"):
-            bad = next((t for t in getattr(params, name) or [] if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(
-                    f"{name}: token id {bad} is not in the vocabulary (0..{vocab - 1})"
-                )
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
             prompt_token_ids=ids,
@@ -201,6 +196,8 @@ class LLM:
                 "one a prompt)"
             )
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        for sp in {id(sp): sp for sp in params_list}.values():
+            sp.check_vocabulary(len(self.tokenizer.hf))
         outputs: dict[str, CompletionOutput] = {}
         open_ids: set[str] = set()
         try:

@@ -153,11 +153,11 @@ def build_app(
         return await serve(COMPLETION, state, body, request)
 
     # vLLM's (and SGLang's) token counting, built as the two routes above build their prompts
-    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
     async def tokenize_route(body: TokenizeRequest):
         return await tokenize(state, body)
 
-    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413))
+    @app.post("/detokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
     async def detokenize_route(body: DetokenizeRequest):
         return detokenize(state, body)
 

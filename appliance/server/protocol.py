@@ -322,12 +322,6 @@ def sampling_params(
             raise BadRequest(
                 f"stop: {stop!r} is not valid Unicode (a lone surrogate escape).", "stop"
             ) from None
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        bad = next((t for t in getattr(req, name) or [] if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise BadRequest(
-                f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size}).", name
-            )
     fields = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -342,7 +336,7 @@ def sampling_params(
         if fields.get(name, 0) is None:
             fields[name] = value
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n,
             # unset: the context's room, known per prompt later (serving.choice_requests, which
             # checks min_tokens against it); 0 (completions: score the prompt) has its own path
@@ -359,6 +353,8 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             **{k: v for k, v in fields.items() if v is not None},
         )
+        params.check_vocabulary(vocab_size)
+        return params
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split(":", 1)[0]) from None

@@ -88,9 +88,13 @@ class _Answer:
     formatter: ChoiceFormatter
     head: dict[str, Any]  # id, created, model: the first keys of every body and chunk
     num_choices: int
-    num_prompt_tokens: int  # over all prompts (usage.prompt_tokens)
     choices_per_prompt: int  # n: choice index = prompt index x n + choice number
     prompt_lengths: list[int]  # per prompt
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Over all prompts (usage.prompt_tokens: each prompt once, whatever n)."""
+        return sum(self.prompt_lengths)
 
 
 def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -171,7 +175,6 @@ async def _admit(
     requests = choice_requests(state, group_id, prompts, params, body, guide)
     formatter = endpoint.formatter(state, body, prompts)
     head = {"id": group_id, "created": int(time.time()), "model": model}
-    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
     group = state.client.submit(group_id, requests, arrival, formatter.labels_stops, body.n)
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
@@ -182,7 +185,6 @@ async def _admit(
         formatter,
         head,
         len(requests),
-        num_prompt_tokens,
         body.n,
         [len(p.token_ids) for p in prompts],
     )
