@@ -121,6 +121,11 @@ class ServiceUnavailable(APIError):
     status = 503
     type = "service_unavailable_error"
 
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        if retry_after_s is not None:  # a server still loading: when a retry may find it up
+            self.headers = {"Retry-After": str(retry_after_s)}
+
 
 class EngineFailed(APIError):
     status = 500

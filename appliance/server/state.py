@@ -34,6 +34,7 @@ from appliance.server.errors import (
 )
 from appliance.server.prompts import PromptBuilder
 
+STARTING_RETRY_AFTER_S = 5  # a 503 while the model loads: the SDKs wait this long to retry
 LARGE_PROMPT_CHARS = 65_536  # prompts over this many characters are built in the large lane
 
 
@@ -96,7 +97,10 @@ class ServerState:
         if self.draining:
             return ServiceUnavailable("The server is shutting down.")
         if not self.ready:
-            return ServiceUnavailable("The server is starting; the model is not loaded yet.")
+            return ServiceUnavailable(
+                "The server is starting; the model is not loaded yet.",
+                retry_after_s=STARTING_RETRY_AFTER_S,
+            )
         return None
 
     def check_accepting(self) -> None:

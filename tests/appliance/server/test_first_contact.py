@@ -71,6 +71,8 @@ def test_model_routes_answer_what_health_answers(make_server, how):
     with pytest.raises(openai.APIStatusError) as info:
         sdk_for(client).models.list()
     assert info.value.status_code == health.status_code
+    # a loading server says when to come back; one shutting down or failed does not
+    assert health.headers.get("retry-after") == ("5" if how == "starting" else None)
 
 
 # ---------------------------------------------------------------- stream_options
