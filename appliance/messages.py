@@ -192,6 +192,9 @@ class DetokParams(msgspec.Struct, frozen=True):
     include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text)
     skip_special_tokens: bool = True  # drop special tokens (<|im_end|>, ...) from the text
     logprobs: bool = False  # send per-token logprob entries with the text
+    # vLLM's min_tokens: a stop string only ends the request where it ends in the text of a
+    # token after the first min_tokens
+    min_tokens: int = 0
 
 
 class ImageData(msgspec.Struct, frozen=True, array_like=True):

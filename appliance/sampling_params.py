@@ -55,8 +55,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # detokenizer: keep the stop string / token's text
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
     guide: Guide | None = None  # structured output: Guide("json_schema" / "regex" / "grammar", ..)
-    # vLLM's: eos (unless ignore_eos) and stop_token_ids are not sampled before min_tokens tokens
-    # (stop strings still end the text)
+    # vLLM's: eos (unless ignore_eos) and stop_token_ids are not sampled before min_tokens tokens,
+    # and a stop string ends the text only past those tokens' text
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
 
@@ -198,10 +198,12 @@ class SamplingParams:
         )
 
     def to_detok(self) -> DetokParams:
-        """The detokenizer's view: stop strings, special tokens, logprob entries."""
+        """The detokenizer's view: stop strings (held by min_tokens), special tokens, logprob
+        entries."""
         return DetokParams(
             stop=list(self.stop),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=self.logprobs is not None,
+            min_tokens=self.min_tokens,
         )

@@ -30,6 +30,10 @@ class RequestDetokenizer:
         self._read_offset = 0  # window end of the text already turned into characters
         self._prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
         self._sent: list[str] = []  # text handed out by take_delta
+        self._sent_chars = 0  # len("".join(self._sent))
+        # characters of text that the first min_tokens tokens decoded to: a stop string must end
+        # past them (vLLM: stop strings are looked for once more than min_tokens are generated)
+        self._min_chars = 0
         self._unsent = ""  # decoded text not handed out yet (held back, or not yet taken)
         self._stop_chars = frozenset("".join(params.stop))
         self.stopped = False  # a stop string matched: the text is final
@@ -81,10 +85,15 @@ class RequestDetokenizer:
 
     def _append(self, new_text: str) -> None:
         unsent = self._unsent + new_text
+        if len(self.token_ids) <= self.params.min_tokens:
+            self._min_chars = self._sent_chars + len(unsent)
+            self._unsent = unsent
+            return
         if self._stop_chars:
             best: tuple[int, str] | None = None
+            held = self._min_chars - self._sent_chars  # unsent characters no match may end in
             for stop in self.params.stop:
-                pos = unsent.find(stop)
+                pos = unsent.find(stop, max(0, held - len(stop) + 1))
                 if pos >= 0 and (best is None or pos < best[0]):
                     best = (pos, stop)
             if best is not None:
@@ -118,4 +127,5 @@ class RequestDetokenizer:
         self._unsent = self._unsent[len(self._unsent) - keep :]
         if delta:
             self._sent.append(delta)
+            self._sent_chars += len(delta)
         return delta

@@ -137,8 +137,8 @@ class _SamplingFields(_Schema):
     frequency_penalty: float | None = documented(minimum=-2, maximum=2)
     repetition_penalty: float | None = documented(exclusiveMinimum=0)
     ignore_eos: bool = False
-    # vLLM's: eos and stop_token_ids held back for the first min_tokens tokens; sampling among
-    # allowed_token_ids only
+    # vLLM's: eos, stop_token_ids and stop strings held back for the first min_tokens tokens;
+    # sampling among allowed_token_ids only
     min_tokens: int | None = documented(minimum=0)
     allowed_token_ids: list[int] | None = None
     # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored

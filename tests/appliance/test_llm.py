@@ -198,6 +198,21 @@ def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
     held = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[first], min_tokens=6)
     [out] = llm.generate(prompt, held)
     assert len(out.token_ids) >= 6 and first not in out.token_ids[:6]
+    # a stop string in the text of the first min_tokens tokens does not end it either
+    [free] = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    stop = free.text[:2]
+    assert (
+        stop
+        and llm.generate(
+            prompt, SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True)
+        )[0].text
+        == ""
+    )
+    [late] = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=12, temperature=0, stop=[stop], ignore_eos=True, min_tokens=12),
+    )
+    assert late.text.startswith(stop) and len(late.token_ids) == 12
     allowed = SamplingParams(max_tokens=8, temperature=1.0, seed=3, allowed_token_ids=[50, 60, 70])
     [only] = llm.generate(prompt, allowed)
     assert len(only.token_ids) == 8 and set(only.token_ids) <= {50, 60, 70}

@@ -88,6 +88,25 @@ def test_stop_included_and_multi_token_updates(hf_tokenizer, text_tokenizer):
     assert len(finishes) == 1
 
 
+@pytest.mark.parametrize("per_update", [1, 3])
+def test_min_tokens_holds_stop_strings(hf_tokenizer, text_tokenizer, per_update):
+    # vLLM: a stop string counts only once more than min_tokens tokens are generated, i.e. the
+    # first match that ends past the text of the first min_tokens tokens
+    text = "a STOP b STOP c STOP end"
+    ids = hf_tokenizer.encode(text)
+    for min_tokens in range(len(ids) + 1):
+        floor = len(hf_tokenizer.decode(ids[:min_tokens]))
+        ends = [i + 4 for i in range(len(text)) if text.startswith("STOP", i) and i + 4 > floor]
+        expected = text[: ends[0] - 4] if ends else text
+        params = DetokParams(stop=["STOP"], min_tokens=min_tokens)
+        deltas, finishes = _stream(
+            Detokenizer(text_tokenizer), "r", ids, params, "length", per_update=per_update
+        )
+        assert "".join(d.text for d in deltas) == expected, min_tokens
+        assert deltas[-1].finish_reason == ("stop" if ends else "length"), min_tokens
+        assert len(finishes) == (1 if ends else 0)
+
+
 def test_held_prefix_released_when_no_stop(hf_tokenizer, text_tokenizer):
     # "STO" could start "STOX": held back until the end of the request, then released.
     ids = hf_tokenizer.encode("abc STO") + [hf_tokenizer.eos_token_id]

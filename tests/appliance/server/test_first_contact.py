@@ -387,6 +387,7 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
     )
     options = engine.received[-1].sampling
     assert options.min_tokens == 4 and options.allowed_token_ids == [8, 9]
+    assert engine.received[-1].detok.min_tokens == 4  # stop strings are held too
     # max_tokens unset (the context's room): min_tokens alone is fine
     sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"min_tokens": 3})
     assert engine.received[-1].sampling.min_tokens == 3
