@@ -101,17 +101,20 @@ async def _load_one(
     decoding: asyncio.Semaphore,
 ) -> RequestImage:
     start = time.monotonic()
+    code = "invalid_image"  # OpenAI's machine-readable code: the file is unusable ...
     try:
         if is_data_uri(url):
             data = parse_data_uri(url, support.limits)
         else:
+            code = "invalid_image_url"  # ... or could not be fetched
             data = await fetch_image_bytes(url, support.fetch, support.limits)
+            code = "invalid_image"
         async with decoding:
             loop = asyncio.get_running_loop()
             width, height = await loop.run_in_executor(_decoder, check_image, data, support.limits)
         grid = image_grid(height, width, support.preprocess)
     except ImageError as exc:
-        raise BadRequest(f"messages: image {index + 1}: {exc.reason}", "messages") from None
+        raise BadRequest(f"messages: image {index + 1}: {exc.reason}", "messages", code) from None
     if metrics is not None:
         metrics.on_image_stage("fetch_decode", time.monotonic() - start)
     num_tokens = grid[0] * grid[1] * grid[2] // support.preprocess.merge_size**2

@@ -124,6 +124,8 @@ def test_bad_images_are_400s_with_the_reason(ckpt, url, reason):
         load(ckpt, msgs)
     assert info.value.status == 400 and info.value.param == "messages"
     assert "image 2:" in str(info.value) and reason in str(info.value)
+    fetched = url.startswith(("http", "ftp"))  # a URL that could not be fetched, or a bad file
+    assert info.value.code == ("invalid_image_url" if fetched else "invalid_image")
 
 
 def test_too_many_images(ckpt):
