@@ -291,11 +291,9 @@ def _check_model_config(config: ServeConfig) -> None:
         _fail(f"{path}: {exc}")
     if problem is not None:
         _fail(f"--tp {config.engine.parallel.tp}: {problem} ({path})")
-    if model.max_model_len > text.max_position_embeddings:
-        _fail(
-            f"--max-model-len {model.max_model_len} is more than the model's "
-            f"max_position_embeddings ({text.max_position_embeddings}, {path})"
-        )
+    problem = text.context_problem(model.max_model_len)
+    if problem is not None:
+        _fail(f"--max-model-len {problem} ({path})")
 
 
 def _check_generation_config(config: ServeConfig) -> None:

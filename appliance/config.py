@@ -24,7 +24,7 @@ class ModelConfig:
     model_dir: str = ""  # checkpoint folder (HF layout); "" = the embedded default model
     load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16
-    max_model_len: int = 0  # context length; 0 = the checkpoint's max_position_embeddings
+    max_model_len: int = 0  # context length; 0 = the checkpoint's (rope scaling included)
     seed: int = 0  # seed for dummy weights
     # "" (as the checkpoint says) | fp8 (a bf16 checkpoint's weights to fp8 at load; an fp8
     # checkpoint as it says) | compressed-tensors | modelopt (the checkpoint's own method, as vLLM

@@ -131,7 +131,16 @@ class ModelRunner(RunnerMemory):
         if self.graph_max_bs and self.backends.get("gdn_prefill", "triton") == "triton":
             self.prefill_graph_tokens = config.graphs.cuda_graph_max_prefill_tokens
         self.model = self._build_model()
-        self.max_model_len = config.model.max_model_len or self.text_config.max_position_embeddings
+        self.max_model_len = config.model.max_model_len or self.text_config.max_context
+        scaling = self.text_config.rope_scaling
+        if scaling is not None:
+            log.info(
+                "rope %s, factor %g: positions up to %d (max_position_embeddings %d)",
+                scaling.rope_type,
+                scaling.factor,
+                self.text_config.max_context,
+                self.text_config.max_position_embeddings,
+            )
         self.eos_token_ids = self._eos_ids()
         self.mtp_step = config.scheduler.mtp_step
         self.draft_modules = self._build_drafts() if self.mtp_step else []

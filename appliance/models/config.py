@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.models.layers.quant import QuantConfig, checkpoint_quant_config, parse_quant_config
+from appliance.models.rope_scaling import RopeScaling, parse_rope_scaling
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class TextConfig:
     mtp_num_hidden_layers: int = 0
     # fp8 weights: from the checkpoint's quantization_config or --quantization (None: unquantised)
     quant: QuantConfig | None = None
+    # rope_parameters' "linear" / "yarn" scaling (None: plain RoPE)
+    rope_scaling: RopeScaling | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -78,6 +81,24 @@ class TextConfig:
         if not bad:
             return None
         return f"tp {tp} does not divide {', '.join(bad)}"
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the positions serve: max_position_embeddings, or what a rope
+        scaling stretches it to (vLLM's derived length)."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return self.rope_scaling.max_context(self.max_position_embeddings)
+
+    def context_problem(self, max_model_len: int) -> str | None:
+        """Why a context of `max_model_len` tokens is more than the positions serve, or None."""
+        if max_model_len <= self.max_context:
+            return None
+        scaled = f", stretched by rope {self.rope_scaling.rope_type}" if self.rope_scaling else ""
+        return (
+            f"{max_model_len} is more than the model's context ({self.max_context}: "
+            f"max_position_embeddings {self.max_position_embeddings}{scaled})"
+        )
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -116,6 +137,7 @@ def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfi
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     mrope = rope.get("mrope_section")
+    max_positions = text.get("max_position_embeddings", 32768)
     return TextConfig(
         architecture=(raw.get("architectures") or [""])[0],
         model_type=text.get("model_type", raw.get("model_type", "")),
@@ -133,7 +155,7 @@ def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfi
             rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
         ),
         mrope_section=tuple(mrope) if mrope else None,
-        max_position_embeddings=text.get("max_position_embeddings", 32768),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(
             raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         ),
@@ -150,5 +172,6 @@ def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfi
         norm_topk_prob=text.get("norm_topk_prob", True),
         mtp_num_hidden_layers=text.get("mtp_num_hidden_layers", 0),
         quant=parse_quant_config(checkpoint_quant_config(model_dir, raw), quantization),
+        rope_scaling=parse_rope_scaling(rope, max_positions),
         raw=raw,
     )

@@ -156,6 +156,7 @@ class Qwen3VLForCausalLM(nn.Module):
             cfg.partial_rotary_factor,
             cfg.rope_theta,
             list(cfg.mrope_section) if cfg.mrope_section else None,
+            cfg.rope_scaling,
         )
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
 

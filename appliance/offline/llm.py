@@ -99,9 +99,13 @@ class LLM:
         self.config = replace(
             self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )
-        problem = load_text_config(self.model_dir, self.config.model.quantization).tp_problem(tp)
+        text = load_text_config(self.model_dir, self.config.model.quantization)
+        problem = text.tp_problem(tp)  # both before any worker process starts
         if problem is not None:
-            raise ValueError(f"tp: {problem}")  # before any worker process starts
+            raise ValueError(f"tp: {problem}")
+        problem = text.context_problem(self.config.model.max_model_len)
+        if problem is not None:
+            raise ValueError(f"max_model_len: {problem}")
         self.sampling_defaults = generation_defaults(self.model_dir, generation_config)
         if tp == 1:
             self.runner = ModelRunner(self.config)

@@ -193,7 +193,8 @@ def _without_hidden_size(config: dict) -> dict:
         (
             lambda c: c,
             ["--max-model-len", "300000"],
-            "--max-model-len 300000 is more than the model's max_position_embeddings (262144",
+            "--max-model-len 300000 is more than the model's context (262144: "
+            "max_position_embeddings 262144)",
         ),
         (  # 4 heads, 2 KV heads, 2 / 4 linear heads, MLP 128 wide: before 7 processes start
             lambda c: c,

@@ -1,0 +1,87 @@
+"""RoPE scaling from config.json (linear, YaRN) against transformers, the context it serves, and a
+clear refusal of the types not applied."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from appliance.models.config import load_text_config
+from appliance.offline.llm import LLM
+from appliance.testing.oracle import hf_logits
+from tests.models.test_qwen3_5_parity import engine_logits, prompts
+
+SCALINGS = {
+    # a pretrained context of 64 puts most of the tiny model's rotary channels in YaRN's
+    # interpolated band at these prompt lengths, and its attention factor is 1 + 0.1 ln 4
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+    "linear": {"rope_type": "linear", "factor": 3.0},
+}
+
+
+def _with_rope(src, dst, **fields):
+    shutil.copytree(src, dst)
+    path = dst / "config.json"
+    config = json.loads(path.read_text())
+    text = config.get("text_config", config)
+    text["rope_parameters"].update(fields)
+    path.write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_scaled_rope_matches_transformers(tiny_dense, tmp_path, name):
+    ckpt = _with_rope(tiny_dense, tmp_path / name, **SCALINGS[name])
+    assert load_text_config(ckpt).rope_scaling.rope_type == SCALINGS[name]["rope_type"]
+    llm = LLM(str(ckpt), max_num_seqs=4, num_kv_slots=1024, max_model_len=256)
+    plain = LLM(str(tiny_dense), max_num_seqs=4, num_kv_slots=1024, max_model_len=256)
+    seqs = prompts(llm.runner.text_config.vocab_size, lens=[40, 131], seed=3)
+    for seq, got, unscaled in zip(
+        seqs, engine_logits(llm.runner, seqs, 64), engine_logits(plain.runner, seqs, 64)
+    ):
+        ref = hf_logits(ckpt, seq)
+        torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+        # the scaling changed the model: plain RoPE is far outside that tolerance
+        assert (unscaled - ref).abs().max() > 0.05
+
+
+def test_context_follows_the_scaling(tiny_dense, tmp_path):
+    yarn = load_text_config(_with_rope(tiny_dense, tmp_path / "y", **SCALINGS["yarn"]))
+    assert yarn.max_context == 256  # vLLM: original_max_position_embeddings * factor
+    assert yarn.context_problem(256) is None and "256" in yarn.context_problem(257)
+    plain = load_text_config(tiny_dense)
+    assert plain.max_context == plain.max_position_embeddings and plain.rope_scaling is None
+    # the offline LLM refuses a context past it, as the CLI does
+    with pytest.raises(ValueError, match="max_model_len: 300 is more than the model's context"):
+        LLM(str(tmp_path / "y"), max_model_len=300)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+        ({"rope_type": "longrope", "factor": 2.0}, "rope_type 'longrope' is not supported"),
+        ({"rope_type": "yarn", "factor": 0.5}, "factor must be a number >= 1"),
+    ],
+)
+def test_unsupported_scaling_is_one_clear_line(tiny_dense, tmp_path, fields, message):
+    ckpt = _with_rope(tiny_dense, tmp_path / "bad", **fields)
+    with pytest.raises(ValueError, match=message):
+        load_text_config(ckpt)
+    cli = [sys.executable, "-m", "appliance.cli", "serve", str(ckpt), "--port", "1"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr
+    assert "Traceback" not in done.stderr
