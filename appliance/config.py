@@ -210,8 +210,8 @@ class ServerConfig:
     # a chat request's own `chat_template` (or chat_template_kwargs.chat_template) is rendered;
     # off: refused with a 400 (a template is code the server runs: a loop can hold a CPU for hours)
     trust_request_chat_template: bool = False
-    # sampling defaults of unset request fields: auto = the model's generation_config.json, none =
-    # OpenAI's, or a folder holding a generation_config.json
+    # sampling defaults of unset request fields: auto = the model's generation_config.json, none
+    # (or vllm) = OpenAI's, or a folder holding a generation_config.json
     generation_config: str = "auto"
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server

@@ -5,9 +5,11 @@ temperature 1 from the whole vocabulary now and then answers with noise (the emb
 model: 4 of 1000 answers to the README's question were not "Paris" at temperature 1, 0 of 1000
 with its generation_config.json).
 
-`--generation-config auto` (the default) reads the served folder's file, `none` keeps the OpenAI
-defaults, a folder path reads that folder's. Used by the server (server/process.py, applied in
-server/protocol.sampling_params) and by the offline `LLM` when no SamplingParams are given.
+`--generation-config auto` (the default) reads the served folder's file, `none` (or vLLM's
+spelling, `vllm`) keeps the OpenAI defaults, a folder path reads that folder's. Its
+`max_new_tokens`, as in vLLM, caps every request's max_tokens (the `max_tokens` entry). Used by
+the server (server/process.py, applied in server/protocol.sampling_params and, the cap, in
+server/serving.choice_requests) and by the offline `LLM` when no SamplingParams are given.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ class GenerationConfigError(ValueError):
 
 def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict[str, Any]:
     """The sampling fields a request takes when it leaves them unset ({} = the OpenAI defaults).
-    `do_sample: false` means greedy (temperature 0), as in transformers."""
-    if source == "none":
+    `do_sample: false` means greedy (temperature 0), as in transformers; `max_new_tokens` is the
+    `max_tokens` entry, a cap rather than a default."""
+    if source in ("none", "vllm"):
         return {}
     folder = Path(model_dir) if source == "auto" else Path(source).expanduser()
     path = folder / "generation_config.json"
@@ -49,6 +52,8 @@ def generation_defaults(model_dir: str | Path, source: str = "auto") -> dict[str
     if data.get("do_sample") is False:  # greedy: the sampling knobs do not apply
         defaults = {k: v for k, v in defaults.items() if k == "repetition_penalty"}
         defaults["temperature"] = 0.0
+    if data.get("max_new_tokens") is not None:
+        defaults["max_tokens"] = data["max_new_tokens"]
     try:
         SamplingParams(**defaults)
     except ValueError as exc:
@@ -60,4 +65,6 @@ def describe(defaults: dict[str, Any]) -> str:
     """One log phrase: `temperature 0.6, top_p 0.95, top_k 20` or `the OpenAI defaults`."""
     if not defaults:
         return "the OpenAI defaults"
-    return ", ".join(f"{k} {v}" for k, v in defaults.items())
+    return ", ".join(
+        f"max_tokens at most {v}" if k == "max_tokens" else f"{k} {v}" for k, v in defaults.items()
+    )

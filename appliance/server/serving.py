@@ -247,10 +247,13 @@ def choice_requests(
         max_tokens = state.prompts.max_tokens_for(
             body.requested_max_tokens(), len(prompt.token_ids)
         )
-        if params.min_tokens > max_tokens:  # max_tokens unset: the room the context leaves
+        # generation_config.json's max_new_tokens caps every request, as in vLLM
+        max_tokens = min(max_tokens, state.sampling_defaults.get("max_tokens", max_tokens))
+        if params.min_tokens > max_tokens:  # the context's room or the max_new_tokens cap
             raise BadRequest(
                 f"min_tokens: {params.min_tokens} is more than the {max_tokens} tokens this "
-                "prompt leaves in the model's context.",
+                "request may generate (the room the prompt leaves in the model's context, at "
+                "most the model's max_new_tokens).",
                 "min_tokens",
             )
         for choice in range(body.n):

@@ -28,9 +28,10 @@ def test_sampling_keys_of_the_models_file(tmp_path):
         max_new_tokens=100,
     )
     defaults = generation_defaults(model)
-    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
-    assert describe(defaults) == "temperature 0.6, top_p 0.95, top_k 20"
-    assert generation_defaults(model, "none") == {}
+    # max_new_tokens caps max_tokens, as in vLLM
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 100}
+    assert describe(defaults) == "temperature 0.6, top_p 0.95, top_k 20, max_tokens at most 100"
+    assert generation_defaults(model, "none") == generation_defaults(model, "vllm") == {}
     assert describe({}) == "the OpenAI defaults"
 
 
@@ -50,6 +51,8 @@ def test_a_folder_source_and_a_model_without_the_file(tmp_path):
 
 
 def test_values_no_request_may_take_name_the_file_and_field(tmp_path):
+    with pytest.raises(GenerationConfigError, match="generation_config.json: max_tokens"):
+        generation_defaults(write(tmp_path / "zero", max_new_tokens=0))
     model = write(tmp_path / "m", temperature=-1)
     with pytest.raises(GenerationConfigError, match="generation_config.json: temperature"):
         generation_defaults(model)

@@ -44,6 +44,18 @@ def test_unset_sampling_fields_take_the_generation_config_defaults(make_server):
     assert (last.temperature, last.top_k, last.top_p) == (1.0, -1, 1.0)
 
 
+def test_max_new_tokens_caps_every_request(make_server):
+    # generation_config.json's max_new_tokens: vLLM takes the least of it, the request's
+    # max_tokens and the context's room
+    client, engine, state = make_server()
+    state.sampling_defaults = {"temperature": 0.6, "max_tokens": 5}
+    assert chat(client).status_code == 200
+    assert chat(client, max_tokens=3).status_code == 200
+    assert chat(client, max_completion_tokens=50).status_code == 200
+    assert [r.max_tokens for r in engine.received] == [5, 3, 5]
+    assert chat(client, min_tokens=6).status_code == 400  # more than the cap leaves
+
+
 def test_not_ready_is_503(make_server):
     client, _, _ = make_server(ready=False)
     assert client.get("/health").status_code == 503
