@@ -9,6 +9,7 @@ result.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -170,6 +171,8 @@ class ModelRunner(RunnerMemory):
                 self.num_kv_slots,
             )
             self.max_model_len = self.num_kv_slots
+            # the request table and the drafter need no column past the context served
+            sizes = dataclasses.replace(sizes, max_model_len=self.max_model_len)
         self.requests = RequestTable(
             sizes.num_req_rows, sizes.max_model_len, self.mtp_step, self.device
         )

@@ -132,7 +132,15 @@ def load_text_config(model_dir: str | Path, quantization: str = "") -> TextConfi
     """`quantization` is the --quantization value ("" = whatever the checkpoint says)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     text = dict(raw.get("text_config") or raw)
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    # A yarn `rope_scaling` added beside `rope_parameters` (Qwen's long-context recipe) scales the
+    # model's own rope: its keys over rope_parameters'. (transformers 5 takes rope_scaling alone,
+    # which drops the model's rope_theta and M-RoPE sections.)
+    scaling = dict(text.get("rope_scaling") or {})
+    if "type" in scaling:  # the legacy spelling of rope_type
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    rope = {**(text.get("rope_parameters") or {}), **scaling}
+    if text.get("original_max_position_embeddings"):  # top level wins, as in transformers
+        rope["original_max_position_embeddings"] = text["original_max_position_embeddings"]
     theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
     heads = text["num_attention_heads"]
     head_dim = text.get("head_dim") or text["hidden_size"] // heads

@@ -58,7 +58,7 @@ def parse_rope_scaling(rope: dict[str, Any], max_position_embeddings: int) -> Ro
 
     def number(key: str, default: float | None) -> float | None:
         value = rope.get(key)
-        return default if value is None else float(value)
+        return default if not value else float(value)  # 0 or null: the default (transformers)
 
     return RopeScaling(
         rope_type=rope_type,

@@ -155,16 +155,22 @@ class LLM:
             raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
         return ids
 
-    def _request(self, ids: list[int], params: SamplingParams, choice: int) -> TokenizedRequest:
+    def _request(
+        self, ids: list[int], params: SamplingParams, choice: int, fit: bool = False
+    ) -> TokenizedRequest:
         """Choice `choice` of the prompt's n: a given seed is offset so the choices differ (as the
-        server's choices)."""
+        server's choices). `fit`: max_tokens is the generation config's cap (max_new_tokens),
+        not asked for, so it shrinks to the room the prompt leaves (as the server's does)."""
         if params.guide is not None:
             self._check_guide(params.guide)
+        max_tokens = params.max_tokens
+        if fit:  # a prompt with no room left still meets the scheduler's refusal
+            max_tokens = min(max_tokens, max(1, self.scheduler.max_model_len - len(ids)))
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
             prompt_token_ids=ids,
             sampling=params.choice_options(choice),
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
             detok=params.to_detok(),
@@ -194,6 +200,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or self.default_sampling_params()
+        fit = sampling_params is None and "max_tokens" in self.sampling_defaults
         if isinstance(params, list) and len(params) != len(prompts):
             raise ValueError(
                 f"sampling_params: {len(params)} given for {len(prompts)} prompts (give one, or "
@@ -208,7 +215,7 @@ class LLM:
             for prompt, sp in zip(prompts, params_list):
                 ids = self._prompt_ids(prompt)
                 for choice in range(sp.n):
-                    req = self._request(ids, sp, choice)
+                    req = self._request(ids, sp, choice, fit)
                     self.engine.enqueue(req)
                     outputs[req.req_id] = CompletionOutput(
                         prompt_token_ids=req.prompt_token_ids,

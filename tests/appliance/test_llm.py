@@ -220,3 +220,25 @@ def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
     for name in ("allowed_token_ids", "stop_token_ids"):
         with pytest.raises(ValueError, match=f"{name}: token id {vocab} is not in the vocabulary"):
             llm.generate(prompt, SamplingParams(max_tokens=2, **{name: [5, vocab]}))
+
+
+def test_max_new_tokens_of_the_generation_config_fits_the_context(tiny_dense, tmp_path):
+    # generation_config.json's max_new_tokens caps the default params' max_tokens (vLLM); past
+    # the room a prompt leaves it shrinks to that room instead of refusing the prompt
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_dense, tmp_path / "m")
+    config = {"temperature": 0.0, "max_new_tokens": 2048}
+    (model / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(model), max_model_len=64, num_kv_slots=512)
+    assert llm.default_sampling_params().max_tokens == 2048
+    prompt = llm.tokenizer.encode("hello world")
+    [out] = llm.generate(prompt)
+    assert 1 <= len(out.token_ids) <= 64 - len(prompt)
+    config["max_new_tokens"] = 3
+    (model / "generation_config.json").write_text(json.dumps(config))
+    [short] = LLM(str(model), max_model_len=64, num_kv_slots=512).generate(prompt)
+    assert len(short.token_ids) <= 3
+    with pytest.raises(ValueError, match="2048"):  # asked for explicitly: still refused
+        llm.generate(prompt, SamplingParams(max_tokens=2048))

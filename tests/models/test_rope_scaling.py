@@ -32,30 +32,58 @@ SCALINGS = {
 }
 
 
-def _with_rope(src, dst, **fields):
+def _with_rope(src, dst, key="rope_parameters", top=None, **fields):
+    """A copy of `src` whose text config's `key` gains `fields` (`rope_scaling`: a dict of its
+    own beside rope_parameters, as Qwen's long-context recipe adds it); `top`: top-level keys."""
     shutil.copytree(src, dst)
     path = dst / "config.json"
     config = json.loads(path.read_text())
     text = config.get("text_config", config)
-    text["rope_parameters"].update(fields)
+    text.setdefault(key, {}).update(fields)
+    text.update(top or {})
     path.write_text(json.dumps(config))
     return dst
 
 
-@pytest.mark.parametrize("name", sorted(SCALINGS))
+CASES = {
+    **{name: ("rope_parameters", fields) for name, fields in SCALINGS.items()},
+    # a rope_scaling beside rope_parameters, in the legacy "type" spelling, with a top-level
+    # original_max_position_embeddings (which wins, as in transformers)
+    "yarn_rope_scaling": ("rope_scaling", {"type": "yarn", "factor": 8.0}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_scaled_rope_matches_transformers(tiny_dense, tmp_path, name):
-    ckpt = _with_rope(tiny_dense, tmp_path / name, **SCALINGS[name])
-    assert load_text_config(ckpt).rope_scaling.rope_type == SCALINGS[name]["rope_type"]
+    key, fields = CASES[name]
+    top = {"original_max_position_embeddings": 48} if key == "rope_scaling" else None
+    ckpt = _with_rope(tiny_dense, tmp_path / name, key, top, **fields)
+    scaling = load_text_config(ckpt).rope_scaling
+    assert scaling.rope_type == fields.get("rope_type", fields.get("type"))
+    reference = ckpt
+    if top:
+        assert scaling.original_max_position_embeddings == 48
+        # transformers 5 takes a rope_scaling *instead of* rope_parameters (dropping the model's
+        # rope_theta and M-RoPE sections); we read it over them, as the recipe means: the
+        # reference is the same scaling written inside rope_parameters
+        merged = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 48}
+        reference = _with_rope(tiny_dense, tmp_path / "reference", **merged)
     llm = LLM(str(ckpt), max_num_seqs=4, num_kv_slots=1024, max_model_len=256)
     plain = LLM(str(tiny_dense), max_num_seqs=4, num_kv_slots=1024, max_model_len=256)
     seqs = prompts(llm.runner.text_config.vocab_size, lens=[40, 131], seed=3)
     for seq, got, unscaled in zip(
         seqs, engine_logits(llm.runner, seqs, 64), engine_logits(plain.runner, seqs, 64)
     ):
-        ref = hf_logits(ckpt, seq)
+        ref = hf_logits(reference, seq)
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
         # the scaling changed the model: plain RoPE is far outside that tolerance
         assert (unscaled - ref).abs().max() > 0.05
+
+
+def test_zero_betas_mean_the_defaults(tiny_dense, tmp_path):
+    fields = {**SCALINGS["yarn"], "beta_fast": 0, "beta_slow": 0}
+    scaling = load_text_config(_with_rope(tiny_dense, tmp_path / "b", **fields)).rope_scaling
+    assert (scaling.beta_fast, scaling.beta_slow) == (32.0, 1.0)  # as transformers' `or`
 
 
 def test_context_follows_the_scaling(tiny_dense, tmp_path):

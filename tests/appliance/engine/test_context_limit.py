@@ -15,6 +15,9 @@ def test_max_model_len_is_capped_by_the_kv_pool(tiny_dense):
     )
     runner = ModelRunner(config)
     assert (runner.num_kv_slots, runner.max_model_len) == (300, 300)
+    # the request table is as wide as the context served, not the one asked for
+    assert runner.requests.req_to_token.shape == (4, 300)
+    assert runner.requests.token_ids.shape == (4, 301)
     roomy = ModelRunner(
         EngineConfig(
             model=ModelConfig(model_dir=str(tiny_dense), max_model_len=256),
