@@ -54,7 +54,8 @@ class InputScales:
     """Static per-tensor activation scales (`<module>.input_scale`, fused experts'
     `<experts>.gate_up_proj_input_scale`) of checkpoints calibrated for static activations
     (AutoFP8 / `activation_scheme: static`, llm-compressor's FP8 scheme). Each must belong to a
-    quantised layer of the model and be finite and > 0; its value is not used: the fp8 x fp8
+    quantised layer of the model and be finite and >= 0 (0: never calibrated, logged); its value
+    is not used: the fp8 x fp8
     GEMMs quantise every token's activations with that token's own max (per 128-column group for
     block weights) and the one-row GEMV reads them unquantised, both at least as precise as one
     scale calibrated over a dataset (which exists so that a kernel can skip the max; here it is
@@ -65,6 +66,7 @@ class InputScales:
     def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], static: bool) -> None:
         self.model, self.params, self.static = model, params, static
         self.count = 0
+        self.zeros: list[str] = []  # scales of 0 (uncalibrated)
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether `name` is a static activation scale of a quantised layer (consumed here)."""
@@ -78,8 +80,10 @@ class InputScales:
         if f"{mapped[0]}_scale" not in self.params:
             return False  # an unquantised layer: left to the loader's unexpected keys
         values = tensor.float().reshape(-1)
-        if values.numel() == 0 or not bool(torch.isfinite(values).all() and (values > 0).all()):
+        if values.numel() == 0 or not bool(torch.isfinite(values).all() and (values >= 0).all()):
             raise ValueError(f"{name}: activation scale {values.tolist()} (expected finite, > 0)")
+        if not bool((values > 0).all()):  # an expert calibration never routed to: unused anyway
+            self.zeros.append(name)
         self.count += 1
         return True
 
@@ -89,6 +93,13 @@ class InputScales:
                 "fp8 checkpoint: %d static activation scales (input_scale) checked and not used: "
                 "activations are quantised per token as they arrive",
                 self.count,
+            )
+        if self.zeros:
+            log.warning(
+                "fp8 checkpoint: %d input_scales are 0 (layers calibration never reached, e.g. "
+                "an expert no calibration token was routed to; first: %s); not used either",
+                len(self.zeros),
+                self.zeros[0],
             )
 
 

@@ -247,6 +247,11 @@ def _ct_weights(**fields):
             lambda c: c["quantization_config"].update(activation_scheme="per-token"),
             ["'per-token'", "dynamic or static"],
         ),
+        (  # GDN b / a (one row per head) left off the 16-bit list of a block checkpoint
+            "dense-fp8",
+            lambda c: c["quantization_config"].update(modules_to_not_convert=None),
+            ["in_proj_b, in_proj_a not a whole number of blocks", "modules_to_not_convert"],
+        ),
         (
             "dense-ct",
             lambda c: c["quantization_config"]["config_groups"]["group_0"][
@@ -297,6 +302,24 @@ def test_unsupported_layouts_name_what_is_wrong(name, edit, words, written, tmp_
     for word in words:
         assert word in str(err.value)
     assert any(m in str(err.value) for m in ("fp8", "compressed-tensors", "modelopt"))
+
+
+def test_compressed_tensors_targets_name_what_is_quantised(written, tmp_path, monkeypatch):
+    # llm-compressor may name the quantised modules in the group's `targets` instead of listing
+    # the rest in `ignore`: the modules no target names are 16-bit
+    q, d = written["dense-ct"]
+
+    def by_targets(config: dict) -> None:
+        qc = config["quantization_config"]
+        qc["ignore"] = ["lm_head"]
+        qc["config_groups"]["group_0"]["targets"] = [
+            r"re:.*(self_attn|mlp)\.[a-z]+_proj$",
+            r"re:.*mtp\.fc$",
+        ]
+
+    _with_config(q, tmp_path / "targets", by_targets)
+    without_activation_quant(monkeypatch)
+    torch.testing.assert_close(logits(tmp_path / "targets"), logits(d), atol=1e-4, rtol=0)
 
 
 def test_unknown_quantization_flag_is_refused(sources):
@@ -355,16 +378,44 @@ def _edit_tensors(src, dst, edit) -> None:
     save_file(tensors, str(dst / "model.safetensors"))
 
 
+def test_fused_expert_scales_for_gate_and_up(written, tmp_path, monkeypatch):
+    # per-tensor fused experts may carry one scale for gate and one for up ([E, 2]); any other
+    # count is one clear line naming the tensor
+    q, d = written["moe-ct-static-fused"]
+    keys = [k for k in load_file(str(q / "model.safetensors")) if k.endswith("gate_up_proj_scale")]
+    assert keys
+
+    def pairs(count: int):
+        def edit(tensors: dict) -> None:
+            for key in keys:
+                tensors[key] = tensors[key].reshape(-1, 1).expand(-1, count).contiguous()
+
+        return edit
+
+    _edit_tensors(q, tmp_path / "pairs", pairs(2))
+    without_activation_quant(monkeypatch)
+    torch.testing.assert_close(logits(tmp_path / "pairs"), logits(d), atol=1e-4, rtol=0)
+    _edit_tensors(q, tmp_path / "three", pairs(3))
+    with pytest.raises(CheckpointMismatch, match=f"{keys[0]}: fused expert scale of 3 values"):
+        runner(tmp_path / "three")
+
+
 def test_static_activation_scales_are_checked(written, tmp_path):
-    """A static checkpoint's input_scales must be finite, > 0 and belong to quantised layers; a
-    dynamic checkpoint carrying them (a mislabelled config) names them as unexpected."""
+    """A static checkpoint's input_scales must be finite, >= 0 (0: an expert calibration never
+    reached, logged) and belong to quantised layers; a dynamic checkpoint carrying them (a
+    mislabelled config) names them as unexpected."""
     src = written["dense-autofp8"][0]
     name = "model.language_model.layers.1.mlp.down_proj.input_scale"
     assert name in load_file(str(src / "model.safetensors"))
 
+    for bad in (-1.0, float("nan"), float("inf")):
+        _edit_tensors(
+            src, tmp_path / f"bad{bad}", lambda t, v=bad: t.update({name: torch.tensor(v)})
+        )
+        with pytest.raises(CheckpointMismatch, match=f"{name}: activation scale.*> 0"):
+            runner(tmp_path / f"bad{bad}")
     _edit_tensors(src, tmp_path / "zero", lambda t: t.update({name: torch.tensor(0.0)}))
-    with pytest.raises(CheckpointMismatch, match=f"{name}: activation scale.*> 0"):
-        runner(tmp_path / "zero")
+    assert runner(tmp_path / "zero") is not None  # uncalibrated: loads (the scale is not used)
 
     stray = "model.language_model.layers.0.linear_attn.in_proj_a.input_scale"  # kept in bf16
     _edit_tensors(src, tmp_path / "stray", lambda t: t.update({stray: torch.tensor(0.1)}))

@@ -127,9 +127,18 @@ class ColumnLinear(_QuantLinear):
             raise ValueError(f"{len(self.shard_fns)} shard fns for {len(segments)} segments")
         self._init_weight(sum(self.local), in_features, quant, self._load)
         if not blocks_fit(self.local, quant):
+            block_n = self.method.block[0]
+            names = segment_names if segment_names and len(segment_names) == len(segments) else []
+            odd = [n for n, size in zip(names, self.local) if size % block_n]
+            hint = (
+                f" ({', '.join(odd)} not a whole number of blocks: a checkpoint keeps such "
+                "projections in 16-bit, named in its modules_to_not_convert / ignore list)"
+                if odd
+                else ""
+            )
             raise UnsupportedQuantization(
                 f"fp8 block {list(self.method.block)}: fused segments of local sizes {self.local} "
-                "do not start on block_n boundaries"
+                f"do not start on block_n boundaries{hint}"
             )
         self.bias = None
         if bias:

@@ -86,7 +86,16 @@ class SparseMoE(nn.Module):
         if kind == "channel":  # treated as weights with one column: rows are cut alike
             rows = param.shape[-1] * (tp_size() if gate_up else 1)
             if shard_id is None:
-                loaded = loaded.reshape(loaded.shape[0], -1).expand(-1, rows)[..., None]
+                loaded = loaded.reshape(loaded.shape[0], -1)
+                if gate_up and loaded.shape[1] == 2:  # one scale for gate, one for up
+                    loaded = loaded.repeat_interleave(rows // 2, dim=1)
+                if loaded.shape[1] not in (1, rows):
+                    raise ValueError(
+                        f"fused expert scale of {loaded.shape[1]} values per expert: expected "
+                        f"1 (per tensor){', 2 (gate, up)' if gate_up else ''} or {rows} "
+                        "(per channel)"
+                    )
+                loaded = loaded.expand(-1, rows)[..., None]
             else:
                 loaded = channel_scale(loaded, rows // (2 if gate_up else 1))[:, None]
             target = param.unsqueeze(-1)

@@ -56,6 +56,9 @@ class QuantConfig:
     # checks and reads past them; activations are quantised per token as for dynamic ones (see
     # appliance/models/quant_weights.py InputScales)
     static_inputs: bool = False
+    # compressed-tensors' config_group `targets`: only the modules they name are quantised
+    # ("Linear", its default, names every linear layer; else "re:<regex>" or module names)
+    targets: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for the startup log: the scheme, where it came from, what runs at run time."""
@@ -78,7 +81,12 @@ class QuantConfig:
         """Whether checkpoint module `name` stays unquantised. Our `model.layers.*` names are also
         tried in the VLM form `model.language_model.layers.*`."""
         forms = {name, re.sub(r"^model\.", "model.language_model.", name)}
-        return any(_matches(pattern, form) for pattern in self.ignore for form in forms)
+        if any(_matches(pattern, form) for pattern in self.ignore for form in forms):
+            return True
+        targets = [t for t in self.targets if t != "Linear"]
+        if not targets or len(targets) < len(self.targets):  # "Linear": every linear layer
+            return False
+        return not any(_matches(target, form) for target in targets for form in forms)
 
     def for_module(self, *names: str) -> QuantConfig | None:
         """This config if the checkpoint modules `names` (the parts of one fused layer) are all
@@ -217,13 +225,16 @@ def _parse_compressed_tensors(qc: dict[str, Any]) -> QuantConfig:
             "float, dynamic (FP8_DYNAMIC / FP8_BLOCK schemes) or static per tensor (FP8)"
         )
     ignore = tuple(qc.get("ignore") or ())
+    targets = groups[0].get("targets") or ["Linear"]
+    if isinstance(targets, str):
+        targets = [targets]
     strategy = weights.get("strategy")
     source = "compressed-tensors"
     if strategy in ("channel", "tensor"):
-        return QuantConfig("fp8_channel", None, False, ignore, source, static)
+        return QuantConfig("fp8_channel", None, False, ignore, source, static, tuple(targets))
     if strategy == "block":
         block = _block(weights.get("block_structure"), "compressed-tensors block_structure")
-        return QuantConfig("fp8_block", block, False, ignore, source, static)
+        return QuantConfig("fp8_block", block, False, ignore, source, static, tuple(targets))
     raise UnsupportedQuantization(
         f"compressed-tensors weights strategy {strategy!r} is not supported: expected channel, "
         "tensor or block"
