@@ -113,3 +113,31 @@ def test_unsupported_scaling_is_one_clear_line(tiny_dense, tmp_path, fields, mes
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["dense", "qwen3_vl"])
+def test_yarn_decode_graphs_replay_the_eager_tokens(family, tmp_path):
+    """YaRN's attention factor scales cos / sin inside the captured decode step too."""
+    from appliance.testing.tiny import build_qwen3_5
+    from appliance.testing.tiny_vl import build_tiny_qwen3_vl
+    from tests.appliance.engine.test_graphs import GREEDY, SEEDED, _generate, _gpu_runner
+
+    if family == "qwen3_vl":
+        src = build_tiny_qwen3_vl(tmp_path / family, tokenizer="none", seed=3)
+    else:
+        src = build_qwen3_5(tmp_path / family, seed=3)
+    model_dir = _with_rope(src, tmp_path / f"{family}-yarn", **SCALINGS["yarn"])
+    prompts_ = [list(range(7 * i + 3, 7 * i + 40)) for i in range(5)]
+    options = [GREEDY, SEEDED] * 2 + [GREEDY]
+    eager = _generate(_gpu_runner(model_dir, graphs=False), prompts_, options, steps=12)
+    runner = _gpu_runner(model_dir, graphs=True)
+    assert runner.model.rotary.attention_factor > 1 and runner.graphs is not None
+    replays = []
+    run = runner.graphs.run
+    runner.graphs.run = lambda chunks: replays.append(len(chunks)) or run(chunks)
+    assert _generate(runner, prompts_, options, steps=12) == eager
+    assert replays == [5] * 12
+    plain = _generate(_gpu_runner(src, graphs=True), prompts_, options, steps=12)
+    assert plain != eager  # the scaling reached the GPU model
