@@ -55,11 +55,11 @@ class InputScales:
     `<experts>.gate_up_proj_input_scale`) of checkpoints calibrated for static activations
     (AutoFP8 / `activation_scheme: static`, llm-compressor's FP8 scheme). Each must belong to a
     quantised layer of the model and be finite and >= 0 (0: never calibrated, logged); its value
-    is not used: the fp8 x fp8
-    GEMMs quantise every token's activations with that token's own max (per 128-column group for
-    block weights) and the one-row GEMV reads them unquantised, both at least as precise as one
-    scale calibrated over a dataset (which exists so that a kernel can skip the max; here it is
-    fused into the quantisation kernel). Only taken when the quantization config says static."""
+    is not used: the fp8 x fp8 GEMMs quantise every token's activations with that token's own
+    max (per 128-column group for block weights) and the one-row GEMV reads them unquantised,
+    both at least as precise as one scale calibrated over a dataset (which exists so that a kernel
+    can skip the max; here it is fused into the quantisation kernel). Only taken when the
+    quantization config says static."""
 
     SUFFIXES = (".input_scale", "_input_scale")
 
@@ -81,7 +81,10 @@ class InputScales:
             return False  # an unquantised layer: left to the loader's unexpected keys
         values = tensor.float().reshape(-1)
         if values.numel() == 0 or not bool(torch.isfinite(values).all() and (values >= 0).all()):
-            raise ValueError(f"{name}: activation scale {values.tolist()} (expected finite, > 0)")
+            raise ValueError(
+                f"{name}: activation scale {values.tolist()} (expected finite and >= 0; > 0 "
+                "once calibrated)"
+            )
         if not bool((values > 0).all()):  # an expert calibration never routed to: unused anyway
             self.zeros.append(name)
         self.count += 1

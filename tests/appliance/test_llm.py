@@ -4,6 +4,9 @@ failed or interrupted call, and TP=2 workers."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from appliance import LLM, SamplingParams
@@ -225,9 +228,6 @@ def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
 def test_max_new_tokens_of_the_generation_config_fits_the_context(tiny_dense, tmp_path):
     # generation_config.json's max_new_tokens caps the default params' max_tokens (vLLM); past
     # the room a prompt leaves it shrinks to that room instead of refusing the prompt
-    import json
-    import shutil
-
     model = shutil.copytree(tiny_dense, tmp_path / "m")
     config = {"temperature": 0.0, "max_new_tokens": 2048}
     (model / "generation_config.json").write_text(json.dumps(config))

@@ -83,10 +83,9 @@ class QuantConfig:
         forms = {name, re.sub(r"^model\.", "model.language_model.", name)}
         if any(_matches(pattern, form) for pattern in self.ignore for form in forms):
             return True
-        targets = [t for t in self.targets if t != "Linear"]
-        if not targets or len(targets) < len(self.targets):  # "Linear": every linear layer
+        if not self.targets or "Linear" in self.targets:  # "Linear": every linear layer
             return False
-        return not any(_matches(target, form) for target in targets for form in forms)
+        return not any(_matches(target, form) for target in self.targets for form in forms)
 
     def for_module(self, *names: str) -> QuantConfig | None:
         """This config if the checkpoint modules `names` (the parts of one fused layer) are all
