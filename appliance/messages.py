@@ -44,22 +44,6 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     allowed_token_ids: list[int] = []  # vLLM's: sample only among these ids ([]: all)
 
 
-def mtp_compatible(options: SamplingOptions) -> bool:
-    """Whether a request can decode with MTP drafts. Penalties, logprobs, a logit bias, min_tokens
-    and allowed_token_ids need per-row history, reporting or logits edits that verify rows (and
-    the fused MTP step) do not carry, so such requests decode one token per step (in the same
-    batch). Read by the router (to plan verify rows) — the worker just follows num_draft."""
-    return (
-        options.logprobs is None
-        and not options.logit_bias
-        and options.presence_penalty == 0.0
-        and options.frequency_penalty == 0.0
-        and options.repetition_penalty == 1.0
-        and options.min_tokens == 0
-        and not options.allowed_token_ids
-    )
-
-
 class ImageInput(msgspec.Struct, frozen=True):
     """One image of a request's prompt. Written by router (from the visual server's answer), read by
     worker, which fetches the embeddings by `handle` (appliance/engine/mm_inputs.py)."""

@@ -1,24 +1,28 @@
 """Device-resident MTP decode: the step of a batch of verify chunks (every request decoding with k
-drafts) as two fixed-shape device programs, captured as CUDA graphs per bucket on the GPU and run
+drafts) as three fixed-shape device programs, captured as CUDA graphs per bucket on the GPU and run
 eagerly elsewhere (CPU, before capture, `--disable-cuda-graph`):
 
-- verify: k + 1 rows per request (the last committed token, then its k drafts), forward, logits,
-  sampling at every row with the request's own knobs and the row's sequence offset, acceptance
-  (draft j + 1 kept while it equals the sample at row j), the accepted tokens written into the
-  request table and each request's GDN/conv state committed at its last accepted row;
+- verify forward: k + 1 rows per request (the last committed token, then its k drafts), forward,
+  logits;
+- verify sampling: sampling at every row with the request's own knobs and the row's sequence
+  offset, acceptance (draft j + 1 kept while it equals the sample at row j), the accepted tokens
+  written into the request table and each request's GDN/conv state committed at its last accepted
+  row;
 - draft: the MTP module over all k + 1 rows (rows past the accepted ones are computed and ignored:
   causal attention keeps them out of the kept rows), then the chain of k greedy drafts from the last
   accepted row, written into the request table for the next step.
 
-Guided requests (structured outputs) join the step: the host fills their rows' grammar masks
-(after the drafts, engine/guided.py) into a persistent buffer the verify program applies before
-sampling, and advances their matchers when the step's result arrives. Nothing is read back by the
-host inside the step: its inputs are one `[2 + k + 1, bs]` int64 tensor
-(request slot, first position, KV slot of each row) staged in one transfer, and its result (the
-k + 1 samples and the accepted count per request) goes back in one non-blocking copy. The same
-acceptance as the host path in appliance/engine/mtp.py, so either is lossless against MTP off; steps
-that mix in prefill chunks, plain decodes, images or fewer drafts take that host path.
-`APPLIANCE_DISABLE_MTP_FUSED_GRAPH=1` turns this path off.
+Between the two verify programs the runner may edit the rows of requests whose sampling takes more
+than those knobs (penalties, logit bias, allowed ids, min_tokens, logprobs: engine/verify_edits.py),
+in place in the logits the first program leaves, so such requests draft too. Guided requests
+(structured outputs) join the step: the host fills their rows' grammar masks (after the drafts,
+engine/guided.py) into a persistent buffer the sampling program applies, and advances their matchers
+when the step's result arrives. Nothing is read back by the host inside the step: its inputs are one
+`[2 + k + 1, bs]` int64 tensor (request slot, first position, KV slot of each row) staged in one
+transfer, and its result (the k + 1 samples and the accepted count per request) goes back in one
+non-blocking copy. The same acceptance as the host path in appliance/engine/mtp.py, so either is
+lossless against MTP off; steps that mix in prefill chunks, plain decodes, images or fewer drafts
+take that host path. `APPLIANCE_DISABLE_MTP_FUSED_GRAPH=1` turns this path off.
 """
 
 from __future__ import annotations
@@ -106,14 +110,15 @@ class MtpGraphs:
         words = bitmask_words(vocab_size) if vocab_size else 0
         self.bitmask = torch.full((max_bs * rows, words), -1, dtype=torch.int32, device=device)
         self._masked_rows = 0  # rows of `bitmask` the last step set (reset before the next)
+        self.logits: dict[int, torch.Tensor] = {}  # per bucket: verify rows' logits [bs * rows, V]
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
         self.padded = False  # steps rounded up to a bucket (set by capture(); tests set it on CPU)
-        self.timing = False  # record events around the draft program (benchmarks)
+        self.timing = False  # record events around the verify and draft programs (benchmarks)
         self._marks: tuple = ()  # timing: start, between the programs, end
 
-    # ------------------------------------------------------------------ the two programs
+    # ------------------------------------------------------------------ the programs
     def _verify_ctx(self, bs: int) -> ForwardContext:
         meta, rows = self.inputs.meta, self.rows
         slots, start = meta[0, :bs], meta[1, :bs]
@@ -138,8 +143,10 @@ class MtpGraphs:
         positions = (start[:, None] + self.row_offsets).reshape(-1)
         return row_slots, positions
 
-    def _verify(self, bs: int) -> None:
-        table, k, rows = self.requests, self.k, self.rows
+    def _verify_forward(self, bs: int) -> None:
+        """The verify rows' forward and logits (kept in `self.logits[bs]` for _verify_sample: the
+        host may edit rows in place between the two programs)."""
+        table, k = self.requests, self.k
         slots, start = self.inputs.meta[0, :bs], self.inputs.meta[1, :bs]
         row_slots, positions = self._positions(bs)
         ctx = self._verify_ctx(bs)
@@ -148,8 +155,16 @@ class MtpGraphs:
         ids = torch.cat([table.token_ids[slots, start][:, None], drafts], dim=1).reshape(-1)
         with forward_context(ctx):
             hidden = self.model(ids, positions)
-        self.hidden[: bs * rows].copy_(hidden)
-        logits = self.model.compute_logits(hidden)
+        self.hidden[: bs * self.rows].copy_(hidden)
+        self.logits[bs] = self.model.compute_logits(hidden)  # captured: the graph's output
+
+    def _verify_sample(self, bs: int) -> None:
+        """Sampling at every verify row, acceptance, and the accepted tokens' commit."""
+        table, k, rows = self.requests, self.k, self.rows
+        slots, start = self.inputs.meta[0, :bs], self.inputs.meta[1, :bs]
+        row_slots, positions = self._positions(bs)
+        drafts = table.draft_tokens[slots, :k]  # [bs, k]
+        logits = self.logits[bs]
         if self.bitmask.shape[1]:
             logits = apply_token_bitmask(logits, self.bitmask[: bs * rows])
         samples = sample(  # the offset of row j's token is start + 1 + j, as in plain decoding
@@ -230,7 +245,10 @@ class MtpGraphs:
                 "MtpGraphs.capture needs pools with a padding slot (PoolSizes.padding)"
             )
         self.graphs, self.capture_s, self.pool_bytes = capture_buckets(
-            self.batch_sizes, [self._verify, self._draft], self.device, progress
+            self.batch_sizes,
+            [self._verify_forward, self._verify_sample, self._draft],
+            self.device,
+            progress,
         )
         self.padded = True
 
@@ -239,10 +257,16 @@ class MtpGraphs:
 
     @torch.inference_mode()
     def run(
-        self, chunks: list[ScheduledChunk], bitmask: torch.Tensor | None = None
+        self,
+        chunks: list[ScheduledChunk],
+        bitmask: torch.Tensor | None = None,
+        edit: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None,
     ) -> torch.Tensor:
         """`bitmask`: the grammar masks of the chunks' k + 1 rows each [n * (k + 1), words]
-        (host; engine/guided.py), or None when no request of the step is guided."""
+        (host; engine/guided.py), or None when no request of the step is guided. `edit(logits,
+        masks)`: called between the forward and the sampling with the step's verify logits
+        [n * (k + 1), V] (edited in place: penalties, bias, logprobs ...; engine/verify_edits.py)
+        and their grammar masks on the device (None when unguided)."""
         n = len(chunks)
         bs = next(b for b in self.batch_sizes if b >= n) if self.padded else n
         self._stage_bitmask(bitmask)
@@ -257,12 +281,16 @@ class MtpGraphs:
         if graphs:
             steps = [g.replay for g in graphs]
         else:  # not captured: the same programs, eagerly
-            steps = [lambda: self._verify(bs), lambda: self._draft(bs)]
+            steps = [lambda: self._verify_forward(bs), lambda: self._verify_sample(bs)]
+            steps.append(lambda: self._draft(bs))
         marks = []
-        for launch in steps:
-            if self.timing:
+        for i, launch in enumerate(steps):
+            if self.timing and i != 1:
                 marks.append(self._mark())
             launch()
+            if i == 0 and edit is not None:
+                masks = self.bitmask[: n * self.rows] if bitmask is not None else None
+                edit(self.logits[bs][: n * self.rows], masks)
         if self.timing:
             self._marks = (*marks, self._mark())
         return self.out[:n]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from appliance.engine.sampler import unpack_logprobs
 from appliance.messages import PromptScores, SampledTokens, StepResult
 
 
@@ -24,6 +25,10 @@ class PendingStep:
     done: StepResult | None = None  # set when the result was computed at launch
     slots: list[int] = field(default_factory=list)  # request slot of each sampled row
     host_ids: torch.Tensor | None = None  # [S] or [S, k + 2] int64 (pinned on CUDA), copied into
+    # MTP: the logprobs of the scored requests' k + 1 samples (engine/verify_edits.py), copied
+    # with the ids: [len(scored) * (k + 1), 1 + 2 * top] fp32; `scored`: (index into slots, top)
+    host_logprobs: torch.Tensor | None = None
+    scored: list[tuple[int, int]] = field(default_factory=list)
     copied: torch.cuda.Event | None = None  # recorded after the copy (None on CPU)
     lengths: Callable[[list[int]], None] | None = None  # told each request's new length (MTP)
     starts: list[int] = field(default_factory=list)  # MTP: each request's first verify position
@@ -39,22 +44,27 @@ class PendingStep:
 
     @classmethod
     def copying(
-        cls, step_id: int, start: float, slots: list[int], token_ids: torch.Tensor, **extra
+        cls,
+        step_id: int,
+        start: float,
+        slots: list[int],
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None = None,
+        **extra,
     ) -> PendingStep:
         """Starts the device-to-host copy of the step's sampled ids [S] (or MTP rows [S, k + 2],
-        with `lengths` and `starts`) (stream-ordered); `scores`: the step's prompt logprobs."""
+        with `lengths` and `starts`, and the `logprobs` of the `scored` requests' rows)
+        (stream-ordered); `scores`: the step's prompt logprobs."""
         pending = cls(step_id, start, slots=slots, **extra)
-        pending.start_copy(token_ids)
+        pending.start_copy(token_ids, logprobs)
         return pending
 
-    def start_copy(self, token_ids: torch.Tensor) -> None:
-        if not token_ids.is_cuda:
-            self.host_ids = token_ids.clone()
-            return
-        self.host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        self.host_ids.copy_(token_ids, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+    def start_copy(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None = None) -> None:
+        self.host_ids = _to_host(token_ids)
+        self.host_logprobs = None if logprobs is None else _to_host(logprobs)
+        if token_ids.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def launch_deferred(self) -> None:
         """Launches the held-back sampling (the steps before this one must be collected)."""
@@ -83,9 +93,34 @@ class PendingStep:
             if self.lengths is not None:
                 self.lengths([s + 1 + len(run) for s, run in zip(self.starts, tokens)])
         copied = [SampledTokens(slot, run) for slot, run in zip(self.slots, tokens)]
+        if self.host_logprobs is not None:
+            copied = self._with_logprobs(copied)
         if self.committed is not None:
             self.committed(copied)
         sampled = self.known + copied
         elapsed = time.perf_counter() - self.start
         self.done = StepResult(self.step_id, sampled, elapsed, self.scores)
         return self.done
+
+    def _with_logprobs(self, copied: list[SampledTokens]) -> list[SampledTokens]:
+        """The scored requests' runs with the logprobs of their accepted tokens."""
+        table = self.host_logprobs.tolist()
+        rows = self.host_ids.shape[1] - 1  # k + 1 samples per request
+        copied = list(copied)
+        for p, (i, top) in enumerate(self.scored):
+            run = copied[i]
+            first = p * rows
+            scores = [unpack_logprobs(r, top) for r in table[first : first + len(run.token_ids)]]
+            copied[i] = SampledTokens(
+                run.req_slot, run.token_ids, [lp for lp, _ in scores], [t for _, t in scores]
+            )
+        return copied
+
+
+def _to_host(values: torch.Tensor) -> torch.Tensor:
+    """A copy of device values on the host: pinned and non-blocking on CUDA (stream-ordered)."""
+    if not values.is_cuda:
+        return values.clone()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host

@@ -51,6 +51,7 @@ from appliance.engine.prompt_logprobs import score_prompts
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
 from appliance.engine.transfer import to_device
+from appliance.engine.verify_edits import VerifyEdits, sampling_rows
 from appliance.logging import get_logger
 from appliance.messages import (
     PromptScores,
@@ -571,13 +572,17 @@ class ModelRunner(RunnerMemory):
         scores: list[PromptScores],
     ) -> PendingStep:
         bitmask = self._grammar_bitmask(chunks) if self.guided else None
-        out = self.mtp_graphs.run(chunks, bitmask)  # [n, k + 2] on the device
+        edits = VerifyEdits.of(chunks, self.requests)
+        edit = None if edits is None else edits.apply
+        out = self.mtp_graphs.run(chunks, bitmask, edit)  # [n, k + 2] on the device
         slots = [c.req_slot for c in chunks]
         return PendingStep.copying(
             step_id,
             start,
             slots,
             out,
+            None if edits is None else edits.pack(out),
+            scored=[] if edits is None else edits.scored_requests(),
             lengths=self.requests.lengths_on_collect(slots),
             starts=[c.start for c in chunks],
             known=known,
@@ -663,19 +668,13 @@ class ModelRunner(RunnerMemory):
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch) -> SamplerOutput:
         """One token per row of logits [S, V]: a plain chunk's last row, or all k + 1 rows of a
-        verify chunk, each at its own sequence offset so seeds line up with plain decoding."""
-        rows, histories, offsets, prompt_lens = [], [], [], []
-        table = self.requests
-        for chunk in batch.sample_chunks:
-            slot = chunk.req_slot
-            known = table.known_before_sampling(chunk)
-            for j in range(chunk.num_draft + 1):
-                rows.append(table.options[slot])
-                histories.append(table.token_ids[slot, :known])
-                offsets.append(known + j)  # index of the token being sampled
-                prompt_lens.append(table.prompt_len_host[slot])
+        verify chunk, each at its own sequence offset so seeds line up with plain decoding, and
+        after its drafts (engine/verify_edits.py)."""
+        rows = sampling_rows(batch.sample_chunks, self.requests)
         bitmask = self._grammar_bitmask(batch.sample_chunks) if self.guided else None
-        return self.sampler.sample(logits, rows, histories, offsets, prompt_lens, bitmask)
+        return self.sampler.sample(
+            logits, rows.options, rows.histories, rows.offsets, rows.prompt_lens, bitmask
+        )
 
     def _grammar_bitmask(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """The token masks [S, ceil(V / 32)] (host) of the sampling chunks' rows, verify rows
@@ -711,13 +710,14 @@ class ModelRunner(RunnerMemory):
             tokens[i] = run
         result = []
         for chunk, (first, _), new in zip(chunks, batch.sample_rows, tokens):
-            logprob, top = out.logprobs[first], out.top_logprobs[first]
+            scored = out.logprobs[first] is not None  # the accepted rows' logprobs, in order
+            last = first + len(new)
             result.append(
                 SampledTokens(
                     chunk.req_slot,
                     new,
-                    None if logprob is None else [logprob],
-                    None if top is None else [top],
+                    out.logprobs[first:last] if scored else None,
+                    out.top_logprobs[first:last] if scored else None,
                 )
             )
         return result

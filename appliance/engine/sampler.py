@@ -198,16 +198,67 @@ def gather_logprobs(
     if not picked:
         return logprobs, tops
     index = torch.tensor(picked, device=logits.device)
-    lp = torch.log_softmax(logits[index].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)  # [R, V]
-    chosen = lp.gather(1, token_ids[index][:, None])[:, 0].tolist()
     k_max = max(rows[i].logprobs for i in picked)
-    top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for j, i in enumerate(picked):
-        k = rows[i].logprobs
-        logprobs[i] = chosen[j]
-        tops[i] = list(zip(top_ids[j][:k], top_vals[j][:k], strict=True))
+    packed = pack_logprobs(log_probs(logits[index]), token_ids[index], k_max).tolist()
+    for i, row in zip(picked, packed):
+        logprobs[i], tops[i] = unpack_logprobs(row, rows[i].logprobs)
     return logprobs, tops
+
+
+def needs_edits(row: SamplingOptions, generated: int) -> bool:
+    """Whether sampling the row takes more than its knobs (temperature, top-k/p, min-p, seed) and a
+    grammar mask: penalties, a logit bias, allowed ids, a min_tokens ban still in force after
+    `generated` output tokens, or logprobs to report. Such rows of the fused MTP step are edited
+    (and scored) between its forward and its sampling (appliance/engine/mtp_graphs.py)."""
+    return (
+        row.logprobs is not None
+        or needs_penalties(row)
+        or bool(row.logit_bias)
+        or bool(row.allowed_token_ids)
+        or (generated < row.min_tokens and bool(row.min_tokens_ban))
+    )
+
+
+def edit_logits(
+    logits: torch.Tensor,  # [B, V] fp32
+    rows: Sequence[SamplingOptions],
+    token_history: Sequence[torch.Tensor] | None,  # per row [L_i]; needed for penalties
+    offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
+    prompt_lens: Sequence[int] | None,  # per row; needed for presence/frequency and min_tokens
+    token_bitmask: torch.Tensor | None,  # [B, ceil(V / 32)] int32 grammar masks, on the device
+) -> torch.Tensor:
+    """Every edit of the logits before sampling, in the module docstring's order: penalties, bias,
+    allowed ids, the grammar's mask, the min_tokens ban. A new tensor if any applies, else
+    `logits`; nothing is read back to the host."""
+    if token_history is None and any(needs_penalties(r) for r in rows):
+        raise ValueError("token_history: needed for penalties")
+    if token_history is not None:
+        logits = apply_penalties(logits, rows, token_history, prompt_lens)
+    logits = apply_logit_bias(logits, rows)
+    logits = apply_allowed_ids(logits, rows)
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
+    return apply_min_tokens(logits, rows, offsets, prompt_lens)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-softmax of edited logits [R, V] (fp32), clamped at LOGPROB_FLOOR: what is reported."""
+    return torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+
+
+def pack_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, top: int) -> torch.Tensor:
+    """[R, 1 + 2 * top] fp32 on lp's device: per row the logprob of token_ids[r], its `top` best
+    logprobs, then their ids (exact in fp32: vocabularies are far below 2**24)."""
+    chosen = lp.gather(1, token_ids.to(device=lp.device, dtype=torch.long)[:, None])
+    values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+    return torch.cat([chosen, values, ids.float()], dim=1)
+
+
+def unpack_logprobs(row: list[float], top: int) -> tuple[float, list[tuple[int, float]]]:
+    """One host row of pack_logprobs -> (logprob, the first `top` (id, logprob) pairs)."""
+    width = (len(row) - 1) // 2
+    pairs = zip(row[1 + width : 1 + width + top], row[1 : 1 + top], strict=True)
+    return row[0], [(int(i), v) for i, v in pairs]
 
 
 class Sampler:
@@ -225,18 +276,13 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected [{len(rows)}, V], got {tuple(logits.shape)}")
         device = logits.device
-        logits = logits.float()
-        if token_history is None and any(needs_penalties(r) for r in rows):
-            raise ValueError("token_history: needed for penalties")
-        if token_history is not None:
-            logits = apply_penalties(logits, rows, token_history, prompt_lens)
-        logits = apply_logit_bias(logits, rows)
-        logits = apply_allowed_ids(logits, rows)
         if token_bitmask is not None:
             if device.type == "cuda":  # pageable host memory would wait for the whole stream
                 token_bitmask = token_bitmask.pin_memory()
-            logits = apply_token_bitmask(logits, token_bitmask.to(device, non_blocking=True))
-        logits = apply_min_tokens(logits, rows, offsets, prompt_lens)
+            token_bitmask = token_bitmask.to(device, non_blocking=True)
+        logits = edit_logits(
+            logits.float(), rows, token_history, offsets, prompt_lens, token_bitmask
+        )
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
             # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)

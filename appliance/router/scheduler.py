@@ -31,7 +31,6 @@ from appliance.messages import (
     SnapshotSave,
     StepPlan,
     StepResult,
-    mtp_compatible,
 )
 from appliance.router.allocators import RefCountedSlots, SlotAllocator
 from appliance.router.prefix_cache import PrefixCache, cache_keys
@@ -198,7 +197,7 @@ class Scheduler:
         result, and a step planned meanwhile would leave it out, splitting the MTP requests into
         two alternating halves that each advance every other step. Waiting keeps them in one
         batch; the device idles for the result's round trip instead."""
-        if any(r.num_pending and self._uses_mtp(r) for r in self.running):
+        if self._mtp and any(r.num_pending for r in self.running):
             return None
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
@@ -294,14 +293,17 @@ class Scheduler:
         for position in range(accepted):
             self._mtp_accepted_per_position[position] += 1
 
-    def _uses_mtp(self, req: Request) -> bool:
-        return self.config.mtp_step > 0 and mtp_compatible(req.sampling)
+    @property
+    def _mtp(self) -> bool:
+        """Every decoding request drafts when MTP is on, whatever its sampling options (the
+        worker edits the verify rows of those with penalties, logprobs ...)."""
+        return self.config.mtp_step > 0
 
     def _num_draft(self, req: Request) -> int:
         """MTP draft rows for this decode: mtp_step, clamped so no draft lands past max_tokens (or,
         by validation, past max_model_len); 0 before the worker has drafted (prefill not
         sampled)."""
-        if not self._uses_mtp(req) or req.num_output_tokens == 0:
+        if not self._mtp or req.num_output_tokens == 0:
             return 0
         return max(0, min(self.config.mtp_step, req.max_tokens - req.num_output_tokens - 1))
 
@@ -359,7 +361,7 @@ class Scheduler:
             token_ids=req.all_token_ids,
             sampling=req.sampling,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_draft=self.config.mtp_step if self._uses_mtp(req) else 0,
+            num_draft=self.config.mtp_step,
             mm=req.mm,  # sent again on re-admission: the visual server keeps them pinned
             cached_kv_slots=shared.tolist(),
             restore_snapshot=match.snapshot if hit else -1,
@@ -466,7 +468,7 @@ class Scheduler:
         end = req.num_computed
         if self.cache is None or req.req_slot < 0 or not 0 < end <= req.num_tokens:
             return  # (an MTP run cut short by a stop token computed rows past the kept tokens)
-        if req.num_pending and self._uses_mtp(req):
+        if req.num_pending and self._mtp:
             return  # a verify step in flight: how many of its rows the state keeps is unknown
         slot = self._snapshot_slot("end")
         if self.cache.needs_snapshots and slot < 0:

@@ -177,29 +177,76 @@ def test_stop_tokens_strings_and_max_tokens_inside_accepted_runs(ckpt, reference
     assert_pools_empty(llm)
 
 
-def test_mtp_incompatible_requests_share_the_batch(ckpt, reference):
-    """Penalties / logprobs decode one token per step next to MTP requests in the same steps."""
-    seqs, _, _ = reference
-    params = [
-        SamplingParams(
-            max_tokens=24,
-            temperature=0,
-            ignore_eos=True,
-            **(
-                {"repetition_penalty": 1.3} if i % 3 == 0 else {"logprobs": 2} if i % 3 == 1 else {}
-            ),
-        )
-        for i in range(len(seqs))
+def edited_params(greedy, sampled, vocab: int) -> list[SamplingParams]:
+    """One request per kind of sampling edit, greedy and seeded (as `sampled` was), with logprobs
+    on some; the min_tokens request bans the tokens its seeded run samples 4th and 6th."""
+    seeded = dict(temperature=0.9, top_p=0.95, seed=11)
+    allowed = list(range(0, vocab, 3))
+    kinds = [
+        dict(repetition_penalty=1.3, temperature=0),
+        dict(logprobs=2, temperature=0),
+        dict(presence_penalty=0.8, frequency_penalty=0.5, logprobs=3, **seeded),
+        dict(logit_bias={greedy[3][2]: -100.0, 5: 4.0, 17: 3.0}, temperature=0),
+        dict(min_tokens=12, stop_token_ids=[sampled[4][3], sampled[4][5]], **seeded),
+        dict(allowed_token_ids=allowed, logprobs=1, **seeded),
+        dict(repetition_penalty=1.2, logprobs=1, **seeded),
+        dict(temperature=0),
     ]
-    want = LLM(str(ckpt), **OPTS).generate(seqs, params)
-    llm = LLM(str(ckpt), mtp_step=2, **OPTS)
-    got = llm.generate(seqs, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        if b.logprobs is not None:
-            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    return [SamplingParams(max_tokens=24, ignore_eos=i != 4, **kw) for i, kw in enumerate(kinds)]
+
+
+def generate_scored(llm: LLM, seqs, params) -> list[tuple[list[int], list, str | None]]:
+    """Per request: its tokens, its tokens' (logprob, top [(token, logprob)]) and its finish."""
+    scores: dict[int, list] = {}  # id of the output -> its entries
+    apply = llm._apply
+
+    def record(delta, out):
+        entries = scores.setdefault(id(out), [])
+        entries += [(e.logprob, [(t, v) for t, v, _ in e.top]) for e in delta.logprobs or []]
+        apply(delta, out)
+
+    llm._apply = record
+    outs = llm.generate(seqs, params)
+    return [(o.token_ids, scores.get(id(o), []), o.finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
+def test_edited_requests_draft_and_stay_lossless(ckpt, reference, fused, monkeypatch):
+    """Penalties, logprobs, a logit bias, min_tokens and allowed ids: such requests draft too (the
+    fused step edits their verify rows between forward and sampling, the host path samples them
+    after their drafts) and decode exactly as with MTP off: the same tokens, logprobs and top
+    logprobs. The drafts are the MTP-off output (nearly all accepted), so every verify row after
+    the first samples behind drafts that a penalty must count."""
+    from appliance.engine.verify_edits import VerifyEdits
+
+    seqs, greedy, sampled = reference
+    off = LLM(str(ckpt), **OPTS)
+    params = edited_params(greedy, sampled, off.runner.text_config.vocab_size)
+    want = generate_scored(off, seqs, params)
+    banned = set(params[4].stop_token_ids)
+    assert not banned & set(want[4][0][:12]) and want[4][0][:3] == sampled[4][:3]
+    if not fused:
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "1")
+    llm = LLM(str(ckpt), mtp_step=3, **OPTS)
+    assert (llm.runner.mtp_graphs is not None) == fused
+    edited = []
+    apply = VerifyEdits.apply
+    monkeypatch.setattr(
+        VerifyEdits, "apply", lambda self, *a: edited.append(len(self.chunks)) or apply(self, *a)
+    )
+    oracle_drafts(llm.runner, {tuple(s): w[0] for s, w in zip(seqs, want)}, 1000)
+    got = generate_scored(llm, seqs, params)
+    assert [(g[0], g[2]) for g in got] == [(w[0], w[2]) for w in want]
+    for (tokens, mine, _), (_, theirs, _), p in zip(got, want, params):
+        assert len(mine) == len(theirs) == (len(tokens) if p.logprobs is not None else 0)
+        assert [[t for t, _ in top] for _, top in mine] == [[t for t, _ in tp] for _, tp in theirs]
+        values = [[lp, *(v for _, v in top)] for lp, top in mine]
+        expected = [[lp, *(v for _, v in top)] for lp, top in theirs]
+        # a verify row's forward against a decode's: the same up to float rounding
+        torch.testing.assert_close(values, expected, atol=1e-4, rtol=1e-4)
     stats = llm.scheduler.stats()
-    assert stats.mtp_drafts > 0 and stats.mtp_draft_tokens <= 2 * stats.mtp_drafts
+    assert stats.mtp_mean_accept_len > 2.5  # 7 of the 8 requests are edited: they drafted
+    assert bool(edited) == fused and (not fused or max(edited) >= 3)  # several a step
     assert_pools_empty(llm)
 
 

@@ -84,7 +84,7 @@ def test_padded_fused_step_is_lossless_and_keeps_padding_apart(fixture, k, reque
     graphs = padded(llm.runner, max_bs=4)
     runs = []
     run = graphs.run
-    graphs.run = lambda chunks, mask=None: runs.append(len(chunks)) or run(chunks, mask)
+    graphs.run = lambda chunks, *more: runs.append(len(chunks)) or run(chunks, *more)
     sizes = llm.runner.pools.sizes
     gdn = llm.runner.pools.gdn_layers[0]
     idle = 7  # a request slot the three requests never get
@@ -206,11 +206,43 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
     assert graphs is not None and graphs.graphs and graphs.max_bs == 16 // (k + 1)
     runs = []
     run = graphs.run
-    graphs.run = lambda chunks, mask=None: runs.append(len(chunks)) or run(chunks, mask)
+    graphs.run = lambda chunks, *more: runs.append(len(chunks)) or run(chunks, *more)
     assert [o.token_ids for o in llm.generate(seqs, params)] == want
     assert 3 in runs  # the three requests decoded together through the captured graphs
     stats = llm.scheduler.stats()
     assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
+    """Requests with penalties, a bias, allowed ids, min_tokens and logprobs through the captured
+    MTP graphs (their rows edited between the forward and the sampling graph): the tokens and
+    logprobs of MTP off, and they drafted."""
+    seqs = prompts(4, 200, seed=4)
+    seeded = dict(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2, **seeded),
+        SamplingParams(logit_bias={7: 5.0}, allowed_token_ids=list(range(0, 200, 2)), **seeded),
+        SamplingParams(frequency_penalty=0.7, logprobs=0, temperature=0, max_tokens=20),
+        SamplingParams(min_tokens=10, stop_token_ids=[1, 2, 3], **dict(seeded, ignore_eos=False)),
+    ]
+    want = _gpu_llm(tiny_trained, 0).generate(seqs, params)
+    llm = _gpu_llm(tiny_trained, 3)
+    graphs = llm.runner.mtp_graphs
+    assert graphs is not None and graphs.graphs
+    edits = []
+    run = graphs.run
+    graphs.run = lambda chunks, mask=None, edit=None: (
+        edits.append(edit is not None) or run(chunks, mask, edit)
+    )
+    got = llm.generate(seqs, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if b.logprobs is not None:
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+    assert any(edits) and llm.scheduler.stats().mtp_mean_accept_len > 1.5
 
 
 @pytest.mark.gpu
@@ -285,7 +317,12 @@ def test_guided_requests_take_the_fused_step_losslessly(tiny_trained, monkeypatc
         masked = []
         if fused:
             graphs, run = llm.runner.mtp_graphs, llm.runner.mtp_graphs.run
-            graphs.run = lambda c, m=None, f=run, seen=masked: seen.append(m is not None) or f(c, m)
+
+            def watched(chunks, mask=None, *more, run=run, seen=masked):
+                seen.append(mask is not None)
+                return run(chunks, mask, *more)
+
+            graphs.run = watched
         tokens = [o.token_ids for o in llm.generate(seqs, params)]
         stats = llm.scheduler.stats()
         results[fused] = (tokens, stats.mtp_accepted_per_position, stats.mtp_drafts)

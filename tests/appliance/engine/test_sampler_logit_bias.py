@@ -1,5 +1,5 @@
 """logit_bias in the worker's sampler: added to the named ids of every row of its request, before
-sampling and logprobs; requests with a bias decode without MTP."""
+sampling and logprobs; a request with a bias needs the edits the fused MTP step takes aside."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import msgspec
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, apply_logit_bias
-from appliance.messages import SamplingOptions, decoder, encode, mtp_compatible
+from appliance.engine.sampler import Sampler, apply_logit_bias, needs_edits
+from appliance.messages import SamplingOptions, decoder, encode
 from appliance.sampling_params import SamplingParams
 
 
@@ -39,11 +39,11 @@ def test_apply_logit_bias_adds_and_ignores_ids_past_vocab() -> None:
     assert apply_logit_bias(logits, [SamplingOptions(), SamplingOptions()]) is logits
 
 
-def test_logit_bias_requests_skip_mtp_and_zero_biases_are_dropped() -> None:
-    assert not mtp_compatible(SamplingParams(logit_bias={5: -3.0}).to_options())
+def test_logit_bias_requests_are_edited_and_zero_biases_are_dropped() -> None:
+    assert needs_edits(SamplingParams(logit_bias={5: -3.0}).to_options(), 0)
     options = SamplingParams(logit_bias={5: 0.0}).to_options()
-    assert options.logit_bias == {} and mtp_compatible(options)
-    assert mtp_compatible(SamplingParams().to_options())
+    assert options.logit_bias == {} and not needs_edits(options, 0)
+    assert not needs_edits(SamplingParams().to_options(), 0)
 
 
 def test_logit_bias_validation_and_wire_round_trip() -> None:

@@ -1,14 +1,15 @@
 """vLLM's min_tokens and allowed_token_ids in the worker's sampler: eos and the stop ids are not
 sampled before min_tokens generated tokens; only the allowed ids are sampled; both hold for
-greedy and sampled rows, and such requests decode without MTP."""
+greedy and sampled rows; the fused MTP step edits such rows while the ban is in force."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
-from appliance.engine.sampler import Sampler, apply_allowed_ids, apply_min_tokens
-from appliance.messages import SamplingOptions, decoder, encode, mtp_compatible
+from appliance.engine.sampler import Sampler, apply_allowed_ids, apply_min_tokens, needs_edits
+from appliance.messages import SamplingOptions, decoder, encode
 from appliance.sampling_params import SamplingParams
 
 EOS = 3
@@ -60,8 +61,11 @@ def test_validation_wire_and_mtp() -> None:
     options = SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=[7, 5, 7]).to_options()
     assert options.min_tokens == 4 and options.allowed_token_ids == [5, 7]
     assert decoder(SamplingOptions).decode(encode(options)) == options
-    assert not mtp_compatible(options) and mtp_compatible(SamplingParams().to_options())
-    assert not mtp_compatible(SamplingParams(max_tokens=8, min_tokens=1).to_options())
+    assert needs_edits(options, 10) and not needs_edits(SamplingParams().to_options(), 0)
+    banning = msgspec.structs.replace(
+        SamplingParams(max_tokens=8, min_tokens=2).to_options(), min_tokens_ban=[EOS]
+    )
+    assert needs_edits(banning, 1) and not needs_edits(banning, 2)  # the ban is over at 2
 
 
 @pytest.mark.gpu
