@@ -190,13 +190,14 @@ def edited_params(greedy, sampled, vocab: int) -> list[SamplingParams]:
         dict(min_tokens=12, stop_token_ids=[sampled[4][3], sampled[4][5]], **seeded),
         dict(allowed_token_ids=allowed, logprobs=1, **seeded),
         dict(repetition_penalty=1.2, logprobs=1, **seeded),
-        dict(temperature=0),
+        dict(temperature=0, prompt_logprobs=1),  # scored prompt, then plain drafting
     ]
     return [SamplingParams(max_tokens=24, ignore_eos=i != 4, **kw) for i, kw in enumerate(kinds)]
 
 
-def generate_scored(llm: LLM, seqs, params) -> list[tuple[list[int], list, str | None]]:
-    """Per request: its tokens, its tokens' (logprob, top [(token, logprob)]) and its finish."""
+def generate_scored(llm: LLM, seqs, params) -> list[tuple]:
+    """Per request: its tokens, its tokens' (logprob, top [(token, logprob)]), its finish and its
+    prompt logprobs."""
     scores: dict[int, list] = {}  # id of the output -> its entries
     apply = llm._apply
 
@@ -207,7 +208,7 @@ def generate_scored(llm: LLM, seqs, params) -> list[tuple[list[int], list, str |
 
     llm._apply = record
     outs = llm.generate(seqs, params)
-    return [(o.token_ids, scores.get(id(o), []), o.finish_reason) for o in outs]
+    return [(o.token_ids, scores.get(id(o), []), o.finish_reason, o.prompt_logprobs) for o in outs]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
@@ -237,7 +238,9 @@ def test_edited_requests_draft_and_stay_lossless(ckpt, reference, fused, monkeyp
     oracle_drafts(llm.runner, {tuple(s): w[0] for s, w in zip(seqs, want)}, 1000)
     got = generate_scored(llm, seqs, params)
     assert [(g[0], g[2]) for g in got] == [(w[0], w[2]) for w in want]
-    for (tokens, mine, _), (_, theirs, _), p in zip(got, want, params):
+    assert want[7][3] is not None and len(want[7][3]) == len(seqs[7])
+    torch.testing.assert_close(got[7][3][1:], want[7][3][1:], atol=1e-4, rtol=1e-4)
+    for (tokens, mine, *_), (_, theirs, *_), p in zip(got, want, params):
         assert len(mine) == len(theirs) == (len(tokens) if p.logprobs is not None else 0)
         assert [[t for t, _ in top] for _, top in mine] == [[t for t, _ in tp] for _, tp in theirs]
         values = [[lp, *(v for _, v in top)] for lp, top in mine]
