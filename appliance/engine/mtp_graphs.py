@@ -55,8 +55,9 @@ def mtp_graph_max_bs(graph_max_bs: int, k: int) -> int:
 
 
 def mtp_graph_reserve_bytes(max_bs: int, k: int, vocab_size: int) -> int:
-    """Device memory held back for the MTP graphs' pool: logits of every verify row (fp32, and the
-    sampler's working copy), plus a margin; logged against the pool measured after capture."""
+    """Device memory held back for the MTP graphs: logits of every verify row (the persistent fp32
+    buffer the two verify graphs share, the 16-bit LM-head output and the sampler's working copy),
+    plus a margin; logged against the pool measured after capture."""
     return max_bs * (k + 1) * vocab_size * 4 * 3 + 256 * 2**20 if max_bs else 0
 
 
@@ -110,7 +111,11 @@ class MtpGraphs:
         words = bitmask_words(vocab_size) if vocab_size else 0
         self.bitmask = torch.full((max_bs * rows, words), -1, dtype=torch.int32, device=device)
         self._masked_rows = 0  # rows of `bitmask` the last step set (reset before the next)
-        self.logits: dict[int, torch.Tensor] = {}  # per bucket: verify rows' logits [bs * rows, V]
+        # the verify rows' logits the sampling program reads: the last forward's on eager runs,
+        # else views of one persistent buffer for every bucket (`capture`: the host edits rows of
+        # it between the two verify graphs, so it must outlive the forward graph)
+        self.logits = torch.empty(0)
+        self._logits_buf: torch.Tensor | None = None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -144,8 +149,8 @@ class MtpGraphs:
         return row_slots, positions
 
     def _verify_forward(self, bs: int) -> None:
-        """The verify rows' forward and logits (kept in `self.logits[bs]` for _verify_sample: the
-        host may edit rows in place between the two programs)."""
+        """The verify rows' forward and logits (`self.logits`, read by _verify_sample: the host may
+        edit rows of it in place between the two programs)."""
         table, k = self.requests, self.k
         slots, start = self.inputs.meta[0, :bs], self.inputs.meta[1, :bs]
         row_slots, positions = self._positions(bs)
@@ -156,7 +161,8 @@ class MtpGraphs:
         with forward_context(ctx):
             hidden = self.model(ids, positions)
         self.hidden[: bs * self.rows].copy_(hidden)
-        self.logits[bs] = self.model.compute_logits(hidden)  # captured: the graph's output
+        buf = self._logits_buf
+        self.logits = self.model.compute_logits(hidden, None if buf is None else buf[: len(ids)])
 
     def _verify_sample(self, bs: int) -> None:
         """Sampling at every verify row, acceptance, and the accepted tokens' commit."""
@@ -164,7 +170,7 @@ class MtpGraphs:
         slots, start = self.inputs.meta[0, :bs], self.inputs.meta[1, :bs]
         row_slots, positions = self._positions(bs)
         drafts = table.draft_tokens[slots, :k]  # [bs, k]
-        logits = self.logits[bs]
+        logits = self.logits
         if self.bitmask.shape[1]:
             logits = apply_token_bitmask(logits, self.bitmask[: bs * rows])
         samples = sample(  # the offset of row j's token is start + 1 + j, as in plain decoding
@@ -244,12 +250,16 @@ class MtpGraphs:
             raise ValueError(
                 "MtpGraphs.capture needs pools with a padding slot (PoolSizes.padding)"
             )
+        width = self.model.lm_head.vocab
+        rows = self.max_bs * self.rows
+        self._logits_buf = torch.empty(rows, width, dtype=torch.float32, device=self.device)
         self.graphs, self.capture_s, self.pool_bytes = capture_buckets(
             self.batch_sizes,
             [self._verify_forward, self._verify_sample, self._draft],
             self.device,
             progress,
         )
+        self.pool_bytes += self._logits_buf.numel() * self._logits_buf.element_size()
         self.padded = True
 
     def can_run(self, chunks: list[ScheduledChunk]) -> bool:
@@ -289,8 +299,9 @@ class MtpGraphs:
                 marks.append(self._mark())
             launch()
             if i == 0 and edit is not None:
+                logits = self._logits_buf if graphs else self.logits  # the forward's
                 masks = self.bitmask[: n * self.rows] if bitmask is not None else None
-                edit(self.logits[bs][: n * self.rows], masks)
+                edit(logits[: n * self.rows], masks)
         if self.timing:
             self._marks = (*marks, self._mark())
         return self.out[:n]

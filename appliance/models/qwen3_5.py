@@ -162,8 +162,12 @@ class Qwen3_5ForCausalLM(nn.Module):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> fp32 logits [N, vocab], written into `out` when given (a persistent buffer
+        the fused MTP step's graphs share)."""
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))
 
     def draft_ids(self, hidden: torch.Tensor, vocab_limit: int = 0) -> torch.Tensor:
         """MTP drafts: the greedy token of each row [N, H] among the first `vocab_limit` ids."""

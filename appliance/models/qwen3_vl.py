@@ -181,8 +181,12 @@ class Qwen3VLForCausalLM(nn.Module):
         h, _ = self.model.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> fp32 logits [N, vocab], written into `out` when given (a persistent buffer
+        the fused MTP step's graphs share)."""
+        if out is None:
+            return self.lm_head(hidden).float()
+        return out.copy_(self.lm_head(hidden))
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint tensor name -> (parameter name, shard_id); None for the vision tower."""

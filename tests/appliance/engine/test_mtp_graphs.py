@@ -108,6 +108,36 @@ def test_padded_fused_step_is_lossless_and_keeps_padding_apart(fixture, k, reque
     assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
 
 
+def test_padded_step_edits_rows_of_the_shared_logits_buffer(tiny_trained):
+    """As captured: the verify logits land in the persistent buffer every bucket shares, and the
+    rows of penalised / scored requests are edited there before the sampling program reads them.
+    Three requests (bucket 4, a padding row): the tokens and logprobs of MTP off."""
+    seeded = dict(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    evens = list(range(0, 200, 2))
+    params = [
+        SamplingParams(repetition_penalty=1.4, logprobs=2, allowed_token_ids=evens, **seeded),
+        SamplingParams(**seeded),
+        SamplingParams(
+            frequency_penalty=2.0, logit_bias={3: 9.0, 4: 9.0}, temperature=0, max_tokens=20
+        ),
+    ]
+    seqs = prompts(3, 200, seed=6)
+    off = LLM(str(tiny_trained), **OPTS)
+    want = off.generate(seqs, params)
+    plain = off.generate(seqs, [SamplingParams(**seeded)] * 2 + [GREEDY])
+    assert all(a.token_ids != b.token_ids for a, b in zip(want[::2], plain[::2]))  # edits bite
+    assert set(want[2].token_ids[:6]) >= {3, 4} and all(t % 2 == 0 for t in want[0].token_ids)
+    llm = LLM(str(tiny_trained), mtp_step=3, **OPTS)
+    graphs = padded(llm.runner, max_bs=4)
+    vocab = llm.runner.text_config.vocab_size
+    graphs._logits_buf = torch.full((4 * 4, vocab), float("nan"))  # what capture() allocates
+    got = llm.generate(seqs, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    torch.testing.assert_close(got[0].logprobs, want[0].logprobs, atol=1e-4, rtol=1e-4)
+    assert graphs.logits.data_ptr() == graphs._logits_buf.data_ptr()  # the forward wrote there
+    assert llm.scheduler.stats().mtp_mean_accept_len > 1.5
+
+
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_fused_and_host_paths_accept_the_same_drafts(tiny_trained, mode, monkeypatch):
     """On a model whose draft head agrees, the device step accepts exactly what the host path
@@ -224,7 +254,9 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
     params = [
         SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2, **seeded),
         SamplingParams(logit_bias={7: 5.0}, allowed_token_ids=list(range(0, 200, 2)), **seeded),
-        SamplingParams(frequency_penalty=0.7, logprobs=0, temperature=0, max_tokens=20),
+        SamplingParams(
+            frequency_penalty=2.0, logit_bias={3: 9.0, 4: 9.0}, logprobs=0, temperature=0
+        ),
         SamplingParams(min_tokens=10, stop_token_ids=[1, 2, 3], **dict(seeded, ignore_eos=False)),
     ]
     want = _gpu_llm(tiny_trained, 0).generate(seqs, params)
