@@ -255,7 +255,11 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
         SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2, **seeded),
         SamplingParams(logit_bias={7: 5.0}, allowed_token_ids=list(range(0, 200, 2)), **seeded),
         SamplingParams(
-            frequency_penalty=2.0, logit_bias={3: 9.0, 4: 9.0}, logprobs=0, temperature=0
+            frequency_penalty=2.0,
+            logit_bias={3: 9.0, 4: 9.0},
+            logprobs=0,
+            temperature=0,
+            max_tokens=20,
         ),
         SamplingParams(min_tokens=10, stop_token_ids=[1, 2, 3], **dict(seeded, ignore_eos=False)),
     ]
