@@ -99,7 +99,7 @@ def apply_penalties(
     if padded.shape[1] == 0:
         return logits
     positions = torch.arange(padded.shape[1], device=device)[None, :]
-    plens = torch.tensor([prompt_lens[i] if prompt_lens else 0 for i in picked], device=device)
+    plens = to_device([prompt_lens[i] if prompt_lens else 0 for i in picked], torch.long, device)
     out_ids = torch.where(positions >= plens[:, None], padded, vocab)  # [R, L]; prompt -> bin V
     ones = torch.ones_like(padded, dtype=torch.float32)
     seen = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, padded, ones)
@@ -108,9 +108,9 @@ def apply_penalties(
 
     def col(name: str) -> torch.Tensor:
         values = [float(getattr(rows[i], name)) for i in picked]
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
-    index = torch.tensor(picked, device=device)
+    index = to_device(picked, torch.long, device)
     sub = logits[index].float()  # [R, V]
     rep = col("repetition_penalty")
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -197,7 +197,7 @@ def gather_logprobs(
     picked = [i for i, row in enumerate(rows) if row.logprobs is not None]
     if not picked:
         return logprobs, tops
-    index = torch.tensor(picked, device=logits.device)
+    index = to_device(picked, torch.long, logits.device)
     k_max = max(rows[i].logprobs for i in picked)
     packed = pack_logprobs(log_probs(logits[index]), token_ids[index], k_max).tolist()
     for i, row in zip(picked, packed):
@@ -229,7 +229,8 @@ def edit_logits(
 ) -> torch.Tensor:
     """Every edit of the logits before sampling, in the module docstring's order: penalties, bias,
     allowed ids, the grammar's mask, the min_tokens ban. A new tensor if any applies, else
-    `logits`; nothing is read back to the host."""
+    `logits` (the grammar's mask is applied in place on CUDA). Nothing is read back to the host
+    and nothing waits for the stream, so the fused MTP step calls it between its graphs."""
     if token_history is None and any(needs_penalties(r) for r in rows):
         raise ValueError("token_history: needed for penalties")
     if token_history is not None:
