@@ -71,3 +71,39 @@ def test_streams_match_mtp_off_and_report_accept_length(mtp_appliance, tiny_trai
     router = mtp_appliance.wait_idle()["router"]
     assert (router["kv_used"], router["state_used"]) == (0, 0)
     assert router["mtp_drafts"] == drafts and router["mtp_accepted_tokens"] == accepted
+
+
+def test_penalised_and_scored_streams_draft_and_match_mtp_off(mtp_appliance, tiny_trained):
+    """Streams with logprobs and penalties draft too (the accept counters grow during them) and
+    carry the text and logprobs of the engine without MTP, one entry a token, though several
+    tokens arrive a step."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = sample_sequences(permutation(0), 3, 10, gen).tolist()
+    knobs = dict(max_tokens=30, temperature=0, presence_penalty=0.4, frequency_penalty=0.2)
+    offline = LLM(str(tiny_trained), max_num_seqs=4, num_kv_slots=2048, max_model_len=512)
+    want = offline.generate(prompts, SamplingParams(logprobs=2, ignore_eos=True, **knobs))
+    client = openai.OpenAI(base_url=f"{mtp_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    before = httpx.get(f"{mtp_appliance.url}/metrics").text
+    for prompt, out in zip(prompts, want):
+        stream = client.completions.create(
+            model=model,
+            prompt=prompt,
+            logprobs=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **knobs,
+        )
+        chunks = [c.choices[0] for c in stream if c.choices]
+        assert "".join(c.text for c in chunks) == out.text
+        logprobs = [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert len(logprobs) == len(out.token_ids)
+        torch.testing.assert_close(logprobs, out.logprobs, atol=1e-4, rtol=1e-4)
+    after = httpx.get(f"{mtp_appliance.url}/metrics").text
+    drafts = counter(after, "appliance_mtp_drafts_total") - counter(
+        before, "appliance_mtp_drafts_total"
+    )
+    accepted = counter(after, "appliance_mtp_accepted_tokens_total") - counter(
+        before, "appliance_mtp_accepted_tokens_total"
+    )
+    assert drafts > 0 and 1.0 + accepted / drafts > 1.5
