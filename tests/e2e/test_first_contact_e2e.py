@@ -131,15 +131,15 @@ def test_logit_bias_outside_the_vocabulary_is_a_400(sdk, model, tokenizer):
     assert f"token id {vocab} is outside the vocabulary" in info.value.body["message"]
 
 
-def test_logit_bias_requests_decode_without_mtp(appliance, sdk, model, tokenizer):
+def test_logit_bias_requests_draft_with_mtp(appliance, sdk, model, tokenizer):
+    """A biased request drafts like any other (its verify rows are biased too): the bias wins
+    every token and the appliance's draft counter grows."""
     other = tokenizer.encode("y", add_special_tokens=False)[0]
-    messages = [{"role": "user", "content": "count"}]
     drafts = counter(scrape(appliance), "appliance_mtp_drafts_total")
-    sdk.chat.completions.create(
-        model=model, messages=messages, max_tokens=8, logit_bias={str(other): 1.5}
+    out = sdk.completions.create(
+        model=model, prompt="count", max_tokens=8, temperature=0, logit_bias={str(other): 100}
     )
-    assert counter(scrape(appliance), "appliance_mtp_drafts_total") == drafts
-    sdk.chat.completions.create(model=model, messages=messages, max_tokens=8)
+    assert out.choices[0].text == "y" * 8
     assert counter(scrape(appliance), "appliance_mtp_drafts_total") > drafts
 
 
