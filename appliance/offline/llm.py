@@ -24,6 +24,11 @@ from appliance.sampling_params import SamplingParams
 
 @dataclass
 class CompletionOutput:
+    """One choice of one prompt. `generate` returns them flat (the n choices of each prompt in
+    turn); `outputs` also groups them as vLLM's RequestOutput does, so vLLM's
+    `out[i].outputs[j].text` reads the same choice (out[i] is the prompt's first choice when n is
+    1, as in vLLM)."""
+
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop id included)
     text: str = ""
@@ -31,6 +36,14 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first)
     prompt_logprobs: list[float | None] | None = None
+    index: int = 0  # which of the prompt's n choices
+    prompt: str | None = None  # the prompt as given, when it was text
+    # the prompt's choices, this one among them (vLLM's RequestOutput.outputs)
+    outputs: list[CompletionOutput] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 def build_engine_config(model_dir: str | None, tp: int, options: dict) -> EngineConfig:
@@ -214,13 +227,18 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params_list):
                 ids = self._prompt_ids(prompt)
+                choices: list[CompletionOutput] = []
                 for choice in range(sp.n):
                     req = self._request(ids, sp, choice, fit)
                     self.engine.enqueue(req)
-                    outputs[req.req_id] = CompletionOutput(
+                    outputs[req.req_id] = out = CompletionOutput(
                         prompt_token_ids=req.prompt_token_ids,
                         logprobs=[] if sp.logprobs is not None else None,
+                        index=choice,
+                        prompt=prompt if isinstance(prompt, str) else None,
+                        outputs=choices,
                     )
+                    choices.append(out)
                     open_ids.add(req.req_id)
             self._run(outputs, open_ids)
         except BaseException:

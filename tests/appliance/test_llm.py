@@ -77,6 +77,12 @@ def test_n_outputs_a_prompt_prompt_by_prompt(llm):
         alone = llm.generate("x = ", SamplingParams(seed=7 + i, **p))[0]
         assert outs[i].token_ids == alone.token_ids
     assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+    # vLLM's grouping reads the same choices: out[i].outputs[j], each with its index
+    assert outs[0].outputs == outs[:3] and outs[4].outputs == outs[3:]
+    assert [o.index for o in outs] == [0, 1, 2] * 2 and outs[3].prompt == "y = "
+    assert outs[3].outputs[2] is outs[5] and all(o.finished for o in outs)
+    one = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    assert one[0].outputs == one and one[0].prompt is None and "outputs" not in repr(one[0])
 
 
 def test_a_failed_or_interrupted_call_leaves_the_llm_as_new(llm, monkeypatch):
