@@ -198,8 +198,8 @@ def gather_logprobs(
     if not picked:
         return logprobs, tops
     index = to_device(picked, torch.long, logits.device)
-    k_max = max(rows[i].logprobs for i in picked)
-    packed = pack_logprobs(log_probs(logits[index]), token_ids[index], k_max).tolist()
+    tops_asked = [rows[i].logprobs for i in picked]
+    packed = pack_logprobs(log_probs(logits[index]), token_ids[index], tops_asked).tolist()
     for i, row in zip(picked, packed):
         logprobs[i], tops[i] = unpack_logprobs(row, rows[i].logprobs)
     return logprobs, tops
@@ -243,16 +243,27 @@ def edit_logits(
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax of edited logits [R, V] (fp32), clamped at LOGPROB_FLOOR: what is reported."""
-    return torch.log_softmax(logits.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+    """Log-softmax of edited logits [R, V] (fp32), clamped at LOGPROB_FLOOR: what is reported (a
+    row left nothing to sample, e.g. a grammar outside its allowed ids, reads the floor, not NaN:
+    JSON has no NaN)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nan_to_num_(lp, nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
 
 
-def pack_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, top: int) -> torch.Tensor:
-    """[R, 1 + 2 * top] fp32 on lp's device: per row the logprob of token_ids[r], its `top` best
-    logprobs, then their ids (exact in fp32: vocabularies are far below 2**24)."""
-    chosen = lp.gather(1, token_ids.to(device=lp.device, dtype=torch.long)[:, None])
-    values, ids = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
-    return torch.cat([chosen, values, ids.float()], dim=1)
+def pack_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]) -> torch.Tensor:
+    """[R, 1 + 2 * max(tops)] fp32 on lp's device: per row the logprob of token_ids[r], its tops[r]
+    best logprobs, then their ids (exact in fp32: vocabularies are far below 2**24). Each row's
+    list is a top-k with its own k, so which of several tied tokens it names (the floor's, past
+    what can be sampled) does not depend on what else the step scores."""
+    width = max(tops, default=0)
+    out = torch.zeros(lp.shape[0], 1 + 2 * width, dtype=torch.float32, device=lp.device)
+    out[:, 0] = lp.gather(1, token_ids.to(device=lp.device, dtype=torch.long)[:, None])[:, 0]
+    for k in sorted(set(tops) - {0}):
+        rows = to_device([r for r, top in enumerate(tops) if top == k], torch.long, lp.device)
+        values, ids = lp[rows].topk(k, dim=-1)
+        out[rows, 1 : 1 + k] = values
+        out[rows, 1 + width : 1 + width + k] = ids.float()
+    return out
 
 
 def unpack_logprobs(row: list[float], top: int) -> tuple[float, list[tuple[int, float]]]:

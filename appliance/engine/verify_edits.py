@@ -69,7 +69,6 @@ class VerifyEdits:
     chunks: list[int]  # indices of the step's chunks whose rows are edited
     inputs: SamplingRows  # of those chunks' rows, in order
     scored: list[int]  # indices into `chunks` of the requests reporting logprobs
-    top: int  # the most top logprobs any of them asks for
     lp: torch.Tensor | None = None  # [len(scored) * rows, V]: set by apply
 
     @classmethod
@@ -87,10 +86,9 @@ class VerifyEdits:
             return None
         options = [table.options[chunks[i].req_slot] for i in picked]
         scored = [p for p, o in enumerate(options) if o.logprobs is not None]
-        top = max((options[p].logprobs for p in scored), default=0)
         rows = chunks[picked[0]].num_draft + 1
         inputs = sampling_rows([chunks[i] for i in picked], table)
-        return cls(rows, picked, inputs, scored, top)
+        return cls(rows, picked, inputs, scored)
 
     def row_index(self, picked: list[int]) -> list[int]:
         """The step's logits rows of the chunks at `picked` (indices into the step's chunks)."""
@@ -116,12 +114,13 @@ class VerifyEdits:
 
     def pack(self, samples: torch.Tensor) -> torch.Tensor | None:
         """The scored requests' logprobs of their samples [n, rows] (rows beyond the accepted run
-        included): [len(scored) * rows, 1 + 2 * top] (sampler.pack_logprobs), or None."""
+        included): [len(scored) * rows, 1 + 2 * the most asked] (sampler.pack_logprobs), or None."""
         if self.lp is None:
             return None
         requests = [self.chunks[p] for p in self.scored]
         index = to_device(self.row_index(requests), torch.long, samples.device)
-        return pack_logprobs(self.lp, samples[:, : self.rows].reshape(-1)[index], self.top)
+        tops = [top for _, top in self.scored_requests() for _ in range(self.rows)]
+        return pack_logprobs(self.lp, samples[:, : self.rows].reshape(-1)[index], tops)
 
     def scored_requests(self) -> list[tuple[int, int]]:
         """(index into the step's chunks, top logprobs asked) of each scored request, in order."""

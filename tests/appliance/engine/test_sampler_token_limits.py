@@ -85,3 +85,26 @@ def test_min_tokens_and_allowed_token_ids_on_the_gpu(tiny_dense) -> None:
         allowed = SamplingParams(max_tokens=8, allowed_token_ids=[50, 60, 70], **sampling)
         [only] = llm.generate([prompt, prompt], allowed)[:1]
         assert len(only.token_ids) == 8 and set(only.token_ids) <= {50, 60, 70}, sampling
+
+
+def test_top_logprobs_past_what_can_be_sampled_do_not_depend_on_the_batch() -> None:
+    """Fewer allowed ids than top logprobs asked: the rest of the list reads the floor, and which
+    ids fill it is the row's own top-k (not the batch's widest), so the same request lists the
+    same tokens alone and beside one asking for more (as with MTP on and off)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 64)
+    narrow = SamplingOptions(temperature=0.0, logprobs=4, allowed_token_ids=[7, 9])
+    wide = SamplingOptions(temperature=0.0, logprobs=20)
+    alone = Sampler().sample(logits[:1], [narrow], None, [0])
+    batched = Sampler().sample(logits, [narrow, wide], None, [0, 0])
+    assert alone.top_logprobs[0] == batched.top_logprobs[0]
+    assert [v for _, v in alone.top_logprobs[0][2:]] == [-9999.0, -9999.0]
+    assert len(batched.top_logprobs[1]) == 20
+
+
+def test_a_row_left_nothing_to_sample_reports_the_floor_not_nan() -> None:
+    """allowed ids that a grammar mask forbids: every logit is -inf; JSON has no NaN."""
+    row = SamplingOptions(temperature=0.0, logprobs=2, allowed_token_ids=[1])
+    mask = torch.tensor([[1 << 2]], dtype=torch.int32)  # the grammar allows only id 2
+    out = Sampler().sample(torch.zeros(1, 8), [row], None, [0], token_bitmask=mask)
+    assert out.logprobs[0] == -9999.0 and all(v == -9999.0 for _, v in out.top_logprobs[0])
