@@ -63,7 +63,7 @@ def sampling_rows(chunks: list[ScheduledChunk], table: RequestTable) -> Sampling
 
 @dataclass
 class VerifyEdits:
-    """The edited verify rows of a fused MTP step of `num_chunks` requests, k + 1 rows each."""
+    """The edited verify rows of a fused MTP step (k + 1 rows a request, in chunk order)."""
 
     rows: int  # k + 1
     chunks: list[int]  # indices of the step's chunks whose rows are edited

@@ -26,8 +26,8 @@ from appliance.sampling_params import SamplingParams
 class CompletionOutput:
     """One choice of one prompt. `generate` returns them flat (the n choices of each prompt in
     turn); `outputs` also groups them as vLLM's RequestOutput does, so vLLM's
-    `out[i].outputs[j].text` reads the same choice (out[i] is the prompt's first choice when n is
-    1, as in vLLM)."""
+    `out[i].outputs[j].text` reads choice j (with n = 1, out[i] is prompt i's only choice, where
+    vLLM's out[i] is prompt i's request output)."""
 
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop id included)
