@@ -295,7 +295,7 @@ class MtpGraphs:
             steps.append(lambda: self._draft(bs))
         marks = []
         for i, launch in enumerate(steps):
-            if self.timing and i != 1:
+            if self.timing and i != 1:  # marks: before verify, before draft (end: below)
                 marks.append(self._mark())
             launch()
             if i == 0 and edit is not None:

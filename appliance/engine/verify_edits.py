@@ -99,15 +99,17 @@ class VerifyEdits:
         words] on the device, or None); keeps the log-softmax of the scored rows for `pack`."""
         index = to_device(self.row_index(self.chunks), torch.long, logits.device)
         rows = self.inputs
+        sub = logits[index]
         edited = edit_logits(
-            logits[index],
+            sub,
             rows.options,
             rows.histories,
             rows.offsets,
             rows.prompt_lens,
             None if masks is None else masks[index],
         )
-        logits[index] = edited
+        if edited is not sub:  # only logprobs (or a mask, which the sampling graph applies)
+            logits[index] = edited
         if self.scored:
             mine = to_device(self.row_index(self.scored), torch.long, logits.device)
             self.lp = log_probs(edited[mine])
@@ -117,9 +119,9 @@ class VerifyEdits:
         included): [len(scored) * rows, 1 + 2 * the most asked] (sampler.pack_logprobs), or None."""
         if self.lp is None:
             return None
-        requests = [self.chunks[p] for p in self.scored]
-        index = to_device(self.row_index(requests), torch.long, samples.device)
-        tops = [top for _, top in self.scored_requests() for _ in range(self.rows)]
+        requests = self.scored_requests()
+        index = to_device(self.row_index([i for i, _ in requests]), torch.long, samples.device)
+        tops = [top for _, top in requests for _ in range(self.rows)]
         return pack_logprobs(self.lp, samples[:, : self.rows].reshape(-1)[index], tops)
 
     def scored_requests(self) -> list[tuple[int, int]]:
