@@ -266,7 +266,8 @@ def _check_model_config(config: ServeConfig) -> None:
     process starts (vLLM refuses a longer context too)."""
     from appliance.models.config import load_text_config
     from appliance.models.layers.quant import UnsupportedQuantization
-    from appliance.models.registry import model_class
+    from appliance.models.loader import unscaled_fp8_problem
+    from appliance.models.registry import model_class, quant_layout_problem
 
     model = config.engine.model
     path = Path(model.model_dir) / "config.json"
@@ -291,9 +292,16 @@ def _check_model_config(config: ServeConfig) -> None:
         _fail(f"{path}: {exc}")
     if problem is not None:
         _fail(f"--tp {config.engine.parallel.tp}: {problem} ({path})")
+    problem = quant_layout_problem(text, config.engine.parallel.tp)
+    if problem is not None:
+        _fail(f"{path.parent.name}: {problem}")
     problem = text.context_problem(model.max_model_len)
     if problem is not None:
         _fail(f"--max-model-len {problem} ({path})")
+    if text.quant is not None and model.load_format != "dummy":
+        problem = unscaled_fp8_problem(path.parent)
+        if problem is not None:
+            _fail(f"{path.parent}: {problem}")
 
 
 def _check_generation_config(config: ServeConfig) -> None:

@@ -14,6 +14,11 @@ QUANTIZATION_FLAGS = ("", "fp8", "compressed-tensors", "modelopt")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8: fp8_e4m3 (vLLM's spelling of it)
 
 
+def quant_method_name(value: str) -> str:
+    """A quantization method as vLLM accepts it: any case, `_` for `-` (compressed_tensors)."""
+    return value.strip().lower().replace("_", "-")
+
+
 def _check(cond: bool, name: str, accepted: str) -> None:
     if not cond:
         raise ValueError(f"{name}: expected {accepted}")
@@ -32,6 +37,7 @@ class ModelConfig:
     quantization: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "quantization", quant_method_name(self.quantization))
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
         _check(
             self.quantization in QUANTIZATION_FLAGS,

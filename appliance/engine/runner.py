@@ -64,7 +64,13 @@ from appliance.messages import (
 from appliance.models.config import TextConfig, load_text_config
 from appliance.models.context import forward_context
 from appliance.models.layers.parallel import set_tp
-from appliance.models.loader import init_dummy_weights, iter_tensors, load_weights
+from appliance.models.loader import (
+    CheckpointMismatch,
+    init_dummy_weights,
+    iter_tensors,
+    load_weights,
+    unscaled_fp8_problem,
+)
 from appliance.models.registry import draft_factory, model_class
 from appliance_kernels import backends, triton_utils
 from appliance_kernels.fp8 import FP8_DTYPE
@@ -213,6 +219,10 @@ class ModelRunner(RunnerMemory):
     def _build_model(self) -> torch.nn.Module:
         cfg = self.text_config
         cls = model_class(cfg)
+        if cfg.quant is not None and self.config.model.load_format != "dummy":
+            problem = unscaled_fp8_problem(self.model_dir)  # before any memory is taken
+            if problem is not None:
+                raise CheckpointMismatch(problem)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

@@ -26,8 +26,10 @@ from appliance.models.quant_weights import (
     map_with_scales,
 )
 from appliance.progress import Progress
+from appliance_kernels.fp8 import FP8_DTYPE
 
 log = get_logger(__name__)
+_SAFETENSORS_FP8 = "F8_E4M3"  # the header's dtype of torch.float8_e4m3fn
 
 
 class CheckpointMismatch(ValueError):
@@ -61,6 +63,24 @@ def iter_tensors(model_dir: str | Path, prefix: str = "") -> Iterator[tuple[str,
                 for name in names:
                     yield name, f.get_tensor(name)
                     bar.update()
+
+
+def unscaled_fp8_problem(model_dir: str | Path) -> str | None:
+    """The first fp8 tensor (in name order) that has no scale beside it, as load_weights would
+    name it, read from the safetensors headers alone (no tensor data): a preflight before any
+    process loads anything. None when every fp8 tensor has one, or there is no checkpoint file."""
+    try:
+        files = checkpoint_files(model_dir)
+    except (FileNotFoundError, OSError, ValueError, KeyError):
+        return None  # the worker's load says what is wrong with the folder
+    check = ScaleCheck()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                fp8 = f.get_slice(name).get_dtype() == _SAFETENSORS_FP8
+                check.see(name, FP8_DTYPE if fp8 else None)
+    name = check.first_missing()
+    return None if name is None else ScaleCheck.message(name)
 
 
 def _first_rank() -> bool:
@@ -115,15 +135,13 @@ def load_weights(
             raise CheckpointMismatch(f"{name}: {err}") from err
         loaded.add(pname)
     if (name := scales.first_missing()) is not None:
-        raise CheckpointMismatch(
-            f"quantized checkpoint: fp8 tensor {name} has no scale "
-            f"(expected {name}_scale_inv or {name}_scale)"
-        )
+        raise CheckpointMismatch(ScaleCheck.message(name))
     for dst, src in (tied or {}).items():
         if dst not in loaded and src in loaded:
             with torch.no_grad():
                 params[dst].copy_(params[src])
             loaded.add(dst)
+    unexpected += kv_scales.stray
     missing = [p for p in params if p not in loaded]
     missing += [s for p in sorted(loaded) for s in unloaded_segments(p, params[p])]
     if missing or unexpected:

@@ -49,6 +49,13 @@ class ScaleCheck:
                 return name
         return None
 
+    @staticmethod
+    def message(name: str) -> str:
+        return (
+            f"quantized checkpoint: fp8 tensor {name} has no scale "
+            f"(expected {name}_scale_inv or {name}_scale)"
+        )
+
 
 class InputScales:
     """Static per-tensor activation scales (`<module>.input_scale`, fused experts'
@@ -136,6 +143,8 @@ class KVScaleLoader:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.found: dict[str, dict[str, tuple[float, str]]] = {}  # module -> k/v -> (value, name)
+        self.attention = {n for n, m in model.named_modules() if hasattr(m, "set_kv_scales")}
+        self.stray: list[str] = []  # scales of no attention layer of the model (unexpected keys)
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether `name` is a KV-cache scale (consumed here, never a parameter)."""
@@ -148,6 +157,9 @@ class KVScaleLoader:
         if mapped is None:  # another component's layer (the MTP head of the main model)
             return True
         module = mapped[0].rsplit(".", 2)[0]  # `<attn>.qkv_proj.weight` or `<attn>.k_proj.weight`
+        if module not in self.attention:  # a layer past the model's, or a linear-attention one
+            self.stray.append(name)
+            return True
         value = float(tensor.float().max()) if tensor.numel() else float("nan")
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{name}: KV-cache scale {value} (expected a finite number > 0)")

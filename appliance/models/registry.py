@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from appliance.models.config import TextConfig
+from appliance.models.layers.parallel import tp_layout
+from appliance.models.layers.quant import UnsupportedQuantization
 from appliance.models.qwen3_5 import Qwen3_5ForCausalLM
 from appliance.models.qwen3_5_mtp import build_draft_modules
 from appliance.models.qwen3_vl import Qwen3VLForCausalLM
@@ -31,6 +34,22 @@ def model_class(cfg: TextConfig) -> type[nn.Module]:
         raise ValueError(
             f"architecture {cfg.architecture!r} is not supported (known: {known})"
         ) from None
+
+
+def quant_layout_problem(cfg: TextConfig, tp: int) -> str | None:
+    """Why the model's quantised layers cannot be built over `tp` ranks (fused segments or a
+    rank's rows cutting a weight-scale block: the message names the tensor-parallel size when a
+    smaller one would do), found by building the model as a rank would, on the meta device (no
+    memory, about a second for a 27B); None when they can. TextConfig.tp_problem covers what
+    every model's widths need."""
+    if cfg.quant is None:
+        return None
+    try:
+        with tp_layout(0, tp), torch.device("meta"):
+            model_class(cfg)(cfg)
+    except UnsupportedQuantization as exc:
+        return str(exc)
+    return None
 
 
 # (text model_type, mtp_mode) -> builder(cfg, main_model, mode, step) -> list of draft modules

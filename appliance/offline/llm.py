@@ -105,6 +105,9 @@ class LLM:
         from appliance.assets.resolve import resolve_model_dir
         from appliance.engine.runner import ModelRunner
         from appliance.models.config import load_text_config
+        from appliance.models.layers.quant import UnsupportedQuantization
+        from appliance.models.loader import CheckpointMismatch, unscaled_fp8_problem
+        from appliance.models.registry import quant_layout_problem
 
         self.model_dir = resolve_model_dir(
             self.config.model.model_dir, revision, self.config.model.load_format
@@ -113,12 +116,19 @@ class LLM:
             self.config, model=replace(self.config.model, model_dir=str(self.model_dir))
         )
         text = load_text_config(self.model_dir, self.config.model.quantization)
-        problem = text.tp_problem(tp)  # both before any worker process starts
+        problem = text.tp_problem(tp)  # these checks: before any worker starts
         if problem is not None:
             raise ValueError(f"tp: {problem}")
+        problem = quant_layout_problem(text, tp)
+        if problem is not None:
+            raise UnsupportedQuantization(problem)
         problem = text.context_problem(self.config.model.max_model_len)
         if problem is not None:
             raise ValueError(f"max_model_len: {problem}")
+        if text.quant is not None and self.config.model.load_format != "dummy":
+            problem = unscaled_fp8_problem(self.model_dir)
+            if problem is not None:
+                raise CheckpointMismatch(problem)
         self.sampling_defaults = generation_defaults(self.model_dir, generation_config)
         if tp == 1:
             self.runner = ModelRunner(self.config)

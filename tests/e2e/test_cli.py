@@ -178,6 +178,13 @@ def test_unsupported_checkpoint_quantization_is_one_line_before_starting(
     assert err.count("\n") == 1 and "compressed-tensors" in err and "weight_block_size" in err
 
 
+BLOCK_32 = {
+    "quant_method": "fp8",
+    "weight_block_size": [32, 32],
+    "modules_to_not_convert": ["lm_head", r"re:.*\.linear_attn\.in_proj_[ab]$"],
+}
+
+
 def _without_hidden_size(config: dict) -> dict:
     del config.get("text_config", config)["hidden_size"]
     return config
@@ -204,6 +211,13 @@ def _without_hidden_size(config: dict) -> dict:
             "divisor of 3)",
         ),
         (lambda c: c, ["--tp", "8"], "--tp 8: tp 8 does not divide num_attention_heads 4, "),
+        (  # 32-row blocks fit the fused segments at TP=1; at TP=2 the GDN keys are 16 rows a rank
+            lambda c: {**c, "quantization_config": BLOCK_32},
+            ["--tp", "2"],
+            "ckpt: fp8 block [32, 32] over tensor-parallel size 2: fused segments of [32, 32, 64, "
+            "64] rows (in_proj_qkv) split into [16, 16, 32, 32] rows a rank, which do not start "
+            "on block_n = 32 boundaries; use a smaller tensor-parallel size",
+        ),
         (
             lambda c: c,
             ["--runner", "nosuch.mod:Runner"],

@@ -12,6 +12,7 @@ or routing flips amplify it; argmax flips only seen at gaps <= 0.38)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -510,3 +511,101 @@ def test_kv_cache_scales_load_with_the_fp8_checkpoint(name, naming, written, tmp
     assert scales == [pytest.approx(v) for _, v in sorted(expected.items())]
     assert len(scales) == len(prefixes) == 3
     _expect_close_real_path(engine_logits(r, [IDS], chunk=16)[0], logits(d))
+
+
+def test_quantization_spellings_vllm_accepts(sources, written, tmp_path):
+    """vLLM lower-cases --quantization and reads `compressed_tensors` as `compressed-tensors`, in
+    the flag and in a config's quant_method: the same weights load either way."""
+    q = written["dense-ct"][0]
+    _with_config(
+        q,
+        tmp_path / "underscore",
+        lambda c: c["quantization_config"].update(quant_method="compressed_tensors"),
+    )
+    want = logits(q)
+    torch.testing.assert_close(logits(tmp_path / "underscore"), want, atol=0, rtol=0)
+    torch.testing.assert_close(logits(q, "Compressed_Tensors"), want, atol=0, rtol=0)
+    torch.testing.assert_close(logits(sources["dense"], "FP8"), logits(sources["dense"], "fp8"))
+
+
+def test_a_missing_scale_is_named_before_any_tensor_is_read(written, tmp_path, monkeypatch):
+    """The safetensors headers say which fp8 tensor lacks a scale: no weight is read (nor the
+    model built) before the error, as the serve / LLM preflight runs it too."""
+    import appliance.engine.runner as runner_module
+    from appliance.models.loader import unscaled_fp8_problem
+
+    bad = tmp_path / "bad"
+    _edit_tensors(
+        written["dense-fp8"][0],
+        bad,
+        lambda t: t.pop("model.language_model.layers.1.mlp.down_proj.weight_scale_inv"),
+    )
+    reads = []
+    monkeypatch.setattr(runner_module, "iter_tensors", lambda *a, **k: reads.append(a) or iter(()))
+    with pytest.raises(CheckpointMismatch, match=r"layers\.1\.mlp\.down_proj\.weight has no"):
+        runner(bad)
+    assert reads == []
+    assert "layers.1.mlp.down_proj.weight has no scale" in unscaled_fp8_problem(bad)
+    assert unscaled_fp8_problem(written["dense-fp8"][0]) is None
+    assert unscaled_fp8_problem(written["moe-ct-per-expert"][0]) is None
+
+
+def test_kv_cache_scales_of_no_attention_layer_are_unexpected_keys(written, tmp_path):
+    """A k/v scale naming a layer past the model's, or a linear-attention layer, is refused like
+    any stray tensor (silently using 1.0 would run the cache uncalibrated)."""
+    q = written["dense-ct"][0]
+    linear = next(
+        i
+        for i, t in enumerate(
+            json.loads((q / "config.json").read_text())["text_config"]["layer_types"]
+        )
+        if t == "linear_attention"
+    )
+    for layer in (99, linear):
+        bad = tmp_path / f"stray{layer}"
+        name = f"model.language_model.layers.{layer}.self_attn.k_scale"
+        _edit_tensors(q, bad, lambda t, name=name: t.update({name: torch.tensor(0.02)}))
+        with pytest.raises(CheckpointMismatch, match=rf"unexpected keys: {re.escape(name)}"):
+            runner(bad, kv_cache_dtype="fp8_e4m3")
+
+
+def test_a_quantised_lm_head_is_named_as_such(written, tmp_path):
+    """compressed-tensors without lm_head in its ignore list stores lm_head in fp8: the error says
+    the layer is served in 16-bit here (vLLM does not load one either)."""
+    bad = tmp_path / "qhead"
+
+    def quantise_head(tensors):
+        head = tensors["lm_head.weight"]
+        tensors["lm_head.weight"] = head.to(FP8_DTYPE)
+        tensors["lm_head.weight_scale"] = torch.ones(head.shape[0], 1)
+
+    _edit_tensors(written["dense-ct"][0], bad, quantise_head)
+    with pytest.raises(CheckpointMismatch, match="lm_head.weight: dtype mismatch.*16-bit here"):
+        runner(bad)
+
+
+BLOCK_32_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "modules_to_not_convert": ["lm_head", r"re:.*\.linear_attn\.in_proj_[ab]$"],
+}
+
+
+def test_block_scales_cut_by_the_tp_split_name_the_tp_size(sources, tmp_path):
+    """32-row blocks fit every fused segment of the tiny dense model at TP=1; at TP=2 the GDN
+    key segments are 16 rows a rank. Found before any worker starts (the model built on the meta
+    device), naming the tensor-parallel size and each segment once."""
+    from appliance import LLM
+    from appliance.models.config import load_text_config
+    from appliance.models.registry import quant_layout_problem
+
+    ckpt = tmp_path / "block32"
+    _with_config(sources["dense"], ckpt, lambda c: c.update(quantization_config=BLOCK_32_CONFIG))
+    text = load_text_config(ckpt, "")
+    assert quant_layout_problem(text, 1) is None
+    problem = quant_layout_problem(text, 2)
+    assert "over tensor-parallel size 2" in problem and "use a smaller tensor-parallel" in problem
+    assert problem.count("in_proj_qkv") == 1
+    with pytest.raises(ValueError, match="over tensor-parallel size 2"):
+        LLM(str(ckpt), tensor_parallel_size=2)

@@ -45,9 +45,15 @@ def copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
         )
     if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
         # a cast between fp8 and a float type without its scale would silently be wrong
+        why = (
+            "a layer served in 16-bit here: the embeddings and lm_head always (quantised ones "
+            "are not supported; a checkpoint lists them in its ignore list), other layers where "
+            "the checkpoint's quantization_config keeps them unquantised"
+            if loaded.dtype == FP8_DTYPE
+            else "the checkpoint's quantization_config does not describe this tensor"
+        )
         raise ValueError(
-            f"dtype mismatch: parameter {param.dtype} vs loaded {loaded.dtype} (the checkpoint's "
-            "quantization_config does not describe this tensor)"
+            f"dtype mismatch: parameter {param.dtype} vs loaded {loaded.dtype} ({why})"
         )
     with torch.no_grad():
         param.copy_(loaded.to(param.dtype))
@@ -127,19 +133,7 @@ class ColumnLinear(_QuantLinear):
             raise ValueError(f"{len(self.shard_fns)} shard fns for {len(segments)} segments")
         self._init_weight(sum(self.local), in_features, quant, self._load)
         if not blocks_fit(self.local, quant):
-            block_n = self.method.block[0]
-            names = segment_names if segment_names and len(segment_names) == len(segments) else []
-            odd = [n for n, size in zip(names, self.local) if size % block_n]
-            hint = (
-                f" ({', '.join(odd)} not a whole number of blocks: a checkpoint keeps such "
-                "projections in 16-bit, named in its modules_to_not_convert / ignore list)"
-                if odd
-                else ""
-            )
-            raise UnsupportedQuantization(
-                f"fp8 block {list(self.method.block)}: fused segments of local sizes {self.local} "
-                f"do not start on block_n boundaries{hint}"
-            )
+            raise UnsupportedQuantization(self._unfit_blocks(segment_names, quant))
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local)), requires_grad=False)
@@ -149,6 +143,31 @@ class ColumnLinear(_QuantLinear):
                 if param is not None:
                     param.segment_names = list(segment_names)
                     param.loaded_segments = set()
+
+    def _unfit_blocks(self, segment_names: list[str] | None, quant: QuantConfig | None) -> str:
+        """Why the block scales cannot cover these segments: the tensor-parallel split when the
+        whole segments fit (a smaller size would load), else the checkpoint's own shapes."""
+        block_n = self.method.block[0]
+        names = segment_names if segment_names and len(segment_names) == len(self.segments) else []
+        odd = list(dict.fromkeys(n for n, size in zip(names, self.local) if size % block_n))
+        what = f" ({', '.join(odd)})" if odd else ""
+        if tp_size() > 1 and blocks_fit(self.segments, quant):
+            return (
+                f"fp8 block {list(self.method.block)} over tensor-parallel size {tp_size()}: "
+                f"fused segments of {self.segments} rows{what} split into {self.local} rows a "
+                f"rank, which do not start on block_n = {block_n} boundaries; use a smaller "
+                "tensor-parallel size"
+            )
+        hint = (
+            f" ({', '.join(odd)} not a whole number of blocks: a checkpoint keeps such "
+            "projections in 16-bit, named in its modules_to_not_convert / ignore list)"
+            if odd
+            else ""
+        )
+        return (
+            f"fp8 block {list(self.method.block)}: fused segments of local sizes {self.local} "
+            f"do not start on block_n boundaries{hint}"
+        )
 
     def _load(
         self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | tuple | None = None

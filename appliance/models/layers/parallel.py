@@ -6,6 +6,9 @@ The worker sets the TP group once (`set_tp`); layers read `tp_rank()` / `tp_size
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +20,18 @@ _TP_GROUP = None
 def set_tp(rank: int, size: int, group=None) -> None:
     global _TP_RANK, _TP_SIZE, _TP_GROUP
     _TP_RANK, _TP_SIZE, _TP_GROUP = rank, size, group
+
+
+@contextlib.contextmanager
+def tp_layout(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside take these shard sizes (no group: for building, never for running);
+    the worker's state comes back after."""
+    saved = _TP_RANK, _TP_SIZE, _TP_GROUP
+    set_tp(rank, size)
+    try:
+        yield
+    finally:
+        set_tp(*saved)
 
 
 def tp_rank() -> int:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance.config import quant_method_name
+
 SCHEMES = ("fp8_channel", "fp8_block")  # per-output-channel weight scales / [bn, bk] tile scales
 ONLINE = ("fp8",)  # values of --quantization that quantise a 16-bit checkpoint at load
 # --quantization naming the checkpoint's own method
@@ -124,7 +126,8 @@ def checkpoint_quant_config(model_dir: str | Path, raw: dict[str, Any]) -> dict[
 def parse_quant_config(raw: dict[str, Any], requested: str | None) -> QuantConfig | None:
     """`raw` is the checkpoint's config.json; `requested` the --quantization value ("" = none)."""
     qc = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    method = str(qc.get("quant_method", "")).lower() if qc else ""
+    method = quant_method_name(str(qc.get("quant_method", ""))) if qc else ""
+    requested = quant_method_name(requested or "")
     if requested and requested not in ONLINE and requested not in CHECKPOINT_METHODS:
         raise UnsupportedQuantization(
             f"quantization {requested!r}: expected one of {', '.join(ONLINE)} (or none)"
