@@ -25,9 +25,11 @@ from appliance.server.auth import install_auth
 from appliance.server.errors import error_response, install_error_handlers
 from appliance.server.limits import BodyLimit, LimitedJSONRoute
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
+from appliance.server.responses_request import ResponsesRequest
 from appliance.server.serving import serve
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
+from appliance.server.serving_responses import serve_responses
 from appliance.server.state import ServerState
 from appliance.server.tokenize_api import (
     DetokenizeRequest,
@@ -39,6 +41,7 @@ from appliance.server.tokenize_api import (
 _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
     "/v1/models/{model}",
     "/health",
@@ -151,6 +154,11 @@ def build_app(
     @app.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request):
         return await serve(COMPLETION, state, body, request)
+
+    # OpenAI's Responses API (vLLM's subset), served through the chat route's pieces
+    @app.post("/v1/responses", responses=generation_errors)
+    async def responses(body: ResponsesRequest, request: Request):
+        return await serve_responses(state, body, request)
 
     # vLLM's (and SGLang's) token counting, built as the two routes above build their prompts
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))

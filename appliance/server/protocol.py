@@ -256,10 +256,10 @@ UNSUPPORTED = {
 }
 
 
-def check_unsupported(req: _SamplingFields) -> None:
-    """vLLM's sampling fields this server does not implement: a 400 naming the field when one is
-    set, rather than a silent answer without it."""
-    for name, why in UNSUPPORTED.items():
+def check_unsupported(req: _Schema, refused: dict[str, str] = UNSUPPORTED) -> None:
+    """vLLM's sampling fields this server does not implement (or a route's own `refused` fields):
+    a 400 naming the field when one is set, rather than a silent answer without it."""
+    for name, why in refused.items():
         value = getattr(req, name)
         if value is not None and value is not False and value != []:  # 0 is set (0 == False)
             raise BadRequest(f"{name}: {why}.", name)

@@ -2,7 +2,8 @@
 one JSON body (collect) or as server-sent events (stream).
 
 Called by app.py with an `Endpoint` strategy (serving_chat.CHAT, serving_completion.COMPLETION) that
-supplies what differs per route: its checks, its prompts and the wording of its choices.
+supplies what differs per route: its checks, its prompts and the wording of its choices; a route
+whose answer is not a list of choices (serving_responses.py) also brings its own `Reply`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Endpoint(Protocol[Body]):
 
 
 @dataclass
-class _Answer:
+class Answer:
     """A submitted request on its way back: what collect and stream share."""
 
     endpoint: Endpoint
@@ -97,13 +98,30 @@ class _Answer:
         return sum(self.prompt_lengths)
 
 
+class Reply(Protocol):
+    """Words a submitted answer where the choices shape does not fit (/v1/responses: one Response
+    object, or its typed events); without one, `serve` answers with choices (collect or chunks)."""
+
+    async def collect(self, state: ServerState, request: Request, answer: Answer) -> dict[str, Any]:
+        """The JSON body, once every delta has arrived."""
+
+    def stream(
+        self, state: ServerState, request: Request, answer: Answer, first: tuple[int, TextDelta]
+    ) -> AsyncIterator[str]:
+        """The server-sent events, from the first delta on (it is already taken)."""
+
+
 def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest) -> None:
     if body.n > state.config.max_n:
         raise BadRequest(f"n: expected at most {state.config.max_n}, got {body.n}.", "n")
 
 
 async def serve(
-    endpoint: Endpoint[Body], state: ServerState, body: Body, request: Request
+    endpoint: Endpoint[Body],
+    state: ServerState,
+    body: Body,
+    request: Request,
+    reply: Reply | None = None,
 ) -> Response:
     """Handles one POST of an OpenAI route end to end. Once submitted, the request's choices are
     released (aborted in the router) on every way out that leaves them open."""
@@ -119,7 +137,7 @@ async def serve(
     request.state.completion_id = answer.head["id"]
     request.state.request_group = answer.group
     try:
-        return await _respond(state, request, body, answer)
+        return await _respond(state, request, body, answer, reply)
     except BaseException as exc:
         state.client.abort(answer.group, exit_reason(exc))
         raise
@@ -127,7 +145,7 @@ async def serve(
 
 async def _admit_watched(
     endpoint: Endpoint[Body], state: ServerState, body: Body, request: Request, arrival: float
-) -> _Answer:
+) -> Answer:
     """`_admit`, given up (its image fetches cancelled) when the client leaves (ClientGone) or the
     request's --request-timeout passes first: fetching images, rendering the prompt and compiling a
     grammar count against the deadline as the generation does."""
@@ -152,7 +170,7 @@ async def _admit_watched(
 
 async def _admit(
     endpoint: Endpoint[Body], state: ServerState, body: Body, arrival: float
-) -> _Answer:
+) -> Answer:
     """Checks, prompts and choices, then the submit (last: nothing after it can fail)."""
     state.check_accepting()
     model = state.check_model(body.model)
@@ -179,7 +197,7 @@ async def _admit(
     if state.config.request_timeout:
         group.deadline = arrival + state.config.request_timeout
         group.timeout_s = state.config.request_timeout
-    return _Answer(
+    return Answer(
         endpoint,
         group,
         formatter,
@@ -194,12 +212,16 @@ async def _respond(
     state: ServerState,
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
-    answer: _Answer,
+    answer: Answer,
+    reply: Reply | None,
 ) -> Response:
     group = answer.group
     if not body.stream:
         async with abort_on_disconnect(request, state.client, group):
-            answer_body = await _collect(state.client, answer)
+            if reply is None:
+                answer_body = await _collect(state.client, answer)
+            else:
+                answer_body = await reply.collect(state, request, answer)
         if group.abort_reason == "client_gone":  # nobody to send it to (nginx's 499)
             return Response(status_code=499)
         return JSONResponse(answer_body)
@@ -207,10 +229,13 @@ async def _respond(
         first = await first_item(request, state.client, group)
     except ClientGone:
         return Response(status_code=499)
-    options = body.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous = include_usage and options.continuous_usage_stats
-    stream = _stream(state, request, answer, first, include_usage, continuous)
+    if reply is not None:
+        stream = reply.stream(state, request, answer, first)
+    else:
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        stream = _stream(state, request, answer, first, include_usage, continuous)
     return ReleasingStream(state.client, group, stream, media_type="text/event-stream")
 
 
@@ -284,14 +309,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def cached_prompt_tokens(answer: _Answer, cached: list[int]) -> int:
+def cached_prompt_tokens(answer: Answer, cached: list[int]) -> int:
     """Per prompt the most any of its n choices found cached, summed over the prompts: like
     prompt_tokens, each prompt counts once, so cached_tokens never exceeds it."""
     n = answer.choices_per_prompt
     return sum(max(cached[first : first + n]) for first in range(0, len(cached), n))
 
 
-async def _collect(client: EngineClient, answer: _Answer) -> dict[str, Any]:
+async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
     n = answer.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
@@ -339,7 +364,7 @@ def sse_chunk(
 async def _stream(
     state: ServerState,
     request: Request,
-    answer: _Answer,
+    answer: Answer,
     first: tuple[int, TextDelta],
     include_usage: bool,
     continuous: bool = False,
