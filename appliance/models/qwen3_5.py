@@ -163,11 +163,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, H] -> fp32 logits [N, vocab], written into `out` when given (a persistent buffer
-        the fused MTP step's graphs share)."""
-        if out is None:
-            return self.lm_head(hidden).float()
-        return out.copy_(self.lm_head(hidden))
+        """[N, H] -> fp32 logits [N, vocab] (LMHead.logits: into `out` when given)."""
+        return self.lm_head.logits(hidden, out)
 
     def draft_ids(self, hidden: torch.Tensor, vocab_limit: int = 0) -> torch.Tensor:
         """MTP drafts: the greedy token of each row [N, H] among the first `vocab_limit` ids."""

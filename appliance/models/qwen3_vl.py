@@ -182,11 +182,8 @@ class Qwen3VLForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, H] -> fp32 logits [N, vocab], written into `out` when given (a persistent buffer
-        the fused MTP step's graphs share)."""
-        if out is None:
-            return self.lm_head(hidden).float()
-        return out.copy_(self.lm_head(hidden))
+        """[N, H] -> fp32 logits [N, vocab] (LMHead.logits: into `out` when given)."""
+        return self.lm_head.logits(hidden, out)
 
     def map_weight_name(self, name: str) -> tuple[str, object] | None:
         """Checkpoint tensor name -> (parameter name, shard_id); None for the vision tower."""

@@ -52,6 +52,13 @@ class LMHead(_VocabShard):
         logits = linear(hidden, self.weight)
         return all_gather_last(logits)[:, : self.vocab]
 
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> fp32 logits [N, vocab], cast straight into `out` when given (the persistent
+        buffer the fused MTP step's graphs share)."""
+        if out is None:
+            return self(hidden).float()
+        return out.copy_(self(hidden))
+
     def argmax(self, hidden: torch.Tensor, limit: int = 0) -> torch.Tensor:
         """[N, H] -> [N] int64: the most likely id among the first `limit` ids (0: all), ties to
         the lowest id, without gathering the logits (each rank sends its best value and id)."""
