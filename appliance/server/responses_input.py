@@ -31,7 +31,10 @@ def _fail(where: str, problem: str) -> BadRequest:
     return BadRequest(f"{where}: {problem}", "input")
 
 
-def _string(item: dict[str, Any], key: str, where: str) -> str:
+def _string(item: Any, key: str, where: str) -> str:
+    """item[key], a string; `item` may be anything a client sent (a part of a list, ...)."""
+    if not isinstance(item, dict):
+        raise _fail(where, f"expected an object with {key!r}, got {type(item).__name__}.")
     value = item.get(key)
     if not isinstance(value, str):
         raise _fail(f"{where}.{key}", f"expected a string, got {type(value).__name__}.")
@@ -59,6 +62,11 @@ def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]] | str:
                 f"{where}.content.{index}",
                 "an input_image needs image_url (a URL or a data URL); file_id is not "
                 "supported (this server stores no files).",
+            )
+        elif not isinstance(part["image_url"], str):
+            raise _fail(
+                f"{where}.content.{index}.image_url",
+                f"expected a URL or a data URL string, got {type(part['image_url']).__name__}.",
             )
     return content
 
@@ -102,10 +110,11 @@ def _message(item: dict[str, Any], where: str) -> ChatMessage:
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
     """A reasoning item's text: its reasoning_text content, else its summary."""
-    parts = item.get("content") or item.get("summary") or []
+    key = "content" if item.get("content") else "summary"
+    parts = item.get(key) or []
     if not isinstance(parts, list):
-        raise _fail(f"{where}.content", "expected a list of reasoning_text parts.")
-    return "".join(_string(part, "text", f"{where}.content.{i}") for i, part in enumerate(parts))
+        raise _fail(f"{where}.{key}", "expected a list of reasoning_text parts.")
+    return "".join(_string(part, "text", f"{where}.{key}.{i}") for i, part in enumerate(parts))
 
 
 def _call(item: dict[str, Any], where: str) -> dict[str, Any]:

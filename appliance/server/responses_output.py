@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from appliance.messages import TextDelta
-from appliance.server.responses_request import ResponsesRequest
+from appliance.server.responses_request import ResponsesRequest, flat_tools
 from appliance.server.serving_chat import ChoiceParser
 
 Event = dict[str, Any]  # one stream event: {"type": "response....", "sequence_number", ...}
@@ -44,13 +44,13 @@ class OutputItems:
         self._pieces: list[str] = []  # the open item's text (or arguments) so far
 
     def reasoning(self, text: str) -> None:
-        if text and not self._is_open("reasoning"):
+        if text and not self.is_open("reasoning"):
             item = {"type": "reasoning", "id": item_id("rs"), "summary": [], "content": []}
             self._start(item, {"type": "reasoning_text", "text": ""})
         self._grow(text)
 
     def text(self, text: str) -> None:
-        if text and not self._is_open("message"):
+        if text and not self.is_open("message"):
             item = {"type": "message", "id": item_id("msg"), "role": "assistant", "content": []}
             self._start(
                 item, {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -69,7 +69,7 @@ class OutputItems:
                 "arguments": "",
             }
             self._start(item, None)
-        assert self._is_open("function_call"), "a call's arguments before its name"
+        assert self.is_open("function_call"), "a call's arguments before its name"
         self._grow(function.get("arguments") or "")
 
     def close(self, status: str) -> None:
@@ -96,7 +96,7 @@ class OutputItems:
         events, self.events = self.events, []
         return events
 
-    def _is_open(self, kind: str) -> bool:
+    def is_open(self, kind: str) -> bool:
         return self._open is not None and self._open["type"] == kind
 
     def _start(self, item: dict[str, Any], part: dict[str, Any] | None) -> None:
@@ -173,8 +173,14 @@ class ResponseRun:
             self.output.call(fragment)
         if final:
             self.finish_reason = delta.finish_reason
-            self.output.close(self.status)
+            self.output.close(self._last_item_status())
         return self._numbered(self.output.take_events())
+
+    def _last_item_status(self) -> str:
+        """The open item's status at the end: "incomplete" only where the length limit cut it, so
+        not reasoning that ended (`</think>`) before the limit came."""
+        ended = self.output.is_open("reasoning") and self.think_end in self.output_ids
+        return "completed" if ended else self.status
 
     def closing(self) -> list[Event]:
         """The last event: response.completed or response.incomplete, with the whole response."""
@@ -192,7 +198,9 @@ class ResponseRun:
     def usage(self) -> dict[str, Any]:
         return {
             "input_tokens": self.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            # nothing is billed for writing the prefix cache: cache_write_tokens (which the SDK
+            # requires) is 0
+            "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
             "output_tokens": self.num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
             "total_tokens": self.prompt_tokens + self.num_output_tokens,
@@ -226,6 +234,7 @@ def response_shell(
     sampling used (the model's generation_config.json, else OpenAI's 1.0)."""
     reasoning = body.reasoning
     text_format = body.text.format if body.text is not None else None  # checked by chat_request
+    verbosity = {"verbosity": body.text.verbosity} if body.text and body.text.verbosity else {}
     return {
         "id": response_id,
         "object": "response",
@@ -248,9 +257,9 @@ def response_shell(
         },
         "store": False,  # nothing is stored, whatever the request's `store`
         "temperature": _echo(body.temperature, sampling_defaults.get("temperature", 1.0)),
-        "text": {"format": text_format or {"type": "text"}},
+        "text": {"format": text_format or {"type": "text"}, **verbosity},
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-        "tools": body.tools or [],
+        "tools": flat_tools(body.tools),
         "top_p": _echo(body.top_p, sampling_defaults.get("top_p", 1.0)),
         "truncation": "disabled",
         "usage": None,

@@ -111,11 +111,26 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+def flat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The tools as a Response echoes them: function tools in the flat form (a tool sent in the
+    chat form, which chat_tools also takes, is flattened)."""
+    out = []
+    for tool in tools or []:
+        function = tool.get("function")
+        if isinstance(function, dict):
+            tool = {"type": "function", **function}
+        out.append({"parameters": None, "strict": None, **tool})
+    return out
+
+
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     """{"type": "function", "name"} in the chat form; the strings are the chat route's."""
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            message = "tool_choice: a function choice needs 'name', a string."
+            raise BadRequest(message, "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
     raise BadRequest(
         "tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name': ...}; "

@@ -95,7 +95,7 @@ def test_reasoning_text_and_a_call_in_order_with_their_events():
     assert response["status"] == "completed" and response["incomplete_details"] is None
     assert response["usage"] == {
         "input_tokens": 12,
-        "input_tokens_details": {"cached_tokens": 4},
+        "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
         "output_tokens": 9,
         "output_tokens_details": {"reasoning_tokens": 4},  # up to and with </think>
         "total_tokens": 21,
@@ -132,3 +132,28 @@ def test_no_text_no_items():
     assert response["output"] == [] and response["usage"]["output_tokens_details"] == {
         "reasoning_tokens": 0
     }
+
+
+def test_reasoning_that_ended_before_the_limit_is_complete():
+    """The length limit cut the answer after `</think>`: the reasoning item is completed, the
+    response incomplete."""
+    run = make_run(max_output_tokens=3)
+    response = check_events(
+        feed(run, ("Hmm.", [1], None), ("</think>\n\n", [THINK_END, 2], "length"))
+    )
+    assert response["status"] == "incomplete"
+    assert [(i["type"], i["status"]) for i in response["output"]] == [("reasoning", "completed")]
+
+
+def test_the_response_validates_as_the_sdk_types_it():
+    """Every field the openai SDK's Response requires (usage's cache_write_tokens included) and
+    the tools echoed in the flat form, a chat-form tool included."""
+    from openai.types.responses import Response
+
+    flat = {"type": "function", "name": "get_time", "parameters": PARAMETERS, "strict": True}
+    run = make_run(tools=[*TOOLS, flat], text={"format": {"type": "text"}, "verbosity": "low"})
+    response = check_events(feed(run, ("Hmm.</think>\n\nHi.", [1, THINK_END, 2], "stop")))
+    parsed = Response.model_validate(response)
+    assert parsed.usage.input_tokens_details.cache_write_tokens == 0
+    assert [t.name for t in parsed.tools] == ["get_weather", "get_time"]
+    assert response["text"]["verbosity"] == "low" and parsed.output_text == "Hi."

@@ -105,6 +105,14 @@ def test_input_items_become_one_conversation_with_the_turns_merged():
         ({"role": "user", "content": [{"type": "input_text"}]}, "input.0.content.0.text"),
         ({"type": "function_call", "name": "f", "arguments": "{}"}, "input.0.call_id"),
         ({"type": "function_call_output", "call_id": "c", "output": 3}, "input.0.output"),
+        # list members that are not parts: a 400, never an AttributeError's 500
+        ({"type": "function_call_output", "call_id": "c", "output": [1]}, "input.0.output.0"),
+        ({"type": "reasoning", "content": [1]}, "input.0.content.0: expected an object"),
+        ({"type": "reasoning", "summary": ["x"]}, "input.0.summary.0: expected an object"),
+        (
+            {"role": "user", "content": [{"type": "input_image", "image_url": 5}]},
+            "input.0.content.0.image_url: expected a URL or a data URL string, got int",
+        ),
     ],
 )
 def test_a_bad_item_is_a_400_naming_where_it_is(item, where):
@@ -190,3 +198,8 @@ def test_schema_types_are_checked_as_the_chat_route_checks_them():
     for fields in ({"input": 3}, {"reasoning": {"effort": "max"}}, {"metadata": {"k": 1}}):
         with pytest.raises(ValueError):
             ResponsesRequest.model_validate({"input": "hi", **fields})
+
+
+def test_a_function_choice_without_a_string_name_says_so():
+    err = refused(tools=[TOOL], tool_choice={"type": "function", "name": 3})
+    assert err.param == "tool_choice" and "needs 'name', a string" in err.message
