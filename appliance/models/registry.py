@@ -49,6 +49,8 @@ def quant_layout_problem(cfg: TextConfig, tp: int) -> str | None:
             model_class(cfg)(cfg)
     except UnsupportedQuantization as exc:
         return str(exc)
+    except Exception:  # noqa: BLE001 - anything else is the workers' to report, as without it
+        return None
     return None
 
 
