@@ -50,7 +50,7 @@ def quant_layout_problem(cfg: TextConfig, tp: int) -> str | None:
     except UnsupportedQuantization as exc:
         return str(exc)
     except Exception:  # noqa: BLE001 - anything else is the workers' to report, as without it
-        return None
+        pass
     return None
 
 

@@ -19,12 +19,10 @@ from fastapi.responses import Response
 from appliance.messages import TextDelta
 from appliance.parsers.reasoning import THINK_END
 from appliance.server.errors import APIError
-from appliance.server.prompts import Prompt
-from appliance.server.protocol import ChatCompletionRequest
 from appliance.server.responses_output import Event, ResponseRun, response_shell
 from appliance.server.responses_request import ResponsesRequest, chat_request
 from appliance.server.serving import Answer, serve
-from appliance.server.serving_chat import CHAT, ChatFormatter
+from appliance.server.serving_chat import ChatEndpoint, ChatFormatter
 from appliance.server.state import ServerState, abort_on_disconnect, iterate_deltas
 
 # the chat request's fields that 400s of the chat path name -> (the Responses field they came
@@ -41,23 +39,12 @@ _RENAMED = {
 }
 
 
-class ResponsesEndpoint:
+class ResponsesEndpoint(ChatEndpoint):
     """The chat endpoint's checks, prompt and parsers under response ids (serving.Endpoint)."""
 
     id_prefix = "resp"
     object_name = "response"
     chunk_object_name = "response"  # unused: a Responses stream sends events (ResponsesReply)
-
-    def check(self, state: ServerState, body: ChatCompletionRequest) -> None:
-        CHAT.check(state, body)
-
-    async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
-        return await CHAT.prompts(state, body)
-
-    def formatter(
-        self, state: ServerState, body: ChatCompletionRequest, prompts: list[Prompt]
-    ) -> ChatFormatter:
-        return CHAT.formatter(state, body, prompts)
 
 
 RESPONSES = ResponsesEndpoint()
