@@ -8,13 +8,17 @@ Stream contract. Each call's streamed `arguments`, concatenated, are at every mo
 final `arguments`, which is exactly `json.dumps(final_arguments_dict)` with Python's defaults
 (separators ", " and ": ", ensure_ascii=True, keys in the order the model wrote them):
 - the first delta of a call carries id, name and `{`; a string value streams as it arrives, escaped
-  per character and never with a partial escape; a value that could still turn out to be `null`, a
-  trailing newline that may belong to the closer and a partial closing tag are held back (a
-  partial tag that ends the output, where max_tokens cut the call short, is dropped);
+  per character and never with a partial escape; a value that could still turn out to be `null`
+  (or `None`: schema.null_spellings), a trailing newline that may belong to the closer and a
+  partial closing tag are held back (a partial tag that ends the output, where max_tokens cut the
+  call short, is dropped);
 - non-string values are emitted whole once their parameter closes; the last value's tail (closing
   quote or whole value) is held until the function closes, so `}` comes in the same delta;
 - `</parameter>`, `</function>` and `</tool_call>` may be missing: the next `<parameter=`,
   `</function>`, `<function=`, `</tool_call>` or `finish()` closes what is open;
+- a value may hold those tags as its own text (code, XML): inside a value `</parameter>` and
+  `</function>` close only where a tag that may come next (or the end) follows them, and
+  `<parameter=` / `<function=` only at the start of a line; a closer is held until that is decided;
 - a function name not in `tools` (or not the named `tool_choice`, or a second call when
   `parallel_tool_calls` is false) is dropped with a warning: it gets no index and no content, and
   the calls after it are parsed normally (SGLang's behaviour; clients only see callable tools);
@@ -40,6 +44,7 @@ from typing import Any
 from appliance.logging import get_logger
 from appliance.parsers.schema import (
     convert_value,
+    null_spellings,
     schema_types,
     streams_as_string,
     tool_name,
@@ -143,6 +148,7 @@ class _Param:
     opened: bool = False  # opening quote emitted (string values only)
     sent: list[str] = field(default_factory=list)  # value text already streamed
     unsent: list[str] = field(default_factory=list)  # value text not streamed yet
+    last_sent: str = ""  # the last non-empty piece of `sent`
 
 
 class ToolCallParser:
@@ -378,19 +384,46 @@ class ToolCallParser:
             self._value_text(self._pending)
             self._pending = ""
             return False
-        ends = [(at, tag) for tag in _VALUE_ENDS if (at := self._pending.find(tag)) >= 0]
-        if ends:
+        search = 0
+        while ends := [(at, t) for t in _VALUE_ENDS if (at := self._pending.find(t, search)) >= 0]:
             at, tag = min(ends)
-            self._value_text(self._pending[:at])
-            skip = len(tag) if tag == PARAM_END else 0
-            self._pending = self._pending[at + skip :]
-            self._close_param()
-            return True
+            ends_value = self._ends_value(tag, at, final)
+            if ends_value is None:  # the text that decides has not arrived: hold from the tag
+                self._value_text(self._pending[:at])
+                self._pending = self._pending[at:]
+                return False
+            if ends_value:
+                self._value_text(self._pending[:at])
+                skip = len(tag) if tag == PARAM_END else 0
+                self._pending = self._pending[at + skip :]
+                self._close_param()
+                return True
+            search = at + len(tag)  # the value's own text (code, XML): keep looking after it
         keep = _held_suffix(self._pending, _VALUE_ENDS)
         self._value_text(self._pending[: len(self._pending) - keep])
         # at the end (max_tokens cut the call short) a partial closing tag is the tag being
         # written, not the value's: dropped
         self._pending = "" if final else self._pending[len(self._pending) - keep :]
+        return False
+
+    def _ends_value(self, tag: str, at: int, final: bool) -> bool | None:
+        """Whether the tag at `at` in the input closes the open value (None: undecided yet). A
+        value may hold the tags as text (a file of code or XML), so a closer counts only where
+        the model's layout follows it: `</parameter>` or `</function>` followed (after
+        whitespace) by a tag that may come next or by the end of the output; `<parameter=` or
+        `<function=` at the value's start or a line's (a missing `</parameter>`);
+        `</tool_call>` always."""
+        if tag in (PARAM_START, FUNCTION_START):
+            before = self._pending[:at] or "".join(self._param.unsent) or self._param.last_sent
+            return before[-1:] in ("", "\n")
+        if tag == TOOL_CALL_END:
+            return True
+        follows = _BODY_TAGS if tag == PARAM_END else _BLOCK_TAGS
+        after = self._pending[at + len(tag) :].lstrip()
+        if any(after.startswith(t) for t in follows):
+            return True
+        if not after or any(t.startswith(after) for t in follows):
+            return True if final else None
         return False
 
     # ---- calls and parameters ----
@@ -451,12 +484,15 @@ class ToolCallParser:
         # a trailing newline may be Qwen's newline before the closer; hold it
         ready = unsent[:-1] if unsent.endswith("\n") else unsent
         if not param.opened:
-            if len(ready) <= 4 and "null".startswith(ready.lower()):
+            if len(ready) <= 4 and any(
+                null.startswith(ready.lower()) for null in null_spellings(param.types)
+            ):
                 return  # could still be the JSON null
             param.opened = True
             self._emit_args(self._call, '"')
         self._emit_args(self._call, _escape(ready))
         param.sent.append(ready)
+        param.last_sent = ready or param.last_sent
         param.unsent = [unsent[len(ready) :]]
 
     def _close_param(self) -> None:

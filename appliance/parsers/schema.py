@@ -117,6 +117,13 @@ def streams_as_string(types: frozenset[str]) -> bool:
     return types in _STRING_ONLY
 
 
+def null_spellings(types: frozenset[str]) -> tuple[str, ...]:
+    """The lowercased texts that read as JSON null: `null` always (vLLM's rule); also Python's
+    `None` (as Qwen templates that render arguments with `| string` write null) where the value
+    may be null or cannot be a string, as vLLM reads it."""
+    return ("null", "none") if "null" in types or "string" not in types else ("null",)
+
+
 def _json_loads(text: str) -> Any:
     def reject(constant: str) -> Any:  # NaN / Infinity are not JSON
         raise ValueError(constant)
@@ -175,13 +182,14 @@ def _to_structure(text: str, types: frozenset[str]) -> tuple[bool, Any]:
 def convert_value(raw: str, types: frozenset[str]) -> Any:
     """Convert a parameter's raw text (Qwen's surrounding newlines stripped) to a JSON value.
 
-    `null` (any case) is None whatever the type, as in vLLM/SGLang. Otherwise the non-string types
+    `null` (any case) is None whatever the type, as in vLLM/SGLang, and so is `None` where the
+    type allows null or is not a string (`null_spellings`). Otherwise the non-string types
     are tried in a fixed order (integer, number, boolean, object/array/any), then, where a string
     is one of several types, a JSON string literal (`"5"` -> "5"); a value none of them accepts
     stays the raw string. Integers accept an integral float spelling ("5.0" → 5); numbers
     keep Python's int/float distinction ("5" → 5, "5.0" → 5.0); NaN and infinities stay strings.
     """
-    if raw.lower() == "null":
+    if raw.lower() in null_spellings(types):
         return None
     if streams_as_string(types):
         return raw
@@ -210,13 +218,33 @@ def convert_value(raw: str, types: frozenset[str]) -> Any:
     return raw
 
 
+def resolve_refs(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`schema` with a local `$ref` (`#/$defs/X`, `#/definitions/X` of the parameters `root`, as
+    pydantic writes enums and nested models) replaced by its target, in it and in its
+    anyOf/oneOf/allOf branches, so its types are the target's; other refs are left as they are."""
+    if not isinstance(schema, dict) or depth > 8:  # depth: a ref cycle resolves no further
+        return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.count("/") == 2:
+        hash_sign, section, name = ref.split("/")
+        target = root.get(section) if hash_sign == "#" else None
+        if isinstance(target, dict) and isinstance(target.get(name), dict):
+            siblings = {k: v for k, v in schema.items() if k != "$ref"}
+            return resolve_refs({**target[name], **siblings}, root, depth + 1)
+    resolved = dict(schema)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            resolved[key] = [resolve_refs(branch, root, depth + 1) for branch in schema[key]]
+    return resolved
+
+
 def tool_parameter_schemas(tool: dict) -> dict[str, Any]:
     """`properties` of an OpenAI tool entry ({"type": "function", "function": {...}}) or of a bare
-    function dict ({"name", "parameters"}); {} when it has none."""
+    function dict ({"name", "parameters"}), local `$ref`s resolved; {} when it has none."""
     function = tool.get("function", tool) if isinstance(tool, dict) else {}
     parameters = function.get("parameters") if isinstance(function, dict) else None
     if isinstance(parameters, dict) and isinstance(parameters.get("properties"), dict):
-        return parameters["properties"]
+        return {k: resolve_refs(v, parameters) for k, v in parameters["properties"].items()}
     return {}
 
 

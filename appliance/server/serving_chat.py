@@ -7,6 +7,7 @@ parser (appliance/parsers) before it becomes `content` / `reasoning_content` / `
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
@@ -24,6 +25,14 @@ from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
 
 
+def call_id_seed(seed: int, index: int, prompt_text: str) -> int:
+    """The seed of a choice's tool-call ids: a seeded request gets the same ids again, while the
+    turns of a seeded conversation (one seed, a longer prompt each turn) do not repeat them, as
+    clients match tool results to their calls by id."""
+    digest = hashlib.sha256(f"{seed}:{index}:{prompt_text}".encode(errors="replace")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
 class ChoiceParser:
     """Model text of one choice -> (reasoning, content, tool-call deltas), incrementally."""
 
@@ -33,7 +42,7 @@ class ChoiceParser:
         opens = prompt_opens_reasoning(prompt_text)
         enabled = reasoning_mode == "on" or (reasoning_mode == "auto" and opens)
         self.reasoning = ReasoningParser(starts_in_reasoning=opens, enabled=enabled)
-        seed = None if body.seed is None else body.seed + index
+        seed = None if body.seed is None else call_id_seed(body.seed, index, prompt_text)
         tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
         self.tools = ToolCallParser(body.tools, tool_choice, body.parallel_tool_calls, seed)
         self.made_calls = False

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from appliance.grammars import ENFORCED_FORMATS, RAW_STRING_STYLE
-from appliance.parsers.schema import schema_types, streams_as_string
+from appliance.parsers.schema import resolve_refs, schema_types, streams_as_string
 from appliance.server.errors import BadRequest
 
 Format = dict[str, Any]
@@ -86,6 +86,7 @@ def _finite(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _value(schema: Any, definitions: dict[str, Any]) -> Format:
+    schema = resolve_refs(schema, definitions)  # typed as the parser types it
     if isinstance(schema, dict) and streams_as_string(schema_types(schema)):
         return _raw_string(schema)
     if isinstance(schema, dict):

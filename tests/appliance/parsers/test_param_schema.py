@@ -85,6 +85,14 @@ def test_only_plain_strings_stream() -> None:
         ('"open', {"type": ["integer", "string"]}, '"open'),
         ('"s"', {"type": "string"}, '"s"'),  # a plain string keeps what the model wrote
         ("", {"type": "integer"}, ""),
+        # Python's None (templates that render arguments with `| string` write null so) is null
+        # where null is allowed or a string is not; a plain string keeps it
+        ("None", {"type": "integer"}, None),
+        ("none", {"type": "object"}, None),
+        ("None", {"type": ["string", "null"]}, None),
+        ("None", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, None),
+        ("None", {"type": "string"}, "None"),
+        ("None", {"type": ["integer", "string"]}, "None"),
     ],
 )
 def test_convert_value(raw: str, schema: dict, value: object) -> None:

@@ -51,6 +51,21 @@ TOOLS = [
         },
     ),
     _tool("ping", {}),
+    {  # pydantic's layout: enums and nested models as $refs into $defs
+        "type": "function",
+        "function": {
+            "name": "set_level",
+            "parameters": {
+                "type": "object",
+                "$defs": {"Level": {"enum": ["1", "2", "true"], "type": "string"}},
+                "properties": {
+                    "level": {"$ref": "#/$defs/Level"},
+                    "backup": {"anyOf": [{"$ref": "#/$defs/Level"}, {"type": "null"}]},
+                    "other": {"$ref": "#/$defs/Missing"},
+                },
+            },
+        },
+    },
 ]
 
 
@@ -67,6 +82,7 @@ def _block(*functions: str) -> str:
 WEATHER = _call("get_weather", [("city", "Paris"), ("days", "3")])
 ESCAPES = 'He said "hi" \\ C:\\dir\n\ttab 😀 日本語 \x01 \u2028 </para <b> &amp; {"x": 1}'
 
+CODE = "a </parameter> b\nx<parameter=y> </function> z\n</function>x <function=q </parameter>"
 CASES = {
     "single": ToolCase(_block(WEATHER), None, [("get_weather", {"city": "Paris", "days": 3})]),
     "text_and_two_blocks": ToolCase(
@@ -241,6 +257,31 @@ CASES = {
             ("write_file", {"path": "", "content": None}),
         ],
     ),
+    "python_none_is_null_where_null_fits": ToolCase(
+        _block(
+            _call(
+                "configure",
+                [("note", "None"), ("limit", "None"), ("count", "None"), ("tags", "Nonesuch")],
+            ),
+            _call("write_file", [("path", "None"), ("content", "Non")]),
+        ),
+        None,
+        [
+            ("configure", {"note": None, "limit": None, "count": None, "tags": "Nonesuch"}),
+            ("write_file", {"path": "None", "content": "Non"}),
+        ],
+    ),
+    "refs_typed_as_their_targets": ToolCase(
+        _block(
+            _call("set_level", [("level", "1"), ("backup", "true"), ("other", "2")]),
+            _call("set_level", [("backup", "None")]),
+        ),
+        None,
+        [
+            ("set_level", {"level": "1", "backup": "true", "other": 2}),
+            ("set_level", {"backup": None}),
+        ],
+    ),
     "newline_stripping": ToolCase(
         "<tool_call>\n<function=write_file>\n<parameter=content>\n\n\nx\n\n\n</parameter>\n"
         "<parameter=path>p</parameter>\n</function>\n</tool_call>",
@@ -267,6 +308,12 @@ CASES = {
         [],
     ),
     "plain_text_trailing_whitespace": ToolCase("Hello\n\n ", "Hello\n\n ", []),
+    # a value may hold the closing tags as text (code, XML): only the model's layout closes it
+    "closers_as_text_in_a_value": ToolCase(
+        _block(_call("write_file", [("content", CODE), ("path", "p")])),
+        None,
+        [("write_file", {"content": CODE, "path": "p"})],
+    ),
 }
 
 

@@ -299,3 +299,31 @@ def test_tool_string_formats_and_optional_branches_are_enforced(tokenizer):
         assert re.fullmatch(r"\d{4}-\d\d-\d\d", args["day"])
         hexes = r"[0-9a-fA-F]{8}-" + r"[0-9a-fA-F]{4}-" * 3 + r"[0-9a-fA-F]{12}"
         assert args["ref"] is None or re.fullmatch(hexes, args["ref"])
+
+
+REF_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set_level",
+            "parameters": {
+                "type": "object",
+                "$defs": {"Level": {"enum": ["1", "high"], "type": "string"}},
+                "properties": {
+                    "level": {"$ref": "#/$defs/Level"},
+                    "backup": {"anyOf": [{"$ref": "#/$defs/Level"}, {"type": "null"}]},
+                },
+                "required": ["level", "backup"],
+            },
+        },
+    }
+]
+
+
+def test_ref_enum_parameters_are_raw_strings_in_the_grammar(tokenizer):
+    # an enum behind a $ref (pydantic's layout) is a string parameter, written raw as the parser
+    # reads it (as JSON, "1" would be quoted in the XML and read back as typed)
+    guide = tool_call_guide(REF_TOOLS, "required")
+    assert '"value": "1"' in guide.spec and '"value": "high"' in guide.spec
+    for _, args in (call for calls in _walks(tokenizer, guide, REF_TOOLS, 2, 6) for call in calls):
+        jsonschema.validate(args, REF_TOOLS[0]["function"]["parameters"])

@@ -138,3 +138,24 @@ def test_chat_formatter_reasoning_and_logprobs():
         "reasoning_content": "plan",
     }
     assert final["logprobs"] is None and final["finish_reason"] == "length"
+
+
+def test_seeded_call_ids_repeat_per_request_not_per_conversation():
+    """A seeded request gets its call ids again; the next turn of a conversation run with one
+    seed (a longer prompt) gets new ones, as vLLM's random ids would be."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], tools=tools, seed=7, n=2
+    )
+    call = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+
+    def call_ids(prompt: str) -> list[str]:
+        fmt = ChatFormatter([ChoiceParser(body, prompt, "off", i) for i in range(2)])
+        return [
+            fmt.final_choice(i, call, None, "stop")["message"]["tool_calls"][0]["id"]
+            for i in range(2)
+        ]
+
+    first = call_ids("turn one")
+    assert first == call_ids("turn one") and first[0] != first[1]
+    assert set(call_ids("turn one, tool result, turn two")).isdisjoint(first)
