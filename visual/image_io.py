@@ -22,18 +22,13 @@ import httpx
 from PIL import Image, ImageOps
 
 DECODABLE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # PIL format names Image.open may try
-# declared media types of data: URIs; the decoder tells the format from the bytes (vLLM's rule),
-# so a generic type is as good as the right one
-DATA_URI_TYPES = (
-    "image/png",
-    "image/jpeg",
-    "image/jpg",
-    "image/webp",
-    "image/gif",
-    "image/bmp",
-    "application/octet-stream",
-)
-# EXIF orientations that turn the picture a quarter: width and height swap
+# declared media types of data: URIs ("image/*": every image type); the decoder tells the format
+# from the bytes (vLLM's rule), so a generic or unusual type (image/x-png, image/pjpeg) is as good
+# as the right one, and a format it cannot read (image/tiff) is refused naming the ones it can
+DATA_URI_TYPES = ("image/*", "application/octet-stream")
+# EXIF orientations that ImageOps.exif_transpose acts on, and those that turn the picture a
+# quarter (width and height swap)
+_ORIENTATIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 _QUARTER_TURNS = (5, 6, 7, 8)
 _REDIRECT_CODES = (301, 302, 303, 307, 308)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -68,7 +63,8 @@ class FetchOptions:
     timeout_s: float = 10.0  # whole fetch deadline: every redirect hop plus the body
     max_redirects: int = 3  # redirect hops followed before giving up
     allowed_networks: tuple[str, ...] = ()  # CIDRs fetched even if non-public ("127.0.0.1/32")
-    # media types accepted from the server (the decoder tells the format from the bytes)
+    # media types accepted from the server ("image/*": every image type; the decoder tells the
+    # format from the bytes)
     allowed_content_types: tuple[str, ...] = (*DATA_URI_TYPES, "binary/octet-stream")
     user_agent: str = "appliance-image-fetch/1"  # User-Agent header sent with each request
 
@@ -140,10 +136,14 @@ def _load(data: bytes, limits: ImageLimits) -> Image.Image:
 
 
 def _orientation(image: Image.Image) -> int:
+    """The EXIF Orientation tag as exif_transpose reads it: a value it does not act on (a tag
+    stored as text, "6", or out of range) counts as 1, so check_image's size (the ViT grid the
+    API server announces) is always the size decode_image gives."""
     try:
-        return int(image.getexif().get(0x0112, 1))  # the EXIF Orientation tag
+        value = image.getexif().get(0x0112, 1)
     except (OSError, SyntaxError, ValueError, TypeError):
         return 1  # unreadable EXIF: as stored, as exif_transpose leaves it
+    return int(value) if value in _ORIENTATIONS else 1
 
 
 def check_image(data: bytes, limits: ImageLimits | None = None) -> tuple[int, int]:
@@ -169,6 +169,12 @@ def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
 # ----------------------------------------------------------------------------------- data: URIs
 
 
+def _type_allowed(media_type: str, allowed: tuple[str, ...]) -> bool:
+    """`media_type` (lower case, no parameters) is one of `allowed`, where "image/*" is any image
+    type."""
+    return media_type in allowed or f"{media_type.partition('/')[0]}/*" in allowed
+
+
 def is_data_uri(url: str) -> bool:
     return url[:5].lower() == "data:"
 
@@ -184,7 +190,7 @@ def parse_data_uri(uri: str, limits: ImageLimits | None = None) -> bytes:
     media_type, *params = [part.strip().lower() for part in header.split(";")]
     if "base64" not in params:
         raise ImageError("data: URI must be base64-encoded (';base64,')")
-    if media_type not in DATA_URI_TYPES:
+    if not _type_allowed(media_type, DATA_URI_TYPES):
         shown = media_type or "(none)"
         raise ImageError(f"unsupported data: URI media type {shown}; use one of {DATA_URI_TYPES}")
     payload = "".join(payload.split())  # clients sometimes wrap base64 lines
@@ -281,7 +287,7 @@ async def _fetch_once(
             if response.status_code != 200:
                 raise ImageError(f"image URL returned HTTP {response.status_code}")
             media_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-            if media_type not in options.allowed_content_types:
+            if not _type_allowed(media_type, options.allowed_content_types):
                 raise ImageError(f"image URL returned content type {media_type or '(none)'}")
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limits.max_bytes:

@@ -146,6 +146,7 @@ class _SamplingFields(_Schema):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's per-request max_pixels ...
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -253,6 +254,8 @@ UNSUPPORTED = {
     "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
     "prompt_logprobs": "not supported; /v1/completions with echo and logprobs scores the prompt",
     "truncate_prompt_tokens": "not supported; send the part of the prompt to keep",
+    "mm_processor_kwargs": "not supported; images are resized to the pixel range of the "
+    "checkpoint's preprocessor_config.json (size.shortest_edge / size.longest_edge)",
 }
 
 
@@ -261,7 +264,7 @@ def check_unsupported(req: _Schema, refused: dict[str, str] = UNSUPPORTED) -> No
     a 400 naming the field when one is set, rather than a silent answer without it."""
     for name, why in refused.items():
         value = getattr(req, name)
-        if value is not None and value is not False and value != []:  # 0 is set (0 == False)
+        if value is not None and value is not False and value not in ([], {}):  # 0 is set
             raise BadRequest(f"{name}: {why}.", name)
 
 

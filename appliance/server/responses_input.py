@@ -68,6 +68,11 @@ def _parts(content: Any, role: str, where: str) -> list[dict[str, Any]] | str:
                 f"{where}.content.{index}.image_url",
                 f"expected a URL or a data URL string, got {type(part['image_url']).__name__}.",
             )
+        elif part.get("detail") not in (None, "auto", "low", "high"):  # named where it was sent
+            raise _fail(
+                f"{where}.content.{index}.detail",
+                f"expected 'auto', 'low' or 'high', got {part['detail']!r:.40}.",
+            )
     return content
 
 

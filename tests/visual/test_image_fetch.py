@@ -29,6 +29,9 @@ IMAGE = Image.fromarray(np.arange(8 * 6 * 3, dtype=np.uint8).reshape(6, 8, 3))
 _buffer = io.BytesIO()
 IMAGE.save(_buffer, format="PNG")
 PNG = _buffer.getvalue()
+_buffer = io.BytesIO()
+IMAGE.save(_buffer, format="TIFF")
+TIFF = _buffer.getvalue()
 LOOPBACK = FetchOptions(allowed_networks=("127.0.0.1/32",), timeout_s=5.0)
 
 
@@ -62,6 +65,10 @@ class Handler(BaseHTTPRequestHandler):
             self._redirect(f"http://127.0.0.2:{port}/img.png")
         elif path == "/to-ftp":
             self._redirect("ftp://127.0.0.1/img.png")
+        elif path == "/img.x-png":  # an old or unusual image type: the bytes decide
+            self._send(200, PNG, "image/x-png")
+        elif path == "/img.tiff":
+            self._send(200, TIFF, "image/tiff")
         elif path == "/page.html":
             self._send(200, b"<html></html>", "text/html; charset=utf-8")
         elif path == "/big":
@@ -134,6 +141,15 @@ def test_each_redirect_target_is_checked(server):
 def test_content_type_is_checked(server):
     with pytest.raises(ImageError, match="content type text/html"):
         fetch(f"{server}/page.html")
+
+
+def test_any_image_content_type_is_fetched_and_the_bytes_decide(server):
+    """vLLM reads no declared type: image/x-png holding a PNG is a PNG; an image/tiff is fetched
+    and then refused by the decoder naming the formats it reads (not an opaque type refusal)."""
+    assert fetch(f"{server}/img.x-png") == PNG
+    assert fetch(f"{server}/img.tiff") == TIFF
+    with pytest.raises(ImageError, match=r"not a supported image \(PNG, JPEG, WebP, GIF or BMP\)"):
+        asyncio.run(load_image(f"{server}/img.tiff", fetch=LOOPBACK))
 
 
 def test_byte_limit_declared_and_streamed(server):

@@ -101,6 +101,35 @@ def test_exif_orientation_turns_the_picture_upright(make_image, orientation):
     assert np.array_equal(np.asarray(decoded), np.asarray(upright.convert("RGB")))
 
 
+def _exif_orientation(field_type: int, count: int, value: bytes) -> bytes:
+    """An EXIF block whose only entry is the Orientation tag (0x0112) of the given TIFF field
+    type, written by hand: Pillow's writer only stores it as a SHORT."""
+    entry = struct.pack(">HHI", 0x0112, field_type, count) + value.ljust(4, b"\0")
+    tiff = b"MM\x00*" + struct.pack(">IH", 8, 1) + entry + struct.pack(">I", 0)
+    return b"Exif\x00\x00" + tiff
+
+
+@pytest.mark.parametrize(
+    "field_type,count,value",
+    [
+        (2, 2, b"6\0"),  # ASCII "6": exif_transpose leaves the picture as stored
+        (4, 1, struct.pack(">I", 6)),  # LONG 6: turned
+        (7, 1, b"\x06"),  # UNDEFINED b"\x06": as stored
+        (3, 1, struct.pack(">H", 9)),  # SHORT 9, not an orientation: as stored
+    ],
+)
+def test_check_image_size_is_the_decoded_size_whatever_the_orientation_tag_holds(
+    make_image, field_type, count, value
+):
+    """The API server sizes the ViT grid with check_image and the visual server decodes with
+    decode_image; an Orientation tag stored as text once made them disagree (a 500, "grid ...
+    differs from the server's")."""
+    data = encode(
+        make_image(40, 12, seed=5), "JPEG", exif=_exif_orientation(field_type, count, value)
+    )
+    assert check_image(data) == decode_image(data).size
+
+
 def test_decompression_bomb_header_is_refused_and_pil_limit_restored():
     before = Image.MAX_IMAGE_PIXELS
     with pytest.raises(ImageError, match="pixels") as caught:
@@ -132,6 +161,8 @@ def test_data_uri_round_trip(make_image):
         f"data:image/png;base64,{payload}",
         f"data:IMAGE/PNG;base64,{wrapped}",
         f"DATA:application/octet-stream;base64,{payload}",  # schemes are case-insensitive
+        f"data:image/x-png;base64,{payload}",  # any image type: the bytes tell the format
+        f"data:image/jpeg;base64,{payload}",
     )
     for uri in uris:
         decoded = decode_image(parse_data_uri(uri))
@@ -145,6 +176,7 @@ def test_data_uri_round_trip(make_image):
         ("data:image/png,rawbytes", "base64"),
         ("data:text/plain;base64,aGVsbG8=", "media type text/plain"),
         ("data:;base64,aGVsbG8=", "media type"),
+        ("data:application/pdf;base64,aGVsbG8=", "media type application/pdf"),
         ("data:image/png;base64,@@@notbase64@@@", "not valid base64"),
         ("https://example.com/x.png", "not a data: URI"),
     ],

@@ -18,7 +18,12 @@ from appliance.metrics import MetricsRecorder
 from appliance.server.errors import BadRequest
 from appliance.server.images import expand_image_tokens, image_support, load_images
 from appliance.server.prompts import PromptBuilder
-from appliance.server.protocol import ChatMessage
+from appliance.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    check_unsupported,
+)
 from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from tests.visual.conftest import random_image
 from tests.visual.test_image_fetch import PNG as SERVED_PNG
@@ -273,3 +278,35 @@ def test_responses_style_parts_are_chat_parts(ckpt):
     nested = {"role": "user", "content": [{"type": "input_image", "image_url": {"url": url}}]}
     (image,) = ChatMessage.model_validate(nested).content
     assert isinstance(image, ImagePart) and image.image_url.url == url
+
+
+@pytest.mark.parametrize("route", [ChatCompletionRequest, CompletionRequest])
+def test_mm_processor_kwargs_are_refused_not_ignored(route):
+    """vLLM's per-request preprocessing options (min_pixels / max_pixels ...) are not done here:
+    a 400 naming the field, not an answer from a differently sized image; {} is not set."""
+    base = (
+        {"messages": [{"role": "user", "content": "hi"}]}
+        if route is ChatCompletionRequest
+        else {"prompt": "hi"}
+    )
+    check_unsupported(route.model_validate({**base, "mm_processor_kwargs": {}}))
+    request = route.model_validate({**base, "mm_processor_kwargs": {"max_pixels": 256 * 28 * 28}})
+    with pytest.raises(BadRequest, match="preprocessor_config.json") as caught:
+        check_unsupported(request)
+    assert caught.value.param == "mm_processor_kwargs"
+
+
+def test_responses_input_image_detail_is_named_where_it_was_sent():
+    """A bad `detail` of a Responses input_image is a 400 naming input.N.content.M.detail, not
+    the chat form's path it is translated to (…image_url.image_url.detail)."""
+    from appliance.server.responses_input import chat_messages
+
+    part = {"type": "input_image", "image_url": data_uri(png(16, 16, 7)), "detail": "ultra"}
+    with pytest.raises(BadRequest) as caught:
+        chat_messages([{"role": "user", "content": [part]}], None)
+    assert caught.value.message.startswith("input.0.content.0.detail: expected 'auto', 'low'")
+    for detail in (None, "auto", "low", "high"):
+        (message,) = chat_messages(
+            [{"role": "user", "content": [{**part, "detail": detail}]}], None
+        )
+        assert message.content[0].image_url.detail == detail
