@@ -52,7 +52,7 @@ class ImageInput(msgspec.Struct, frozen=True):
     num_tokens: int  # image tokens: t*h*w / merge_size**2
     grid_thw: tuple[int, int, int]  # ViT patch grid (t, h, w) before the spatial merge
     handle: str  # key of its embeddings [1 + deepstack, num_tokens, hidden] in the image store
-    content_key: str = ""  # content hash of the image file (ImageData.key): the prefix-cache key
+    content_key: str = ""  # ImageData.key (content hash of the file + its grid): prefix-cache key
 
 
 class NewRequest(msgspec.Struct, frozen=True):
@@ -185,10 +185,16 @@ class ImageData(msgspec.Struct, frozen=True, array_like=True):
     """One image of a request on its way to the visual server: the file the server fetched and
     checked. Written by server (in TokenizedRequest.images), read by visual."""
 
-    key: str  # content hash of `data`, the embedding-cache key (an identical file is encoded once)
+    # content hash of `data` and the grid it is resized to, the embedding-cache key (an identical
+    # file at the same size is encoded once; at another request's pixel range it is another entry)
+    key: str
     data: bytes  # the encoded file (PNG / JPEG / WebP / GIF) that the server's decoder accepted
     offset: int  # index in prompt_token_ids of the image's first <|image_pad|>
-    grid_thw: tuple[int, int, int]  # ViT patch grid from the checkpoint's preprocessing settings
+    grid_thw: tuple[int, int, int]  # ViT patch grid after smart resize to the pixel range below
+    # the request's resize range (mm_processor_kwargs, checked by the server); 0: the checkpoint's
+    # preprocessor_config.json bound. The visual server resizes to it and must reach grid_thw.
+    min_pixels: int = 0
+    max_pixels: int = 0
 
 
 class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):

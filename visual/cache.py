@@ -46,7 +46,7 @@ def remove_leftover_segments(pid: int) -> int:
 
 @dataclass
 class CacheEntry:
-    key: str  # content hash of the image file
+    key: str  # content hash of the image file and its grid (appliance/server/images.image_key)
     handle: str  # shared-memory segment name (ImageInput.handle)
     nbytes: int  # bytes of its embeddings [1 + deepstack, tokens, hidden]
     pins: int = 0  # live requests holding it

@@ -2,8 +2,9 @@
 
 `encode_jobs` decodes, preprocesses and encodes a batch of `ImageJob`s in one ViT forward and
 writes each image's embeddings into its shared-memory segment; each job comes back as an
-`EncodedImage` (its segment handle) or a `FailedImage` (the reason). Called by the visual server's
-encoder thread (appliance/encoder/process.py), ops/gpu/check_vision.py and tests.
+`EncodedImage` (its segment handle) or a `FailedImage` (the reason). Each job is resized to its own
+pixel range (a request's mm_processor_kwargs), checked again against the ViT reservation. Called by
+the visual server's encoder thread (appliance/encoder/process.py), ops/gpu/check_vision.py, tests.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ import numpy as np
 
 from visual.cache import segment_name
 from visual.image_io import ImageError, ImageLimits, decode_image
-from visual.preprocess import preprocess_image
+from visual.preprocess import pixel_range, preprocess_image
 
 
 @dataclass(frozen=True)
 class ImageJob:
-    """One image to encode: its content key, the encoded file, the grid the API server expects."""
+    """One image to encode: its cache key, the encoded file, the grid the API server expects from
+    resizing it to the request's pixel range (0: the checkpoint's bound)."""
 
     key: str
     data: bytes
     grid_thw: tuple[int, int, int]
+    min_pixels: int = 0
+    max_pixels: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,14 @@ def encode_jobs(
     for job in jobs:
         start = time.perf_counter()
         try:
-            processed = preprocess_image(decode_image(job.data, limits), encoder.preprocess)
+            config = pixel_range(
+                encoder.preprocess, job.min_pixels, job.max_pixels, limits.max_pixels
+            )
+        except ValueError as exc:  # the API server checked it with the same rule
+            results.append(FailedImage(job.key, f"pixel range: {exc}", 500))
+            continue
+        try:
+            processed = preprocess_image(decode_image(job.data, limits), config)
         except ImageError as exc:
             results.append(FailedImage(job.key, exc.reason, 400))
             continue

@@ -1,7 +1,8 @@
 """Qwen-VL image preprocessing: smart resize, rescale + normalise, patchify — bit-exact with HF.
 
 Called by the visual server (pixel values for the ViT) and by the API server (`image_grid` to know
-how many `<|image_pad|>` tokens an image expands to, before any pixels are processed).
+how many `<|image_pad|>` tokens an image expands to, before any pixels are processed; `pixel_range`
+to check a request's own resize range, vLLM's mm_processor_kwargs, against the ViT reservation).
 Reproduces transformers' `Qwen2VLImageProcessorPil` (PIL BICUBIC resize on uint8, float64 rescale
 cast to float32, float32 normalise, temporal broadcast, merge-window row order). Torch-free.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,80 @@ def smart_resize(height: int, width: int, config: PreprocessConfig) -> tuple[int
     if h_bar < factor or w_bar < factor:
         raise ImageError(f"image {width}x{height} is too small to preprocess")
     return h_bar, w_bar
+
+
+def _rounding_bound(max_image_pixels: int, factor: int) -> float:
+    """Largest h_bar * w_bar smart_resize's plain rounding can give an image of at most
+    `max_image_pixels` pixels: (h + f/2)(w + f/2), with h + w largest at the steepest aspect."""
+    ratio = MAX_ASPECT_RATIO
+    side_sum = math.sqrt(max_image_pixels) * (math.sqrt(ratio) + 1 / math.sqrt(ratio))
+    return max_image_pixels + factor / 2 * side_sum + factor**2 / 4
+
+
+def worst_case_pixels(config: PreprocessConfig, max_image_pixels: int) -> int:
+    """Upper bound of the resized pixel count (h_bar * w_bar) over every image smart_resize
+    accepts (aspect ratio up to MAX_ASPECT_RATIO, at most `max_image_pixels` decoded pixels).
+
+    The three regimes of smart_resize: plain rounding stays <= max_pixels; downscaling floors both
+    sides but clamps the short one up to one factor, so a thin strip exceeds max_pixels (worst at
+    the steepest aspect); upscaling ceils both sides, at most min_pixels + f*(h'+w') + f^2."""
+    f = config.factor
+    ratio = MAX_ASPECT_RATIO
+    rounding = _rounding_bound(max_image_pixels, f)
+    bound = min(config.max_pixels, rounding)
+    if rounding > config.max_pixels:  # some admissible image takes the downscaling branch
+        short = max(f, math.floor(math.sqrt(config.max_pixels / ratio) / f) * f)
+        long = max(f, math.floor(math.sqrt(config.max_pixels * ratio) / f) * f)
+        bound = max(bound, short * long)
+    low = config.min_pixels
+    upscaled = (math.sqrt(low / ratio) + f) * (math.sqrt(low * ratio) + f)
+    return int(math.ceil(max(bound, upscaled)))
+
+
+def pixel_range(
+    config: PreprocessConfig, min_pixels: int, max_pixels: int, max_image_pixels: int
+) -> PreprocessConfig:
+    """`config` (the checkpoint's) resized to a request's own pixel range (0: the checkpoint's
+    bound), if the ViT reservation, planned for the checkpoint's range, covers every image it can
+    give. ValueError naming the bound ("max_pixels: ...") otherwise. The API server checks a
+    request's range with it, the visual server each image's again."""
+    if max_pixels > config.max_pixels:
+        raise ValueError(
+            f"max_pixels: {max_pixels} is above {config.max_pixels}, the checkpoint's largest "
+            "(preprocessor_config.json size.longest_edge), which the ViT's memory is reserved for"
+        )
+    low, high = min_pixels or config.min_pixels, max_pixels or config.max_pixels
+    if low > high and not min_pixels:
+        raise ValueError(
+            f"max_pixels: {high} is below {low}, the checkpoint's smallest (preprocessor_config"
+            ".json size.shortest_edge); send a min_pixels too"
+        )
+    if low > high:
+        whose = "" if max_pixels else "the checkpoint's "
+        raise ValueError(f"min_pixels: {low} is above {whose}max_pixels {high}")
+    wanted = replace(config, min_pixels=low, max_pixels=high)
+    reserved = worst_case_pixels(config, max_image_pixels)
+    if worst_case_pixels(wanted, max_image_pixels) > reserved:
+        limit = _largest_min_pixels(wanted, max_image_pixels, reserved)
+        raise ValueError(
+            f"min_pixels: {low} would upscale some images past the ViT's memory reservation "
+            f"(planned for the checkpoint's range); at most {limit}"
+        )
+    return wanted
+
+
+def _largest_min_pixels(config: PreprocessConfig, max_image_pixels: int, reserved: int) -> int:
+    """Largest min_pixels whose worst case stays within `reserved` (the worst case grows with
+    min_pixels: the upscaling branch), found by bisection."""
+    low, high = 1, config.min_pixels  # worst case fits at `low`: the checkpoint's min did
+    while low < high:
+        middle = (low + high + 1) // 2
+        trial = replace(config, min_pixels=middle)
+        if worst_case_pixels(trial, max_image_pixels) <= reserved:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def image_grid(height: int, width: int, config: PreprocessConfig) -> tuple[int, int, int]:

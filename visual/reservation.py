@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from visual.encoder import VisionEncoder
-from visual.preprocess import MAX_ASPECT_RATIO, PreprocessConfig
+from visual.preprocess import PreprocessConfig, worst_case_pixels
 from visual.qwen_vit import QwenVisionTransformer
 
 GIB = 2**30
@@ -41,34 +41,6 @@ class Reservation:
 
 
 # ------------------------------------------------------------------------------ the worst input
-
-
-def _rounding_bound(max_image_pixels: int, factor: int) -> float:
-    """Largest h_bar * w_bar smart_resize's plain rounding can give an image of at most
-    `max_image_pixels` pixels: (h + f/2)(w + f/2), with h + w largest at the steepest aspect."""
-    ratio = MAX_ASPECT_RATIO
-    side_sum = math.sqrt(max_image_pixels) * (math.sqrt(ratio) + 1 / math.sqrt(ratio))
-    return max_image_pixels + factor / 2 * side_sum + factor**2 / 4
-
-
-def worst_case_pixels(config: PreprocessConfig, max_image_pixels: int) -> int:
-    """Upper bound of the resized pixel count (h_bar * w_bar) over every image smart_resize
-    accepts (aspect ratio up to MAX_ASPECT_RATIO, at most `max_image_pixels` decoded pixels).
-
-    The three regimes of smart_resize: plain rounding stays <= max_pixels; downscaling floors both
-    sides but clamps the short one up to one factor, so a thin strip exceeds max_pixels (worst at
-    the steepest aspect); upscaling ceils both sides, at most min_pixels + f*(h'+w') + f^2."""
-    f = config.factor
-    ratio = MAX_ASPECT_RATIO
-    rounding = _rounding_bound(max_image_pixels, f)
-    bound = min(config.max_pixels, rounding)
-    if rounding > config.max_pixels:  # some admissible image takes the downscaling branch
-        short = max(f, math.floor(math.sqrt(config.max_pixels / ratio) / f) * f)
-        long = max(f, math.floor(math.sqrt(config.max_pixels * ratio) / f) * f)
-        bound = max(bound, short * long)
-    low = config.min_pixels
-    upscaled = (math.sqrt(low / ratio) + f) * (math.sqrt(low * ratio) + f)
-    return int(math.ceil(max(bound, upscaled)))
 
 
 def worst_case_grid(config: PreprocessConfig, max_image_pixels: int) -> tuple[int, int, int]:

@@ -58,7 +58,9 @@ class VisualPipeline:
             if image.key in self._queued or image.key in self._in_flight:
                 self.cache_hits += 1  # another request's encode will serve this one too
             elif image.key not in pending.waiting:
-                self._queued[image.key] = ImageJob(image.key, image.data, image.grid_thw)
+                self._queued[image.key] = ImageJob(
+                    image.key, image.data, image.grid_thw, image.min_pixels, image.max_pixels
+                )
             pending.waiting.add(image.key)
         self.dirty = True
         if pending.waiting:

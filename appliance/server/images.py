@@ -1,11 +1,13 @@
 """Image parts of chat requests on the API server: fetch or unpack each `image_url`, decode it to
 check it (on a thread pool of its own, a request at most half of it; every refusal is an HTTP 400
-naming the image and the reason), work out its ViT grid from its upright size, and expand the chat
-template's single `<|image_pad|>` per image into t*h*w/merge^2 of them.
+naming the image and the reason), work out its ViT grid from its upright size and the request's
+pixel range (vLLM's `mm_processor_kwargs`, checked here), and expand the chat template's single
+`<|image_pad|>` per image into t*h*w/merge^2 of them.
 
-Called by serving_chat.py (loading, before the prompt is built) and prompts.py (expansion). The
-pixels themselves are not processed here: the encoded file travels on to the visual server in
-`ImageData` (preprocessing runs there, and only on a cache miss). Torch-free.
+Called by serving_chat.py / serving_completion.py (range and loading, before the prompt is built)
+and prompts.py (expansion). The pixels themselves are not processed here: the encoded file travels
+on to the visual server in `ImageData`, with the range (preprocessing runs there, and only on a
+cache miss). Torch-free.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from appliance.config import VisualConfig
 from appliance.encoder.startup import wants_visual_server
@@ -35,9 +38,14 @@ from visual.image_io import (
     is_data_uri,
     parse_data_uri,
 )
-from visual.preprocess import PreprocessConfig, image_grid
+from visual.preprocess import PreprocessConfig, image_grid, pixel_range
 
 NOT_SUPPORTED = "messages: image input is not supported by this model server."
+MM_KWARGS = "mm_processor_kwargs"
+# vLLM's Qwen2-VL / Qwen3-VL image keys: min/max_pixels, or transformers' size dict (pixel counts
+# despite the edge names); min_pixels / max_pixels spell the same bounds as the size entries
+_BOUNDS = ("min_pixels", "max_pixels")
+_SIZE_BOUNDS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
 # Images are decoded (to check them) on threads of their own, and one request uses at most half of
 # them: a request with many large pictures does not hold up the next request's small one.
 DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -49,10 +57,12 @@ _decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-check")
 class RequestImage:
     """One checked image of a request, in message order."""
 
-    key: str  # content hash of the file (the visual server's cache key)
+    key: str  # content hash of the file + its grid (the visual server's cache key, image_key)
     data: bytes  # the file as received
     grid_thw: tuple[int, int, int]  # ViT patch grid after smart resize
     num_tokens: int  # <|image_pad|> tokens it expands to
+    min_pixels: int = 0  # the request's resize range (mm_processor_kwargs); 0: the checkpoint's
+    max_pixels: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,83 @@ def image_support(model_dir: str, config: VisualConfig) -> ImageSupport:
     )
 
 
+def image_key(data: bytes, grid_thw: tuple[int, int, int]) -> str:
+    """The embedding-cache key of a file resized to `grid_thw`: its content hash and the grid. The
+    embeddings depend on nothing else (the pixels are resized to exactly grid * patch), so one file
+    at two pixel ranges giving two grids is two entries (shared-memory segments, prefix-cache
+    keys), and at two ranges giving the same grid one."""
+    t, h, w = grid_thw
+    return f"{hashlib.blake2b(data, digest_size=16).hexdigest()}_{t}x{h}x{w}"
+
+
+def _bound(given: dict[str, tuple[str, int]], bound: str, spelling: str, value: Any) -> None:
+    if value is None:  # vLLM reads null as unset
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise BadRequest(
+            f"{MM_KWARGS}.{spelling}: expected a pixel count, an integer >= 1, got {value!r}.",
+            MM_KWARGS,
+        )
+    if bound in given and given[bound][1] != value:
+        other, before = given[bound]
+        raise BadRequest(
+            f"{MM_KWARGS}.{spelling}: {value} differs from {other} {before} (the same bound).",
+            MM_KWARGS,
+        )
+    given[bound] = (spelling, value)
+
+
+def _given_bounds(kwargs: dict[str, Any]) -> dict[str, tuple[str, int]]:
+    """min_pixels / max_pixels -> (the key that set it, the value), unknown keys refused."""
+    given: dict[str, tuple[str, int]] = {}
+    for key, value in kwargs.items():
+        if key in _BOUNDS:
+            _bound(given, key, key, value)
+        elif key == "size" and (value is None or isinstance(value, dict)):
+            for edge, count in (value or {}).items():
+                if edge not in _SIZE_BOUNDS:
+                    raise BadRequest(
+                        f"{MM_KWARGS}.size.{edge}: not supported; size takes shortest_edge and "
+                        "longest_edge (pixel counts).",
+                        MM_KWARGS,
+                    )
+                _bound(given, _SIZE_BOUNDS[edge], f"size.{edge}", count)
+        elif key == "size":
+            raise BadRequest(
+                f"{MM_KWARGS}.size: expected an object with shortest_edge / longest_edge.",
+                MM_KWARGS,
+            )
+        else:
+            raise BadRequest(
+                f"{MM_KWARGS}.{key}: not supported; images take min_pixels, max_pixels and size "
+                "(shortest_edge / longest_edge).",
+                MM_KWARGS,
+            )
+    return given
+
+
+def request_preprocess(
+    support: ImageSupport, kwargs: dict[str, Any] | None
+) -> PreprocessConfig | None:
+    """The preprocessing settings of a request's images: the checkpoint's, resized to the pixel
+    range its mm_processor_kwargs give (vLLM's Qwen-VL keys). A 400 naming the key for an unknown
+    key, a value that is not a positive integer, min above max, or a range the ViT's memory
+    reservation does not cover (max_pixels above the checkpoint's). Checked on every request of a
+    server that takes images, images or not; None (ignored) on one that takes none."""
+    if not support.enabled:
+        return None
+    given = _given_bounds(kwargs or {})
+    if not given:
+        return support.preprocess
+    low, high = (given.get(bound, ("", 0))[1] for bound in _BOUNDS)
+    try:
+        return pixel_range(support.preprocess, low, high, support.limits.max_pixels)
+    except ValueError as exc:
+        bound, _, reason = str(exc).partition(": ")
+        spelling = given.get(bound, (bound, 0))[0]
+        raise BadRequest(f"{MM_KWARGS}.{spelling}: {reason}.", MM_KWARGS) from None
+
+
 def image_parts(messages: Sequence[ChatMessage]) -> list[ImagePart]:
     """Every image part of every message (earlier turns included), in conversation order."""
     return [
@@ -95,6 +182,7 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[ImagePart]:
 
 async def _load_one(
     support: ImageSupport,
+    preprocess: PreprocessConfig,
     url: str,
     index: int,
     metrics: MetricsRecorder | None,
@@ -112,23 +200,26 @@ async def _load_one(
         async with decoding:
             loop = asyncio.get_running_loop()
             width, height = await loop.run_in_executor(_decoder, check_image, data, support.limits)
-        grid = image_grid(height, width, support.preprocess)
+        grid = image_grid(height, width, preprocess)
     except ImageError as exc:
         raise BadRequest(f"messages: image {index + 1}: {exc.reason}", "messages", code) from None
     if metrics is not None:
         metrics.on_image_stage("fetch_decode", time.monotonic() - start)
-    num_tokens = grid[0] * grid[1] * grid[2] // support.preprocess.merge_size**2
-    key = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return RequestImage(key, data, grid, num_tokens)
+    num_tokens = grid[0] * grid[1] * grid[2] // preprocess.merge_size**2
+    ranged = preprocess != support.preprocess  # the message carries 0s for the checkpoint's
+    low, high = (preprocess.min_pixels, preprocess.max_pixels) if ranged else (0, 0)
+    return RequestImage(image_key(data, grid), data, grid, num_tokens, low, high)
 
 
 async def load_images(
     support: ImageSupport,
     messages: Sequence[ChatMessage],
     metrics: MetricsRecorder | None = None,
+    preprocess: PreprocessConfig | None = None,
 ) -> list[RequestImage]:
-    """Fetch / unpack and check every image of a request, concurrently. BadRequest (400) when the
-    model takes no images, there are too many, or one of them is unusable (the reason says why)."""
+    """Fetch / unpack and check every image of a request, concurrently, sized by `preprocess` (the
+    request's, request_preprocess; None: the checkpoint's). BadRequest (400) when the model takes
+    no images, there are too many, or one of them is unusable (the reason says why)."""
     parts = image_parts(messages)
     if not parts:
         return []
@@ -140,7 +231,11 @@ async def load_images(
             "messages",
         )
     decoding = asyncio.Semaphore(DECODES_PER_REQUEST)
-    loads = [_load_one(support, p.image_url.url, i, metrics, decoding) for i, p in enumerate(parts)]
+    preprocess = preprocess or support.preprocess
+    loads = [
+        _load_one(support, preprocess, p.image_url.url, i, metrics, decoding)
+        for i, p in enumerate(parts)
+    ]
     return list(await asyncio.gather(*loads))
 
 
@@ -161,7 +256,16 @@ def expand_image_tokens(
     previous = 0
     for position, image in zip(positions, images):
         expanded += token_ids[previous:position]
-        data.append(ImageData(image.key, image.data, len(expanded), image.grid_thw))
+        data.append(
+            ImageData(
+                image.key,
+                image.data,
+                len(expanded),
+                image.grid_thw,
+                image.min_pixels,
+                image.max_pixels,
+            )
+        )
         expanded += [image_token_id] * image.num_tokens
         previous = position + 1
     expanded += token_ids[previous:]

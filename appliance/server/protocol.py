@@ -146,7 +146,9 @@ class _SamplingFields(_Schema):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's per-request max_pixels ...
+    # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,
+    # longest_edge}; checked by appliance/server/images.py (request_preprocess)
+    mm_processor_kwargs: dict[str, Any] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -254,8 +256,6 @@ UNSUPPORTED = {
     "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
     "prompt_logprobs": "not supported; /v1/completions with echo and logprobs scores the prompt",
     "truncate_prompt_tokens": "not supported; send the part of the prompt to keep",
-    "mm_processor_kwargs": "not supported; images are resized to the pixel range of the "
-    "checkpoint's preprocessor_config.json (size.shortest_edge / size.longest_edge)",
 }
 
 

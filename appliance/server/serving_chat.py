@@ -18,7 +18,7 @@ from appliance.server.chat_checks import (
     check_tools,
     template_kwargs,
 )
-from appliance.server.images import image_support, load_images
+from appliance.server.images import image_support, load_images, request_preprocess
 from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest
 from appliance.server.serving import Choice, check_n
@@ -152,7 +152,8 @@ class ChatEndpoint:
         num_chars = message_chars(body.messages)
         state.prompts.check_chars(num_chars, "messages")  # before fetching images or queueing
         support = image_support(state.model_dir, state.config.visual)
-        images = await load_images(support, body.messages, state.metrics)
+        preprocess = request_preprocess(support, body.mm_processor_kwargs)
+        images = await load_images(support, body.messages, state.metrics, preprocess)
         prompt = await state.prompt_lanes.run(
             num_chars,
             state.prompts.chat,

@@ -11,6 +11,7 @@ from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.server.errors import BadRequest
+from appliance.server.images import image_support, request_preprocess
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import CompletionRequest
 from appliance.server.serving import Choice, check_n
@@ -122,6 +123,10 @@ class CompletionEndpoint:
                 "best_of",
             )
         check_n(state, body)
+        # no images here, but the chat route's rule for the field: a bad value is a 400 anyway
+        request_preprocess(
+            image_support(state.model_dir, state.config.visual), body.mm_processor_kwargs
+        )
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
         raw_prompts = _prompt_list(body.prompt)

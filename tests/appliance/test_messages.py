@@ -92,7 +92,7 @@ NEW = m.NewRequest(
 )
 CHUNK = m.ScheduledChunk(3, 5, 3, [10, 11, 12], True, num_draft=2, save_snapshot=6)
 SAVE = m.SnapshotSave(req_slot=3, snapshot=6)
-IMAGE_DATA = m.ImageData("ab12cd", b"\x89PNG\r\n", 3, (1, 4, 4))
+IMAGE_DATA = m.ImageData("ab12cd_1x4x4", b"\x89PNG\r\n", 3, (1, 4, 4), 1024, 4096)
 VISUAL_STATS = m.VisualStats(3, 1, 4096, 5, 2, [0.01], [0.02, 0.03])
 VISUAL_INFO = m.VisualInfo("cuda:0", 2**30, 900_000_000, (1, 64, 64), 8)
 

@@ -25,6 +25,8 @@ from appliance.testing.tiny_vl import build_tiny_qwen3_vl
 from tests.e2e.live import start_appliance
 from tests.models.qwen3_vl_oracle import Driver, VLPrompt, engine, hf_processor
 from tests.visual.test_image_io import png_header_only
+from visual.checkpoint import preprocess_config
+from visual.preprocess import image_grid, pixel_range
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
 MAX_TOKENS = 8
@@ -255,6 +257,77 @@ def test_preempted_image_requests_are_recomputed_correctly(sdk, app, offline):
         t.join(120)
     assert router(app)["num_preemptions"] > before
     assert [results[i] for i in range(4)] == expected
+
+
+BIG = random_image(128, 128, 40)  # the checkpoint's range keeps it: 8x8 patches, 16 tokens
+SMALL = {"max_pixels": 64 * 64}  # vLLM's mm_processor_kwargs: 4x4 patches, 4 tokens
+
+
+def ask(sdk, image: Image.Image, kwargs: dict | None = None) -> tuple[str, int]:
+    """(greedy text, usage.prompt_tokens) of a one-image chat, at the request's pixel range."""
+    extra = {**NO_THINK, **({"mm_processor_kwargs": kwargs} if kwargs is not None else {})}
+    out = sdk.chat.completions.create(
+        model=MODEL,
+        messages=messages([("user", ["Describe.", image])]),
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body=extra,
+    )
+    return out.choices[0].message.content, out.usage.prompt_tokens
+
+
+def test_mm_processor_kwargs_resize_each_requests_images(sdk, ckpt, offline):
+    """A smaller max_pixels: the grid check_image's sizing gives for that range, that many fewer
+    prompt tokens, and the answer of the image pre-shrunk to that grid (BICUBIC, as the visual
+    server resizes). One file at both ranges, back and forth, on every route: each answer is its
+    own range's (the cache keys by content and grid, never confusing the two)."""
+    config = preprocess_config(ckpt)
+    small_grid = image_grid(128, 128, pixel_range(config, 0, SMALL["max_pixels"], 40_000_000))
+    assert (image_grid(128, 128, config), small_grid) == ((1, 8, 8), (1, 4, 4))
+    shrunk = BIG.resize((64, 64), Image.Resampling.BICUBIC)
+    default_text, default_tokens = ask(sdk, BIG)
+    small_text, small_tokens = ask(sdk, BIG, SMALL)
+    assert default_tokens - small_tokens == 16 - 4
+    assert ask(sdk, shrunk) == (small_text, small_tokens)
+    assert small_text == offline([("user", ["Describe.", shrunk])])
+    assert default_text == offline([("user", ["Describe.", BIG])])
+    size = {"size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64}}  # transformers' spelling
+    assert ask(sdk, BIG, size) == (small_text, small_tokens)
+    assert ask(sdk, BIG, {}) == (default_text, default_tokens)
+    content = [
+        {"type": "input_text", "text": "Describe."},
+        {"type": "input_image", "image_url": data_uri(BIG)},
+    ]
+    response = sdk.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        reasoning={"effort": "none"},
+        extra_body={"ignore_eos": True, "mm_processor_kwargs": SMALL},
+    )
+    assert (response.output_text, response.usage.input_tokens) == (small_text, small_tokens)
+
+
+def test_bad_mm_processor_kwargs_get_400_naming_them_and_the_server_keeps_serving(app, sdk):
+    image = [{"type": "image_url", "image_url": {"url": data_uri(BIG)}}]
+    chat_body = {"messages": [{"role": "user", "content": image}], "max_tokens": 2}
+    cases = [
+        ("chat/completions", chat_body, {"fps": 2}, "mm_processor_kwargs.fps: not supported"),
+        ("chat/completions", chat_body, {"max_pixels": 20000}, "is above 16384"),
+        ("chat/completions", chat_body, {"min_pixels": 4096, "max_pixels": 2048}, "is above"),
+        ("chat/completions", chat_body, {"max_pixels": "4096"}, "expected a pixel count"),
+        ("completions", {"prompt": "hi", "max_tokens": 2}, {"do_resize": False}, "do_resize"),
+        ("responses", {"input": "hi"}, {"size": {"longest_edge": 10**9}}, "size.longest_edge"),
+    ]
+    for route, body, kwargs, words in cases:
+        r = httpx.post(
+            f"{app.url}/v1/{route}", json={**body, "mm_processor_kwargs": kwargs}, timeout=30
+        )
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "mm_processor_kwargs", (route, r.text)
+        assert words in error["message"], (route, error)
+    assert chat(sdk, ONE)  # still serving image requests
 
 
 def test_afterwards_no_slot_and_no_pin_is_held(app):

@@ -16,7 +16,13 @@ from transformers import AutoTokenizer
 from appliance.config import VisualConfig
 from appliance.metrics import MetricsRecorder
 from appliance.server.errors import BadRequest
-from appliance.server.images import expand_image_tokens, image_support, load_images
+from appliance.server.images import (
+    expand_image_tokens,
+    image_key,
+    image_support,
+    load_images,
+    request_preprocess,
+)
 from appliance.server.prompts import PromptBuilder
 from appliance.server.protocol import (
     ChatCompletionRequest,
@@ -90,7 +96,8 @@ def test_data_uris_across_turns_with_keys_grids_and_timings(ckpt):
     images = load(ckpt, msgs, metrics=metrics)
     preprocess = image_support(ckpt, CONFIG).preprocess
     assert [i.data for i in images] == [a, b, a]
-    assert images[0].key == images[2].key == hashlib.blake2b(a, digest_size=16).hexdigest()
+    digest = hashlib.blake2b(a, digest_size=16).hexdigest()
+    assert images[0].key == images[2].key == f"{digest}_1x4x4"  # content hash + grid
     assert images[1].key != images[0].key
     assert images[1].grid_thw == image_grid(30, 100, preprocess)
     assert [i.num_tokens for i in images] == [
@@ -281,19 +288,95 @@ def test_responses_style_parts_are_chat_parts(ckpt):
 
 
 @pytest.mark.parametrize("route", [ChatCompletionRequest, CompletionRequest])
-def test_mm_processor_kwargs_are_refused_not_ignored(route):
-    """vLLM's per-request preprocessing options (min_pixels / max_pixels ...) are not done here:
-    a 400 naming the field, not an answer from a differently sized image; {} is not set."""
+def test_mm_processor_kwargs_are_no_longer_refused_as_unsupported(route):
     base = (
         {"messages": [{"role": "user", "content": "hi"}]}
         if route is ChatCompletionRequest
         else {"prompt": "hi"}
     )
-    check_unsupported(route.model_validate({**base, "mm_processor_kwargs": {}}))
-    request = route.model_validate({**base, "mm_processor_kwargs": {"max_pixels": 256 * 28 * 28}})
-    with pytest.raises(BadRequest, match="preprocessor_config.json") as caught:
-        check_unsupported(request)
-    assert caught.value.param == "mm_processor_kwargs"
+    request = route.model_validate({**base, "mm_processor_kwargs": {"max_pixels": 64 * 64}})
+    check_unsupported(request)
+    assert request.mm_processor_kwargs == {"max_pixels": 64 * 64}
+
+
+def test_mm_processor_kwargs_spellings_give_the_requests_range(ckpt):
+    """vLLM's Qwen-VL keys: min_pixels / max_pixels or transformers' size dict (the same two
+    bounds, pixel counts); an unset bound is the checkpoint's; null or {} is unset; a server that
+    takes no images ignores the field, as vLLM does for text-only models."""
+    support = image_support(ckpt, CONFIG)
+    checkpoint = support.preprocess
+    assert (checkpoint.min_pixels, checkpoint.max_pixels) == (32 * 32, 128 * 128)
+    for unset in (None, {}, {"max_pixels": None}, {"size": {}}):
+        assert request_preprocess(support, unset) == checkpoint
+    ranged = request_preprocess(support, {"max_pixels": 64 * 64})
+    assert (ranged.min_pixels, ranged.max_pixels) == (32 * 32, 64 * 64)
+    both = {"min_pixels": 48 * 48, "max_pixels": 64 * 64}
+    size = {"size": {"shortest_edge": 48 * 48, "longest_edge": 64 * 64}}
+    mixed = {"min_pixels": 48 * 48, "size": {"shortest_edge": 48 * 48, "longest_edge": 64 * 64}}
+    configs = [request_preprocess(support, kwargs) for kwargs in (both, size, mixed)]
+    assert configs[0] == configs[1] == configs[2]
+    assert (configs[0].min_pixels, configs[0].max_pixels) == (48 * 48, 64 * 64)
+    text_only = image_support(ckpt, VisualConfig(vision=False))
+    assert request_preprocess(text_only, {"fps": 2}) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"fps": 2}, "mm_processor_kwargs.fps: not supported; images take min_pixels"),
+        ({"do_resize": False}, "mm_processor_kwargs.do_resize: not supported"),
+        ({"size": {"height": 64}}, "mm_processor_kwargs.size.height: not supported"),
+        ({"size": 4096}, "mm_processor_kwargs.size: expected an object"),
+        ({"max_pixels": "4096"}, "max_pixels: expected a pixel count, an integer >= 1, got '4096'"),
+        ({"max_pixels": 4096.0}, "max_pixels: expected a pixel count"),
+        ({"min_pixels": True}, "min_pixels: expected a pixel count"),
+        ({"max_pixels": 0}, "max_pixels: expected a pixel count"),
+        ({"size": {"shortest_edge": -5}}, "size.shortest_edge: expected a pixel count"),
+        ({"min_pixels": 8192, "max_pixels": 4096}, "min_pixels: 8192 is above max_pixels 4096"),
+        ({"max_pixels": 20000}, "max_pixels: 20000 is above 16384, the checkpoint's largest"),
+        (
+            {"size": {"longest_edge": 20000}},
+            "mm_processor_kwargs.size.longest_edge: 20000 is above",
+        ),
+        ({"max_pixels": 512}, "max_pixels: 512 is below 1024, the checkpoint's smallest"),
+        ({"min_pixels": 16384}, "min_pixels: 16384 would upscale some images past the ViT's"),
+        (
+            {"max_pixels": 4096, "size": {"longest_edge": 8192}},
+            "size.longest_edge: 8192 differs from max_pixels 4096",
+        ),
+    ],
+)
+def test_bad_mm_processor_kwargs_are_400s_naming_the_key(ckpt, kwargs, words):
+    with pytest.raises(BadRequest) as caught:
+        request_preprocess(image_support(ckpt, CONFIG), kwargs)
+    assert words in caught.value.message
+    assert caught.value.status == 400 and caught.value.param == "mm_processor_kwargs"
+
+
+def test_images_are_sized_keyed_and_sent_at_the_requests_range(ckpt):
+    """One file at the checkpoint's range and at a smaller one: other grid, fewer tokens, another
+    cache key; the range travels in ImageData so the visual server resizes it the same way (0s:
+    the checkpoint's)."""
+    support = image_support(ckpt, CONFIG)
+    data = png(128, 128, 8)
+    msgs = [message("look", {"url": data_uri(data)})]
+    ranged = request_preprocess(support, {"max_pixels": 64 * 64})
+    (default,) = load(ckpt, msgs)
+    (small,) = asyncio.run(load_images(support, msgs, None, ranged))
+    assert (default.grid_thw, default.num_tokens) == ((1, 8, 8), 16)
+    assert (small.grid_thw, small.num_tokens) == ((1, 4, 4), 4) == (image_grid(128, 128, ranged), 4)
+    assert small.key != default.key and small.data == default.data
+    assert small.key == image_key(data, (1, 4, 4)) and default.key == image_key(data, (1, 8, 8))
+    assert (default.min_pixels, default.max_pixels) == (0, 0)
+    assert (small.min_pixels, small.max_pixels) == (32 * 32, 64 * 64)
+    pad = support.image_token_id
+    ids, sent = expand_image_tokens([5, pad, 6, pad, 7], pad, [default, small])
+    assert ids == [5] + [pad] * 16 + [6] + [pad] * 4 + [7]
+    assert [(d.key, d.offset, d.grid_thw) for d in sent] == [
+        (default.key, 1, (1, 8, 8)),
+        (small.key, 18, (1, 4, 4)),
+    ]
+    assert [(d.min_pixels, d.max_pixels) for d in sent] == [(0, 0), (32 * 32, 64 * 64)]
 
 
 def test_responses_input_image_detail_is_named_where_it_was_sent():

@@ -19,12 +19,13 @@ from appliance.messages import (
     TokenizedRequest,
     VisualStats,
 )
+from appliance.server.images import image_key
 from tests.visual.conftest import random_image
 from visual.cache import EmbeddingCache
 from visual.encoder import VisionEncoder
 from visual.image_io import ImageLimits, decode_image
-from visual.pipeline import FailedImage, encode_jobs
-from visual.preprocess import image_grid, preprocess_images
+from visual.pipeline import FailedImage, ImageJob, encode_jobs
+from visual.preprocess import image_grid, pixel_range, preprocess_images
 from visual.shm import SharedMemoryImageStore, UntrackedSegmentStore
 
 LIMITS = ImageLimits()
@@ -167,3 +168,38 @@ def test_undecodable_image_rejects_its_requests(setup, encoder):
     assert rejects["bad"].message.startswith("messages: image rejected:")
     assert pipeline.num_pending == 0
     assert good.key in cache and cache.get(good.key).pins == 0  # released with its request
+
+
+def test_one_file_at_two_pixel_ranges_is_two_encodes_each_at_its_grid(setup, encoder):
+    """The same bytes at the checkpoint's range and at a request's smaller one (mm_processor_kwargs)
+    are two cache entries, each encoded at its own grid (the grid cross-check passes for both), and
+    each request gets its own; a range the reservation does not cover is the server disagreeing
+    with itself (500), not a crash."""
+    pipeline, store, cache, sent = setup
+    data = _png(128, 128, 30)
+    default = _image(data, 4, encoder)
+    ranged_config = pixel_range(encoder.preprocess, 0, 64 * 64, LIMITS.max_pixels)
+    grid = image_grid(128, 128, ranged_config)
+    assert (default.grid_thw, grid) == ((1, 8, 8), (1, 4, 4))
+    ranged = ImageData(image_key(data, grid), data, 4, grid, 32 * 32, 64 * 64)
+    pipeline.on_request(_request("big", [default]))
+    pipeline.on_request(_request("small", [ranged]))
+    assert _run_encoder(pipeline, encoder, store) == 1
+    assert len(cache) == 2  # two encodes, not one deduplicated job
+    by_id = {m.req_id: m for m in sent}
+    assert [(m.grid_thw, m.num_tokens) for m in by_id["big"].mm] == [((1, 8, 8), 16)]
+    assert [(m.grid_thw, m.num_tokens) for m in by_id["small"].mm] == [((1, 4, 4), 4)]
+    assert by_id["big"].mm[0].handle != by_id["small"].mm[0].handle
+    assert by_id["big"].mm[0].content_key != by_id["small"].mm[0].content_key  # prefix cache
+    for msg, config in ((by_id["big"], encoder.preprocess), (by_id["small"], ranged_config)):
+        pixel_values, grid_thw = preprocess_images([random_image(128, 128, 30)], config)
+        embeds, deepstack = encoder.encode(pixel_values, grid_thw)
+        loaded = SharedMemoryImageStore().load(msg.mm[0].handle)
+        torch.testing.assert_close(loaded, torch.stack([embeds, *deepstack]), rtol=1e-4, atol=1e-5)
+    # the same file and range again: a cache hit on the ranged entry
+    pipeline.on_request(_request("again", [ranged]))
+    assert sent[-1].req_id == "again" and sent[-1].mm[0].handle == by_id["small"].mm[0].handle
+    job = ImageJob("toobig", data, (1, 8, 8), 0, 256 * 256)
+    (failed,) = encode_jobs(encoder, store, [job], LIMITS)
+    assert isinstance(failed, FailedImage) and failed.status == 500
+    assert "pixel range: max_pixels: 65536 is above 16384" in failed.reason

@@ -154,6 +154,12 @@ def test_tools_tool_choice_text_and_sampling_reach_the_chat_fields():
     assert translate(text={"format": {"type": "text"}}).response_format is None
 
 
+def test_mm_processor_kwargs_reach_the_chat_request():
+    """vLLM's per-request image range rides along to the chat route, which sizes the images."""
+    kwargs = {"size": {"shortest_edge": 1024, "longest_edge": 4096}}
+    assert translate(mm_processor_kwargs=kwargs).mm_processor_kwargs == kwargs
+
+
 @pytest.mark.parametrize(
     ("effort", "switches"),
     [
