@@ -197,7 +197,7 @@ def _walks(tokenizer, guide, tools, seed: int, count: int):
             logits = apply_token_bitmask(
                 torch.randn(1, 2000, generator=gen), guided.bitmask([(walk, [])])
             )
-            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1)))
+            tokens.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)))
             guided.advance(walk, tokens[-1:])
             assert len(tokens) < 2000
         assert tokens[-1] == EOS
