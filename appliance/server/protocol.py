@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +18,9 @@ from appliance.server.errors import BadRequest
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit on `stop`
+# /v1/completions: vLLM sets no limit, and lm-eval's local-completions sends a task's `until` plus
+# eos uncapped (humaneval: 6); a bound all the same, each string is searched in every delta
+MAX_COMPLETION_STOP_SEQUENCES = 64
 
 
 INT64_MAX = 2**63 - 1
@@ -122,6 +125,8 @@ class StreamOptions(_Schema):
 class _SamplingFields(_Schema):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
+    max_stop_sequences: ClassVar[int] = MAX_STOP_SEQUENCES  # the route's limit on `stop`
+
     model: str | None = None
     # Types here; value ranges are SamplingParams' (one rule set with the offline LLM), described
     # (not enforced) by `documented` so the OpenAPI schema states them too.
@@ -131,7 +136,7 @@ class _SamplingFields(_Schema):
     top_k: int | None = documented(minimum=-1, maximum=INT64_MAX)
     min_p: float | None = documented(minimum=0, maximum=1)
     seed: int | None = documented(minimum=-INT64_MAX - 1, maximum=INT64_MAX)
-    stop: str | list[str] | None = None  # at most MAX_STOP_SEQUENCES (checked in sampling_params)
+    stop: str | list[str] | None = None  # at most max_stop_sequences (checked in sampling_params)
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = documented(minimum=-2, maximum=2)
     frequency_penalty: float | None = documented(minimum=-2, maximum=2)
@@ -200,6 +205,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    max_stop_sequences: ClassVar[int] = MAX_COMPLETION_STOP_SEQUENCES
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # 0: only the prompt, scored with echo + logprobs
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -313,9 +320,9 @@ def sampling_params(
         raise BadRequest(
             f"min_tokens: {req.min_tokens} is more than max_tokens ({requested}).", "min_tokens"
         )
-    if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_SEQUENCES:
+    if isinstance(req.stop, list) and len(req.stop) > req.max_stop_sequences:
         raise BadRequest(
-            f"stop: expected at most {MAX_STOP_SEQUENCES} stop sequences, got {len(req.stop)}.",
+            f"stop: expected at most {req.max_stop_sequences} stop sequences, got {len(req.stop)}.",
             "stop",
         )
     for stop in [req.stop] if isinstance(req.stop, str) else req.stop or []:

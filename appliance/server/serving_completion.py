@@ -42,9 +42,14 @@ class LegacyLogprobs:
             tokens.append(e.token)
             token_logprobs.append(e.logprob)
             # a prompt's first token has no logprob and no alternatives (null, as OpenAI); else
-            # the top N and the token itself, as OpenAI's up to N + 1 entries (and vLLM's)
-            top.append(None if e.logprob is None else {t: lp for t, lp, _ in e.top})
+            # the top N and the token itself, as OpenAI's up to N + 1 entries (and vLLM's). Two
+            # tokens spelt alike (byte pieces shown as U+FFFD) share a key: it keeps the better
+            # logprob (the top N come best first), so the key with the highest value is the
+            # most likely text, as clients read it (lm-eval's greedy check)
+            top.append(None if e.logprob is None else {})
             if top[-1] is not None:
+                for token, logprob, _ in e.top:
+                    top[-1].setdefault(token, logprob)
                 top[-1].setdefault(e.token, e.logprob)
             offsets.append(self.offset)
             self.offset += len(self._utf8.decode(bytes(e.bytes)))
@@ -55,6 +60,19 @@ class LegacyLogprobs:
             "text_offset": offsets,
         }
 
+    def scored_entries(
+        self, prompt_items: list[TokenLogprob], items: list[TokenLogprob], echo: str
+    ) -> dict[str, Any]:
+        """The prompt's entries, then the generated tokens' from the end of the echoed `echo`:
+        its tokens may spell it otherwise (the empty prompt's <|endoftext|>, text the tokenizer
+        normalised to NFC), and the offsets index the text the client got."""
+        scored = self.entries(prompt_items)
+        if prompt_items:
+            self.offset = len(echo)
+            self._utf8.reset()
+        generated = self.entries(items)
+        return {key: scored[key] + generated[key] for key in scored}
+
 
 class CompletionFormatter:
     """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk), and
@@ -62,10 +80,14 @@ class CompletionFormatter:
 
     labels_stops = False  # finish_reason as the engine ended the choice
 
-    def __init__(self, echoes: list[str], scored: bool = False) -> None:
+    def __init__(
+        self, echoes: list[str], scored: bool = False, prompt_tokens: list[int] | None = None
+    ) -> None:
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
         self.pending_echo = list(echoes)  # per choice: echo not streamed yet
         self.scored = scored
+        # per choice: its prompt's tokens, the entries that lead a scored choice's logprobs
+        self.prompt_tokens = prompt_tokens or [0] * len(echoes)
         # per choice, for streaming
         self.offsets = [LegacyLogprobs(self._first_offset(e)) for e in echoes]
 
@@ -79,10 +101,13 @@ class CompletionFormatter:
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         text = self.pending_echo[index] + delta.text
         self.pending_echo[index] = ""
-        items = (delta.prompt_logprobs or []) + (delta.logprobs or [])
-        if not text and not items and delta.finish_reason is None:
+        prompt_items, items = delta.prompt_logprobs or [], delta.logprobs or []
+        if not text and not prompt_items and not items and delta.finish_reason is None:
             return None
-        logprobs = self.offsets[index].entries(items) if items else None
+        logprobs = None
+        if prompt_items or items:
+            echo = self.echoes[index]
+            logprobs = self.offsets[index].scored_entries(prompt_items, items, echo)
         return {
             "index": index,
             "text": text,
@@ -94,12 +119,16 @@ class CompletionFormatter:
         self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
     ) -> Choice:
         echo = self.echoes[index]
+        entries = None
+        if logprobs is not None:
+            num_prompt = self.prompt_tokens[index] if self.scored else 0
+            entries = LegacyLogprobs(self._first_offset(echo)).scored_entries(
+                logprobs[:num_prompt], logprobs[num_prompt:], echo
+            )
         return {
             "index": index,
             "text": echo + text,
-            "logprobs": None
-            if logprobs is None
-            else LegacyLogprobs(self._first_offset(echo)).entries(logprobs),
+            "logprobs": entries,
             "finish_reason": finish_reason,
         }
 
@@ -141,9 +170,12 @@ class CompletionEndpoint:
         self, state: ServerState, body: CompletionRequest, prompts: list[Prompt]
     ) -> CompletionFormatter:
         echoes: list[str] = []
+        prompt_tokens: list[int] = []
         for prompt in prompts:
             echoes += [_echo(state, body, prompt)] * body.n
-        return CompletionFormatter(echoes, scored=body.num_prompt_logprobs() is not None)
+            prompt_tokens += [len(prompt.token_ids)] * body.n
+        scored = body.num_prompt_logprobs() is not None
+        return CompletionFormatter(echoes, scored, prompt_tokens)
 
 
 def _echo(state: ServerState, body: CompletionRequest, prompt: Prompt) -> str:

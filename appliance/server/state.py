@@ -109,7 +109,7 @@ class ServerState:
             raise err
 
     def check_model(self, name: str | None) -> str:
-        if name is None or name in (self.model_name, self.model_dir):
+        if not name or name in (self.model_name, self.model_dir):  # "" as unset, as vLLM
             return self.model_name
         raise ModelNotFound(name)
 

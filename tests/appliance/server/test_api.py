@@ -342,3 +342,20 @@ def test_text_offsets_count_characters_split_over_tokens(make_server, tokenizer)
     before = [len(tokenizer.decode(reply[:i]).rstrip("\ufffd")) for i in range(len(reply))]
     assert before[2] == before[1]  # "é" is two byte tokens (so is the emoji, four)
     assert choice["logprobs"]["text_offset"] == before
+
+
+def test_echo_offsets_index_the_text_of_an_empty_prompt(make_server):
+    """The empty prompt is scored as <|endoftext|> but echoed as "": the generated tokens'
+    text_offset index the text the client got, collected and streamed."""
+    client, _, _ = make_server()
+    body = {"prompt": "", "echo": True, "logprobs": 0, "max_tokens": 3}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"][0] == "<|endoftext|>" and lp["token_logprobs"][0] is None
+    generated = lp["tokens"][1:]
+    assert choice["text"] == "".join(generated)
+    assert lp["text_offset"] == [0] + [len("".join(generated[:i])) for i in range(len(generated))]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    offsets = [x for c in chunks for x in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]

@@ -103,6 +103,19 @@ def test_at_most_4_stop_sequences(make_server):
     assert_error(chat(client, stop=["a", "b", "c", "d", "e"]), 400, "stop", contains="4")
 
 
+def test_completions_take_more_stop_sequences_as_vllm(make_server):
+    """lm-eval's local-completions sends a task's `until` plus eos uncapped (humaneval: 6), which
+    vLLM takes; /v1/completions bounds them at 64, not at OpenAI's 4."""
+    client, engine, _ = make_server()
+    until = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "<|im_end|>"]
+    r = client.post("/v1/completions", json={"prompt": "def f():", "stop": until})
+    assert r.status_code == 200, r.json()
+    assert engine.received[-1].detok.stop == until
+    many = [f"s{i}" for i in range(65)]
+    r = client.post("/v1/completions", json={"prompt": "x", "stop": many})
+    assert_error(r, 400, "stop", contains="64")
+
+
 def test_a_tool_message_needs_its_call_id(make_server):
     client, engine, _ = make_server()
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

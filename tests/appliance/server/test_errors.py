@@ -97,6 +97,9 @@ def test_malformed_json_and_unknown_model(make_server):
     err = assert_error(r, 404, "model", "model_not_found", "gpt-9")
     assert err["type"] == "invalid_request_error"
     assert_serving(client)
+    # an empty model name is the served model, as in vLLM
+    r = client.post("/v1/chat/completions", json={"model": "", "messages": MSG})
+    assert r.status_code == 200, r.text
     assert_error(client.get("/v1/nothing"), 404)
     assert_serving(client)
 

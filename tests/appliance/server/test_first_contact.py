@@ -376,6 +376,19 @@ def test_completions_top_logprobs_hold_the_sampled_token_too():
     assert list(top[0]) == [" Paris", " Seoul"]
 
 
+def test_completions_top_logprobs_keep_the_better_of_tokens_spelt_alike():
+    """Byte-piece tokens all show as U+FFFD: their shared key keeps the best logprob, so the
+    sampled (greedy) token is still the dict's best key (lm-eval's is_greedy check)."""
+    from appliance.messages import TokenLogprob
+    from appliance.server.serving_completion import LegacyLogprobs
+
+    top = [("\ufffd", -0.2, [0xE4]), (" a", -1.0, list(b" a")), ("\ufffd", -3.0, [0xE5])]
+    items = [TokenLogprob("\ufffd", -0.2, [0xE4], top)]
+    (entry,) = LegacyLogprobs(0).entries(items)["top_logprobs"]
+    assert entry == {"\ufffd": -0.2, " a": -1.0}
+    assert max(entry, key=entry.get) == "\ufffd"
+
+
 def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tokenizer):
     client, engine, _ = make_server()
     sdk = sdk_for(client)

@@ -159,3 +159,20 @@ def test_seeded_call_ids_repeat_per_request_not_per_conversation():
     first = call_ids("turn one")
     assert first == call_ids("turn one") and first[0] != first[1]
     assert set(call_ids("turn one, tool result, turn two")).isdisjoint(first)
+
+
+def test_completion_formatter_generated_offsets_follow_the_echoed_text():
+    """Prompt tokens that spell the echo otherwise ("e" + a combining accent the tokenizer
+    normalised to "é"): the first generated token's offset is the echo's length, not the sum of
+    the prompt tokens' lengths."""
+    echo = "Ae\u0301"
+    prompt = [
+        TokenLogprob("A", None, list(b"A")),
+        TokenLogprob("\u00e9", -1.0, list("\u00e9".encode())),
+    ]
+    fmt = CompletionFormatter([echo], scored=True, prompt_tokens=[2])
+    first = TextDelta("r", "x", [], 1, None, [entry("x")], prompt_logprobs=prompt)
+    streamed = fmt.delta_choice(0, first)
+    assert streamed["text"] == echo + "x" and streamed["logprobs"]["text_offset"] == [0, 1, 3]
+    final = fmt.final_choice(0, "xy", [*prompt, entry("x"), entry("y")], "length")
+    assert final["text"] == echo + "xy" and final["logprobs"]["text_offset"] == [0, 1, 3, 4]
