@@ -35,7 +35,7 @@ def _is_number(value: object) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt
-    max_tokens: int = 16  # generated tokens at most
+    max_tokens: int | None = 16  # generated tokens at most; None = what the context leaves (vLLM)
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = -1  # keep the k most likely tokens; -1 or 0 = off
@@ -59,6 +59,10 @@ class SamplingParams:
     # and a stop string ends the text only past those tokens' text
     min_tokens: int = 0
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these ids
+    # vLLM's structured outputs, offline: one of json / regex / choice / grammar / json_object, a
+    # dict or an object with those attributes (StructuredOutputsParams); the LLM makes the guide
+    structured_outputs: object | None = None
+    guided_decoding: object | None = None  # vLLM's older name of structured_outputs
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,9 +75,9 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         _check(
-            _is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63,
+            self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens < 2**63),
             "max_tokens",
-            "a 64-bit integer >= 1",
+            "None (what the context leaves) or a 64-bit integer >= 1",
             self.max_tokens,
         )
         t = self.temperature
@@ -120,7 +124,7 @@ class SamplingParams:
         self._validate_logit_bias()
         mt = self.min_tokens
         _check(
-            _is_int(mt) and 0 <= mt <= self.max_tokens,
+            _is_int(mt) and 0 <= mt <= (2**63 if self.max_tokens is None else self.max_tokens),
             "min_tokens",
             f"an integer in [0, max_tokens ({self.max_tokens})]",
             mt,
@@ -133,6 +137,9 @@ class SamplingParams:
             f"None or a non-empty list of token ids in [0, {MAX_TOKEN_ID})",
             allowed,
         )
+        given = [n for n in ("guide", "structured_outputs", "guided_decoding") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: only one output constraint per request")
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raises ValueError naming the first stop or allowed token id past the tokenizer's

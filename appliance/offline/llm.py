@@ -10,78 +10,37 @@ they do behind the HTTP server.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, NoReturn
 
-from appliance.config import EngineConfig
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
-from appliance.messages import Guide, TextDelta, TokenizedRequest
+from appliance.messages import Guide, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.offline.options import build_engine_config, vllm_keywords
+from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-@dataclass
-class CompletionOutput:
-    """One choice of one prompt. `generate` returns them flat (the n choices of each prompt in
-    turn); `outputs` also groups them as vLLM's RequestOutput does, so vLLM's
-    `out[i].outputs[j].text` reads choice j (with n = 1, out[i] is prompt i's only choice, where
-    vLLM's out[i] is prompt i's request output)."""
-
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)  # generated ids (a final stop id included)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    # SamplingParams.prompt_logprobs: each prompt token's logprob (None for the first)
-    prompt_logprobs: list[float | None] | None = None
-    index: int = 0  # which of the prompt's n choices
-    prompt: str | None = None  # the prompt as given, when it was text
-    # the prompt's choices, this one among them (vLLM's RequestOutput.outputs)
-    outputs: list[CompletionOutput] = field(default_factory=list, repr=False, compare=False)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+__all__ = ["LLM", "CompletionOutput", "build_engine_config"]
 
 
-def build_engine_config(model_dir: str | None, tp: int, options: dict) -> EngineConfig:
-    """Splits flat keyword options over the engine's config sections (model, scheduler, parallel,
-    cache, kernels, graphs); unknown names raise ValueError naming the option."""
-    sections = {f.name: f.default_factory() for f in fields(EngineConfig)}
-    values: dict[str, dict] = {name: {} for name in sections}
-    for key, value in options.items():
-        owner = next((name for name, cfg in sections.items() if hasattr(cfg, key)), None)
-        if owner is None:
-            raise ValueError(f"{key}: unknown option")
-        values[owner][key] = value
-    values["model"]["model_dir"] = str(model_dir or "")
-    values["parallel"]["tp"] = tp
-    return EngineConfig(**{name: replace(cfg, **values[name]) for name, cfg in sections.items()})
+def _no_pooling(name: str) -> Callable[..., NoReturn]:
+    """vLLM's pooling entry points: this appliance serves generative models only."""
 
+    def refuse(self, *args, **kwargs) -> NoReturn:
+        raise NotImplementedError(
+            f"LLM.{name}: pooling (encode, embed, classify, score, reward) is not supported; "
+            "this appliance serves generative models (generate, chat)"
+        )
 
-def vllm_keywords(options: dict, tp: int) -> int:
-    """vLLM's spellings of the same options, as `appliance serve` takes its flags
-    (`tensor_parallel_size` for `tp`, `enforce_eager` ...): moved to ours in `options`; returns
-    the tensor-parallel size. Theirs that mean something else here raise ValueError naming ours."""
-    from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
-
-    def keyword(flag: str) -> str:
-        return flag.lstrip("-").replace("-", "_")
-
-    for ours, flags in FLAG_ALIASES.items():
-        for theirs in map(keyword, flags):
-            if theirs in options:
-                value = options.pop(theirs)
-                if ours == "tp":
-                    tp = value
-                else:
-                    options[ours] = value
-    for theirs, hint in ((keyword(flag), hint) for flag, hint in FLAG_HINTS.items()):
-        if theirs in options:
-            raise ValueError(f"{theirs}: use {hint}")
-    return tp
+    refuse.__name__ = name
+    return refuse
 
 
 class LLM:
@@ -100,7 +59,8 @@ class LLM:
         **options,
     ) -> None:
         options = dict(options)
-        tp = vllm_keywords(options, tp)
+        tp = vllm_keywords(options, tp, model)
+        rng_seed = options.get("seed")  # vLLM's seed: unseeded requests sample reproducibly too
         self.config = build_engine_config(model, tp, options)
         from appliance.assets.resolve import resolve_model_dir
         from appliance.engine.runner import ModelRunner
@@ -146,6 +106,7 @@ class LLM:
             info.max_model_len,
             num_snapshot_slots=info.num_snapshot_slots,
             linear_state=info.linear_state,
+            rng_seed=rng_seed,
         )
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)
         self.detokenizer = Detokenizer(self.tokenizer)
@@ -155,6 +116,18 @@ class LLM:
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams (the generation_config defaults)."""
         return SamplingParams(**self.sampling_defaults)
+
+    get_default_sampling_params = default_sampling_params  # vLLM's name
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's Hugging Face tokenizer (vLLM's get_tokenizer)."""
+        return self.tokenizer.hf
+
+    encode = _no_pooling("encode")
+    embed = _no_pooling("embed")
+    classify = _no_pooling("classify")
+    score = _no_pooling("score")
+    reward = _no_pooling("reward")
 
     def close(self) -> None:
         """Stops the worker processes (tp > 1); a no-op in process."""
@@ -168,27 +141,41 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[list[int], str | None]:
+        """A prompt's token ids and its text (when given as text): a string, token ids, or vLLM's
+        TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if extra or not prompt:
+                raise ValueError(
+                    f"prompt: {', '.join(extra) or 'an empty dict'} is not supported: a prompt "
+                    "dict holds 'prompt' (text) or 'prompt_token_ids'"
+                )
+            if "prompt_token_ids" not in prompt:
+                return self._prompt_ids(prompt["prompt"])
+            return self._prompt_ids(prompt["prompt_token_ids"])[0], prompt.get("prompt")
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt), prompt
         ids = list(prompt)
         vocab = len(self.tokenizer.hf)
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
-        return ids
+        return ids, None
 
     def _request(
         self, ids: list[int], params: SamplingParams, choice: int, fit: bool = False
     ) -> TokenizedRequest:
         """Choice `choice` of the prompt's n: a given seed is offset so the choices differ (as the
         server's choices). `fit`: max_tokens is the generation config's cap (max_new_tokens),
-        not asked for, so it shrinks to the room the prompt leaves (as the server's does)."""
+        not asked for, so it shrinks to the room the prompt leaves (as the server's does);
+        max_tokens None (vLLM's) is that room."""
         if params.guide is not None:
             self._check_guide(params.guide)
-        max_tokens = params.max_tokens
-        if fit:  # a prompt with no room left still meets the scheduler's refusal
-            max_tokens = min(max_tokens, max(1, self.scheduler.max_model_len - len(ids)))
+        room = max(1, self.scheduler.max_model_len - len(ids))  # none left: the scheduler refuses
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if fit:
+            max_tokens = min(max_tokens, room)
         return TokenizedRequest(
             req_id=f"offline-{next(self._ids)}",
             prompt_token_ids=ids,
@@ -211,17 +198,45 @@ class LLM:
             self._compiler = GrammarCompiler(lambda: hf, len(hf), list(self.eos_token_ids))
         self._compiler.submit(guide).result()
 
+    @staticmethod
+    def _structured(params: SamplingParams) -> SamplingParams:
+        """vLLM's structured_outputs / guided_decoding (json, regex, choice, grammar or
+        json_object; a dict or an object with those attributes) as the guide the server makes of
+        the same request field; a bad one raises ValueError naming it."""
+        name = "structured_outputs" if params.structured_outputs else "guided_decoding"
+        spec = getattr(params, name)
+        if not spec:
+            return params
+        from types import SimpleNamespace
+
+        from appliance.server.errors import APIError
+        from appliance.server.guides import _EXTRA_KEYS, request_guide
+
+        if not isinstance(spec, dict):
+            spec = {key: getattr(spec, key, None) for key in _EXTRA_KEYS}
+        try:
+            _, guide = request_guide(SimpleNamespace(structured_outputs=spec), None, None)
+        except APIError as exc:
+            message = exc.message.removeprefix("structured_outputs: ")
+            raise ValueError(f"{name}: {message}") from None
+        return replace(params, guide=guide, structured_outputs=None, guided_decoding=None)
+
     def generate(
         self,
-        prompts: str | list[int] | list[str | list[int]],
+        prompts: str | list[int] | dict | list[str | list[int] | dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
-        """Runs every prompt to its end: `n` outputs a prompt (SamplingParams.n), prompt by prompt,
-        as the server numbers choices. A prompt the scheduler refuses raises its error (a
-        ValueError, or QueueFull); any error or interrupt (KeyboardInterrupt) drops every request
-        of the call, so the LLM serves the next call as new."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Runs every prompt to its end; one output a prompt, its first choice, holding its `n`
+        choices (SamplingParams.n) as `outputs`, as vLLM's RequestOutput. A prompt is text, token
+        ids or vLLM's prompt dict. A prompt the scheduler refuses raises its error (a ValueError,
+        or QueueFull); any error or interrupt (KeyboardInterrupt) drops every request of the
+        call, so the LLM serves the next call as new. `use_tqdm` is taken for vLLM's scripts; no
+        progress bar is drawn."""
+        del use_tqdm
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = list(prompts)
         params = sampling_params or self.default_sampling_params()
         fit = sampling_params is None and "max_tokens" in self.sampling_defaults
         if isinstance(params, list) and len(params) != len(prompts):
@@ -230,46 +245,56 @@ class LLM:
                 "one a prompt)"
             )
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        for sp in {id(sp): sp for sp in params_list}.values():
-            sp.check_vocabulary(len(self.tokenizer.hf))
-        outputs: dict[str, CompletionOutput] = {}
+        checked: dict[int, SamplingParams] = {}
+        for sp in params_list:
+            if id(sp) not in checked:
+                sp.check_vocabulary(len(self.tokenizer.hf))
+                checked[id(sp)] = self._structured(sp)
+        params_list = [checked[id(sp)] for sp in params_list]
+        outputs: dict[str, tuple[CompletionOutput, SamplingParams]] = {}
         open_ids: set[str] = set()
         try:
             for prompt, sp in zip(prompts, params_list):
-                ids = self._prompt_ids(prompt)
+                ids, text = self._prompt_ids(prompt)
                 choices: list[CompletionOutput] = []
                 for choice in range(sp.n):
                     req = self._request(ids, sp, choice, fit)
                     self.engine.enqueue(req)
-                    outputs[req.req_id] = out = CompletionOutput(
+                    out = CompletionOutput(
                         prompt_token_ids=req.prompt_token_ids,
                         logprobs=[] if sp.logprobs is not None else None,
                         index=choice,
-                        prompt=prompt if isinstance(prompt, str) else None,
+                        prompt=text,
+                        request_id=req.req_id,
                         outputs=choices,
                     )
+                    outputs[req.req_id] = (out, sp)
                     choices.append(out)
                     open_ids.add(req.req_id)
             self._run(outputs, open_ids)
         except BaseException:
             self._abort(sorted(open_ids))
             raise
-        return list(outputs.values())
+        return [out for out, _ in outputs.values() if out.index == 0]
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        chat_template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
+        use_tqdm: bool = True,
+        *,  # vLLM's next positional is lora_request: the rest by name
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[CompletionOutput]:
         """`generate` over conversations in OpenAI's message format (one conversation, or a list
-        of them), rendered by the model's chat template as the server renders
+        of them), rendered by the model's chat template (or `chat_template`) as the server renders
         /v1/chat/completions (`chat_template_kwargs`, e.g. {"enable_thinking": False}; `tools`
-        in OpenAI's format). The text is what the model wrote, thinking and tool-call markup
-        included (vLLM's LLM.chat too); text parts only. A conversation the template or the
-        message format refuses raises ValueError."""
+        in OpenAI's format; vLLM's `continue_final_message`). The text is what the model wrote,
+        thinking and tool-call markup included (vLLM's LLM.chat too); text parts only. A
+        conversation the template or the message format refuses raises ValueError."""
         from pydantic import TypeAdapter
 
         from appliance.server.errors import APIError
@@ -280,18 +305,29 @@ class LLM:
         conversations = [messages] if single else messages
         read = TypeAdapter(list[ChatMessage])
         builder = PromptBuilder(self.tokenizer.hf, self.scheduler.max_model_len)
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
         prompts: list[str | list[int]] = []
         for i, conversation in enumerate(conversations):
             try:
                 parsed = read.validate_python(conversation)
-                prompt = builder.chat(parsed, tools, chat_template_kwargs, add_generation_prompt)
+                prompt = builder.chat(
+                    parsed,
+                    tools,
+                    kwargs,
+                    add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
             except APIError as exc:
                 where = "" if single else f"conversation {i}: "
                 raise ValueError(f"{where}{exc.message}") from None
             prompts.append(prompt.token_ids)
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, outputs: dict[str, CompletionOutput], open_ids: set[str]) -> None:
+    def _run(
+        self, outputs: dict[str, tuple[CompletionOutput, SamplingParams]], open_ids: set[str]
+    ) -> None:
         while open_ids:
             ran = self.engine.step()
             routed = self.engine.take_output()
@@ -299,6 +335,7 @@ class LLM:
                 if not ran:
                     break
                 continue
+            updates = {update.req_id: update for update in routed.updates}
             deltas, finishes = self.detokenizer.process(routed)
             for finish in finishes:
                 self.engine.finish(finish.req_id, finish.reason)
@@ -307,7 +344,8 @@ class LLM:
                     continue  # a request an earlier, interrupted call dropped
                 if delta.finish_reason is not None:
                     open_ids.discard(delta.req_id)
-                self._apply(delta, outputs[delta.req_id])
+                out, params = outputs[delta.req_id]
+                self._apply(delta, updates.get(delta.req_id), out, params)
 
     def _abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -316,14 +354,24 @@ class LLM:
         if routed is not None:
             self.detokenizer.process(routed)
 
-    @staticmethod
-    def _apply(delta: TextDelta, out: CompletionOutput) -> None:
+    def _apply(
+        self,
+        delta: TextDelta,
+        update: TokenUpdate | None,
+        out: CompletionOutput,
+        params: SamplingParams,
+    ) -> None:
         if delta.finish_reason == "error":
             raise ValueError(delta.error or "the request was refused")
         out.token_ids += delta.token_ids
         out.text += delta.text
-        if delta.prompt_logprobs is not None:
-            out.prompt_logprobs = [entry.logprob for entry in delta.prompt_logprobs]
-        if out.logprobs is not None and delta.logprobs is not None:
-            out.logprobs += [entry.logprob for entry in delta.logprobs]
+        if delta.prompt_logprobs is not None and update is not None:
+            scores = update.prompt_logprobs
+            out.prompt_logprobs = logprob_dicts(delta.prompt_logprobs, scores.token_ids, scores.top)
+        if out.logprobs is not None and delta.logprobs is not None and update is not None:
+            tops = update.top_logprobs
+            out.logprobs += logprob_dicts(delta.logprobs, delta.token_ids, tops)
         out.finish_reason = delta.finish_reason
+        if delta.finish_reason == "stop":
+            full_text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
+            out.stop_reason = stop_reason(out, params.stop_token_ids, params.stop, full_text)

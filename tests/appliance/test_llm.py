@@ -65,22 +65,27 @@ def test_generate_without_params_samples_with_the_generation_config(llm, tiny_de
 
 
 def test_n_outputs_a_prompt_prompt_by_prompt(llm):
-    """SamplingParams.n gives n outputs a prompt, in prompt order; with a seed, choice i samples as
-    the server's choice i does (seed + i), so the choices differ and each reproduces."""
+    """SamplingParams.n gives n choices a prompt, grouped as vLLM's RequestOutput: one output a
+    prompt (its first choice), `outputs` its n choices; with a seed, choice i samples as the
+    server's choice i does (seed + i), so the choices differ and each reproduces."""
     p = dict(max_tokens=6, temperature=1.0, ignore_eos=True)
     outs = llm.generate(["x = ", "y = "], SamplingParams(n=3, seed=7, **p))
-    assert len(outs) == 6
-    assert [o.prompt_token_ids for o in outs] == (
-        [llm.tokenizer.encode("x = ")] * 3 + [llm.tokenizer.encode("y = ")] * 3
-    )
+    assert len(outs) == 2 and [len(o.outputs) for o in outs] == [3, 3]
+    assert [o.prompt_token_ids for o in outs] == [
+        llm.tokenizer.encode("x = "),
+        llm.tokenizer.encode("y = "),
+    ]
     for i in range(3):
         alone = llm.generate("x = ", SamplingParams(seed=7 + i, **p))[0]
-        assert outs[i].token_ids == alone.token_ids
-    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
-    # vLLM's grouping reads the same choices: out[i].outputs[j], each with its index
-    assert outs[0].outputs == outs[:3] and outs[4].outputs == outs[3:]
-    assert [o.index for o in outs] == [0, 1, 2] * 2 and outs[3].prompt == "y = "
-    assert outs[3].outputs[2] is outs[5] and all(o.finished for o in outs)
+        assert outs[0].outputs[i].token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1
+    # out[i] reads as its first choice too: out[i].text is out[i].outputs[0].text
+    assert outs[0].outputs[0] is outs[0] and outs[1].outputs[0] is outs[1]
+    assert [o.index for o in outs[1].outputs] == [0, 1, 2] and outs[1].prompt == "y = "
+    assert all(c.finished for o in outs for c in o.outputs)
+    # vLLM's loop over prompts and their choices sees each choice once
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 6 and texts[:3] == [c.text for c in outs[0].outputs]
     one = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
     assert one[0].outputs == one and one[0].prompt is None and "outputs" not in repr(one[0])
 
@@ -176,7 +181,7 @@ def test_chat_renders_conversations_as_the_server_does(llm):
 def test_vllm_keywords_and_a_tp_the_model_cannot_split(tiny_dense):
     with LLM(str(tiny_dense), tensor_parallel_size=1, enforce_eager=True, **OPTS) as llm:
         assert llm.config.parallel.tp == 1 and llm.config.graphs.disable_cuda_graph
-    with pytest.raises(ValueError, match="gpu_memory_utilization: use --mem-fraction"):
+    with pytest.raises(ValueError, match="gpu_memory_utilization: use mem_fraction "):
         LLM(str(tiny_dense), gpu_memory_utilization=0.9)
     with pytest.raises(ValueError, match="tp 3 does not divide num_attention_heads 4"):
         LLM(str(tiny_dense), tensor_parallel_size=3, **OPTS)

@@ -201,14 +201,20 @@ def generate_scored(llm: LLM, seqs, params) -> list[tuple]:
     scores: dict[int, list] = {}  # id of the output -> its entries
     apply = llm._apply
 
-    def record(delta, out):
+    def record(delta, update, out, params):
         entries = scores.setdefault(id(out), [])
         entries += [(e.logprob, [(t, v) for t, v, _ in e.top]) for e in delta.logprobs or []]
-        apply(delta, out)
+        apply(delta, update, out, params)
 
     llm._apply = record
     outs = llm.generate(seqs, params)
-    return [(o.token_ids, scores.get(id(o), []), o.finish_reason, o.prompt_logprobs) for o in outs]
+
+    def prompt_scores(o) -> list[float | None] | None:
+        if o.prompt_logprobs is None:
+            return None
+        return [d and d[t].logprob for t, d in zip(o.prompt_token_ids, o.prompt_logprobs)]
+
+    return [(o.token_ids, scores.get(id(o), []), o.finish_reason, prompt_scores(o)) for o in outs]
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])

@@ -38,18 +38,26 @@ def test_prompt_logprobs_match_transformers_on_cuda(tiny_dense):
     check_prompt_logprobs(tiny_dense, options, abs_tol=1e-3)
 
 
+def prompt_token_logprobs(out) -> list[float | None]:
+    """Each prompt token's own logprob from vLLM's per-position {id: Logprob} dicts."""
+    ids, dicts = out.prompt_token_ids, out.prompt_logprobs
+    return [None if d is None else d[t].logprob for t, d in zip(ids, dicts, strict=True)]
+
+
 def check_prompt_logprobs(tiny_dense, options: dict, abs_tol: float) -> None:
     llm = LLM(str(tiny_dense), max_num_seqs=4, max_model_len=128, **options)
     prompts = [list(range(40, 90)), [7, 300, 5], [11], list(range(900, 860, -1))]
+    tops = (0, 5, 1, 20)
     params = [
         SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=k)
-        for k in (0, 5, 1, 20)
+        for k in tops
     ]
     outs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outs, strict=True):
+    for prompt, out, k in zip(prompts, outs, tops, strict=True):
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         expected = hf_prompt_logprobs(tiny_dense, prompt)
-        assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=abs_tol)
+        assert prompt_token_logprobs(out)[1:] == pytest.approx(expected, abs=abs_tol)
+        assert all(max(k, 1) <= len(d) <= k + 1 for d in out.prompt_logprobs[1:])
         assert len(out.token_ids) == 24
     if options["num_kv_slots"] < 100:
         assert llm.scheduler.stats().num_preemptions > 0
@@ -65,6 +73,6 @@ def check_prompt_logprobs(tiny_dense, options: dict, abs_tol: float) -> None:
     llm.generate(longer, SamplingParams(max_tokens=2, temperature=0))
     assert llm.scheduler.stats().prefix_cache_hits > hits  # a plain request hits
     scored = llm.generate(longer, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))
-    assert scored[0].prompt_logprobs[1:] == pytest.approx(
+    assert prompt_token_logprobs(scored[0])[1:] == pytest.approx(
         hf_prompt_logprobs(tiny_dense, longer), abs=abs_tol
     )
