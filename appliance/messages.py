@@ -132,6 +132,10 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]  # the scored prompt tokens
     logprobs: list[float | None]  # per token; None for prompt token 0 (nothing before it)
     top: list[list[tuple[int, float]]]  # per token: (id, logprob) pairs, best first
+    # per token: its rank in the whole vocabulary, 1 + the ids with a strictly higher logprob (1 =
+    # the most likely; vLLM's Logprob.rank, which may exceed len(top)); 0 for prompt token 0.
+    # Empty from a writer that does not rank (read as "not known")
+    ranks: list[int] = []
 
 
 class PromptScores(msgspec.Struct, frozen=True):
@@ -395,6 +399,11 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float | None  # None only for a prompt's first token (nothing before it scores it)
     bytes: list[int]  # the token's raw UTF-8 bytes
     top: list[tuple[str, float, list[int]]] = []  # (token, logprob, bytes), best first
+    # the ids behind the texts, which the server needs for vLLM's shapes (prompt_logprobs dicts
+    # keyed by id, return_tokens_as_token_ids); -1 / [] in an entry built without them
+    token_id: int = -1
+    top_ids: list[int] = []  # the id of each `top` entry, in its order
+    rank: int = 0  # a prompt token's vocabulary rank (PromptLogprobs.ranks); 0: not known
 
 
 class TextDelta(msgspec.Struct, frozen=True, array_like=True):

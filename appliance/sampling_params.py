@@ -63,6 +63,9 @@ class SamplingParams:
     # dict or an object with those attributes (StructuredOutputsParams); the LLM makes the guide
     structured_outputs: object | None = None
     guided_decoding: object | None = None  # vLLM's older name of structured_outputs
+    # vLLM's: only the prompt's last k tokens are fed (-1: the context length); offline only (the
+    # server reads the request field, appliance/server/prompts.py kept_tokens)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -136,6 +139,13 @@ class SamplingParams:
             "allowed_token_ids",
             f"None or a non-empty list of token ids in [0, {MAX_TOKEN_ID})",
             allowed,
+        )
+        keep = self.truncate_prompt_tokens
+        _check(
+            keep is None or (_is_int(keep) and (keep == -1 or keep >= 1)),
+            "truncate_prompt_tokens",
+            "None, -1 (the context length) or an integer >= 1",
+            keep,
         )
         given = [n for n in ("guide", "structured_outputs", "guided_decoding") if getattr(self, n)]
         if len(given) > 1:

@@ -79,7 +79,9 @@ class Detokenizer:
         scores = update.prompt_logprobs
         prompt_logprobs = None
         if scores is not None:
-            prompt_logprobs = self._entries(scores.token_ids, scores.logprobs, scores.top)
+            prompt_logprobs = self._entries(
+                scores.token_ids, scores.logprobs, scores.top, scores.ranks
+            )
         if finish is not None:
             del self._requests[req_id]
         if not text and not token_ids and finish is None and prompt_logprobs is None:
@@ -109,16 +111,21 @@ class Detokenizer:
         token_ids: list[int],
         logprobs: list[float | None],
         tops: list[list[tuple[int, float]]] | None,
+        ranks: list[int] | None = None,
     ) -> list[TokenLogprob]:
-        """OpenAI logprob entries (token text and bytes, its logprob, the top alternatives')."""
+        """OpenAI logprob entries (token text and bytes, its logprob, the top alternatives'), with
+        the ids behind them and, for prompt tokens, their vocabulary ranks (`ranks`)."""
         entries: list[TokenLogprob] = []
         entry = self.tokenizer.token_entry
         for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
             text, raw = entry(token_id)
             top: list[tuple[str, float, list[int]]] = []
+            top_ids: list[int] = []
             if tops is not None:
                 for tok, lp in tops[i]:
                     t_text, t_raw = entry(tok)
                     top.append((t_text, lp, t_raw))
-            entries.append(TokenLogprob(text, logprob, raw, top))
+                    top_ids.append(tok)
+            rank = ranks[i] if ranks else 0
+            entries.append(TokenLogprob(text, logprob, raw, top, token_id, top_ids, rank))
         return entries

@@ -1,8 +1,9 @@
-"""Prompt logprobs (completions `echo` + `logprobs`): each prompt token's log-probability given the
-tokens before it, from the raw logits of the prefill rows that precede it, with the top
-alternatives. Called by the model runner on the hidden states of every eager step; a chunked
-prefill scores its part per chunk. Every TP rank computes the logits (the LM head gathers them
-over the ranks, a collective), rank 0's lists are the result.
+"""Prompt logprobs (completions `echo` + `logprobs`, vLLM's `prompt_logprobs`): each prompt token's
+log-probability given the tokens before it, from the raw logits of the prefill rows that precede
+it, with its rank in the vocabulary and the top alternatives. Called by the model runner on the
+hidden states of every eager step; a chunked prefill scores its part per chunk. Every TP rank
+computes the logits (the LM head gathers them over the ranks, a collective: each rank holds the
+whole vocabulary's, so the rank counts every id), rank 0's lists are the result.
 """
 
 from __future__ import annotations
@@ -52,24 +53,33 @@ def score_rows(
     targets: torch.Tensor,  # [N] the token each row is scored against
     top_k: int,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob of each target [N], top_k logprobs [N, k], their ids [N, k]), block by block."""
-    chosen, top_values, top_ids = [], [], []
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each target [N], its vocabulary rank [N], top_k logprobs [N, k], their ids
+    [N, k]), block by block. The rank is 1 + the ids scored strictly higher: a token tied for
+    first is rank 1, as the top list may show it first (vLLM counts ties against it)."""
+    chosen, ranks, top_values, top_ids = [], [], [], []
     for first in range(0, hidden.shape[0], ROWS_PER_BLOCK):
         block = slice(first, first + ROWS_PER_BLOCK)
         logprobs = torch.log_softmax(compute_logits(hidden[block]).float(), dim=-1)  # [n, V]
-        chosen.append(logprobs.gather(1, targets[block, None])[:, 0])
+        target_logprobs = logprobs.gather(1, targets[block, None])  # [n, 1]
+        chosen.append(target_logprobs[:, 0])
+        ranks.append(1 + (logprobs > target_logprobs).sum(dim=-1))
         if top_k:
             values, ids = logprobs.topk(top_k, dim=-1)  # [n, k]
         else:  # only the scored tokens
             values, ids = logprobs[:, :0], targets[block, None][:, :0]
         top_values.append(values)
         top_ids.append(ids)
-    return torch.cat(chosen), torch.cat(top_values), torch.cat(top_ids)
+    return torch.cat(chosen), torch.cat(ranks), torch.cat(top_values), torch.cat(top_ids)
 
 
 def _as_message(
-    start: int, targets: torch.Tensor, chosen: torch.Tensor, values: torch.Tensor, ids: torch.Tensor
+    start: int,
+    targets: torch.Tensor,
+    chosen: torch.Tensor,
+    ranks: torch.Tensor,
+    values: torch.Tensor,
+    ids: torch.Tensor,
 ) -> PromptLogprobs:
     values_host, ids_host = values.tolist(), ids.tolist()
     return PromptLogprobs(
@@ -77,4 +87,5 @@ def _as_message(
         token_ids=targets.tolist(),
         logprobs=chosen.tolist(),
         top=[list(zip(i, v, strict=True)) for i, v in zip(ids_host, values_host, strict=True)],
+        ranks=ranks.tolist(),
     )

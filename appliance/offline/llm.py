@@ -163,6 +163,18 @@ class LLM:
             raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
         return ids, None
 
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """SamplingParams.truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens, -1
+        the context length; past the context length is a ValueError, as in vLLM."""
+        max_len = self.scheduler.max_model_len
+        if keep is not None and keep > max_len:
+            raise ValueError(
+                f"truncate_prompt_tokens: {keep} is greater than max_model_len ({max_len}); "
+                "select a smaller truncation size"
+            )
+        keep = max_len if keep == -1 else keep
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
     def _request(
         self, ids: list[int], params: SamplingParams, choice: int, fit: bool = False
     ) -> TokenizedRequest:
@@ -256,6 +268,7 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params_list):
                 ids, text = self._prompt_ids(prompt)
+                ids = self._truncated(ids, sp.truncate_prompt_tokens)
                 choices: list[CompletionOutput] = []
                 for choice in range(sp.n):
                     req = self._request(ids, sp, choice, fit)

@@ -62,7 +62,8 @@ def logprob_dicts(
 ) -> list[LogprobsDict | None]:
     """vLLM's logprob dicts from the detokenizer's entries (texts) and the router's top ids: the
     token itself, then its top alternatives best first. None where a token has no logprob (a
-    prompt's first)."""
+    prompt's first). The token's rank is its vocabulary rank where the engine computed one (prompt
+    tokens, as vLLM's), else its place among the top alternatives (None when not among them)."""
     dicts: list[LogprobsDict | None] = []
     for i, (entry, token_id) in enumerate(zip(entries, token_ids)):
         if entry.logprob is None:
@@ -70,7 +71,8 @@ def logprob_dicts(
             continue
         top = tops[i] if tops else []
         ranks = {tok: rank for rank, (tok, _) in enumerate(top, 1)}
-        chosen = {token_id: Logprob(entry.logprob, ranks.get(token_id), entry.token)}
+        rank = entry.rank or ranks.get(token_id)
+        chosen = {token_id: Logprob(entry.logprob, rank, entry.token)}
         alternatives = {
             tok: Logprob(lp, rank, text)
             for rank, ((tok, lp), (text, _, _)) in enumerate(zip(top, entry.top), 1)

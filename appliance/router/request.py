@@ -39,14 +39,17 @@ class PromptScoreBuffer:
         self.token_ids = prompt_token_ids
         self.logprobs: list[float | None] = [None] * len(prompt_token_ids)
         self.top: list[list[tuple[int, float]]] = [[] for _ in prompt_token_ids]
+        self.ranks: list[int] = [0] * len(prompt_token_ids)  # 0: not ranked (token 0)
 
     def add(self, part: PromptLogprobs) -> None:
         end = part.start + len(part.logprobs)
         self.logprobs[part.start : end] = part.logprobs
         self.top[part.start : end] = part.top
+        if part.ranks:
+            self.ranks[part.start : end] = part.ranks
 
     def whole(self) -> PromptLogprobs:
-        return PromptLogprobs(0, list(self.token_ids), self.logprobs, self.top)
+        return PromptLogprobs(0, list(self.token_ids), self.logprobs, self.top, self.ranks)
 
 
 @dataclass(eq=False)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from appliance.messages import ImageData
 from appliance.server.errors import BadRequest, ContextLengthExceeded
 from appliance.server.images import NOT_SUPPORTED, RequestImage, expand_image_tokens
@@ -94,6 +96,48 @@ class PromptBuilder:
             raise max_tokens_error(requested, self.max_model_len, num_prompt)
         return requested
 
+    def kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (-1: the
+        context length); None keeps the whole prompt. 400 for another value or one past the
+        context, in vLLM's words."""
+        value = truncate_prompt_tokens
+        if value is None:
+            return None
+        if value == -1:
+            return self.max_model_len
+        if value < 1:
+            raise BadRequest(
+                f"truncate_prompt_tokens: must be -1 (the context length) or at least 1, got "
+                f"{value}.",
+                "truncate_prompt_tokens",
+            )
+        if value > self.max_model_len:
+            raise BadRequest(
+                f"truncate_prompt_tokens: {value} is greater than max_model_len "
+                f"({self.max_model_len}); select a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+        return value
+
+    def _keep_last(
+        self, ids: list[int], keep: int | None, images: Sequence[ImageData] = ()
+    ) -> tuple[list[int], list[ImageData]] | None:
+        """The prompt's last `keep` tokens and its images' offsets moved with them, or None when
+        nothing is cut. An image whose tokens would be cut is a 400: the model cannot see a part
+        of an image (send fewer images, or a larger truncate_prompt_tokens)."""
+        if keep is None or len(ids) <= keep:
+            return None
+        cut = len(ids) - keep
+        for i, image in enumerate(images):
+            if image.offset < cut:
+                raise BadRequest(
+                    f"truncate_prompt_tokens: keeping the last {keep} of the prompt's {len(ids)} "
+                    f"tokens would cut image {i} (its tokens start at {image.offset}).",
+                    "truncate_prompt_tokens",
+                )
+        moved = [msgspec.structs.replace(image, offset=image.offset - cut) for image in images]
+        return ids[cut:], moved
+
     # ------------------------------------------------------------------ chat
     def chat(
         self,
@@ -104,11 +148,13 @@ class PromptBuilder:
         images: Sequence[RequestImage] = (),
         image_token_id: int | None = None,
         continue_final_message: bool = False,
+        keep: int | None = None,
     ) -> Prompt:
         """Renders and tokenizes; `images` (checked by appliance/server/images.py, in message
         order) each expand their one `<|image_pad|>` to their token count.
         `continue_final_message` (vLLM's): the last, assistant message is left open for the model
-        to go on with (no end of turn, no new generation prompt)."""
+        to go on with (no end of turn, no new generation prompt). `keep` (kept_tokens): only
+        the rendered prompt's last `keep` tokens are sent, and `text` is theirs."""
         if continue_final_message and add_generation_prompt:
             raise BadRequest(
                 "continue_final_message: set add_generation_prompt to false with it (the last "
@@ -149,6 +195,8 @@ class PromptBuilder:
                 messages, self.tokenizer.convert_ids_to_tokens(image_token_id)
             )
             ids, data = expand_image_tokens(ids, image_token_id, images)
+        if kept := self._keep_last(ids, keep, data):
+            (ids, data), text = kept, self.decode(kept[0])
         self.check_tokens(len(ids), "messages")
         opened = add_generation_prompt or continue_final_message  # the turn being generated
         return Prompt(ids, text, data, self._turn_start(ids) if opened else -1)
@@ -168,10 +216,14 @@ class PromptBuilder:
         return None
 
     # ------------------------------------------------------------------ completions
-    def completion(self, prompt: str | list[int]) -> Prompt:
+    def completion(self, prompt: str | list[int], keep: int | None = None) -> Prompt:
+        """A text or token-id prompt; `keep` (kept_tokens): only its last `keep` tokens are sent
+        (and echoed: `text` is theirs)."""
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
             ids = self._encode(prompt, "prompt") or self.start_ids("prompt")
+            if kept := self._keep_last(ids, keep):
+                ids, prompt = kept[0], self.decode(kept[0])
             self.check_tokens(len(ids), "prompt")
             return Prompt(ids, prompt)
         vocab = self.vocab_size
@@ -180,8 +232,9 @@ class PromptBuilder:
             raise BadRequest(
                 f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).", "prompt"
             )
-        self.check_tokens(len(prompt), "prompt")
-        return Prompt(list(prompt), None)
+        ids = kept[0] if (kept := self._keep_last(list(prompt), keep)) else list(prompt)
+        self.check_tokens(len(ids), "prompt")
+        return Prompt(ids, None)
 
     def start_ids(self, param: str) -> list[int]:
         """What an empty text prompt (which OpenAI accepts) becomes: the BOS token, or, for

@@ -146,14 +146,19 @@ class _SamplingFields(_Schema):
     # sampling among allowed_token_ids only
     min_tokens: int | None = documented(minimum=0)
     allowed_token_ids: list[int] | None = None
+    # vLLM's: score the prompt, each token's logprob, vocabulary rank and top k alternatives
+    # (0: only the token itself); not with stream (check_prompt_logprobs)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: every logprob token string of the answer is "token_id:<id>", not the token's text
+    return_tokens_as_token_ids: bool = False
     # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored
     use_beam_search: bool = False
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
     # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,
     # longest_edge}; checked by appliance/server/images.py (request_preprocess)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the context length); Prompts.kept_tokens
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -201,7 +206,7 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def num_prompt_logprobs(self) -> int | None:
-        return None
+        return self.prompt_logprobs
 
 
 class CompletionRequest(_SamplingFields):
@@ -220,9 +225,15 @@ class CompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
-    def num_prompt_logprobs(self) -> int | None:
+    def echo_logprobs(self) -> int | None:
         """echo with logprobs scores the prompt (its tokens lead the choice's logprobs)."""
         return self.logprobs if self.echo else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """What the engine scores the prompt with: echo's k and prompt_logprobs' k share one
+        scoring, the larger (each view keeps its own top k)."""
+        asked = [k for k in (self.echo_logprobs(), self.prompt_logprobs) if k is not None]
+        return max(asked) if asked else None
 
 
 class ErrorDetail(BaseModel):
@@ -261,8 +272,6 @@ _ERROR_MEANINGS = {
 UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
     "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
-    "prompt_logprobs": "not supported; /v1/completions with echo and logprobs scores the prompt",
-    "truncate_prompt_tokens": "not supported; send the part of the prompt to keep",
 }
 
 
@@ -279,6 +288,13 @@ def check_stream_options(req: _SamplingFields) -> None:
     """stream_options only with stream=true, as OpenAI answers it."""
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options: only allowed when stream is true.", "stream_options")
+
+
+def check_prompt_logprobs(req: _SamplingFields) -> None:
+    """prompt_logprobs only without stream, as vLLM answers it: the scores would come in one
+    chunk before any text, and vLLM's stream chunks have no place for them."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise BadRequest("prompt_logprobs: not available when stream is true.", "prompt_logprobs")
 
 
 def logit_bias(req: _SamplingFields, vocab_size: int) -> dict[int, float] | None:
@@ -314,6 +330,7 @@ def sampling_params(
     model's generation_config.json, appliance/generation_defaults.py), then OpenAI's.
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
     check_stream_options(req)
+    check_prompt_logprobs(req)
     check_unsupported(req)
     requested = req.requested_max_tokens()
     if requested is not None and (req.min_tokens or 0) > requested:

@@ -35,6 +35,7 @@ REFUSED = {
     "prompt": "stored prompt templates are not supported; send the text in `input`",
     "max_tool_calls": "not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses; /v1/chat/completions has them",
+    "prompt_logprobs": "not supported on /v1/responses; /v1/chat/completions has them",
     "response_format": "the Responses API takes the output format as `text.format`",
 }
 

@@ -58,9 +58,19 @@ class ChoiceFormatter(Protocol):
         """The streamed choice for one delta (None: nothing worth a chunk)."""
 
     def final_choice(
-        self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> Choice:
-        """The choice of a JSON answer, from the choice's whole text and logprobs."""
+        """The choice of a JSON answer, from the choice's whole text and logprobs (its generated
+        tokens'), and its prompt's entries when the engine scored the prompt."""
+
+    def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
+        """Keys a JSON answer has besides OpenAI's (chat: vLLM's top-level prompt_logprobs), from
+        each choice's prompt entries."""
 
 
 class Endpoint(Protocol[Body]):
@@ -320,12 +330,13 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
     n = answer.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
+    prompt_logprobs: list[list[TokenLogprob] | None] = [None] * n  # in a choice's first delta
     finish = ["stop"] * n
     tokens, cached = [0] * n, [0] * n
     async for index, delta in iterate_deltas(answer.group):
         texts[index].append(delta.text)
-        if delta.prompt_logprobs is not None:  # first: the prompt's entries lead the choice's
-            logprobs[index] = delta.prompt_logprobs + (logprobs[index] or [])
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs[index] = delta.prompt_logprobs
         cached[index] = max(cached[index], delta.cached_tokens)
         if delta.logprobs is not None:
             logprobs[index] = (logprobs[index] or []) + delta.logprobs
@@ -333,7 +344,9 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
         if delta.finish_reason is not None:
             finish[index] = delta.finish_reason
     final = answer.formatter.final_choice
-    choices = [final(i, "".join(texts[i]), logprobs[i], finish[i]) for i in range(n)]
+    choices = [
+        final(i, "".join(texts[i]), logprobs[i], finish[i], prompt_logprobs[i]) for i in range(n)
+    ]
     for i, choice in enumerate(choices):
         client.label_finish(answer.group, i, choice["finish_reason"])
     return {
@@ -342,6 +355,7 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
         "system_fingerprint": None,  # OpenAI's key; no fingerprint here (vLLM: null too)
         "choices": choices,
         "usage": usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
+        **answer.formatter.answer_fields(prompt_logprobs),
     }
 
 

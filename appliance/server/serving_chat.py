@@ -19,9 +19,13 @@ from appliance.server.chat_checks import (
     template_kwargs,
 )
 from appliance.server.images import image_support, load_images, request_preprocess
+from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
 from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest
-from appliance.server.serving import Choice, check_n
+from appliance.server.serving import (
+    Choice,
+    check_n,
+)
 from appliance.server.state import ServerState
 
 
@@ -66,16 +70,17 @@ class ChoiceParser:
         return "tool_calls" if self.made_calls and reason == "stop" else reason
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": e.token,
-            "logprob": e.logprob,
-            "bytes": e.bytes,
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e.top],
-        }
-        for e in entries
-    ]
+def chat_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:
+    """`logprobs.content`; `as_ids` (return_tokens_as_token_ids): tokens named "token_id:<id>"."""
+    out = []
+    for e in entries:
+        top = [
+            {"token": name, "logprob": lp, "bytes": b}
+            for name, (_, lp, b) in zip(top_names(e, as_ids), e.top, strict=True)
+        ]
+        token = token_name(e.token, e.token_id, as_ids)
+        out.append({"token": token, "logprob": e.logprob, "bytes": e.bytes, "top_logprobs": top})
+    return out
 
 
 class ChatFormatter:
@@ -83,8 +88,15 @@ class ChatFormatter:
 
     labels_stops = True  # a "stop" that made tool calls is worded "tool_calls"
 
-    def __init__(self, parsers: list[ChoiceParser]) -> None:
+    def __init__(
+        self,
+        parsers: list[ChoiceParser],
+        prompt_top_k: int | None = None,
+        token_ids_as_names: bool = False,
+    ) -> None:
         self.parsers = parsers  # one per choice
+        self.prompt_top_k = prompt_top_k  # vLLM's prompt_logprobs (None: the prompt unscored)
+        self.as_ids = token_ids_as_names  # vLLM's return_tokens_as_token_ids
 
     def opening(self, index: int) -> Choice:
         delta = {"role": "assistant", "content": ""}
@@ -101,7 +113,7 @@ class ChatFormatter:
             out["content"] = content
         if calls:
             out["tool_calls"] = calls
-        logprobs = chat_logprobs(delta.logprobs) if delta.logprobs else None
+        logprobs = chat_logprobs(delta.logprobs, self.as_ids) if delta.logprobs else None
         if not out and not logprobs and not final:
             return None
         return {
@@ -112,8 +124,14 @@ class ChatFormatter:
         }
 
     def final_choice(
-        self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> Choice:
+        """The prompt's entries are the answer's (answer_fields), not a choice's."""
         parser = self.parsers[index]
         reasoning, content, _ = parser.feed(text, final=True)
         tool_calls = parser.tools.result().tool_calls
@@ -129,9 +147,18 @@ class ChatFormatter:
         return {
             "index": index,
             "message": message,
-            "logprobs": None if logprobs is None else {"content": chat_logprobs(logprobs)},
+            "logprobs": (
+                None if logprobs is None else {"content": chat_logprobs(logprobs, self.as_ids)}
+            ),
             "finish_reason": parser.finish_reason(finish_reason),
         }
+
+    def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
+        """vLLM's top-level prompt_logprobs: the n choices share the one rendered prompt."""
+        if self.prompt_top_k is None:
+            return {}
+        entries = next((p for p in prompt_logprobs if p is not None), [])
+        return {"prompt_logprobs": vllm_prompt_logprobs(entries, self.prompt_top_k, self.as_ids)}
 
 
 class ChatEndpoint:
@@ -151,6 +178,7 @@ class ChatEndpoint:
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
         num_chars = message_chars(body.messages)
         state.prompts.check_chars(num_chars, "messages")  # before fetching images or queueing
+        keep = state.prompts.kept_tokens(body.truncate_prompt_tokens)
         support = image_support(state.model_dir, state.config.visual)
         preprocess = request_preprocess(support, body.mm_processor_kwargs)
         images = await load_images(support, body.messages, state.metrics, preprocess)
@@ -164,6 +192,7 @@ class ChatEndpoint:
             images,
             support.image_token_id,
             body.continue_final_message,
+            keep,
         )
         return [prompt]
 
@@ -172,7 +201,8 @@ class ChatEndpoint:
     ) -> ChatFormatter:
         (prompt,) = prompts
         text, mode = prompt.text or "", state.config.reasoning
-        return ChatFormatter([ChoiceParser(body, text, mode, i) for i in range(body.n)])
+        parsers = [ChoiceParser(body, text, mode, i) for i in range(body.n)]
+        return ChatFormatter(parsers, body.prompt_logprobs, body.return_tokens_as_token_ids)
 
 
 CHAT = ChatEndpoint()

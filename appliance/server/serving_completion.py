@@ -9,12 +9,18 @@ from __future__ import annotations
 import codecs
 from typing import Any
 
+import msgspec
+
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.server.errors import BadRequest
 from appliance.server.images import image_support, request_preprocess
+from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import CompletionRequest
-from appliance.server.serving import Choice, check_n
+from appliance.server.serving import (
+    Choice,
+    check_n,
+)
 from appliance.server.state import ServerState
 
 
@@ -31,15 +37,17 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
 class LegacyLogprobs:
     """Accumulates the /v1/completions logprobs object of one choice."""
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, as_ids: bool = False) -> None:
         self.offset = offset  # characters before the first generated token (echoed prompt)
+        self.as_ids = as_ids  # return_tokens_as_token_ids: tokens named "token_id:<id>"
         # a character split over several tokens counts once, at the token that completes it
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def entries(self, items: list[TokenLogprob]) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for e in items:
-            tokens.append(e.token)
+            name = token_name(e.token, e.token_id, self.as_ids)
+            tokens.append(name)
             token_logprobs.append(e.logprob)
             # a prompt's first token has no logprob and no alternatives (null, as OpenAI); else
             # the top N and the token itself, as OpenAI's up to N + 1 entries (and vLLM's). Two
@@ -48,9 +56,9 @@ class LegacyLogprobs:
             # most likely text, as clients read it (lm-eval's greedy check)
             top.append(None if e.logprob is None else {})
             if top[-1] is not None:
-                for token, logprob, _ in e.top:
+                for token, (_, logprob, _) in zip(top_names(e, self.as_ids), e.top, strict=True):
                     top[-1].setdefault(token, logprob)
-                top[-1].setdefault(e.token, e.logprob)
+                top[-1].setdefault(name, e.logprob)
             offsets.append(self.offset)
             self.offset += len(self._utf8.decode(bytes(e.bytes)))
         return {
@@ -74,26 +82,48 @@ class LegacyLogprobs:
         return {key: scored[key] + generated[key] for key in scored}
 
 
+def _cut_top(entries: list[TokenLogprob], top_k: int) -> list[TokenLogprob]:
+    """The entries with their first top_k alternatives only: the engine scores the prompt once,
+    with the larger of echo's and prompt_logprobs' k."""
+    return [
+        msgspec.structs.replace(e, top=e.top[:top_k], top_ids=e.top_ids[:top_k])
+        if len(e.top) > top_k
+        else e
+        for e in entries
+    ]
+
+
 class CompletionFormatter:
     """Text choices; an echoed prompt leads the choice's text (in its first streamed chunk), and
-    with `scored` (echo + logprobs) its token entries lead the choice's logprobs, offsets from 0."""
+    with `echo_top_k` (echo + logprobs) its token entries lead the choice's logprobs, offsets
+    from 0. With `prompt_top_k` (vLLM's prompt_logprobs) a JSON choice also carries them in
+    vLLM's shape (never streamed: check_prompt_logprobs)."""
 
     labels_stops = False  # finish_reason as the engine ended the choice
 
     def __init__(
-        self, echoes: list[str], scored: bool = False, prompt_tokens: list[int] | None = None
+        self,
+        echoes: list[str],
+        echo_top_k: int | None = None,
+        prompt_top_k: int | None = None,
+        token_ids_as_names: bool = False,
     ) -> None:
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
         self.pending_echo = list(echoes)  # per choice: echo not streamed yet
-        self.scored = scored
-        # per choice: its prompt's tokens, the entries that lead a scored choice's logprobs
-        self.prompt_tokens = prompt_tokens or [0] * len(echoes)
+        self.echo_top_k = echo_top_k  # echo + logprobs: the alternatives per prompt entry
+        self.prompt_top_k = prompt_top_k
+        self.as_ids = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         # per choice, for streaming
-        self.offsets = [LegacyLogprobs(self._first_offset(e)) for e in echoes]
+        self.offsets = [LegacyLogprobs(self._first_offset(e), self.as_ids) for e in echoes]
 
     def _first_offset(self, echo: str) -> int:
         """text_offset of the first entry: the echoed prompt's own entries start at 0."""
-        return 0 if self.scored else len(echo)
+        return 0 if self.echo_top_k is not None else len(echo)
+
+    def _echo_entries(self, prompt_items: list[TokenLogprob] | None) -> list[TokenLogprob]:
+        if self.echo_top_k is None or prompt_items is None:
+            return []
+        return _cut_top(prompt_items, self.echo_top_k)
 
     def opening(self, index: int) -> None:
         return None
@@ -101,7 +131,7 @@ class CompletionFormatter:
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         text = self.pending_echo[index] + delta.text
         self.pending_echo[index] = ""
-        prompt_items, items = delta.prompt_logprobs or [], delta.logprobs or []
+        prompt_items, items = self._echo_entries(delta.prompt_logprobs), delta.logprobs or []
         if not text and not prompt_items and not items and delta.finish_reason is None:
             return None
         logprobs = None
@@ -116,21 +146,32 @@ class CompletionFormatter:
         }
 
     def final_choice(
-        self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish_reason: str,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> Choice:
         echo = self.echoes[index]
         entries = None
-        if logprobs is not None:
-            num_prompt = self.prompt_tokens[index] if self.scored else 0
-            entries = LegacyLogprobs(self._first_offset(echo)).scored_entries(
-                logprobs[:num_prompt], logprobs[num_prompt:], echo
+        if self.echo_top_k is not None or logprobs is not None:
+            entries = LegacyLogprobs(self._first_offset(echo), self.as_ids).scored_entries(
+                self._echo_entries(prompt_logprobs), logprobs or [], echo
             )
-        return {
+        choice = {
             "index": index,
             "text": echo + text,
             "logprobs": entries,
             "finish_reason": finish_reason,
         }
+        if self.prompt_top_k is not None:
+            scored = prompt_logprobs or []
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_top_k, self.as_ids)
+        return choice
+
+    def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
+        return {}  # each choice carries its own prompt's
 
 
 class CompletionEndpoint:
@@ -159,23 +200,23 @@ class CompletionEndpoint:
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
         raw_prompts = _prompt_list(body.prompt)
+        keep = state.prompts.kept_tokens(body.truncate_prompt_tokens)
         text_chars = [len(p) for p in raw_prompts if isinstance(p, str)]
         for num_chars in text_chars:
             state.prompts.check_chars(num_chars, "prompt")  # before queueing for a lane
         return await state.prompt_lanes.run(
-            sum(text_chars), lambda: [state.prompts.completion(p) for p in raw_prompts]
+            sum(text_chars), lambda: [state.prompts.completion(p, keep) for p in raw_prompts]
         )
 
     def formatter(
         self, state: ServerState, body: CompletionRequest, prompts: list[Prompt]
     ) -> CompletionFormatter:
         echoes: list[str] = []
-        prompt_tokens: list[int] = []
         for prompt in prompts:
             echoes += [_echo(state, body, prompt)] * body.n
-            prompt_tokens += [len(prompt.token_ids)] * body.n
-        scored = body.num_prompt_logprobs() is not None
-        return CompletionFormatter(echoes, scored, prompt_tokens)
+        return CompletionFormatter(
+            echoes, body.echo_logprobs(), body.prompt_logprobs, body.return_tokens_as_token_ids
+        )
 
 
 def _echo(state: ServerState, body: CompletionRequest, prompt: Prompt) -> str:

@@ -140,3 +140,25 @@ def test_vllm_helpers_and_the_pooling_methods_refused(llm):
     for name in ("encode", "embed", "classify", "score", "reward"):
         with pytest.raises(NotImplementedError, match=f"LLM.{name}: pooling"):
             getattr(llm, name)("hi")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens are fed (-1: the
+    context length); the same tokens untruncated generate the same greedy text."""
+    ids = list(range(10, 40))
+    cut = llm.generate([ids], replace(GREEDY, truncate_prompt_tokens=5))[0]
+    whole = llm.generate([ids[-5:]], GREEDY)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.token_ids == whole.token_ids
+    assert (
+        llm.generate([ids], replace(GREEDY, truncate_prompt_tokens=-1))[0].prompt_token_ids == ids
+    )
+    chat = [{"role": "user", "content": "hello there, how are you today?"}]
+    full = llm.chat(chat, GREEDY)[0].prompt_token_ids
+    assert (
+        llm.chat(chat, replace(GREEDY, truncate_prompt_tokens=4))[0].prompt_token_ids == full[-4:]
+    )
+    with pytest.raises(ValueError, match="greater than max_model_len"):
+        llm.generate([ids], replace(GREEDY, truncate_prompt_tokens=257))
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -53,7 +53,7 @@ STATS = m.RouterStats(
 )
 PROGRESS = m.RequestProgress("r1", "running", 12, 3, 14, 15, 0)
 STATUS = m.RouterStatus(query_id=5, stats=STATS, requests=[PROGRESS])
-PROMPT_LP = m.PromptLogprobs(0, [3, 8], [None, -1.5], [[], [(8, -1.5), (2, -2.0)]])
+PROMPT_LP = m.PromptLogprobs(0, [3, 8], [None, -1.5], [[], [(8, -1.5), (2, -2.0)]], [0, 1])
 UPDATE = m.TokenUpdate(
     "r1",
     [4, 5],
@@ -65,7 +65,13 @@ UPDATE = m.TokenUpdate(
     PROMPT_LP,
 )
 LOGPROB = m.TokenLogprob(
-    "hé", -0.25, [104, 195, 169], [("hé", -0.25, [104, 195, 169]), ("x", -3.0, [120])]
+    "hé",
+    -0.25,
+    [104, 195, 169],
+    [("hé", -0.25, [104, 195, 169]), ("x", -3.0, [120])],
+    token_id=17,
+    top_ids=[17, 5],
+    rank=1,
 )
 FIRST = m.TokenLogprob("a", None, [97])
 DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB])

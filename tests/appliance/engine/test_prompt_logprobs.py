@@ -17,6 +17,29 @@ def hf_prompt_logprobs(model_dir, prompt: list[int]) -> list[float]:
     return [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
 
 
+def hf_rank_bounds(model_dir, prompt: list[int], tol: float) -> list[tuple[int, int]]:
+    """For i >= 1, the vocabulary ranks prompt[i] may have (1 + the ids scored strictly higher)
+    when every logprob may be off by `tol`: (ids surely higher, ids possibly higher) + 1."""
+    logprobs = torch.log_softmax(hf_logits(model_dir, prompt), dim=-1)  # [L, V]
+    bounds = []
+    for i in range(1, len(prompt)):
+        row, own = logprobs[i - 1], logprobs[i - 1, prompt[i]]
+        bounds.append((1 + int((row > own + tol).sum()), 1 + int((row > own - tol).sum())))
+    return bounds
+
+
+def check_ranks(model_dir, prompt: list[int], dicts, k: int, tol: float) -> None:
+    """Each prompt token's rank is its place in the whole vocabulary (vLLM's Logprob.rank: past
+    k where it is not among the top k), its alternatives' 1..k."""
+    bounds = hf_rank_bounds(model_dir, prompt, tol)
+    ranks = [d[t].rank for t, d in zip(prompt[1:], dicts[1:], strict=True)]
+    assert all(low <= rank <= high for rank, (low, high) in zip(ranks, bounds)), (ranks, bounds)
+    assert len(prompt) < 3 or any(rank > k + 1 for rank in ranks)  # random: some far down
+    for token, d, rank in zip(prompt[1:], dicts[1:], ranks):
+        others = sorted(lp.rank for t, lp in d.items() if t != token)
+        assert others == [r for r in range(1, k + 1) if r != rank or rank > k]
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -58,6 +81,7 @@ def check_prompt_logprobs(tiny_dense, options: dict, abs_tol: float) -> None:
         expected = hf_prompt_logprobs(tiny_dense, prompt)
         assert prompt_token_logprobs(out)[1:] == pytest.approx(expected, abs=abs_tol)
         assert all(max(k, 1) <= len(d) <= k + 1 for d in out.prompt_logprobs[1:])
+        check_ranks(tiny_dense, prompt, out.prompt_logprobs, k, tol=10 * abs_tol)
         assert len(out.token_ids) == 24
     if options["num_kv_slots"] < 100:
         assert llm.scheduler.stats().num_preemptions > 0

@@ -409,9 +409,9 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
         ({"allowed_token_ids": [len(tokenizer)]}, "allowed_token_ids"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"bad_words": ["x"]}, "bad_words"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
-        ({"prompt_logprobs": 0}, "prompt_logprobs"),  # 0 is set: the prompt tokens' own
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # -1 or >= 1
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),  # top_logprobs' bound
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"min_tokens": 10**6}, "min_tokens"),  # more than the context leaves
     ]

@@ -170,9 +170,9 @@ def test_completion_formatter_generated_offsets_follow_the_echoed_text():
         TokenLogprob("A", None, list(b"A")),
         TokenLogprob("\u00e9", -1.0, list("\u00e9".encode())),
     ]
-    fmt = CompletionFormatter([echo], scored=True, prompt_tokens=[2])
+    fmt = CompletionFormatter([echo], echo_top_k=0)
     first = TextDelta("r", "x", [], 1, None, [entry("x")], prompt_logprobs=prompt)
     streamed = fmt.delta_choice(0, first)
     assert streamed["text"] == echo + "x" and streamed["logprobs"]["text_offset"] == [0, 1, 3]
-    final = fmt.final_choice(0, "xy", [*prompt, entry("x"), entry("y")], "length")
+    final = fmt.final_choice(0, "xy", [entry("x"), entry("y")], "length", prompt)
     assert final["text"] == echo + "xy" and final["logprobs"]["text_offset"] == [0, 1, 3, 4]
