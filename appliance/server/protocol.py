@@ -192,6 +192,11 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None  # vLLM's; only with --trust-request-chat-template
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: go on with the last (assistant) message
+    # OpenAI's that this server cannot honour: refused when set (CHAT_REFUSED), not ignored
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     def requested_max_tokens(self) -> int | None:
         # Both spellings are accepted; max_completion_tokens (OpenAI's current name, max_tokens
@@ -273,6 +278,27 @@ UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
     "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
 }
+
+
+# the chat route's own refusals (ChatEndpoint.check); `modalities` only when it asks for more than
+# text
+CHAT_REFUSED = {
+    "functions": "the deprecated function-calling fields are not supported; send `tools`",
+    "function_call": "the deprecated function-calling fields are not supported; send `tool_choice`",
+    "audio": "audio output is not supported (this model writes text)",
+}
+
+
+def check_chat_output(req: ChatCompletionRequest) -> None:
+    """400s for what a chat answer here cannot be: the deprecated `functions` / `function_call`
+    (whose answers carry `message.function_call`), audio output."""
+    check_unsupported(req, CHAT_REFUSED)
+    other = [m for m in req.modalities or [] if m != "text"]
+    if other:
+        raise BadRequest(
+            f"modalities: only 'text' is supported, not {other[0]!r} (this model writes text).",
+            "modalities",
+        )
 
 
 def check_unsupported(req: _Schema, refused: dict[str, str] = UNSUPPORTED) -> None:

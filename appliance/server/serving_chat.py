@@ -21,7 +21,7 @@ from appliance.server.chat_checks import (
 from appliance.server.images import image_support, load_images, request_preprocess
 from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
 from appliance.server.prompts import Prompt, message_chars
-from appliance.server.protocol import ChatCompletionRequest
+from appliance.server.protocol import ChatCompletionRequest, check_chat_output
 from appliance.server.serving import (
     Choice,
     check_n,
@@ -170,6 +170,7 @@ class ChatEndpoint:
 
     def check(self, state: ServerState, body: ChatCompletionRequest) -> None:
         check_n(state, body)
+        check_chat_output(body)
         check_messages(body.messages)
         check_tools(body.tools)
         check_tool_choice(body.tool_choice, body.tools)

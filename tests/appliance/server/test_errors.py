@@ -122,6 +122,25 @@ def test_completion_bad_prompts(make_server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
+def test_chat_answers_it_cannot_give_are_refused(make_server):
+    """The deprecated functions / function_call and audio output are 400s naming the field, not
+    a text answer that silently leaves them out; empty or text-only values are fine."""
+    client, engine, _ = make_server()
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    for extra, param in [
+        ({"functions": [fn]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"function_call": {"name": "f"}}, "function_call"),
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+    ]:
+        r = client.post("/v1/chat/completions", json={"messages": MSG, **extra})
+        assert_error(r, 400, param)
+    assert engine.received == []
+    ok = {"messages": MSG, "functions": [], "modalities": ["text"], "audio": None}
+    assert client.post("/v1/chat/completions", json=ok).status_code == 200
+
+
 def test_context_guards(make_server, tokenizer):
     client, engine, state = make_server()
     long_text = "hello world " * 150  # > 256 tokens, < 8 x 256 characters
