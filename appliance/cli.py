@@ -315,6 +315,17 @@ def _check_generation_config(config: ServeConfig) -> None:
         _fail(str(exc))
 
 
+def _check_chat_template(config: ServeConfig) -> None:
+    """--chat-template that is no file and no template, or does not parse, fails here in one
+    line, before any process starts."""
+    from appliance.chat_template import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(config.server.chat_template)
+    except ChatTemplateError as exc:
+        _fail(str(exc))
+
+
 def _check_runner(runner: str) -> None:
     """--runner's module must be importable (found, not imported: the workers import it)."""
     import importlib.util
@@ -355,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     config = _resolve_model(config, args.revision)
     _check_model_config(config)
     _check_generation_config(config)
+    _check_chat_template(config)
     _check_runner(config.launch.runner)
     try:
         return serve(config)

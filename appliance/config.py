@@ -216,6 +216,9 @@ class ServerConfig:
     # a chat request's own `chat_template` (or chat_template_kwargs.chat_template) is rendered;
     # off: refused with a 400 (a template is code the server runs: a loop can hold a CPU for hours)
     trust_request_chat_template: bool = False
+    # the chat template every chat request is rendered with (vLLM's --chat-template): a Jinja file
+    # or the template text itself; "" = the checkpoint's (appliance/chat_template.py)
+    chat_template: str = ""
     # sampling defaults of unset request fields: auto = the model's generation_config.json, none
     # (or vllm) = OpenAI's, or a folder holding a generation_config.json
     generation_config: str = "auto"

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from appliance import envs
+from appliance.chat_template import load_chat_template
 from appliance.config import ServeConfig
 from appliance.generation_defaults import describe, generation_defaults
 from appliance.ipc import Addresses, RoleLink, child_init
@@ -81,6 +82,10 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    override = load_chat_template(config.server.chat_template)
+    if override is not None:  # every chat route (and /tokenize) renders through this tokenizer
+        tokenizer.chat_template, source = override
+        logger.info("chat template: %s (--chat-template), not the checkpoint's", source)
     if not getattr(tokenizer, "chat_template", None):
         logger.warning(
             "%s has no chat template: /v1/chat/completions answers 400, /v1/completions serves",
