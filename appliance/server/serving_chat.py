@@ -22,10 +22,7 @@ from appliance.server.images import image_support, load_images, request_preproce
 from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
 from appliance.server.prompts import Prompt, message_chars
 from appliance.server.protocol import ChatCompletionRequest, check_chat_output
-from appliance.server.serving import (
-    Choice,
-    check_n,
-)
+from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
 
 

@@ -17,10 +17,7 @@ from appliance.server.images import image_support, request_preprocess
 from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
 from appliance.server.prompts import Prompt
 from appliance.server.protocol import CompletionRequest
-from appliance.server.serving import (
-    Choice,
-    check_n,
-)
+from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
 
 
