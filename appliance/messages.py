@@ -275,6 +275,14 @@ class StatusQuery(msgspec.Struct, tag="status_query", frozen=True):
     query_id: int
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", frozen=True):
+    """Empty the prefix cache (POST /reset_prefix_cache, /flush_cache). Written by server, read by
+    router (through the visual server when there is one), which drops every entry no live request
+    holds; answered with a PrefixCacheReset sent straight to the server."""
+
+    query_id: int
+
+
 # ---------------------------------------------------------------- router -> detokenizer -> server
 
 
@@ -383,6 +391,20 @@ class RouterStatus(msgspec.Struct, tag="router_status", frozen=True):
     query_id: int
     stats: RouterStats
     requests: list[RequestProgress] = []
+
+
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", frozen=True):
+    """Answer to a ResetPrefixCache: what the reset freed and what it had to keep. Written by
+    router, read by server (the route's JSON body)."""
+
+    query_id: int
+    prefix_caching: bool  # False: caching is off (every count 0)
+    freed_tokens: int = 0  # cached positions dropped (their KV slots freed)
+    freed_snapshots: int = 0  # linear-state snapshot slots freed
+    # entries on a live request's path (its cached prefix, locked): they stay, and become
+    # evictable (or resettable) once the request ends
+    kept_tokens: int = 0
+    kept_snapshots: int = 0
 
 
 class RouterOutput(msgspec.Struct, tag="router_output", frozen=True):
@@ -520,8 +542,10 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
     message: str
 
 
-ToRouter = TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | RejectRequest
-ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ReleaseImages
-ToServer = DetokOutput | RouterStats | RouterStatus | VisualStats
+ToRouter = (
+    TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | ResetPrefixCache | RejectRequest
+)
+ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ResetPrefixCache | ReleaseImages
+ToServer = DetokOutput | RouterStats | RouterStatus | PrefixCacheReset | VisualStats
 ToLauncher = StartupProgress | ProcessReady | Drained | Heartbeat | StartupFailed
 ToServerControl = EngineReady | Drain | Fatal

@@ -3,10 +3,11 @@ vision tower, between the API server and the router.
 
 Startup: load the ViT on the first worker's device, measure the worst-case activation peak
 (appliance/encoder/startup.py) and report it in ProcessReady (VisualInfo). Serving, two threads:
-- main: every server -> router message arrives here. Text-only requests, aborts and status queries
-  are relayed at once, unchanged; requests with images go through `VisualPipeline` (cache pins,
-  encode jobs) and are forwarded with `ImageInput` handles when their images are cached. The
-  router's ReleaseImages unpin; VisualStats go to the server whenever the cache changed.
+- main: every server -> router message arrives here. Text-only requests, aborts, status queries
+  and prefix-cache resets are relayed at once, unchanged; requests with images go through
+  `VisualPipeline` (cache pins, encode jobs) and are forwarded with `ImageInput` handles when
+  their images are cached. The router's ReleaseImages unpin; VisualStats go to the server
+  whenever the cache changed.
 - encoder: decodes, preprocesses and encodes one batch of jobs at a time (`encode_jobs`), so a long
   ViT forward never holds back a relayed message.
 """
@@ -28,6 +29,7 @@ from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
     ReleaseImages,
+    ResetPrefixCache,
     StatusQuery,
     TokenizedRequest,
     ToVisual,
@@ -122,7 +124,7 @@ class VisualServer:
                 self.pipeline.on_release(msg.req_ids)
             elif isinstance(msg, AbortRequest) and self.pipeline.on_abort(msg.req_id):
                 logger.debug("aborted %s before its images were encoded", msg.req_id)
-            elif isinstance(msg, (TokenizedRequest, AbortRequest, StatusQuery)):
+            elif isinstance(msg, (TokenizedRequest, AbortRequest, StatusQuery, ResetPrefixCache)):
                 self.to_router.send(frame)  # relayed byte for byte, in arrival order
 
     def _collect_results(self) -> None:

@@ -123,6 +123,11 @@ class LLM:
         """The model's Hugging Face tokenizer (vLLM's get_tokenizer)."""
         return self.tokenizer.hf
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's LLM.reset_prefix_cache; between generate calls no
+        request holds an entry, so everything goes). False when prefix caching is off."""
+        return self.scheduler.reset_prefix_cache() is not None
+
     encode = _no_pooling("encode")
     embed = _no_pooling("embed")
     classify = _no_pooling("classify")

@@ -1,7 +1,7 @@
 """The router's prefix cache: a radix tree over token keys whose edges hold the KV slots of their
 positions, and (hybrid models) linear-attention state snapshots at node ends. Called by the
 Scheduler: `match` at admission, `insert` when a snapshot was written or a request ended, `evict`
-under KV or snapshot pool pressure.
+under KV or snapshot pool pressure, `clear` when an operator resets the cache.
 
 Keys are token ids, except an image's first position, keyed by the image content (a negative int
 from its hash), so the same picture in a later turn matches and a different one with the same
@@ -20,6 +20,7 @@ import hashlib
 import heapq
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -82,6 +83,16 @@ class Match:
             parts.append(node.kv)
             node = node.parent
         return np.concatenate(parts[::-1]) if parts else np.empty(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What `PrefixCache.clear` dropped and what it kept (locked by live requests)."""
+
+    freed_tokens: int  # positions dropped (tree KV references)
+    freed_snapshots: int  # snapshot slots freed
+    kept_tokens: int  # positions left: every node on a live request's path
+    kept_snapshots: int  # snapshots on those nodes
 
 
 class PrefixCache:
@@ -254,9 +265,20 @@ class PrefixCache:
         node.snapshot = -1
         return True
 
-    def clear(self) -> None:
-        """Drops every unlocked node (tests, shutdown accounting)."""
+    def clear(self) -> Cleared:
+        """Drops every unlocked node with its KV references and snapshot (a reset, tests); a
+        locked node (on a live request's path) stays whole, its ancestors with it. As safe as
+        `evict` between plans: a slot freed here is reused only by a later plan, which the worker
+        runs after any restore or KV read of the plans before it."""
+        tokens, snapshots = self.num_tokens, self.snapshots.num_used
         self.evict(self.kv.num_total + 1, self.snapshots.num_total + 1)
+        kept_snapshots = sum(node.snapshot >= 0 for node in self._nodes())
+        return Cleared(
+            freed_tokens=tokens - self.num_tokens,
+            freed_snapshots=snapshots - self.snapshots.num_used,
+            kept_tokens=self.num_tokens,
+            kept_snapshots=kept_snapshots,
+        )
 
     def _drop(self, node: Node) -> None:
         del node.parent.children[int(node.key[0])]

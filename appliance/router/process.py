@@ -1,9 +1,10 @@
 """The router process: an EngineCore (router/engine.py) between sockets. Takes tokenized requests,
 aborts and stop-string finishes in; broadcasts each StepPlan to every worker and reads rank 0's
 StepResults in order, planning and sending the next step while the workers run the current one;
-token updates go to the detokenizer, RouterStats and RouterStatus straight to the server. With a
-visual server, requests arrive through it (image requests carry `mm` handles); when such a request
-ends, the router tells the visual server (ReleaseImages) to unpin them.
+token updates go to the detokenizer, RouterStats, RouterStatus and PrefixCacheReset (the answer to
+a ResetPrefixCache) straight to the server. With a visual server, requests arrive through it
+(image requests carry `mm` handles); when such a request ends, the router tells the visual server
+(ReleaseImages) to unpin them.
 
 Spawned by appliance/launch.py (`run_router`); tests and the overhead benchmark drive `RouterLoop`
 in-process with their own sockets.
@@ -11,6 +12,7 @@ in-process with their own sockets.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import zmq
@@ -21,8 +23,10 @@ from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
     FinishRequest,
+    PrefixCacheReset,
     RejectRequest,
     ReleaseImages,
+    ResetPrefixCache,
     RouterStatus,
     StatusQuery,
     StepPlan,
@@ -116,6 +120,17 @@ class RouterLoop:
         elif isinstance(msg, StatusQuery):
             status = RouterStatus(msg.query_id, self.engine.stats(), self.engine.progress())
             self.to_server.send(encode(status))
+        elif isinstance(msg, ResetPrefixCache):
+            self._reset_prefix_cache(msg.query_id)
+
+    def _reset_prefix_cache(self, query_id: int) -> None:
+        """Safe here: the inbox is read between plans (before planning, or while waiting for a
+        result), never inside the scheduler's `schedule` / `update`. The new gauges reach the
+        server before the answer, so /metrics agrees with it once the route has answered."""
+        cleared = self.engine.scheduler.reset_prefix_cache()
+        counts = dataclasses.asdict(cleared) if cleared is not None else {}
+        self.to_server.send(encode(self.engine.stats()))
+        self.to_server.send(encode(PrefixCacheReset(query_id, cleared is not None, **counts)))
 
     # ------------------------------------------------------------------ outbound
     def _flush(self) -> None:

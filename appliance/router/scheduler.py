@@ -33,7 +33,7 @@ from appliance.messages import (
     StepResult,
 )
 from appliance.router.allocators import RefCountedSlots, SlotAllocator
-from appliance.router.prefix_cache import PrefixCache, cache_keys
+from appliance.router.prefix_cache import Cleared, PrefixCache, cache_keys
 from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
 
 logger = get_logger(__name__)
@@ -158,6 +158,24 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def reset_prefix_cache(self) -> Cleared | None:
+        """Empties the prefix cache but for the entries live requests hold (their cached
+        prefixes: locked); None when caching is off. Call it between plans, never inside
+        `schedule` / `update` (as `abort`): a slot it frees goes to a later plan only. A prefix a
+        chunk in flight snapshots still enters the tree when its result arrives."""
+        if self.cache is None:
+            return None
+        cleared = self.cache.clear()
+        logger.info(
+            "prefix cache reset: freed %d tokens and %d state snapshots; kept %d tokens and %d "
+            "snapshots on live requests' paths",
+            cleared.freed_tokens,
+            cleared.freed_snapshots,
+            cleared.kept_tokens,
+            cleared.kept_snapshots,
+        )
+        return cleared
 
     def get_request(self, req_id: str) -> Request | None:
         return self._requests.get(req_id)

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, /debug/status, /metrics, the access log.
+"""The FastAPI app: OpenAI routes, /health, /debug/status, the prefix-cache reset, /metrics, the
+access log.
 
 `build_app(state)` is called by process.py (under uvicorn) and by tests (TestClient). The engine
 client's sockets are opened in the app's lifespan, so they live on the serving event loop.
@@ -47,6 +48,8 @@ _ROUTES = (
     "/health",
     "/metrics",
     "/debug/status",
+    "/reset_prefix_cache",
+    "/flush_cache",
     "/tokenize",
     "/detokenize",
     "/version",
@@ -228,6 +231,24 @@ def build_app(
                 "grammar": state.grammar_status(),
             }
         )
+
+    # Empties the prefix cache (benchmarks measuring cold prefills, stale entries) but for what
+    # live requests hold. vLLM's route, and SGLang's, which its bench_serving --flush-cache POSTs
+    # (SGLang's answer is text its clients do not read, only the status): the same JSON from both
+    async def reset_cache() -> JSONResponse:
+        state.check_accepting()
+        report = msgspec.structs.asdict(await state.client.reset_prefix_cache())
+        del report["query_id"]
+        return JSONResponse(report)
+
+    @app.post("/reset_prefix_cache", responses=error_responses(401, 500, 503))
+    async def reset_prefix_cache():
+        return await reset_cache()
+
+    @app.post("/flush_cache", responses=error_responses(401, 500, 503))
+    @app.get("/flush_cache", responses=error_responses(401, 500, 503))
+    async def flush_cache():
+        return await reset_cache()
 
     @app.head("/metrics", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/metrics", responses=error_responses(401))

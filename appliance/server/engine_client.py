@@ -20,6 +20,8 @@ from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
     DetokOutput,
+    PrefixCacheReset,
+    ResetPrefixCache,
     RouterStats,
     RouterStatus,
     StatusQuery,
@@ -109,7 +111,7 @@ class EngineClient:
         self.max_open = max_open  # running + waiting sequences before 429
         self.metrics = metrics
         self._groups: dict[str, RequestGroup] = {}  # req_id -> group
-        self._status_waiters: dict[int, asyncio.Future] = {}
+        self._waiters: dict[int, asyncio.Future] = {}  # query id -> the router's answer
         self._query_ids = itertools.count(1)
         self._task: asyncio.Task | None = None
         self.failure: str | None = None  # set when the engine died; every request fails with it
@@ -231,18 +233,28 @@ class EngineClient:
         self._push(encode(msg))
 
     async def status(self, timeout_s: float = 5.0) -> RouterStatus:
+        return await self._ask(StatusQuery, "the status query", timeout_s)
+
+    async def reset_prefix_cache(self, timeout_s: float = 10.0) -> PrefixCacheReset:
+        """Empties the router's prefix cache (what live requests hold stays); its report."""
+        return await self._ask(ResetPrefixCache, "the prefix-cache reset", timeout_s)
+
+    async def _ask(
+        self, query: type, what: str, timeout_s: float
+    ) -> RouterStatus | PrefixCacheReset:
+        """Sends `query(query_id)` to the router and waits for the answer carrying that id."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
-        self._status_waiters[query_id] = future
-        self._send(StatusQuery(query_id))
+        self._waiters[query_id] = future
+        self._send(query(query_id))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
-            raise ServiceUnavailable("The router did not answer the status query.") from None
+            raise ServiceUnavailable(f"The router did not answer {what}.") from None
         finally:
-            self._status_waiters.pop(query_id, None)
+            self._waiters.pop(query_id, None)
 
     def engine_failed(self, message: str) -> int:
         """A role died: every open request fails with `message`, and so will every new one."""
@@ -302,13 +314,18 @@ class EngineClient:
                 # A status snapshot drained the router's new queue-time samples too: keep them.
                 if self.metrics is not None:
                     self.metrics.apply_router_stats(msg.stats)
-                waiter = self._status_waiters.get(msg.query_id)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(msg)
+                self._answer(msg.query_id, msg)
+            elif isinstance(msg, PrefixCacheReset):
+                self._answer(msg.query_id, msg)
             elif isinstance(msg, VisualStats):
                 self.visual_stats = msg
                 if self.metrics is not None:
                     self.metrics.apply_visual_stats(msg)
+
+    def _answer(self, query_id: int, answer: RouterStatus | PrefixCacheReset) -> None:
+        waiter = self._waiters.get(query_id)
+        if waiter is not None and not waiter.done():  # (none: it timed out already)
+            waiter.set_result(answer)
 
     def _deliver(self, delta: TextDelta, now: float) -> None:
         group = self._groups.get(delta.req_id)

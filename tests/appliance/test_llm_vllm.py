@@ -162,3 +162,21 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_reset_prefix_cache(llm, tiny_dense):
+    """vLLM's LLM.reset_prefix_cache: a second turn hits the first until the cache is reset;
+    False with prefix caching off."""
+    prompt = list(range(50, 90))
+    first = llm.generate([prompt], GREEDY)[0].token_ids
+    turn2 = prompt + first + [11, 12, 13]
+    hits = llm.scheduler.stats().prefix_cache_hits
+    llm.generate([turn2], GREEDY)
+    assert llm.scheduler.stats().prefix_cache_hits > hits
+    assert llm.reset_prefix_cache() is True
+    assert llm.scheduler.stats().prefix_cache_tokens == 0
+    hits = llm.scheduler.stats().prefix_cache_hits
+    llm.generate([turn2 + [14]], GREEDY)
+    assert llm.scheduler.stats().prefix_cache_hits == hits
+    with LLM(str(tiny_dense), enable_prefix_caching=False, **OPTS) as off:
+        assert off.reset_prefix_cache() is False

@@ -19,6 +19,7 @@ from appliance.messages import (
     ImageData,
     RejectRequest,
     ReleaseImages,
+    ResetPrefixCache,
     SamplingOptions,
     StatusQuery,
     TokenizedRequest,
@@ -86,19 +87,20 @@ def test_relay_encode_and_stats_to_the_server(loop, encoder):
     visual, client, router, server = loop
     text = encode(TokenizedRequest("text", [1, 2, 3], SamplingOptions(), 4))
     query, abort = encode(StatusQuery(7)), encode(AbortRequest("elsewhere"))
-    for frame in (text, encode(_image_request("img", encoder)), query, abort):
+    reset = encode(ResetPrefixCache(8))
+    for frame in (text, encode(_image_request("img", encoder)), query, reset, abort):
         client.send(frame)
     to_router, to_server = [], []
     deadline = time.monotonic() + 120
-    while len(to_router) < 4:  # the image request comes last, once its image is encoded
+    while len(to_router) < 5:  # the image request comes last, once its image is encoded
         assert time.monotonic() < deadline, "the image request never reached the router"
         visual.run_once(timeout_ms=50)
         to_router += _drain(router)
         to_server += _drain(server)
-    assert to_router[:3] == [text, query, abort]  # relayed byte for byte, in arrival order
-    forwarded = ANY_TO_ROUTER.decode(to_router[3])
+    assert to_router[:4] == [text, query, reset, abort]  # byte for byte, in arrival order
+    forwarded = ANY_TO_ROUTER.decode(to_router[4])
     assert isinstance(forwarded, TokenizedRequest) and forwarded.req_id == "img"
-    assert len(to_router) == 4 and forwarded.images == [] and len(forwarded.mm) == 1
+    assert len(to_router) == 5 and forwarded.images == [] and len(forwarded.mm) == 1
     assert forwarded.mm[0].offset == 2 and forwarded.mm[0].handle.endswith(
         _image_request("img", encoder).images[0].key
     )

@@ -1,6 +1,7 @@
 """The prefix cache: the radix tree alone (match, split, snapshots, locks, LRU eviction, image
 keys), and the scheduler with it against the fake worker, which checks that every cached KV slot
-holds the request's token and every restored snapshot covers exactly the cached prefix."""
+holds the request's token and every restored snapshot covers exactly the cached prefix; the
+operator's reset (/reset_prefix_cache) with running requests and plans in flight."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from fake_worker import (
     run_pipelined,
 )
 
+from appliance.config import SchedulerConfig
 from appliance.messages import ImageInput
 from appliance.router.allocators import RefCountedSlots, SlotAllocator
 from appliance.router.prefix_cache import PrefixCache, cache_keys
+from appliance.router.scheduler import Scheduler
 
 
 def tree(num_kv: int = 100, num_snapshots: int = 8, hybrid: bool = True):
@@ -333,3 +336,81 @@ def test_a_prompts_keys_are_built_once(monkeypatch):
     assert out.tokens["a"] == reference_tokens(prompt_of(80, 9), 3)
     assert calls == [80, 83]  # admission and the 5 cache points; the end (every known token)
     assert_pools_empty(sched)
+
+
+# ---------------------------------------------------------------- reset (/reset_prefix_cache)
+
+
+def interval_scheduler(**kwargs):
+    sched = make_scheduler(**{"budget": 64, **HYBRID, **kwargs})
+    sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
+    return sched
+
+
+def test_reset_frees_every_entry_but_a_running_requests_path():
+    sched, worker = interval_scheduler(), FakeWorker(1000)
+    done, live = prompt_of(40, 11), prompt_of(30, 13)
+    for rid, prompt in (("done", done), ("other", prompt_of(36, 12))):
+        sched.add_request(req(rid, prompt, max_tokens=3))
+        run(sched, worker, keep_cache=True)
+    sched.add_request(req("live", live, max_tokens=50))
+    for _ in range(4):  # its prompt is in the tree (points at 16 and 30), locked; it decodes
+        sched.update(worker.execute(sched.schedule()))
+    running = sched.get_request("live")
+    assert running.prefix_node.end == 30 and running.num_output_tokens == 3
+    held, snapshots = sched.cache.num_tokens, sched.snapshots.num_used
+    cleared = sched.reset_prefix_cache()
+    # the two finished requests' entries go; the running one's path stays whole
+    assert (cleared.kept_tokens, cleared.kept_snapshots) == (30, 2)
+    assert cleared.freed_tokens == held - 30 > 0 and cleared.freed_snapshots == snapshots - 2 > 0
+    assert sched.cache.num_tokens == 30 and sched.cache.num_evictable == 0
+    assert sched.snapshots.num_used == 2 and sched.kv.num_used == running.num_kv
+    stats = sched.stats()
+    assert stats.prefix_cache_tokens == 30 and stats.kv_used == running.num_kv
+    assert stats.snapshots_used == 2
+    # the same prompt again misses; the running request's prefix still hits
+    hits = stats.prefix_cache_hits
+    sched.add_request(req("again", done, max_tokens=3))
+    sched.add_request(req("shares", live + [1, 2], max_tokens=3))
+    out = run(sched, worker, keep_cache=True)
+    news = {n.token_ids[-1]: n for p in worker.plans[-out.steps :] for n in p.new_requests}
+    assert news[done[-1]].cached_kv_slots == [] and news[done[-1]].restore_snapshot == -1
+    assert sched.stats().prefix_cache_hits - hits == len(news[2].cached_kv_slots) == 30
+    assert out.tokens["again"] == reference_tokens(done, 3)
+    assert out.tokens["live"][-1] == reference_tokens(live, 50)[-1]
+    assert_pools_empty(sched)
+
+
+def test_reset_with_a_restore_in_flight_is_safe():
+    """A reset between plans frees the snapshot and KV slots a plan in flight reads (its request
+    was aborted meanwhile); the next plan reuses them, and the worker, running plans in order,
+    has read them first (the fake worker checks every restore and KV read)."""
+    sched, worker = interval_scheduler(num_kv_slots=80, num_snapshot_slots=2), FakeWorker(80)
+    head = prompt_of(40, 14)
+    sched.add_request(req("a", head, max_tokens=2))
+    run(sched, worker, keep_cache=True)
+    sched.add_request(req("b", head + [3, 4, 5], max_tokens=2))
+    in_flight = sched.schedule()  # b restores the snapshot at 32 and reads its KV
+    assert in_flight.new_requests[0].restore_snapshot >= 0
+    sched.abort("b")
+    cleared = sched.reset_prefix_cache()
+    assert cleared.kept_tokens == 0 and sched.kv.num_used == sched.cache.num_tokens == 0
+    assert sched.snapshots.num_used == 1  # b's prompt end, saved in flight: freed with its result
+    fresh = prompt_of(70, 15)  # needs every KV slot b read and a snapshot slot
+    sched.add_request(req("c", fresh, max_tokens=3))
+    following = sched.schedule()
+    b_admitted = in_flight.new_requests[0]
+    assert following.new_requests[0].cached_kv_slots == []
+    # c's point at 16 takes the snapshot b restores, and its KV some of the slots b reads
+    assert following.chunks[0].save_snapshot == b_admitted.restore_snapshot
+    assert set(sched.get_request("c").kv_slots.tolist()) & set(b_admitted.cached_kv_slots)
+    for plan in (in_flight, following):  # in order, as the workers run them
+        assert sched.update(worker.execute(plan)) == []  # b's sample is dropped
+    out = run(sched, worker)
+    assert out.tokens["c"] == reference_tokens(fresh, 3)
+
+
+def test_reset_with_caching_off_reports_none():
+    config = SchedulerConfig(max_num_batched_tokens=64, prefix_caching=False)
+    sched = Scheduler(config, 100, 100, linear_state=True, num_snapshot_slots=4)
+    assert sched.cache is None and sched.reset_prefix_cache() is None

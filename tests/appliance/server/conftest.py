@@ -20,7 +20,9 @@ from appliance.messages import (
     AbortRequest,
     DetokRegister,
     FinishRequest,
+    PrefixCacheReset,
     PromptLogprobs,
+    ResetPrefixCache,
     RouterOutput,
     RouterStats,
     RouterStatus,
@@ -95,12 +97,15 @@ class ScriptedEngine(threading.Thread):
         self.aborted: list[str] = []
         self.finished_by_detok: list[str] = []
         self.reject_status = 0  # set to 429/400 to reject every new request
+        self.resets = 0  # ResetPrefixCache messages received
+        # its answer's freed_tokens, freed_snapshots, kept_tokens, kept_snapshots
+        self.reset_counts = (40, 3, 8, 1)
         self._halt = threading.Event()
 
     def run(self) -> None:
         dec = decoder(ToRouter)
         while not self._halt.is_set():
-            registers, updates, status = [], [], None
+            registers, updates, answers = [], [], []
             while self.inbox.poll(0 if self.active else 5):
                 msg = dec.decode(self.inbox.recv())
                 if isinstance(msg, TokenizedRequest):
@@ -127,7 +132,10 @@ class ScriptedEngine(threading.Thread):
                     self.finished_by_detok.append(msg.req_id)
                     self.active.pop(msg.req_id, None)
                 elif isinstance(msg, StatusQuery):
-                    status = RouterStatus(msg.query_id, self.stats())
+                    answers.append(RouterStatus(msg.query_id, self.stats()))
+                elif isinstance(msg, ResetPrefixCache):
+                    self.resets += 1
+                    answers.append(PrefixCacheReset(msg.query_id, True, *self.reset_counts))
             for req_id, entry in list(self.active.items()):
                 updates.append(self._step(req_id, entry))
             if registers or updates:
@@ -136,8 +144,8 @@ class ScriptedEngine(threading.Thread):
                 for f in finishes:
                     self.active.pop(f.req_id, None)
                 self.outbox.send(encode(out))
-            if status is not None:  # the router answers the server directly
-                self.outbox.send(encode(status))
+            for answer in answers:  # the router answers the server directly
+                self.outbox.send(encode(answer))
             if self.active:
                 time.sleep(self.step_s)
 

@@ -23,6 +23,8 @@ def test_every_route_but_the_probes_needs_a_key(make_server):
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
         ("GET", "/debug/status"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/flush_cache"),
         ("GET", "/openapi.json"),
         ("GET", "/v1/nothing"),  # no probing for routes without a key
     ]:
