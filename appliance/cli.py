@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from appliance import __version__, envs
 from appliance.config import ServeConfig
 from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
+from appliance.flag_translation import add_foreign_flags, translate_args
 
 _POSITIONAL = {"model_dir"}  # ModelConfig.model_dir is the positional MODEL
 
@@ -138,9 +139,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
-def _flag_error(message: str, args: argparse.Namespace) -> str:
-    """A config validation error (`field: expected ...`) with the flag and the value given."""
+def _flag_error(message: str, args: argparse.Namespace, sources: dict[str, str]) -> str:
+    """A config validation error (`field: expected ...`) with the flag and the value given
+    (`sources`: a field a vLLM / SGLang flag set -> that flag, named with ours)."""
     name, sep, expected = message.partition(": ")
+    if sep and name in sources:
+        return f"{sources[name]}: {expected} (as --{name.replace('_', '-')})"
     if sep and hasattr(args, name) and getattr(args, name) is not None:
         return f"--{name.replace('_', '-')} {getattr(args, name)}: {expected}"
     return message
@@ -202,6 +206,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
         help="Hub branch, tag or commit of a Hub id MODEL (default: main)",
     )
     dests = _add_flags(serve)
+    add_foreign_flags(serve)
     subparsers.add_parser(
         "backends",
         help="print the kernel backend each op resolves to on this machine",
@@ -230,6 +235,19 @@ def _print_backends() -> int:
     # block-scaled fp8 weights (Qwen's -FP8 repos): what their GEMMs of 2+ rows run on
     print(f"{'fp8_block':<12} {block_route_summary(table['fp8_gemm'], platform.cuda)}")
     return 0
+
+
+def _serve_config(args: argparse.Namespace, dests) -> tuple[ServeConfig, list[str]]:
+    """The config the flags ask for, vLLM's and SGLang's translated (flag_translation.py), and
+    the INFO lines for theirs that change nothing here; a refused value exits with one line."""
+    try:
+        foreign = translate_args(args)
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        return _build_config(args, dests), foreign.notes
+    except ValueError as exc:
+        _fail(_flag_error(str(exc), args, foreign.sources))
 
 
 def _fail(message: str, code: int = 2, command: str = "serve") -> NoReturn:
@@ -351,18 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "serve":  # bare `appliance`: what it can do
         parser.print_help(sys.stderr)
         return 2
-    try:
-        config = _build_config(args, dests)
-    except ValueError as exc:
-        _fail(_flag_error(str(exc), args))
+    config, notes = _serve_config(args, dests)
     from appliance.launch import LaunchError, preflight, serve
-    from appliance.logging import setup_logging
+    from appliance.logging import get_logger, setup_logging
 
     try:  # env flags and the port, before anything loads or starts
         preflight(config)
     except LaunchError as exc:
         _fail(str(exc), code=1)
     setup_logging()
+    for note in notes:  # vLLM / SGLang flags that change nothing here
+        get_logger(__name__).info(note)
     config = _resolve_model(config, args.revision)
     _check_model_config(config)
     _check_generation_config(config)

@@ -97,6 +97,11 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     mem_fraction: float = 0.85  # share of free device memory (after weights/profile) for pools
+    # vLLM's --gpu-memory-utilization (SGLang's --mem-fraction-static): the share of the device's
+    # whole memory this appliance may fill, weights, activation peak, graphs, the ViT's
+    # reservation and pools together (what else runs on the device is counted against it);
+    # 0 = mem_fraction's rule. When set, mem_fraction is not used
+    gpu_memory_utilization: float = 0.0
     # auto (the model dtype) | fp8_e4m3 (half the bytes per KV slot; "fp8" is read as fp8_e4m3)
     kv_cache_dtype: str = "auto"
     # prefix-cache GDN state snapshot slots (one request's conv + SSM state each); 0 = auto:
@@ -110,6 +115,11 @@ class CacheConfig:
             0.0 <= self.snapshot_mem_fraction < 1.0, "snapshot_mem_fraction", "a number in [0, 1)"
         )
         _check(0.0 < self.mem_fraction <= 1.0, "mem_fraction", "a number in (0, 1]")
+        _check(
+            0.0 <= self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "a number in (0, 1] (0: the --mem-fraction rule)",
+        )
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "auto, fp8 or fp8_e4m3")
         if self.kv_cache_dtype == "fp8":
             object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")

@@ -1,6 +1,7 @@
 """Memory planning of the model runner: how many KV slots, state snapshots and request rows its
 pools get. On a GPU: weights (loaded) -> a worst-case profile forward -> hold back the ViT's
-reservation and the CUDA-graph pools -> `mem_fraction` of the rest, less the state pools and the
+reservation and the CUDA-graph pools -> `mem_fraction` of the rest (or what vLLM's
+gpu_memory_utilization share of the whole device leaves), less the state pools and the
 prefix-cache snapshots, becomes the KV pool. On CPU the sizes come from the configuration.
 A mixin of ModelRunner (appliance/engine/runner.py), which owns every attribute it reads."""
 
@@ -48,7 +49,7 @@ class RunnerMemory:
         elif self.device.type == "cuda":  # a fixed KV pool: the auto snapshot pool fits beside it
             state, per_slot = self._state_and_kv_slot_bytes()
             free, _ = torch.cuda.mem_get_info(self.device)
-            pool = free * self.config.cache.mem_fraction - state
+            pool = self._pool_bytes(free, 0) - state
             snapshots = self._num_snapshots(pool, slots * per_slot)
         elif not slots:
             slots = min(CPU_DEFAULT_KV_SLOTS, sched.max_num_seqs * self.max_model_len)
@@ -72,6 +73,17 @@ class RunnerMemory:
             cache.snapshot_mem_fraction,
             kv_bytes,
         )
+
+    def _pool_bytes(self, free: int, held: int) -> float:
+        """Device memory the pools (KV, request state, snapshots) may take, from what is `free`
+        now (weights loaded) less what is `held` back (activation peak, ViT, graphs):
+        `mem_fraction` of the rest, or with gpu_memory_utilization u (vLLM's) what is left of u
+        x the device's whole memory once everything in use and held back is counted."""
+        cache = self.config.cache
+        if cache.gpu_memory_utilization:
+            _, total = torch.cuda.mem_get_info(self.device)
+            return free - held - (1.0 - cache.gpu_memory_utilization) * total
+        return (free - held) * cache.mem_fraction
 
     def _state_and_kv_slot_bytes(self) -> tuple[int, int]:
         """Bytes of the request state pools (every request row) and of one KV slot (all models)."""
@@ -126,11 +138,11 @@ class RunnerMemory:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
         held = activation + self.reserved_bytes + graphs
-        mem_fraction = self.config.cache.mem_fraction
-        snapshots = self._num_snapshots((free - held) * mem_fraction - state)
+        pool = self._pool_bytes(free, held)
+        snapshots = self._num_snapshots(pool - state)
         snapshot_bytes = snapshots * state_bytes_per_slot(self.model, self.dtype)
         scratch = sched.max_num_seqs * self.mtp_step
-        slots = plan_kv_slots(free, held, mem_fraction, state + snapshot_bytes, per_slot, scratch)
+        slots = plan_kv_slots(pool, state + snapshot_bytes, per_slot, scratch)
         log.info(
             "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
             "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools, %.2f GiB for %d "
@@ -147,8 +159,10 @@ class RunnerMemory:
             str(self.kv_dtype).removeprefix("torch."),
         )
         if slots < sched.max_num_batched_tokens:
+            share = self.config.cache.gpu_memory_utilization
+            rule = f"--gpu-memory-utilization {share}" if share else "--mem-fraction"
             raise NotEnoughDeviceMemory(
-                f"not enough device memory for the KV pool: {slots} slots fit, "
+                f"not enough device memory for the KV pool: {slots} slots fit ({rule}), "
                 f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
         return slots, snapshots

@@ -67,14 +67,11 @@ def kv_bytes_per_slot(model: nn.Module, dtype: torch.dtype) -> int:
     return per
 
 
-def plan_kv_slots(
-    free: int, held: int, mem_fraction: float, state_bytes: int, per_slot: int, scratch: int
-) -> int:
-    """The startup memory plan's KV slots: `mem_fraction` of the device memory free after weights
-    less `held` (activation peak, ViT reservation, CUDA-graph pools), less the state pools, in
-    slots of `per_slot` bytes (every attention layer's k and v), less the MTP scratch slots."""
-    budget = (free - held) * mem_fraction - state_bytes
-    return int(budget // max(1, per_slot)) - scratch
+def plan_kv_slots(pool_bytes: float, state_bytes: int, per_slot: int, scratch: int) -> int:
+    """The startup memory plan's KV slots: the pools' memory (RunnerMemory._pool_bytes) less the
+    state pools, in slots of `per_slot` bytes (every attention layer's k and v), less the MTP
+    scratch slots."""
+    return int((pool_bytes - state_bytes) // max(1, per_slot)) - scratch
 
 
 def plan_snapshot_slots(

@@ -7,12 +7,9 @@ import os
 from dataclasses import fields, replace
 
 from appliance.config import EngineConfig
+from appliance.logging import get_logger
 
-# vLLM's LLM keywords with no setting here that a script may pass harmlessly: no remote code ever
-# runs (the model classes are built in), and the tokenizer is the model folder's own
-IGNORED_KEYWORDS = ("trust_remote_code",)
-# vLLM's LLM keywords for settings of ours the command line spells otherwise
-KEYWORD_ALIASES = {"enable_prefix_caching": "prefix_caching"}
+logger = get_logger(__name__)
 
 
 def build_engine_config(model_dir: str | None, tp: int, options: dict) -> EngineConfig:
@@ -32,28 +29,33 @@ def build_engine_config(model_dir: str | None, tp: int, options: dict) -> Engine
 
 def vllm_keywords(options: dict, tp: int, model: str | None) -> int:
     """vLLM's spellings of the same options, as `appliance serve` takes its flags
-    (`tensor_parallel_size` for `tp`, `enforce_eager` ...): moved to ours in `options`; returns
-    the tensor-parallel size. A keyword given as None means its default, as in vLLM
-    (`quantization=None`, `max_model_len=None`). Theirs that mean something else here raise
-    ValueError naming ours."""
+    (`tensor_parallel_size` for `tp`, `enforce_eager` ...) and the keywords of the flags that
+    `appliance serve` translates (`speculative_config`, `enable_prefix_caching`, SGLang's
+    `context_length` ..., flag_aliases.FOREIGN_FLAGS): moved to ours in `options`, an INFO line for
+    each that changes nothing here; returns the tensor-parallel size. A keyword given as None means
+    its default, as in vLLM (`quantization=None`, `max_model_len=None`). Theirs that mean something
+    else here, or ask for what this appliance cannot do, raise ValueError naming them."""
     from appliance.flag_aliases import FLAG_ALIASES, FLAG_HINTS
-
-    def keyword(flag: str) -> str:
-        return flag.lstrip("-").replace("-", "_")
+    from appliance.flag_translation import keyword, translate_keywords
 
     for name in [name for name, value in options.items() if value is None]:
         del options[name]
-    for name in IGNORED_KEYWORDS:
-        options.pop(name, None)
     tokenizer = options.pop("tokenizer", model)
     if os.path.normpath(str(tokenizer)) != os.path.normpath(str(model)):
         raise ValueError(
             f"tokenizer: {tokenizer!r} differs from the model; the model folder's own tokenizer "
             "is used (leave tokenizer unset)"
         )
-    for theirs, ours in KEYWORD_ALIASES.items():
-        if theirs in options:
-            options[ours] = options.pop(theirs)
+    foreign = translate_keywords(options)
+    sections = [section.default_factory() for section in fields(EngineConfig)]
+    for name, value in foreign.settings.items():
+        if any(hasattr(section, name) for section in sections):
+            options[name] = value
+        else:  # vision, reasoning: the HTTP server's (offline prompts are text, outputs raw)
+            source = foreign.sources[name]
+            foreign.notes.append(f"{source}: ignored offline ({name} is a server setting)")
+    for note in foreign.notes:
+        logger.info(note)
     for ours, flags in FLAG_ALIASES.items():
         for theirs in map(keyword, flags):
             if theirs in options:

@@ -24,6 +24,7 @@ until healthy; do
   sleep 1
 done
 echo "ready in $((SECONDS - t0)) s"; grep -E "memory:|CUDA graphs:|ready in" "$log" | cut -c1-200
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader  # the device while serving
 for fmt in ${FORMATS:-text}; do
   sfx=""; [ "$fmt" != text ] && sfx="_$fmt"
   for c in ${CONCURRENCY:-1 16}; do

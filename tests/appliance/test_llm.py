@@ -181,8 +181,10 @@ def test_chat_renders_conversations_as_the_server_does(llm):
 def test_vllm_keywords_and_a_tp_the_model_cannot_split(tiny_dense):
     with LLM(str(tiny_dense), tensor_parallel_size=1, enforce_eager=True, **OPTS) as llm:
         assert llm.config.parallel.tp == 1 and llm.config.graphs.disable_cuda_graph
-    with pytest.raises(ValueError, match="gpu_memory_utilization: use mem_fraction "):
-        LLM(str(tiny_dense), gpu_memory_utilization=0.9)
+    with LLM(str(tiny_dense), gpu_memory_utilization=0.9, **OPTS) as llm:  # vLLM's share
+        assert llm.config.cache.gpu_memory_utilization == 0.9
+    with LLM(str(tiny_dense), mem_fraction_static=0.7, **OPTS) as llm:  # SGLang's, read so
+        assert llm.config.cache.gpu_memory_utilization == 0.7
     with pytest.raises(ValueError, match="tp 3 does not divide num_attention_heads 4"):
         LLM(str(tiny_dense), tensor_parallel_size=3, **OPTS)
 

@@ -82,8 +82,15 @@ def test_flags_override_fields():
 def test_vllm_spellings_alias_or_point_to_ours(capsys):
     config = _build(["serve", "/m", "--tensor-parallel-size", "2", "--enforce-eager"])
     assert config.engine.parallel.tp == 2 and config.engine.graphs.disable_cuda_graph is True
+    for flag in ("--gpu-memory-utilization", "--mem-fraction-static"):
+        config = _build(["serve", "/m", flag, "0.9"])
+        assert config.engine.cache.gpu_memory_utilization == 0.9
+    assert _build(["serve", "/m"]).engine.cache.gpu_memory_utilization == 0  # mem_fraction's rule
     for argv, expected in (
-        (["--gpu-memory-utilization", "0.9"], "--gpu-memory-utilization: use --mem-fraction"),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            "--gpu-memory-utilization 1.5: expected a number in (0, 1]",
+        ),
         (["--max-model", "5"], "unrecognized arguments: --max-model"),  # no abbreviations
     ):
         with pytest.raises(SystemExit) as info:

@@ -67,8 +67,8 @@ def test_memory_plan_gives_twice_the_slots(tiny_dense, monkeypatch):
     model = runner(tiny_dense).model
     assert kv_bytes_per_slot(model, torch.bfloat16) == 2 * kv_bytes_per_slot(model, FP8_DTYPE)
     per = kv_bytes_per_slot(model, torch.bfloat16)
-    bf16 = plan_kv_slots(40 * 2**30, 10 * 2**30, 0.85, 2**30, per, 16)
-    fp8 = plan_kv_slots(40 * 2**30, 10 * 2**30, 0.85, 2**30, per // 2, 16)
+    bf16 = plan_kv_slots(30 * 2**30 * 0.85, 2**30, per, 16)
+    fp8 = plan_kv_slots(30 * 2**30 * 0.85, 2**30, per // 2, 16)
     assert fp8 + 16 in (2 * (bf16 + 16), 2 * (bf16 + 16) + 1)
 
     free = 3 * 2**30
