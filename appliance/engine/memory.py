@@ -85,6 +85,13 @@ class RunnerMemory:
             return free - held - (1.0 - cache.gpu_memory_utilization) * total
         return (free - held) * cache.mem_fraction
 
+    def _pool_rule(self) -> str:
+        """The flag that sized the pools, for the startup log and its error."""
+        cache = self.config.cache
+        if cache.gpu_memory_utilization:
+            return f"--gpu-memory-utilization {cache.gpu_memory_utilization}"
+        return f"--mem-fraction {cache.mem_fraction}"
+
     def _state_and_kv_slot_bytes(self) -> tuple[int, int]:
         """Bytes of the request state pools (every request row) and of one KV slot (all models)."""
         rows = self.config.scheduler.max_num_seqs + (1 if self.graph_max_bs else 0)  # + padding
@@ -124,7 +131,8 @@ class RunnerMemory:
 
     def _slots_from_memory(self) -> tuple[int, int]:
         """Startup order: weights (loaded) -> worst-case profile forward -> hold back the ViT
-        reservation -> `mem_fraction` of the rest, less the state pools, becomes the KV pool."""
+        reservation and the graphs -> the pools' memory (_pool_bytes), less the state pools and
+        the snapshots, becomes the KV pool."""
         sched = self.config.scheduler
         activation = self._profile_activation_bytes()
         free, _ = torch.cuda.mem_get_info(self.device)
@@ -145,12 +153,14 @@ class RunnerMemory:
         slots = plan_kv_slots(pool, state + snapshot_bytes, per_slot, scratch)
         log.info(
             "memory: %.2f GiB free after weights, %.2f GiB activation peak, %.2f GiB reserved "
-            "for the ViT, %.2f GiB for CUDA graphs, %.2f GiB state pools, %.2f GiB for %d "
-            "prefix-cache state snapshots -> %d KV slots of %d B (%s)",
+            "for the ViT, %.2f GiB for CUDA graphs; %.2f GiB for the pools (%s): %.2f GiB state "
+            "pools, %.2f GiB for %d prefix-cache state snapshots -> %d KV slots of %d B (%s)",
             free / 2**30,
             activation / 2**30,
             self.reserved_bytes / 2**30,
             graphs / 2**30,
+            pool / 2**30,
+            self._pool_rule(),
             state / 2**30,
             snapshot_bytes / 2**30,
             snapshots,
@@ -159,10 +169,9 @@ class RunnerMemory:
             str(self.kv_dtype).removeprefix("torch."),
         )
         if slots < sched.max_num_batched_tokens:
-            share = self.config.cache.gpu_memory_utilization
-            rule = f"--gpu-memory-utilization {share}" if share else "--mem-fraction"
             raise NotEnoughDeviceMemory(
-                f"not enough device memory for the KV pool: {slots} slots fit ({rule}), "
+                f"not enough device memory for the KV pool: {slots} slots fit "
+                f"({self._pool_rule()}), "
                 f"fewer than max_num_batched_tokens={sched.max_num_batched_tokens}"
             )
         return slots, snapshots
