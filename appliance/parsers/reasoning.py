@@ -27,6 +27,17 @@ def prompt_opens_reasoning(prompt: str) -> bool:
     return prompt.rstrip().endswith(THINK_START)
 
 
+def reasoning_token_count(output_ids: list[int], think_end: int | None, has_reasoning: bool) -> int:
+    """OpenAI's `reasoning_tokens` of an answer that has reasoning: its output tokens up to and
+    including `</think>` (`think_end`, its token id), all of them when the reasoning was cut
+    short (or the tokenizer has no such token); 0 for an answer without reasoning."""
+    if not has_reasoning:
+        return 0
+    if think_end is not None and think_end in output_ids:
+        return output_ids.index(think_end) + 1
+    return len(output_ids)
+
+
 def _held_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (starts with '<')."""
     start = text.find("<", max(0, len(text) - len(tag) + 1))

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from appliance.messages import TextDelta
+from appliance.parsers.reasoning import reasoning_token_count
 from appliance.server.responses_request import ResponsesRequest, flat_tools
 from appliance.server.serving_chat import ChoiceParser
 
@@ -207,13 +208,8 @@ class ResponseRun:
         }
 
     def reasoning_tokens(self) -> int:
-        """The output tokens up to and including `</think>` (all of them when reasoning was cut
-        short), where the answer has reasoning."""
-        if not any(item["type"] == "reasoning" for item in self.output.items):
-            return 0
-        if self.think_end is not None and self.think_end in self.output_ids:
-            return self.output_ids.index(self.think_end) + 1
-        return self.num_output_tokens
+        has_reasoning = any(item["type"] == "reasoning" for item in self.output.items)
+        return reasoning_token_count(self.output_ids, self.think_end, has_reasoning)
 
     def _numbered(self, events: list[Event]) -> list[Event]:
         for event in events:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -71,6 +71,13 @@ class ChoiceFormatter(Protocol):
     def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
         """Keys a JSON answer has besides OpenAI's (chat: vLLM's top-level prompt_logprobs), from
         each choice's prompt entries."""
+
+    def observe(self, index: int, delta: TextDelta) -> None:
+        """Sees every delta of a choice, streamed or collected, before it is worded."""
+
+    def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
+        """Keys the usage of these choices has besides the token counts (chat: OpenAI's
+        completion_tokens_details)."""
 
 
 class Endpoint(Protocol[Body]):
@@ -334,6 +341,7 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
     finish = ["stop"] * n
     tokens, cached = [0] * n, [0] * n
     async for index, delta in iterate_deltas(answer.group):
+        answer.formatter.observe(index, delta)
         texts[index].append(delta.text)
         if delta.prompt_logprobs is not None:
             prompt_logprobs[index] = delta.prompt_logprobs
@@ -354,7 +362,10 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
         "object": answer.endpoint.object_name,
         "system_fingerprint": None,  # OpenAI's key; no fingerprint here (vLLM: null too)
         "choices": choices,
-        "usage": usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
+        "usage": {
+            **usage(answer.num_prompt_tokens, sum(tokens), cached_prompt_tokens(answer, cached)),
+            **answer.formatter.usage_details(range(n)),
+        },
         **answer.formatter.answer_fields(prompt_logprobs),
     }
 
@@ -392,6 +403,7 @@ async def _stream(
         if continuous and usage_ is None:
             prompt = answer.prompt_lengths[index // answer.choices_per_prompt]
             usage_ = usage(prompt, tokens[index], cached[index])
+            usage_.update(answer.formatter.usage_details([index]))
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
@@ -402,6 +414,7 @@ async def _stream(
                 if opening is not None:
                     yield chunk([opening], index=index)
             async for index, delta in iterate_deltas(answer.group, first):
+                answer.formatter.observe(index, delta)
                 tokens[index] = delta.num_output_tokens
                 cached[index] = max(cached[index], delta.cached_tokens)
                 choice = answer.formatter.delta_choice(index, delta)
@@ -411,7 +424,9 @@ async def _stream(
                     yield chunk([choice], index=index)
             if include_usage:
                 cached_tokens = cached_prompt_tokens(answer, cached)
-                yield chunk([], usage(answer.num_prompt_tokens, sum(tokens), cached_tokens))
+                usage_ = usage(answer.num_prompt_tokens, sum(tokens), cached_tokens)
+                usage_.update(answer.formatter.usage_details(range(answer.num_choices)))
+                yield chunk([], usage_)
         except APIError as err:
             yield sse_error(err)
         yield "data: [DONE]\n\n"

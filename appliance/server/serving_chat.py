@@ -8,10 +8,12 @@ parser (appliance/parsers) before it becomes `content` / `reasoning_content` / `
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
+from appliance.parsers.reasoning import THINK_END, reasoning_token_count
 from appliance.server.chat_checks import (
     check_messages,
     check_tool_choice,
@@ -47,6 +49,7 @@ class ChoiceParser:
         tool_choice = body.tool_choice if body.tool_choice is not None else "auto"
         self.tools = ToolCallParser(body.tools, tool_choice, body.parallel_tool_calls, seed)
         self.made_calls = False
+        self.had_reasoning = False  # some reasoning_content came out (usage's reasoning_tokens)
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
         reasoning, content = self.reasoning.feed(text)
@@ -61,6 +64,7 @@ class ChoiceParser:
             text_out += tail.content + end.content
             calls += [c.to_openai() for c in tail.tool_calls + end.tool_calls]
         self.made_calls = self.made_calls or bool(calls)
+        self.had_reasoning = self.had_reasoning or bool(reasoning)
         return reasoning, text_out, calls
 
     def finish_reason(self, reason: str) -> str:
@@ -90,10 +94,24 @@ class ChatFormatter:
         parsers: list[ChoiceParser],
         prompt_top_k: int | None = None,
         token_ids_as_names: bool = False,
+        think_end: int | None = None,
     ) -> None:
         self.parsers = parsers  # one per choice
         self.prompt_top_k = prompt_top_k  # vLLM's prompt_logprobs (None: the prompt unscored)
         self.as_ids = token_ids_as_names  # vLLM's return_tokens_as_token_ids
+        self.think_end = think_end  # the `</think>` token id, where reasoning tokens stop
+        self.output_ids: list[list[int]] = [[] for _ in parsers]  # per choice, as they came
+
+    def observe(self, index: int, delta: TextDelta) -> None:
+        self.output_ids[index] += delta.token_ids
+
+    def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
+        """OpenAI's completion_tokens_details of these choices: their reasoning tokens."""
+        count = sum(
+            reasoning_token_count(self.output_ids[i], self.think_end, self.parsers[i].had_reasoning)
+            for i in indexes
+        )
+        return {"completion_tokens_details": {"reasoning_tokens": count}}
 
     def opening(self, index: int) -> Choice:
         delta = {"role": "assistant", "content": ""}
@@ -200,7 +218,18 @@ class ChatEndpoint:
         (prompt,) = prompts
         text, mode = prompt.text or "", state.config.reasoning
         parsers = [ChoiceParser(body, text, mode, i) for i in range(body.n)]
-        return ChatFormatter(parsers, body.prompt_logprobs, body.return_tokens_as_token_ids)
+        return ChatFormatter(
+            parsers, body.prompt_logprobs, body.return_tokens_as_token_ids, think_end_id(state)
+        )
+
+
+def think_end_id(state: ServerState) -> int | None:
+    """The tokenizer's `</think>` token id (None: it has no such token)."""
+    tokenizer = state.prompts.tokenizer
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END:
+        return token_id
+    return None
 
 
 CHAT = ChatEndpoint()

@@ -7,6 +7,7 @@ Used by app.py. Choice index = prompt index x n + choice number, as OpenAI numbe
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -169,6 +170,12 @@ class CompletionFormatter:
 
     def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
         return {}  # each choice carries its own prompt's
+
+    def observe(self, index: int, delta: TextDelta) -> None:
+        return None
+
+    def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
+        return {}  # OpenAI's completions usage has the token counts only
 
 
 class CompletionEndpoint:

@@ -17,7 +17,6 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from appliance.messages import TextDelta
-from appliance.parsers.reasoning import THINK_END
 from appliance.server.errors import APIError
 from appliance.server.responses_output import Event, ResponseRun, response_shell
 from appliance.server.responses_request import ResponsesRequest, chat_request
@@ -106,7 +105,9 @@ class ResponsesReply:
         )
         formatter = answer.formatter
         assert isinstance(formatter, ChatFormatter)  # RESPONSES.formatter's
-        return ResponseRun(shell, formatter.parsers[0], answer.num_prompt_tokens, _think_end(state))
+        return ResponseRun(
+            shell, formatter.parsers[0], answer.num_prompt_tokens, formatter.think_end
+        )
 
 
 def _feed(state: ServerState, answer: Answer, run: ResponseRun, delta: TextDelta) -> list[Event]:
@@ -117,14 +118,6 @@ def _feed(state: ServerState, answer: Answer, run: ResponseRun, delta: TextDelta
         reason = run.parser.finish_reason(delta.finish_reason)
         state.client.label_finish(answer.group, 0, reason)
     return events
-
-
-def _think_end(state: ServerState) -> int | None:
-    tokenizer = state.prompts.tokenizer
-    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
-    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END:
-        return token_id
-    return None
 
 
 def renamed(err: APIError) -> APIError:

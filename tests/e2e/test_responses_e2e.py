@@ -113,6 +113,8 @@ def test_reasoning_effort_turns_thinking_on(sdk, model):
     assert response.output_text == (message.content or "")
     details = response.usage.output_tokens_details
     assert 0 < details.reasoning_tokens <= response.usage.output_tokens == 16
+    # the chat route counts them alike (OpenAI's completion_tokens_details)
+    assert chat.usage.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
 
 
 @pytest.mark.parametrize(

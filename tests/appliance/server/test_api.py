@@ -7,6 +7,8 @@ import json
 import openai
 import pytest
 
+from appliance.server import serving_chat
+
 REPLY = "hello world héllo"
 
 
@@ -83,6 +85,7 @@ def test_chat_non_stream(make_server, tokenizer):
         "completion_tokens": len(reply_ids) + 1,  # + eos
         "total_tokens": len(prompt_ids) + len(reply_ids) + 1,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
     # The whole context is left for generation when max_tokens is not given.
     assert engine.received[0].max_tokens == 256 - len(prompt_ids)
@@ -244,6 +247,50 @@ def test_openai_sdk_against_app(make_server):
     assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
     comp = sdk.completions.create(model="tiny", prompt="hi", max_tokens=2)
     assert comp.choices[0].finish_reason == "length"
+
+
+def test_usage_counts_reasoning_tokens_as_openai(make_server, tokenizer, monkeypatch):
+    """usage.completion_tokens_details.reasoning_tokens: the tokens up to and with </think> of
+    each choice that reasoned (all of them when reasoning is cut short), JSON and streamed, over
+    every choice; 0 without reasoning. (This tokenizer spells </think> a character a token: its
+    "/", which the text has once, stands in for Qwen's one </think> token.)"""
+    think = tokenizer.encode("<think>\nplan a b\n</think>", add_special_tokens=False)
+    answer = tokenizer.encode("\n\nanswer", add_special_tokens=False)
+    slash = tokenizer.convert_tokens_to_ids("/")
+    assert (think + answer).count(slash) == 1
+    monkeypatch.setattr(serving_chat, "think_end_id", lambda state: slash)
+    reply = think + answer
+    client, _, _ = make_server(script=lambda prompt: reply, reasoning="on")
+    think = think[: think.index(slash) + 1]  # what counts as reasoning
+    out = chat(client, n=2, seed=1).json()
+    assert out["choices"][0]["message"]["reasoning_content"] == "plan a b"
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * len(think)}
+    body = {"stream": True, "stream_options": {"include_usage": True}}
+    assert _chunks(chat(client, **body))[-1]["usage"]["completion_tokens_details"] == {
+        "reasoning_tokens": len(think)
+    }
+    body["stream_options"]["continuous_usage_stats"] = True
+    counts = [
+        c["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        for c in _chunks(chat(client, **body))
+    ]
+    assert counts == sorted(counts) and counts[-1] == len(think)
+    # cut inside the reasoning: every token is a reasoning token
+    out = chat(client, max_tokens=10).json()
+    assert out["choices"][0]["message"]["reasoning_content"] == "pl"
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 10}
+    # no reasoning: the output is all content
+    plain, _, _ = make_server(script=lambda prompt: answer, reasoning="on")
+    out = chat(plain).json()
+    assert "reasoning_content" not in out["choices"][0]["message"]
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    made = sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert made.usage.completion_tokens_details.reasoning_tokens == len(think)
+
+
+def _chunks(response) -> list[dict]:
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line[:7] == "data: {"]
 
 
 def test_debug_status_and_metrics(make_server):

@@ -29,11 +29,14 @@ def test_usage_reports_cached_tokens(make_server):
         ("/v1/completions", {"prompt": "hi"}),
     ]:
         usage = client.post(path, json=body).json()["usage"]
+        # chat's also counts reasoning tokens, as OpenAI's chat usage does
+        details = {"completion_tokens_details"} if "messages" in body else set()
         assert set(usage) == {
             "prompt_tokens",
             "completion_tokens",
             "total_tokens",
             "prompt_tokens_details",
+            *details,
         }
         assert usage["prompt_tokens_details"] == {"cached_tokens": 0}  # the fake engine caches none
         chunks = stream(client, path, {**body, "stream_options": {"include_usage": True}})
