@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, /debug/status, the prefix-cache reset, /metrics, the
-access log.
+"""The FastAPI app: OpenAI routes, SGLang's native /generate, /health, /debug/status, the
+prefix-cache reset, /metrics, the access log.
 
 `build_app(state)` is called by process.py (under uvicorn) and by tests (TestClient). The engine
 client's sockets are opened in the app's lifespan, so they live on the serving event loop.
@@ -30,7 +30,9 @@ from appliance.server.responses_request import ResponsesRequest
 from appliance.server.serving import serve
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
+from appliance.server.serving_generate import generate, health_generate, model_info
 from appliance.server.serving_responses import serve_responses
+from appliance.server.sglang_request import GenerateRequest
 from appliance.server.state import ServerState
 from appliance.server.tokenize_api import (
     DetokenizeRequest,
@@ -53,6 +55,10 @@ _ROUTES = (
     "/tokenize",
     "/detokenize",
     "/version",
+    "/generate",
+    "/health_generate",
+    "/get_model_info",
+    "/model_info",
 )
 
 
@@ -162,6 +168,21 @@ def build_app(
     @app.post("/v1/responses", responses=generation_errors)
     async def responses(body: ResponsesRequest, request: Request):
         return await serve_responses(state, body, request)
+
+    # SGLang's native API (its scripts, RL and eval frameworks), on the completions route's pieces
+    @app.put("/generate", include_in_schema=False)  # SGLang takes PUT too
+    @app.post("/generate", responses=generation_errors)
+    async def generate_route(body: GenerateRequest, request: Request):
+        return await generate(state, body, request)
+
+    @app.get("/health_generate", responses=error_responses(401, 503))
+    async def health_generate_route():
+        return await health_generate(state)
+
+    @app.get("/get_model_info", responses=error_responses(401))
+    @app.get("/model_info", responses=error_responses(401))  # SGLang's newer name
+    async def model_info_route():
+        return model_info(state)
 
     # vLLM's (and SGLang's) token counting, built as the two routes above build their prompts
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))
