@@ -232,6 +232,9 @@ class ServerConfig:
     # sampling defaults of unset request fields: auto = the model's generation_config.json, none
     # (or vllm) = OpenAI's, or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # /v1/responses kept in the server's memory for previous_response_id, GET and DELETE (LRU,
+    # also at most 1 GiB of their JSON); 0 = none kept (previous_response_id is refused)
+    responses_store: int = 0
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
@@ -246,6 +249,7 @@ class ServerConfig:
         # ", " would leave no key: authentication off while the config block shows one
         _check(not self.api_key or any(keys), "api_key", "at least one key (comma-separated)")
         _check(bool(self.generation_config), "generation_config", "auto, none or a folder")
+        _check(self.responses_store >= 0, "responses_store", "an integer >= 0 (0: off)")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from appliance import __version__
@@ -27,6 +27,7 @@ from appliance.server.errors import error_response, install_error_handlers
 from appliance.server.limits import BodyLimit, LimitedJSONRoute
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
 from appliance.server.responses_request import ResponsesRequest
+from appliance.server.responses_store import ResponseNotFound, StoredResponse, new_store
 from appliance.server.serving import serve
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
@@ -45,6 +46,8 @@ _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/responses",
+    "/v1/responses/{response_id}",
+    "/v1/responses/{response_id}/input_items",
     "/v1/models",
     "/v1/models/{model}",
     "/health",
@@ -111,6 +114,12 @@ def route_label(path: str) -> str:
     """The route template of a path for the HTTP metric (unknown paths are "other")."""
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    parts = path.split("/")  # "", "v1", "responses", id[, "input_items"]
+    if path.startswith("/v1/responses/") and parts[3] and len(parts) <= 5:
+        if len(parts) == 4:
+            return "/v1/responses/{response_id}"
+        if parts[4] == "input_items":
+            return "/v1/responses/{response_id}/input_items"
     return path if path in _ROUTES else "other"
 
 
@@ -164,10 +173,40 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         return await serve(COMPLETION, state, body, request)
 
-    # OpenAI's Responses API (vLLM's subset), served through the chat route's pieces
+    # OpenAI's Responses API (vLLM's subset), served through the chat route's pieces; the kept
+    # responses (--responses-store) live in this process. The store's routes are `async def`:
+    # every use of the store stays on the event loop (a plain def would run in a thread).
+    store = new_store(state.config)
+
     @app.post("/v1/responses", responses=generation_errors)
     async def responses(body: ResponsesRequest, request: Request):
-        return await serve_responses(state, body, request)
+        return await serve_responses(state, store, body, request)
+
+    def stored(response_id: str) -> StoredResponse:
+        found = store.get(response_id) if store is not None else None
+        if found is None:
+            raise ResponseNotFound(response_id, store is not None)
+        return found
+
+    @app.get("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def get_response(response_id: str):
+        return JSONResponse(stored(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", responses=error_responses(401, 404))
+    async def delete_response(response_id: str):
+        if store is None or not store.delete(response_id):
+            raise ResponseNotFound(response_id, store is not None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items", responses=error_responses(400, 401, 404))
+    async def input_items(
+        response_id: str,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ):
+        stored(response_id)
+        return store.input_items_page(response_id, limit, order, after)
 
     # SGLang's native API (its scripts, RL and eval frameworks), on the completions route's pieces
     @app.put("/generate", include_in_schema=False)  # SGLang takes PUT too

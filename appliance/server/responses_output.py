@@ -224,10 +224,12 @@ def response_shell(
     created_at: int,
     model: str,
     sampling_defaults: dict[str, Any],
+    stored: bool = False,
 ) -> dict[str, Any]:
     """A Response's fields that echo the request (as OpenAI echoes them), around the placeholders
     ResponseRun.response fills: status, output, usage. Unset temperature and top_p echo the values
-    sampling used (the model's generation_config.json, else OpenAI's 1.0)."""
+    sampling used (the model's generation_config.json, else OpenAI's 1.0). `stored`: the response
+    is kept once it ends (its request's `store` with --responses-store on)."""
     reasoning = body.reasoning
     text_format = body.text.format if body.text is not None else None  # checked by chat_request
     verbosity = {"verbosity": body.text.verbosity} if body.text and body.text.verbosity else {}
@@ -246,12 +248,12 @@ def response_shell(
         "model": model,
         "output": [],
         "parallel_tool_calls": body.parallel_tool_calls,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
         "reasoning": {
             "effort": reasoning.effort if reasoning else None,
             "summary": reasoning.summary if reasoning else None,
         },
-        "store": False,  # nothing is stored, whatever the request's `store`
+        "store": stored,
         "temperature": _echo(body.temperature, sampling_defaults.get("temperature", 1.0)),
         "text": {"format": text_format or {"type": "text"}, **verbosity},
         "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",

@@ -27,8 +27,10 @@ Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 # OpenAI's fields this server does not do: a 400 naming the field when one is set
 REFUSED = {
-    "previous_response_id": "not supported: this server stores no responses; send the whole "
-    "conversation (earlier output items included) in `input`",
+    # with --responses-store the stored conversation replaces it first (serving_responses.py)
+    "previous_response_id": "not supported: this server stores no responses (start it with "
+    "--responses-store N to keep them); send the whole conversation (earlier output items "
+    "included) in `input`",
     "conversation": "not supported: this server stores no conversations; send the whole "
     "conversation in `input`",
     "background": "background responses are not supported",
@@ -66,11 +68,11 @@ class ResponsesRequest(_SamplingFields):
     reasoning: Reasoning | None = None
     metadata: dict[str, str] | None = None  # echoed in the response
     user: str | None = None  # echoed in the response
-    store: bool = True  # accepted; nothing is stored (the response says "store": false)
+    store: bool = True  # kept for previous_response_id and GET with --responses-store, else not
     include: list[str] | None = None  # accepted and ignored (no encrypted reasoning, no logprobs)
     truncation: Literal["auto", "disabled"] | None = None  # "auto" refused: input is never cut
+    previous_response_id: str | None = None  # refused without --responses-store (REFUSED)
     # refused when set (REFUSED)
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool = False
     prompt: dict[str, Any] | None = None

@@ -2,6 +2,8 @@
 skeleton: the request becomes the chat route's request (responses_request.py) and goes through the
 chat endpoint's checks, prompt, structured outputs, sampling and parsers; only the answer is worded
 otherwise (a `serving.Reply`): one Response object, or its typed events (responses_output.py).
+With --responses-store, a request continues a kept response and its own is kept
+(responses_store.py).
 
 Called by app.py.
 """
@@ -20,6 +22,7 @@ from appliance.messages import TextDelta
 from appliance.server.errors import APIError
 from appliance.server.responses_output import Event, ResponseRun, response_shell
 from appliance.server.responses_request import ResponsesRequest, chat_request
+from appliance.server.responses_store import ResponseStore, Turn
 from appliance.server.serving import Answer, serve
 from appliance.server.serving_chat import ChatEndpoint, ChatFormatter
 from appliance.server.state import ServerState, abort_on_disconnect, iterate_deltas
@@ -69,16 +72,22 @@ def error_event(err: APIError, sequence_number: int) -> Event:
 
 class ResponsesReply:
     """Words the one choice of a Responses request (serving.Reply); holds the request for the
-    Response's echoed fields."""
+    Response's echoed fields and, when it is to be kept, the store and the request's turn."""
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    def __init__(
+        self, body: ResponsesRequest, store: ResponseStore | None = None, turn: Turn | None = None
+    ) -> None:
         self.body = body
+        self.store = store
+        self.turn = turn
 
     async def collect(self, state: ServerState, request: Request, answer: Answer) -> dict[str, Any]:
         run = self._run(state, request, answer)
         async for _, delta in iterate_deltas(answer.group):
             _feed(state, answer, run, delta)
-        return run.response()
+        response = run.response()
+        self._keep(run, response)
+        return response
 
     async def stream(
         self, state: ServerState, request: Request, answer: Answer, first: tuple[int, TextDelta]
@@ -91,7 +100,11 @@ class ResponsesReply:
                 async for _, delta in iterate_deltas(answer.group, first):
                     for event in _feed(state, answer, run, delta):
                         yield sse_event(event)
-                for event in run.closing():
+                closing = run.closing()
+                # kept before the last event is sent: a client that continues the response as soon
+                # as it reads response.completed finds it
+                self._keep(run, closing[-1]["response"])
+                for event in closing:
                     yield sse_event(event)
             except APIError as err:
                 yield sse_event(error_event(err, run.sequence_number))
@@ -101,13 +114,25 @@ class ResponsesReply:
         response_id = head["id"].replace("-", "_", 1)  # OpenAI's spelling: resp_<hex>
         request.state.completion_id = response_id  # the access log names the id the client sees
         shell = response_shell(
-            self.body, response_id, head["created"], head["model"], state.sampling_defaults
+            self.body,
+            response_id,
+            head["created"],
+            head["model"],
+            state.sampling_defaults,
+            stored=self.store is not None,
         )
         formatter = answer.formatter
         assert isinstance(formatter, ChatFormatter)  # RESPONSES.formatter's
         return ResponseRun(
             shell, formatter.parsers[0], answer.num_prompt_tokens, formatter.think_end
         )
+
+    def _keep(self, run: ResponseRun, response: dict[str, Any]) -> None:
+        """Keeps a response that ended (completed, or incomplete: OpenAI keeps those too); not one
+        that failed or whose client left (its deltas stopped before the last)."""
+        if self.store is None or self.turn is None or run.finish_reason not in ("stop", "length"):
+            return
+        self.store.keep(response, self.turn)
 
 
 def _feed(state: ServerState, answer: Answer, run: ResponseRun, delta: TextDelta) -> list[Event]:
@@ -129,9 +154,20 @@ def renamed(err: APIError) -> APIError:
     return err
 
 
-async def serve_responses(state: ServerState, body: ResponsesRequest, request: Request) -> Response:
-    """POST /v1/responses end to end (serving.serve with the chat endpoint's pieces)."""
+async def serve_responses(
+    state: ServerState, store: ResponseStore | None, body: ResponsesRequest, request: Request
+) -> Response:
+    """POST /v1/responses end to end (serving.serve with the chat endpoint's pieces). With the
+    store on, a previous_response_id's conversation comes before the request's input, and the
+    response is kept when the request asks to `store` it."""
     try:
-        return await serve(RESPONSES, state, chat_request(body), request, ResponsesReply(body))
+        chat_body, reply = body, ResponsesReply(body)
+        if store is not None and (body.store or body.previous_response_id is not None):
+            turn = store.turn(body)  # OpenAI's 400 for a previous response not kept
+            if body.previous_response_id is not None:
+                update = {"input": turn.input_items, "previous_response_id": None}
+                chat_body = body.model_copy(update=update)
+            reply = ResponsesReply(body, store if body.store else None, turn)
+        return await serve(RESPONSES, state, chat_request(chat_body), request, reply)
     except APIError as err:
         raise renamed(err) from None

@@ -2,7 +2,8 @@
 text and usage equal to /v1/chat/completions' for the same request, streaming (deltas, event order,
 the SDK's stream helper), reasoning.effort switching thinking, a function call forced by tool_choice
 (random weights call no tool on their own: the grammar makes the call), the next turn after a call,
-json_schema output, max_output_tokens -> incomplete, and previous_response_id -> 400.
+json_schema output, max_output_tokens -> incomplete, and stored responses (--responses-store 16):
+turns chained with previous_response_id, then retrieved, listed and deleted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from tests.appliance.server.test_responses_output import check_events
+from tests.e2e.live import start_appliance
 from tests.e2e.test_structured_outputs_sdk import SCHEMA
 
 INSTRUCTIONS = "Answer briefly."
@@ -30,6 +32,15 @@ TOOL = {
     },
     "strict": True,
 }
+
+
+@pytest.fixture(scope="module")
+def appliance(tiny_dense, tmp_path_factory):
+    """conftest's, keeping 16 responses (previous_response_id, GET, DELETE)."""
+    log = tmp_path_factory.mktemp("responses") / "appliance.log"
+    app = start_appliance(tiny_dense, log, "--max-num-seqs", "16", "--responses-store", "16")
+    yield app
+    assert app.stop() == 0, app.log()[-4000:]
 
 
 def _chat(sdk, model, thinking: bool, **kw):
@@ -168,11 +179,39 @@ def test_max_output_tokens_makes_the_response_incomplete(sdk, model):
     assert response.usage.output_tokens == 4
 
 
-def test_previous_response_id_is_refused(sdk, model, appliance):
+def test_previous_response_id_chains_turns_then_retrieve_and_delete(sdk, model, appliance):
+    greedy = dict(model=model, temperature=0, reasoning={"effort": "none"}, max_output_tokens=8)
+    first = sdk.responses.create(input=QUESTION, instructions=INSTRUCTIONS, **greedy)
+    assert first.store is True and first.output_text
+    follow = "And in Python?"
+    second = sdk.responses.create(input=follow, previous_response_id=first.id, **greedy)
+    assert second.previous_response_id == first.id and second.store is True
+    # the same prompt (without the first's instructions) and greedy text as the whole
+    # conversation sent in `input`
+    turns = [
+        {"role": "user", "content": QUESTION},
+        *first.output,
+        {"role": "user", "content": follow},
+    ]
+    whole = sdk.responses.create(input=turns, store=False, **greedy)
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == whole.output_text
+    retrieved = sdk.responses.retrieve(second.id)
+    assert retrieved.output_text == second.output_text
+    assert (retrieved.previous_response_id, retrieved.status) == (first.id, second.status)
+    items = sdk.responses.input_items.list(second.id, order="asc").data
+    assert [item.role for item in items] == ["user", "assistant", "user"]
+    assert items[0].content[0].text == QUESTION and items[2].content[0].text == follow
+    sdk.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(second.id)
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.responses.create(model=model, input="Hi.", previous_response_id="resp_123")
-    assert info.value.body["param"] == "previous_response_id"
-    assert "not supported" in info.value.body["message"]
+        sdk.responses.create(input="Hi.", previous_response_id=second.id, **greedy)
+    assert info.value.body["code"] == "previous_response_not_found"
+    assert sdk.responses.retrieve(first.id).id == first.id  # the others stay
+
+
+def test_unsupported_tools_are_refused(sdk, model, appliance):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.responses.create(model=model, input="Hi.", tools=[{"type": "web_search"}])
     assert info.value.body["param"] == "tools" and "'web_search'" in info.value.body["message"]
