@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, NoReturn
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
-from appliance.messages import Guide, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.messages import Guide, ImageInput, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.offline.images import OfflineImages
 from appliance.offline.options import build_engine_config, vllm_keywords
 from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
+from appliance.offline.prompts import OfflinePrompt, read_conversation, read_prompt, render_chat
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
@@ -59,6 +61,8 @@ class LLM:
         **options,
     ) -> None:
         options = dict(options)
+        # vLLM's image resize range (min_pixels / max_pixels / size) for every image prompt
+        self.mm_processor_kwargs = options.pop("mm_processor_kwargs", None)
         tp = vllm_keywords(options, tp, model)
         rng_seed = options.get("seed")  # vLLM's seed: unseeded requests sample reproducibly too
         self.config = build_engine_config(model, tp, options)
@@ -112,6 +116,7 @@ class LLM:
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._compiler = None  # checks guides (structured outputs) on first use
+        self._images: OfflineImages | None = None  # image prompts: made on the first one
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams (the generation_config defaults)."""
@@ -135,7 +140,9 @@ class LLM:
     reward = _no_pooling("reward")
 
     def close(self) -> None:
-        """Stops the worker processes (tp > 1); a no-op in process."""
+        """Frees image embeddings still held and stops the worker processes (tp > 1)."""
+        if self._images is not None:
+            self._images.release_all()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -146,31 +153,17 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[list[int], str | None]:
-        """A prompt's token ids and its text (when given as text): a string, token ids, or vLLM's
-        TextPrompt {"prompt": ...} / TokensPrompt {"prompt_token_ids": [...]}."""
-        if isinstance(prompt, dict):
-            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-            if extra or not prompt:
-                raise ValueError(
-                    f"prompt: {', '.join(extra) or 'an empty dict'} is not supported: a prompt "
-                    "dict holds 'prompt' (text) or 'prompt_token_ids'"
-                )
-            if "prompt_token_ids" not in prompt:
-                return self._prompt_ids(prompt["prompt"])
-            return self._prompt_ids(prompt["prompt_token_ids"])[0], prompt.get("prompt")
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt), prompt
-        ids = list(prompt)
-        vocab = len(self.tokenizer.hf)
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad!r} is not in the vocabulary (0..{vocab - 1})")
-        return ids, None
+    def images(self) -> OfflineImages:
+        """The image side (preprocessing, the ViT, embedding entries), made on first use."""
+        if self._images is None:
+            tp = self.config.parallel.tp
+            self._images = OfflineImages(str(self.model_dir), self.config, self.runner, tp)
+        return self._images
 
-    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+    def _truncated(self, prompt: OfflinePrompt, keep: int | None) -> OfflinePrompt:
         """SamplingParams.truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens, -1
-        the context length; past the context length is a ValueError, as in vLLM."""
+        the context length; past the context length is a ValueError, as in vLLM, and so is a cut
+        through an image (the model cannot see part of one)."""
         max_len = self.scheduler.max_model_len
         if keep is not None and keep > max_len:
             raise ValueError(
@@ -178,10 +171,19 @@ class LLM:
                 "select a smaller truncation size"
             )
         keep = max_len if keep == -1 else keep
-        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+        ids = prompt.token_ids
+        if keep is None or len(ids) <= keep:
+            return prompt
+        cut = len(ids) - keep
+        if any(offset < cut for offset in prompt.offsets):
+            raise ValueError(
+                f"truncate_prompt_tokens: keeping the last {keep} tokens would cut an image"
+            )
+        offsets = [offset - cut for offset in prompt.offsets]
+        return replace(prompt, token_ids=ids[cut:], offsets=offsets)
 
     def _request(
-        self, ids: list[int], params: SamplingParams, choice: int, fit: bool = False
+        self, prompt: OfflinePrompt, params: SamplingParams, choice: int, fit: bool = False
     ) -> TokenizedRequest:
         """Choice `choice` of the prompt's n: a given seed is offset so the choices differ (as the
         server's choices). `fit`: max_tokens is the generation config's cap (max_new_tokens),
@@ -189,13 +191,19 @@ class LLM:
         max_tokens None (vLLM's) is that room."""
         if params.guide is not None:
             self._check_guide(params.guide)
+        ids = prompt.token_ids
         room = max(1, self.scheduler.max_model_len - len(ids))  # none left: the scheduler refuses
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if fit:
             max_tokens = min(max_tokens, room)
+        req_id = f"offline-{next(self._ids)}"
+        mm: list[ImageInput] = []
+        if prompt.images:  # held for this request until it ends
+            mm = self.images().inputs(prompt.images, prompt.offsets, req_id)
         return TokenizedRequest(
-            req_id=f"offline-{next(self._ids)}",
+            req_id=req_id,
             prompt_token_ids=ids,
+            mm=mm,
             sampling=params.choice_options(choice),
             max_tokens=max_tokens,
             ignore_eos=params.ignore_eos,
@@ -246,9 +254,10 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Runs every prompt to its end; one output a prompt, its first choice, holding its `n`
         choices (SamplingParams.n) as `outputs`, as vLLM's RequestOutput. A prompt is text, token
-        ids or vLLM's prompt dict. A prompt the scheduler refuses raises its error (a ValueError,
-        or QueueFull); any error or interrupt (KeyboardInterrupt) drops every request of the
-        call, so the LLM serves the next call as new. `use_tqdm` is taken for vLLM's scripts; no
+        ids or vLLM's prompt dict, images in its `multi_modal_data` (offline/prompts.py). A prompt
+        the scheduler refuses raises its error (a ValueError, or QueueFull); any error or
+        interrupt (KeyboardInterrupt) drops every request of the call and frees its images, so
+        the LLM serves the next call as new. `use_tqdm` is taken for vLLM's scripts; no
         progress bar is drawn."""
         del use_tqdm
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
@@ -271,29 +280,49 @@ class LLM:
         outputs: dict[str, tuple[CompletionOutput, SamplingParams]] = {}
         open_ids: set[str] = set()
         try:
-            for prompt, sp in zip(prompts, params_list):
-                ids, text = self._prompt_ids(prompt)
-                ids = self._truncated(ids, sp.truncate_prompt_tokens)
+            for index, (prompt, sp) in enumerate(zip(prompts, params_list)):
+                if not isinstance(prompt, OfflinePrompt):
+                    prompt = read_prompt(
+                        self.tokenizer, self.images, prompt, index, self.mm_processor_kwargs
+                    )
+                prompt = self._truncated(prompt, sp.truncate_prompt_tokens)
                 choices: list[CompletionOutput] = []
                 for choice in range(sp.n):
-                    req = self._request(ids, sp, choice, fit)
+                    req = self._request(prompt, sp, choice, fit)
+                    outputs[req.req_id] = (None, sp)  # its images are held: freed at the end
                     self.engine.enqueue(req)
                     out = CompletionOutput(
                         prompt_token_ids=req.prompt_token_ids,
                         logprobs=[] if sp.logprobs is not None else None,
                         index=choice,
-                        prompt=text,
+                        prompt=prompt.text,
                         request_id=req.req_id,
                         outputs=choices,
                     )
                     outputs[req.req_id] = (out, sp)
                     choices.append(out)
                     open_ids.add(req.req_id)
+            if self._images is not None:
+                self._images.encode_pending()  # every image of the call, batched, before it runs
             self._run(outputs, open_ids)
         except BaseException:
             self._abort(sorted(open_ids))
             raise
+        finally:
+            if self._images is not None and self._images.num_entries:
+                self._release_images(list(outputs))
         return [out for out, _ in outputs.values() if out.index == 0]
+
+    def _release_images(self, req_ids: list[str]) -> None:
+        """The call's requests have ended or were dropped: once no step that may still load
+        their embeddings is in flight, the entries they held are freed. Every entry is freed
+        even when the engine fails while draining (workers that failed read nothing more)."""
+        try:
+            while self.engine.has_work() and not self.scheduler.has_work():
+                self.engine.step()  # collects the steps in flight; plans nothing new
+        finally:
+            self.engine.take_ended_images()
+            self._images.release(req_ids)
 
     def chat(
         self,
@@ -306,41 +335,43 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[CompletionOutput]:
         """`generate` over conversations in OpenAI's message format (one conversation, or a list
         of them), rendered by the model's chat template (or `chat_template`) as the server renders
         /v1/chat/completions (`chat_template_kwargs`, e.g. {"enable_thinking": False}; `tools`
         in OpenAI's format; vLLM's `continue_final_message`). The text is what the model wrote,
-        thinking and tool-call markup included (vLLM's LLM.chat too); text parts only. A
-        conversation the template or the message format refuses raises ValueError."""
-        from pydantic import TypeAdapter
+        thinking and tool-call markup included (vLLM's LLM.chat too). Image parts: OpenAI's
+        image_url (a data: URI, or an http(s) URL fetched as the server fetches it) and vLLM's
+        {"type": "image_pil", "image_pil": img}, resized by `mm_processor_kwargs` (over the
+        LLM's). A conversation the template, the message format or an image refuses raises
+        ValueError naming it."""
+        from functools import partial
 
         from appliance.server.errors import APIError
         from appliance.server.prompts import PromptBuilder
-        from appliance.server.protocol import ChatMessage
 
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        read = TypeAdapter(list[ChatMessage])
         builder = PromptBuilder(self.tokenizer.hf, self.scheduler.max_model_len)
         kwargs = dict(chat_template_kwargs or {})
         if chat_template is not None:
             kwargs["chat_template"] = chat_template
-        prompts: list[str | list[int]] = []
+        mm_kwargs = mm_processor_kwargs or self.mm_processor_kwargs
+        prompts: list[OfflinePrompt] = []
         for i, conversation in enumerate(conversations):
+            where = "messages" if single else f"conversation {i}"
+            render = partial(
+                render_chat, builder, tools, kwargs, add_generation_prompt, continue_final_message
+            )
             try:
-                parsed = read.validate_python(conversation)
-                prompt = builder.chat(
-                    parsed,
-                    tools,
-                    kwargs,
-                    add_generation_prompt,
-                    continue_final_message=continue_final_message,
+                prompt = read_conversation(
+                    builder, self.images, conversation, where, render, mm_kwargs
                 )
             except APIError as exc:
                 where = "" if single else f"conversation {i}: "
                 raise ValueError(f"{where}{exc.message}") from None
-            prompts.append(prompt.token_ids)
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(
@@ -353,6 +384,9 @@ class LLM:
                 if not ran:
                     break
                 continue
+            ended = self.engine.take_ended_images()  # as the router's ReleaseImages
+            if ended and self._images is not None:
+                self._images.release(ended)
             updates = {update.req_id: update for update in routed.updates}
             deltas, finishes = self.detokenizer.process(routed)
             for finish in finishes:

@@ -47,8 +47,10 @@ def test_prompt_dicts_and_use_tqdm(llm):
     assert len(tokens) == 1 and tokens[0].token_ids == want
     text, both = llm.generate([{"prompt": "def main():"}, {"prompt_token_ids": ids}], GREEDY)
     assert text.prompt == "def main():" and text.token_ids == both.token_ids == want
-    with pytest.raises(ValueError, match="prompt: multi_modal_data is not supported"):
+    with pytest.raises(ValueError, match="prompt 0: image 0: expected a PIL.Image"):
         llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, GREEDY)
+    with pytest.raises(ValueError, match="prompt: lora_request is not supported"):
+        llm.generate({"prompt": "hi", "lora_request": None}, GREEDY)
 
 
 def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
