@@ -262,13 +262,13 @@ async def health_generate(state: ServerState) -> Response:
 
     async def finished() -> bool:
         async for _, delta in iterate_deltas(group):
-            if delta.finish_reason is not None:
-                return True
+            if delta.finish_reason is not None:  # the token came, or the engine ended it so
+                return delta.finish_reason in ("stop", "length")
         return False  # the group ended without it (the engine dropped it)
 
     try:
         if not await asyncio.wait_for(finished(), HEALTH_GENERATE_TIMEOUT_S):
-            return _unhealthy("the probe's request was dropped")
+            return _unhealthy("the probe's request was dropped or failed")
     except asyncio.TimeoutError:
         return _unhealthy(f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s")
     except APIError as err:
