@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, NoReturn
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
-from appliance.messages import Guide, ImageInput, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.messages import ImageInput, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.offline.guides import GuideChecker, structured
 from appliance.offline.images import OfflineImages
 from appliance.offline.options import build_engine_config, vllm_keywords
 from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
@@ -115,7 +116,7 @@ class LLM:
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
-        self._compiler = None  # checks guides (structured outputs) on first use
+        self._guides = GuideChecker(str(self.model_dir), list(self.eos_token_ids))
         self._images: OfflineImages | None = None  # image prompts: made on the first one
 
     def default_sampling_params(self) -> SamplingParams:
@@ -190,7 +191,7 @@ class LLM:
         not asked for, so it shrinks to the room the prompt leaves (as the server's does);
         max_tokens None (vLLM's) is that room."""
         if params.guide is not None:
-            self._check_guide(params.guide)
+            self._guides.check(params.guide)
         ids = prompt.token_ids
         room = max(1, self.scheduler.max_model_len - len(ids))  # none left: the scheduler refuses
         max_tokens = room if params.max_tokens is None else params.max_tokens
@@ -210,41 +211,6 @@ class LLM:
             stop_token_ids=list(params.stop_token_ids),
             detok=params.to_detok(),
         )
-
-    def _check_guide(self, guide: Guide) -> None:
-        """Raises GrammarError (a ValueError naming the problem) for a guide that does not
-        compile, before the request reaches the workers (which compile it again, cached)."""
-        if self._compiler is None:
-            from transformers import AutoTokenizer
-
-            from appliance.grammars import GrammarCompiler
-
-            hf = AutoTokenizer.from_pretrained(str(self.model_dir))
-            self._compiler = GrammarCompiler(lambda: hf, len(hf), list(self.eos_token_ids))
-        self._compiler.submit(guide).result()
-
-    @staticmethod
-    def _structured(params: SamplingParams) -> SamplingParams:
-        """vLLM's structured_outputs / guided_decoding (json, regex, choice, grammar or
-        json_object; a dict or an object with those attributes) as the guide the server makes of
-        the same request field; a bad one raises ValueError naming it."""
-        name = "structured_outputs" if params.structured_outputs else "guided_decoding"
-        spec = getattr(params, name)
-        if not spec:
-            return params
-        from types import SimpleNamespace
-
-        from appliance.server.errors import APIError
-        from appliance.server.guides import _EXTRA_KEYS, request_guide
-
-        if not isinstance(spec, dict):
-            spec = {key: getattr(spec, key, None) for key in _EXTRA_KEYS}
-        try:
-            _, guide = request_guide(SimpleNamespace(structured_outputs=spec), None, None)
-        except APIError as exc:
-            message = exc.message.removeprefix("structured_outputs: ")
-            raise ValueError(f"{name}: {message}") from None
-        return replace(params, guide=guide, structured_outputs=None, guided_decoding=None)
 
     def generate(
         self,
@@ -275,7 +241,7 @@ class LLM:
         for sp in params_list:
             if id(sp) not in checked:
                 sp.check_vocabulary(len(self.tokenizer.hf))
-                checked[id(sp)] = self._structured(sp)
+                checked[id(sp)] = structured(sp)
         params_list = [checked[id(sp)] for sp in params_list]
         outputs: dict[str, tuple[CompletionOutput, SamplingParams]] = {}
         open_ids: set[str] = set()
