@@ -162,26 +162,21 @@ class LLM:
         return self._images
 
     def _truncated(self, prompt: OfflinePrompt, keep: int | None) -> OfflinePrompt:
-        """SamplingParams.truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens, -1
-        the context length; past the context length is a ValueError, as in vLLM, and so is a cut
-        through an image (the model cannot see part of one)."""
-        max_len = self.scheduler.max_model_len
-        if keep is not None and keep > max_len:
-            raise ValueError(
-                f"truncate_prompt_tokens: {keep} is greater than max_model_len ({max_len}); "
-                "select a smaller truncation size"
-            )
-        keep = max_len if keep == -1 else keep
-        ids = prompt.token_ids
-        if keep is None or len(ids) <= keep:
+        """SamplingParams.truncate_prompt_tokens (vLLM's): the prompt's last `keep` tokens, by
+        the server's rule (server/prompts.py kept_tokens, keep_last): -1 the context length, past
+        it or through an image a ValueError."""
+        from appliance.server.errors import APIError
+        from appliance.server.prompts import keep_last, kept_tokens
+
+        try:
+            keep = kept_tokens(keep, self.scheduler.max_model_len)
+            cut = keep_last(prompt.token_ids, keep, prompt.offsets)
+        except APIError as exc:
+            raise ValueError(exc.message) from None
+        if not cut:
             return prompt
-        cut = len(ids) - keep
-        if any(offset < cut for offset in prompt.offsets):
-            raise ValueError(
-                f"truncate_prompt_tokens: keeping the last {keep} tokens would cut an image"
-            )
         offsets = [offset - cut for offset in prompt.offsets]
-        return replace(prompt, token_ids=ids[cut:], offsets=offsets)
+        return replace(prompt, token_ids=prompt.token_ids[cut:], offsets=offsets)
 
     def _request(
         self, prompt: OfflinePrompt, params: SamplingParams, choice: int, fit: bool = False

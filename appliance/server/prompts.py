@@ -53,6 +53,46 @@ def max_tokens_error(max_tokens: int, max_model_len: int, num_prompt: int) -> Ba
     )
 
 
+def kept_tokens(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (-1: the
+    context length); None keeps the whole prompt. 400 for another value or one past the context,
+    in vLLM's words. The server's routes and the offline LLM read it alike."""
+    value = truncate_prompt_tokens
+    if value is None:
+        return None
+    if value == -1:
+        return max_model_len
+    if value < 1:
+        raise BadRequest(
+            f"truncate_prompt_tokens: must be -1 (the context length) or at least 1, got {value}.",
+            "truncate_prompt_tokens",
+        )
+    if value > max_model_len:
+        raise BadRequest(
+            f"truncate_prompt_tokens: {value} is greater than max_model_len ({max_model_len}); "
+            "select a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    return value
+
+
+def keep_last(ids: Sequence[int], keep: int | None, offsets: Sequence[int] = ()) -> int:
+    """How many leading tokens to cut so that the last `keep` stay (0: none). A cut through an
+    image (its tokens start at one of `offsets`) is a 400: the model cannot see a part of an
+    image (send fewer images, or a larger truncate_prompt_tokens)."""
+    if keep is None or len(ids) <= keep:
+        return 0
+    cut = len(ids) - keep
+    for i, offset in enumerate(offsets):
+        if offset < cut:
+            raise BadRequest(
+                f"truncate_prompt_tokens: keeping the last {keep} of the prompt's {len(ids)} "
+                f"tokens would cut image {i} (its tokens start at {offset}).",
+                "truncate_prompt_tokens",
+            )
+    return cut
+
+
 class PromptBuilder:
     """Owns the HF tokenizer for the server; every check that needs the context length is here."""
 
@@ -96,45 +136,14 @@ class PromptBuilder:
             raise max_tokens_error(requested, self.max_model_len, num_prompt)
         return requested
 
-    def kept_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
-        """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (-1: the
-        context length); None keeps the whole prompt. 400 for another value or one past the
-        context, in vLLM's words."""
-        value = truncate_prompt_tokens
-        if value is None:
-            return None
-        if value == -1:
-            return self.max_model_len
-        if value < 1:
-            raise BadRequest(
-                f"truncate_prompt_tokens: must be -1 (the context length) or at least 1, got "
-                f"{value}.",
-                "truncate_prompt_tokens",
-            )
-        if value > self.max_model_len:
-            raise BadRequest(
-                f"truncate_prompt_tokens: {value} is greater than max_model_len "
-                f"({self.max_model_len}); select a smaller truncation size.",
-                "truncate_prompt_tokens",
-            )
-        return value
-
     def _keep_last(
         self, ids: list[int], keep: int | None, images: Sequence[ImageData] = ()
     ) -> tuple[list[int], list[ImageData]] | None:
         """The prompt's last `keep` tokens and its images' offsets moved with them, or None when
-        nothing is cut. An image whose tokens would be cut is a 400: the model cannot see a part
-        of an image (send fewer images, or a larger truncate_prompt_tokens)."""
-        if keep is None or len(ids) <= keep:
+        nothing is cut (keep_last's rule)."""
+        cut = keep_last(ids, keep, [image.offset for image in images])
+        if not cut:
             return None
-        cut = len(ids) - keep
-        for i, image in enumerate(images):
-            if image.offset < cut:
-                raise BadRequest(
-                    f"truncate_prompt_tokens: keeping the last {keep} of the prompt's {len(ids)} "
-                    f"tokens would cut image {i} (its tokens start at {image.offset}).",
-                    "truncate_prompt_tokens",
-                )
         moved = [msgspec.structs.replace(image, offset=image.offset - cut) for image in images]
         return ids[cut:], moved
 
@@ -153,7 +162,7 @@ class PromptBuilder:
         """Renders and tokenizes; `images` (checked by appliance/server/images.py, in message
         order) each expand their one `<|image_pad|>` to their token count.
         `continue_final_message` (vLLM's): the last, assistant message is left open for the model
-        to go on with (no end of turn, no new generation prompt). `keep` (kept_tokens): only
+        to go on with (no end of turn, no new generation prompt). `keep` (kept_tokens()): only
         the rendered prompt's last `keep` tokens are sent, and `text` is theirs."""
         if continue_final_message and add_generation_prompt:
             raise BadRequest(
@@ -217,7 +226,7 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ completions
     def completion(self, prompt: str | list[int], keep: int | None = None) -> Prompt:
-        """A text or token-id prompt; `keep` (kept_tokens): only its last `keep` tokens are sent
+        """A text or token-id prompt; `keep` (kept_tokens()): only its last `keep` tokens are sent
         (and echoed: `text` is theirs)."""
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")

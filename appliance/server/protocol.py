@@ -157,7 +157,7 @@ class _SamplingFields(_Schema):
     # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,
     # longest_edge}; checked by appliance/server/images.py (request_preprocess)
     mm_processor_kwargs: dict[str, Any] | None = None
-    # vLLM's: keep only the prompt's last k tokens (-1: the context length); Prompts.kept_tokens
+    # vLLM's: keep only the prompt's last k tokens (-1: the context length); prompts.kept_tokens
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -22,7 +22,7 @@ from appliance.server.chat_checks import (
 )
 from appliance.server.images import image_support, load_images, request_preprocess
 from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
-from appliance.server.prompts import Prompt, message_chars
+from appliance.server.prompts import Prompt, kept_tokens, message_chars
 from appliance.server.protocol import ChatCompletionRequest, check_chat_output
 from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
@@ -194,7 +194,7 @@ class ChatEndpoint:
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
         num_chars = message_chars(body.messages)
         state.prompts.check_chars(num_chars, "messages")  # before fetching images or queueing
-        keep = state.prompts.kept_tokens(body.truncate_prompt_tokens)
+        keep = kept_tokens(body.truncate_prompt_tokens, state.prompts.max_model_len)
         support = image_support(state.model_dir, state.config.visual)
         preprocess = request_preprocess(support, body.mm_processor_kwargs)
         images = await load_images(support, body.messages, state.metrics, preprocess)

@@ -16,7 +16,7 @@ from appliance.messages import TextDelta, TokenLogprob
 from appliance.server.errors import BadRequest
 from appliance.server.images import image_support, request_preprocess
 from appliance.server.logprobs import token_name, top_names, vllm_prompt_logprobs
-from appliance.server.prompts import Prompt
+from appliance.server.prompts import Prompt, kept_tokens
 from appliance.server.protocol import CompletionRequest
 from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
@@ -204,7 +204,7 @@ class CompletionEndpoint:
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
         raw_prompts = _prompt_list(body.prompt)
-        keep = state.prompts.kept_tokens(body.truncate_prompt_tokens)
+        keep = kept_tokens(body.truncate_prompt_tokens, state.prompts.max_model_len)
         text_chars = [len(p) for p in raw_prompts if isinstance(p, str)]
         for num_chars in text_chars:
             state.prompts.check_chars(num_chars, "prompt")  # before queueing for a lane

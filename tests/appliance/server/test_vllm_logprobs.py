@@ -5,11 +5,10 @@ scoring with echo + logprobs, the stream refusal, and "token_id:<id>" token stri
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from appliance.messages import PromptLogprobs, TokenizedRequest
+from tests.appliance.server.test_serving import stream as sse
 
 MSG = [{"role": "user", "content": "hello world"}]
 FAR_RANK = 57  # a prompt token the scripted model ranks below its top k
@@ -182,14 +181,6 @@ def test_responses_refuses_prompt_logprobs(server):
     client, _, _ = server
     r = client.post("/v1/responses", json={"input": "hi", "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
-
-
-def sse(client, path: str, body: dict) -> list[dict]:
-    with client.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
 
 
 def named(token_id: int) -> str:
