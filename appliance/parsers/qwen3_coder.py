@@ -183,6 +183,7 @@ class ToolCallParser:
         self._calls: list[_Call] = []
         self._content: list[str] = []
         self._finished = False
+        self.ended_in_call = False  # finish() closed a block the text had left open (a cut call)
         self._out: ParsedDelta = ParsedDelta()
         self._out_args: dict[int, list[str]] = {}
 
@@ -206,6 +207,7 @@ class ToolCallParser:
         if not self._enabled:
             return ParsedDelta()
         self._run(final=True)
+        self.ended_in_call = self._state != _TEXT
         if self._state == _BLOCK and self._raw is not None:  # ended in a block with no function
             self._end_raw_block()
         if self._state == _VALUE:

@@ -68,7 +68,13 @@ class ChoiceParser:
         return reasoning, text_out, calls
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.made_calls and reason == "stop" else reason
+        """"tool_calls" where the choice made calls and ended on its own, or was cut by max_tokens
+        after its last call closed (vLLM says "tool_calls" there too); a call cut open stays
+        "length", so the client knows its arguments may be incomplete."""
+        if not self.made_calls:
+            return reason
+        closed = reason == "length" and not self.tools.ended_in_call
+        return "tool_calls" if reason == "stop" or closed else reason
 
 
 def chat_logprobs(entries: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:

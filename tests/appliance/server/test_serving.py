@@ -179,3 +179,29 @@ def test_completion_formatter_generated_offsets_follow_the_echoed_text():
     assert streamed["text"] == echo + "x" and streamed["logprobs"]["text_offset"] == [0, 1, 3]
     final = fmt.final_choice(0, "xy", [entry("x"), entry("y")], "length", prompt)
     assert final["text"] == echo + "xy" and final["logprobs"]["text_offset"] == [0, 1, 3, 4]
+
+
+def test_tool_calls_finish_reason_when_max_tokens_cuts_after_a_closed_call():
+    """max_tokens cutting right after `</tool_call>` is "tool_calls" (the calls are whole); a cut
+    inside a call stays "length"; without calls "length" is kept."""
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    whole = "<tool_call>\n<function=ping>\n</function>\n</tool_call>"
+
+    def reason(text: str, finish: str) -> str:
+        fmt = ChatFormatter([ChoiceParser(body, "hi", "off", 0)])
+        return fmt.final_choice(0, text, None, finish)["finish_reason"]
+
+    def streamed(pieces: list[str], finish: str) -> str:
+        fmt = ChatFormatter([ChoiceParser(body, "hi", "off", 0)])
+        for p in pieces[:-1]:
+            fmt.delta_choice(0, delta(p))
+        return fmt.delta_choice(0, delta(pieces[-1], finish))["finish_reason"]
+
+    assert reason(whole, "length") == "tool_calls"
+    assert reason(whole, "stop") == "tool_calls"
+    assert reason(whole + "\n<tool_call>\n<function=ping>\n<parameter=", "length") == "length"
+    assert reason("<tool_call>\n<function=ping>\n", "length") == "length"
+    assert reason("just text", "length") == "length"
+    assert streamed([whole[:20], whole[20:]], "length") == "tool_calls"
+    assert streamed([whole[:20], whole[20:40]], "length") == "length"
