@@ -193,13 +193,20 @@ def parse_data_uri(uri: str, limits: ImageLimits | None = None) -> bytes:
     if not _type_allowed(media_type, DATA_URI_TYPES):
         shown = media_type or "(none)"
         raise ImageError(f"unsupported data: URI media type {shown}; use one of {DATA_URI_TYPES}")
+    return parse_base64(payload, limits, "data: URI payload")
+
+
+def parse_base64(payload: str, limits: ImageLimits | None = None, what: str = "image") -> bytes:
+    """Bytes of a base64 image (a data: URI's payload, or SGLang's bare base64 strings); `what`
+    names it in the error."""
+    limits = limits or ImageLimits()
     payload = "".join(payload.split())  # clients sometimes wrap base64 lines
     if len(payload) // 4 * 3 > limits.max_bytes + 3:
         raise ImageError(f"image is larger than the limit of {limits.max_bytes} bytes")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ImageError("data: URI payload is not valid base64") from None
+        raise ImageError(f"{what} is not valid base64") from None
     if len(data) > limits.max_bytes:
         raise ImageError(f"image is {len(data)} bytes; the limit is {limits.max_bytes} bytes")
     return data

@@ -1,13 +1,13 @@
-"""Image parts of chat requests on the API server: fetch or unpack each `image_url`, decode it to
-check it (on a thread pool of its own, a request at most half of it; every refusal is an HTTP 400
-naming the image and the reason), work out its ViT grid from its upright size and the request's
-pixel range (vLLM's `mm_processor_kwargs`, checked here), and expand the chat template's single
-`<|image_pad|>` per image into t*h*w/merge^2 of them.
+"""Images of requests on the API server (chat's image parts, /generate's image_data): fetch or
+unpack each one, decode it to check it (on a thread pool of its own, a request at most half of it;
+every refusal is an HTTP 400 naming the image and the reason), work out its ViT grid from its
+upright size and the request's pixel range (vLLM's `mm_processor_kwargs`, checked here), and
+expand the prompt's single `<|image_pad|>` per image into t*h*w/merge^2 of them.
 
-Called by serving_chat.py / serving_completion.py (range and loading, before the prompt is built)
-and prompts.py (expansion). The pixels themselves are not processed here: the encoded file travels
-on to the visual server in `ImageData`, with the range (preprocessing runs there, and only on a
-cache miss). Torch-free.
+Called by serving_chat.py / serving_completion.py / serving_generate.py (range and loading, before
+the prompt is built) and prompts.py (expansion). The pixels themselves are not processed here: the
+encoded file travels on to the visual server in `ImageData`, with the range (preprocessing runs
+there, and only on a cache miss). Torch-free.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import asyncio
 import functools
 import hashlib
 import os
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from visual.image_io import (
     check_image,
     fetch_image_bytes,
     is_data_uri,
+    parse_base64,
     parse_data_uri,
 )
 from visual.preprocess import PreprocessConfig, image_grid, pixel_range
@@ -51,6 +53,7 @@ _SIZE_BOUNDS = {"shortest_edge": "min_pixels", "longest_edge": "max_pixels"}
 DECODE_THREADS = max(2, min(8, os.cpu_count() or 2))
 DECODES_PER_REQUEST = DECODE_THREADS // 2
 _decoder = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="image-check")
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]+")
 
 
 @dataclass(frozen=True)
@@ -180,19 +183,31 @@ def image_parts(messages: Sequence[ChatMessage]) -> list[ImagePart]:
     ]
 
 
+@dataclass(frozen=True)
+class ImageSource:
+    """One image of a request as the client gave it, and how a 400 about it is worded."""
+
+    url: str  # http(s) URL or data: URI (or bare base64 where `bare_base64`)
+    label: str  # "messages: image 2", "image_data: prompt 1, image 1"
+    param: str  # the field the 400 names
+    bare_base64: bool = False  # SGLang's image_data: a string that is no URL is base64
+
+
 async def _load_one(
     support: ImageSupport,
     preprocess: PreprocessConfig,
-    url: str,
-    index: int,
+    source: ImageSource,
     metrics: MetricsRecorder | None,
     decoding: asyncio.Semaphore,
 ) -> RequestImage:
     start = time.monotonic()
     code = "invalid_image"  # OpenAI's machine-readable code: the file is unusable ...
+    url = source.url
     try:
         if is_data_uri(url):
             data = parse_data_uri(url, support.limits)
+        elif source.bare_base64 and not _is_url(url):
+            data = _bare_base64(url, support)
         else:
             code = "invalid_image_url"  # ... or could not be fetched
             data = await fetch_image_bytes(url, support.fetch, support.limits)
@@ -202,7 +217,7 @@ async def _load_one(
             width, height = await loop.run_in_executor(_decoder, check_image, data, support.limits)
         grid = image_grid(height, width, preprocess)
     except ImageError as exc:
-        raise BadRequest(f"messages: image {index + 1}: {exc.reason}", "messages", code) from None
+        raise BadRequest(f"{source.label}: {exc.reason}", source.param, code) from None
     if metrics is not None:
         metrics.on_image_stage("fetch_decode", time.monotonic() - start)
     num_tokens = grid[0] * grid[1] * grid[2] // preprocess.merge_size**2
@@ -211,45 +226,83 @@ async def _load_one(
     return RequestImage(image_key(data, grid), data, grid, num_tokens, low, high)
 
 
+def _is_url(text: str) -> bool:
+    return "://" in text[:16]
+
+
+def _bare_base64(text: str, support: ImageSupport) -> bytes:
+    """SGLang's bare base64 image string. SGLang also reads a string that is neither a URL nor
+    base64 as a file path on the server; this server reads no local files."""
+    neither = (
+        "neither an http(s) URL, a data: URI nor base64 (local file paths are not read by this "
+        "server)"
+    )
+    if not _BASE64.fullmatch(text):
+        raise ImageError(neither)
+    try:
+        return parse_base64(text, support.limits)
+    except ImageError as exc:
+        if "not valid base64" in exc.reason:
+            raise ImageError(neither) from None
+        raise
+
+
+async def load_image_sources(
+    support: ImageSupport,
+    sources: Sequence[ImageSource],
+    param: str,
+    metrics: MetricsRecorder | None = None,
+    preprocess: PreprocessConfig | None = None,
+) -> list[RequestImage]:
+    """Fetch / unpack and check `sources`, concurrently, sized by `preprocess` (the request's,
+    request_preprocess; None: the checkpoint's). BadRequest (400, naming `param` or the image's
+    field) when the model takes no images, there are too many, or one of them is unusable (the
+    reason says why)."""
+    if not sources:
+        return []
+    if not support.enabled:
+        raise BadRequest(NOT_SUPPORTED.replace("messages", param, 1), param)
+    if len(sources) > support.max_images:
+        raise BadRequest(
+            f"{param}: {len(sources)} images; at most {support.max_images} per request.", param
+        )
+    decoding = asyncio.Semaphore(DECODES_PER_REQUEST)
+    preprocess = preprocess or support.preprocess
+    loads = [_load_one(support, preprocess, s, metrics, decoding) for s in sources]
+    return list(await asyncio.gather(*loads))
+
+
 async def load_images(
     support: ImageSupport,
     messages: Sequence[ChatMessage],
     metrics: MetricsRecorder | None = None,
     preprocess: PreprocessConfig | None = None,
 ) -> list[RequestImage]:
-    """Fetch / unpack and check every image of a request, concurrently, sized by `preprocess` (the
-    request's, request_preprocess; None: the checkpoint's). BadRequest (400) when the model takes
-    no images, there are too many, or one of them is unusable (the reason says why)."""
-    parts = image_parts(messages)
-    if not parts:
-        return []
-    if not support.enabled:
-        raise BadRequest(NOT_SUPPORTED, "messages")
-    if len(parts) > support.max_images:
-        raise BadRequest(
-            f"messages: {len(parts)} images; at most {support.max_images} per request.",
-            "messages",
-        )
-    decoding = asyncio.Semaphore(DECODES_PER_REQUEST)
-    preprocess = preprocess or support.preprocess
-    loads = [
-        _load_one(support, preprocess, p.image_url.url, i, metrics, decoding)
-        for i, p in enumerate(parts)
+    """Every image part of a chat request's messages, loaded by load_image_sources."""
+    sources = [
+        ImageSource(p.image_url.url, f"messages: image {i + 1}", "messages")
+        for i, p in enumerate(image_parts(messages))
     ]
-    return list(await asyncio.gather(*loads))
+    return await load_image_sources(support, sources, "messages", metrics, preprocess)
 
 
 def expand_image_tokens(
-    token_ids: list[int], image_token_id: int, images: Sequence[RequestImage]
+    token_ids: list[int],
+    image_token_id: int,
+    images: Sequence[RequestImage],
+    where: tuple[str, str, str] = ("messages", "the chat template produced", ""),
 ) -> tuple[list[int], list[ImageData]]:
     """The rendered prompt has one `<|image_pad|>` per image; each becomes `num_tokens` of them.
-    Returns the expanded ids and, per image, its ImageData (offset of its first pad token)."""
+    Returns the expanded ids and, per image, its ImageData (offset of its first pad token).
+    `where` words a count mismatch's 400: (the field it names, what made the placeholders, a
+    hint to end it)."""
     positions = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(positions) != len(images):
+        param, made, hint = where
         raise BadRequest(
-            f"messages: the chat template produced {len(positions)} image placeholders for "
-            f"{len(images)} images.",
-            "messages",
+            f"{param}: {made} {len(positions)} image placeholders for {len(images)} images."
+            + (f" {hint}" if hint else ""),
+            param,
         )
     expanded: list[int] = []
     data: list[ImageData] = []

@@ -225,25 +225,37 @@ class PromptBuilder:
         return None
 
     # ------------------------------------------------------------------ completions
-    def completion(self, prompt: str | list[int], keep: int | None = None) -> Prompt:
+    def completion(
+        self,
+        prompt: str | list[int],
+        keep: int | None = None,
+        images: Sequence[RequestImage] = (),
+        image_token_id: int | None = None,
+        where: tuple[str, str, str] = ("prompt", "the prompt has", ""),
+    ) -> Prompt:
         """A text or token-id prompt; `keep` (kept_tokens()): only its last `keep` tokens are sent
-        (and echoed: `text` is theirs)."""
+        (and echoed: `text` is theirs). `images` (SGLang's /generate image_data, loaded by
+        images.py) each expand one `<|image_pad|>` of the prompt to their token count; `where`
+        words a count mismatch (expand_image_tokens)."""
         if isinstance(prompt, str):
             self.check_chars(len(prompt), "prompt")
             ids = self._encode(prompt, "prompt") or self.start_ids("prompt")
-            if kept := self._keep_last(ids, keep):
-                ids, prompt = kept[0], self.decode(kept[0])
-            self.check_tokens(len(ids), "prompt")
-            return Prompt(ids, prompt)
-        vocab = self.vocab_size
-        bad = [t for t in prompt if t < 0 or t >= vocab]
-        if bad:
-            raise BadRequest(
-                f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).", "prompt"
-            )
-        ids = kept[0] if (kept := self._keep_last(list(prompt), keep)) else list(prompt)
+        else:
+            vocab = self.vocab_size
+            bad = [t for t in prompt if t < 0 or t >= vocab]
+            if bad:
+                raise BadRequest(
+                    f"prompt: token id {bad[0]} is outside the vocabulary [0, {vocab}).", "prompt"
+                )
+            ids = list(prompt)
+        data: list[ImageData] = []
+        if images or image_token_id is not None:
+            ids, data = expand_image_tokens(ids, image_token_id, images, where)
+        text = prompt if isinstance(prompt, str) else None  # as sent: one pad per image
+        if kept := self._keep_last(ids, keep, data):
+            (ids, data), text = kept, None if text is None else self.decode(kept[0])
         self.check_tokens(len(ids), "prompt")
-        return Prompt(ids, None)
+        return Prompt(ids, text, data)
 
     def start_ids(self, param: str) -> list[int]:
         """What an empty text prompt (which OpenAI accepts) becomes: the BOS token, or, for

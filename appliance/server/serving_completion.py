@@ -22,7 +22,7 @@ from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
 
 
-def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -203,7 +203,7 @@ class CompletionEndpoint:
         )
 
     async def prompts(self, state: ServerState, body: CompletionRequest) -> list[Prompt]:
-        raw_prompts = _prompt_list(body.prompt)
+        raw_prompts = prompt_list(body.prompt)
         keep = kept_tokens(body.truncate_prompt_tokens, state.prompts.max_model_len)
         text_chars = [len(p) for p in raw_prompts if isinstance(p, str)]
         for num_chars in text_chars:

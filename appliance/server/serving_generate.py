@@ -25,10 +25,10 @@ from appliance.server.errors import (
     error_response,
     sse_error,
 )
-from appliance.server.images import image_support
+from appliance.server.images import ImageSource, image_support, load_image_sources
 from appliance.server.prompts import Prompt
 from appliance.server.serving import Answer, serve
-from appliance.server.serving_completion import COMPLETION
+from appliance.server.serving_completion import COMPLETION, prompt_list
 from appliance.server.sglang_request import (
     GenerateRequest,
     GenerateShape,
@@ -62,7 +62,10 @@ class GenerateEndpoint:
     async def prompts(self, state: ServerState, body: SGLangCompletion) -> list[Prompt]:
         """The completions route's prompts; then, as SGLang does, max_new_tokens is cut to the
         room the longest prompt leaves in the context rather than refused."""
-        prompts = await COMPLETION.prompts(state, body)
+        if body.image_data:
+            prompts = await _image_prompts(state, body)
+        else:
+            prompts = await COMPLETION.prompts(state, body)
         shortest = min(len(p.token_ids) for p in prompts)
         if body.logprob_start_len > shortest:
             raise BadRequest(
@@ -82,6 +85,47 @@ class GenerateEndpoint:
 
 
 GENERATE = GenerateEndpoint()
+
+
+async def _image_prompts(state: ServerState, body: SGLangCompletion) -> list[Prompt]:
+    """Prompts with image_data: every image loaded and checked (images.py), then each of a
+    prompt's `<|image_pad|>` tokens expanded to its image's count, in order (as chat's are)."""
+    raw_prompts = prompt_list(body.prompt)
+    support = image_support(state.model_dir, state.config.visual)
+    batch = len(raw_prompts) > 1
+    sources = [
+        ImageSource(
+            url,
+            f"image_data: {f'prompt {p + 1}, ' if batch else ''}image {i + 1}",
+            "image_data",
+            bare_base64=True,
+        )
+        for p, urls in enumerate(body.image_data)
+        for i, url in enumerate(urls)
+    ]
+    loaded = await load_image_sources(support, sources, "image_data", state.metrics)
+    per_prompt, first = [], 0
+    for urls in body.image_data:
+        per_prompt.append(loaded[first : first + len(urls)])
+        first += len(urls)
+    field = body.prompt_param
+    pad = state.prompts.tokenizer.convert_ids_to_tokens(support.image_token_id)
+    hint = f"Put <|vision_start|>{pad}<|vision_end|> where each image goes."
+
+    def build() -> list[Prompt]:
+        return [
+            state.prompts.completion(
+                raw,
+                None,
+                images,
+                support.image_token_id,
+                (field, f"prompt {p + 1} has" if batch else "the prompt has", hint),
+            )
+            for p, (raw, images) in enumerate(zip(raw_prompts, per_prompt, strict=True))
+        ]
+
+    chars = sum(len(p) for p in raw_prompts if isinstance(p, str))
+    return await state.prompt_lanes.run(chars, build)
 
 
 @dataclass

@@ -4,7 +4,8 @@ renamed back to the fields the client sent.
 
 Used by serving_generate.py. What changes the output and cannot be honoured here is refused naming
 the field; SGLang's bookkeeping fields (log_metrics, conversation_id, ...) are ignored, as are
-fields SGLang itself does not know.
+fields SGLang itself does not know. `image_data` becomes one list of images per prompt, loaded and
+expanded by serving_generate.py.
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from appliance.sampling_params import MAX_LOGPROBS
 from appliance.server.errors import APIError, BadRequest
 from appliance.server.protocol import CompletionRequest, _Schema
 
+_NO_DYNAMIC_PATCH = "dynamic patching is InternVL's; Qwen-VL images are resized to a grid"
 SGLANG_MAX_NEW_TOKENS = 128  # SGLang's max_new_tokens when a request does not give one
 
 # SGLang's GenerateReqInput fields this server does not serve -> why. Refused when set to anything
 # but their default (null, false, 0, an empty list or dict, a list of nulls).
 REFUSED = {
     "input_embeds": "embeddings as input are not supported; send text or input_ids",
-    "image_data": "images are taken by /v1/chat/completions (image_url parts), not by /generate",
     "video_data": "video input is not supported",
     "audio_data": "audio input is not supported",
-    "mm_hashes": "images are taken by /v1/chat/completions, not by /generate",
-    "mm_content_hashes": "images are taken by /v1/chat/completions, not by /generate",
+    "mm_hashes": "image hashes are not taken; send the images in image_data",
+    "mm_content_hashes": "image hashes are not taken; send the images in image_data",
     "use_audio_in_video": "audio input is not supported",
     "video_config": "video input is not supported",
-    "modalities": "images are taken by /v1/chat/completions, not by /generate",
     "token_ids_logprob": "logprobs of chosen token ids are not supported; use top_logprobs_num",
     "return_sampling_mask": "not supported",
     "return_flat_raw_top_logprobs": "not supported; top logprobs come as nested lists",
@@ -65,11 +65,11 @@ REFUSED = {
     "extra_key": "cache namespaces are not supported",
     "cache_salt": "cache namespaces are not supported",
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
-    "max_dynamic_patch": "images are taken by /v1/chat/completions, not by /generate",
-    "min_dynamic_patch": "images are taken by /v1/chat/completions, not by /generate",
-    "image_max_dynamic_patch": "images are taken by /v1/chat/completions, not by /generate",
+    "max_dynamic_patch": _NO_DYNAMIC_PATCH,
+    "min_dynamic_patch": _NO_DYNAMIC_PATCH,
+    "image_max_dynamic_patch": _NO_DYNAMIC_PATCH,
     "video_max_dynamic_patch": "video input is not supported",
-    "images_config": "images are taken by /v1/chat/completions, not by /generate",
+    "images_config": "not supported; images are sized by the checkpoint's preprocessor config",
 }
 # SGLang's sampling_params keys this server does not serve -> why (any other unknown key is
 # refused too: SGLang refuses keys its SamplingParams does not have)
@@ -145,6 +145,10 @@ class GenerateRequest(_Schema):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    # one prompt: an image or a list of them; a batch: one entry (null, an image or a list) per
+    # prompt, or one image for every prompt. An image: http(s) URL, data: URI or bare base64
+    image_data: str | list[str | list[str] | None] | None = None
+    modalities: list[str] | None = None  # SGLang's hint ("image", "multi-images"); read as given
 
 
 class SGLangCompletion(CompletionRequest):
@@ -152,6 +156,7 @@ class SGLangCompletion(CompletionRequest):
 
     logprob_start_len: int = -1  # the first prompt position whose logprob is returned (-1: none)
     prompt_param: str = "text"  # the field the prompts came in: "text" | "input_ids"
+    image_data: list[list[str]] = Field(default_factory=list)  # per prompt ([]: no images)
 
 
 @dataclass(frozen=True)
@@ -266,6 +271,7 @@ def translate(body: GenerateRequest) -> tuple[SGLangCompletion, GenerateShape]:
     completion = SGLangCompletion(
         prompt=prompts,
         prompt_param=field,
+        image_data=_images(body, num_prompts, single),
         max_tokens=sampling.max_new_tokens,
         min_tokens=sampling.min_new_tokens,
         # SGLang's defaults, not generation_config.json's: its /generate samples so too
@@ -306,6 +312,36 @@ def translate(body: GenerateRequest) -> tuple[SGLangCompletion, GenerateShape]:
         skip_special_tokens=sampling.skip_special_tokens,
     )
     return completion, shape
+
+
+def _images(body: GenerateRequest, num_prompts: int, single: bool) -> list[list[str]]:
+    """image_data as one list of images per prompt (SGLang's reading of its shapes); [] when
+    there are none."""
+    data = body.image_data
+    unknown = set(body.modalities or ()) - {"image", "multi-images"}
+    if unknown:
+        raise BadRequest(
+            f'modalities: {sorted(unknown)[0]!r} is not served; images are ("image", '
+            '"multi-images").',
+            "modalities",
+        )
+    if not _is_set(data):
+        return []
+    if isinstance(data, str):
+        return [[data] for _ in range(num_prompts)]
+    if single:
+        if any(isinstance(d, list) for d in data):
+            raise BadRequest(
+                "image_data: one prompt takes an image or a list of images, not nested lists.",
+                "image_data",
+            )
+        return [[d for d in data if d]]
+    if len(data) != num_prompts:
+        raise BadRequest(
+            f"image_data: a batch gives one entry per prompt ({num_prompts}), got {len(data)}.",
+            "image_data",
+        )
+    return [[d for d in (entry if isinstance(entry, list) else [entry]) if d] for entry in data]
 
 
 def _rids(rid: str | list[str] | None, num_prompts: int, single: bool) -> list[str] | None:

@@ -342,3 +342,54 @@ def test_afterwards_no_slot_and_no_pin_is_held(app):
     assert status["num_running"] == 0 and status["num_waiting"] == 0
     assert status["mm_cache_pinned"] == 0 and status["mm_cache_entries"] >= 9
     assert "ViT worst case: 4 x grid (1, 16, 16)" in app.log()
+
+
+def test_sglang_generate_takes_image_data(app, ckpt, sdk, offline):
+    """SGLang's POST /generate with image_data (data: URI, bare base64, a batch with one entry per
+    prompt) answers what the chat route answers for the same rendered prompt; a placeholder
+    count that does not match the images is a 400 naming the field."""
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    hand = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What is in this picture?"}, {"type": "image"}],
+        }
+    ]
+    text = tokenizer.apply_chat_template(
+        hand, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    image = ONE[0][1][1]
+    uri = data_uri(image)
+    bare = uri.partition(",")[2]
+    sampling = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    def generate(**body) -> httpx.Response:
+        return httpx.post(f"{app.url}/generate", json=body, timeout=60)
+
+    want = offline(ONE)
+    one = generate(text=text, image_data=uri, sampling_params=sampling)
+    assert one.status_code == 200, one.text
+    assert one.json()["text"] == want == chat(sdk, ONE)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    by_ids = generate(input_ids=ids, image_data=[bare], sampling_params=sampling).json()
+    assert by_ids["text"] == want
+    other = random_image(50, 70, 3)
+    batch = generate(
+        text=[text, text, "plain text"],
+        image_data=[uri, [data_uri(other)], None],
+        sampling_params=sampling,
+    ).json()
+    assert [b["text"] for b in batch][:2] == [
+        want,
+        offline([("user", ["What is in this picture?", other])]),
+    ]
+    assert batch[0]["meta_info"]["prompt_tokens"] > len(ids)  # the image's tokens count
+    for body, says in [
+        ({"text": "no placeholder", "image_data": uri}, "0 image placeholders for 1 images"),
+        ({"text": text, "image_data": "/etc/passwd"}, "local file paths"),
+        ({"text": text, "image_data": [uri, uri]}, "1 image placeholders for 2 images"),
+        ({"text": [text, text], "image_data": [uri]}, "one entry per prompt"),
+    ]:
+        r = generate(**body, sampling_params=sampling)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] in ("text", "image_data")

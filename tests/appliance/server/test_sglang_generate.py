@@ -248,7 +248,11 @@ def test_a_client_that_leaves_mid_stream_aborts(make_server, tokenizer, access_l
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"text": "hi", "image_data": "https://x/y.png"}, "image_data", "/v1/chat/completions"),
+        ({"text": "hi", "image_data": "https://x/y.png"}, "image_data", "not supported by this"),
+        ({"text": "hi", "image_data": [["a"]]}, "image_data", "not nested lists"),
+        ({"text": ["a", "b"], "image_data": ["x"]}, "image_data", "one entry per prompt"),
+        ({"text": "hi", "modalities": ["audio"]}, "modalities", "'audio' is not served"),
+        ({"text": "hi", "mm_hashes": ["h"]}, "mm_hashes", "send the images in image_data"),
         ({"text": "hi", "lora_path": "adapter"}, "lora_path", "LoRA"),
         ({"text": "hi", "session_params": {"id": "s"}}, "session_params", "sessions"),
         ({"text": "hi", "return_hidden_states": True}, "return_hidden_states", "hidden"),
@@ -303,6 +307,7 @@ def test_refusals_name_sglangs_fields(make_server, body, param, says):
 def test_accepted_defaults_and_ignored_bookkeeping(make_server):
     client, _, _ = make_server()
     extras = {"image_data": [None], "lora_path": None, "return_hidden_states": False}
+    extras |= {"modalities": ["image"]}
     extras |= {"log_metrics": False, "conversation_id": "c-1", "model": "anything"}
     assert ok(client, text="hi", **extras)["text"] == REPLY
 
