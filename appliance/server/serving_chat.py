@@ -68,9 +68,9 @@ class ChoiceParser:
         return reasoning, text_out, calls
 
     def finish_reason(self, reason: str) -> str:
-        """ "tool_calls" where the choice made calls and ended on its own, or was cut by max_tokens
-        after its last call closed (vLLM says "tool_calls" there too); a call cut open stays
-        "length", so the client knows its arguments may be incomplete."""
+        """The choice's finish_reason: "tool_calls" where it made calls and ended on its own, or
+        was cut by max_tokens after its last call closed (vLLM says "tool_calls" there too); a
+        call cut open stays "length", so the client knows its arguments may be incomplete."""
         if not self.made_calls:
             return reason
         closed = reason == "length" and not self.tools.ended_in_call
