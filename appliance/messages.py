@@ -42,6 +42,9 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     min_tokens_ban: list[int] = []
     allowed_token_ids: list[int] = []  # vLLM's: sample only among these ids ([]: all)
+    # vLLM's bad_words as token sequences: a sequence's last id is banned wherever the output
+    # ends with the rest of it (a one-token word always)
+    bad_words: list[list[int]] = []
 
 
 class ImageInput(msgspec.Struct, frozen=True):

@@ -7,7 +7,9 @@ raises ValueError naming the field and the accepted values (mapped to HTTP 400 b
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -66,6 +68,10 @@ class SamplingParams:
     # vLLM's: only the prompt's last k tokens are fed (-1: the context length); offline only (the
     # server reads the request field, appliance/server/prompts.py kept_tokens)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never to complete in the output; the LLM and the server tokenize them
+    # (tokenize_bad_words) into bad_words_token_ids, which the worker reads
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -73,6 +79,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", list(self.allowed_token_ids))
+        if self.bad_words is not None:
+            object.__setattr__(self, "bad_words", list(self.bad_words))
         self._validate()
 
     def _validate(self) -> None:
@@ -147,6 +155,12 @@ class SamplingParams:
             "None, -1 (the context length) or an integer >= 1",
             keep,
         )
+        _check(
+            self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words",
+            "None or a list of words (non-blank strings)",
+            self.bad_words,
+        )
         given = [n for n in ("guide", "structured_outputs", "guided_decoding") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: only one output constraint per request")
@@ -161,6 +175,22 @@ class SamplingParams:
                 raise ValueError(
                     f"{name}: token id {bad} is not in the vocabulary (0..{vocab_size - 1})"
                 )
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These parameters with bad_words_token_ids filled from bad_words (vLLM's reading): each
+        word as written (leading spaces dropped), and again after a space when that spells it
+        with another first token in as many tokens (a word mid-text), so both are banned.
+        `encode`: the tokenizer's, without special tokens."""
+        if not self.bad_words:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            alone = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return dataclasses.replace(self, bad_words_token_ids=sequences)
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -212,7 +242,13 @@ class SamplingParams:
             guide=self.guide,
             min_tokens=self.min_tokens,
             allowed_token_ids=sorted(set(self.allowed_token_ids or [])),
+            bad_words=self._bad_word_ids(),
         )
+
+    def _bad_word_ids(self) -> list[list[int]]:
+        if self.bad_words and self.bad_words_token_ids is None:
+            raise ValueError("bad_words: not tokenized (SamplingParams.tokenize_bad_words)")
+        return [list(ids) for ids in self.bad_words_token_ids or [] if ids]
 
     def to_detok(self) -> DetokParams:
         """The detokenizer's view: stop strings (held by min_tokens), special tokens, logprob

@@ -20,6 +20,10 @@ Choices, documented here once:
   after penalties and bias; logprobs are then those of the masked distribution. A forbidden token
   among the top logprobs (fewer allowed tokens than asked for) reads LOGPROB_FLOOR, as in vLLM:
   JSON has no -inf.
+- Bad words (vLLM's `bad_words`, as token sequences): a word's last token is -inf wherever the
+  output (not the prompt) ends with the word's other tokens; a one-token word always. Applied
+  after the grammar's mask, before the min_tokens ban, and, as that ban, not where it would leave
+  nothing to sample.
 - Logprobs are those of the post-penalty, post-bias, pre-temperature distribution (log_softmax of
   the edited logits): what the request's penalties and bias leave, independent of how it is sampled.
 """
@@ -77,6 +81,12 @@ class SamplingTensors:
 
 def needs_penalties(row: SamplingOptions) -> bool:
     return row.repetition_penalty != 1.0 or row.presence_penalty != 0 or row.frequency_penalty != 0
+
+
+def needs_history(row: SamplingOptions) -> bool:
+    """Whether sampling the row reads its token history: penalties, or a bad word of several
+    tokens (its prefix is matched against the output)."""
+    return needs_penalties(row) or any(len(word) > 1 for word in row.bad_words)
 
 
 def apply_penalties(
@@ -187,6 +197,49 @@ def apply_min_tokens(
     return out
 
 
+def apply_bad_words(
+    logits: torch.Tensor,  # [B, V] fp32, the other masks applied
+    rows: Sequence[SamplingOptions],
+    token_history: Sequence[torch.Tensor] | None,  # per row [L_i] prompt + output (+ drafts)
+    prompt_lens: Sequence[int] | None,
+) -> torch.Tensor:
+    """Returns logits [B, V] with each row's bad words' last tokens at -inf where they would
+    complete the word (a new tensor if any row has bad words, else `logits`). The prefixes are
+    compared on the device (the history's length, and so which words can match, is known on the
+    host); nothing is read back. A ban that would leave a row nothing to sample yields."""
+    banning = [i for i, r in enumerate(rows) if r.bad_words]
+    if not banning:
+        return logits
+    vocab, device = logits.shape[-1], logits.device
+    out = logits.clone()
+    for i in banning:
+        words = [w for w in rows[i].bad_words if w[-1] < vocab]
+        ban = torch.zeros(vocab, dtype=torch.int32, device=device)
+        singles = [w[0] for w in words if len(w) == 1]
+        if singles:
+            ban[to_device(singles, torch.long, device)] = 1
+        if token_history is not None and prompt_lens is not None:
+            generated = len(token_history[i]) - prompt_lens[i]
+            longer = [w for w in words if 1 < len(w) <= generated + 1]
+            if longer:
+                ban.index_add_(0, *_matches(longer, token_history[i].to(device)))
+        banned = out[i].masked_fill(ban > 0, float("-inf"))
+        out[i] = torch.where(banned.amax() > float("-inf"), banned, out[i])
+    return out
+
+
+def _matches(words: list[list[int]], history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last ids [M], 1 where the history ends with the word's prefix [M] int32) of words of 2+
+    tokens; prefixes right-aligned against the history's tail."""
+    width = max(len(w) for w in words) - 1
+    device = history.device
+    padded = [[-1] * (width + 1 - len(w)) + w[:-1] for w in words]
+    prefixes = to_device(padded, torch.long, device)  # [M, width], -1: before the prefix
+    tail = history[-width:].to(torch.long)[None, :]
+    hit = ((prefixes == tail) | (prefixes < 0)).all(dim=1).to(torch.int32)
+    return to_device([w[-1] for w in words], torch.long, device), hit
+
+
 def gather_logprobs(
     logits: torch.Tensor,  # [B, V] penalised, pre-temperature
     token_ids: torch.Tensor,  # [B]
@@ -207,7 +260,7 @@ def gather_logprobs(
 
 def needs_edits(row: SamplingOptions, generated: int) -> bool:
     """Whether sampling the row takes more than its knobs (temperature, top-k/p, min-p, seed) and a
-    grammar mask: penalties, a logit bias, allowed ids, a min_tokens ban still in force after
+    grammar mask: penalties, a logit bias, allowed ids, bad words, a min_tokens ban in force after
     `generated` output tokens, or logprobs to report. Such rows of the fused MTP step are edited
     (and scored) between its forward and its sampling (appliance/engine/mtp_graphs.py)."""
     return (
@@ -215,6 +268,7 @@ def needs_edits(row: SamplingOptions, generated: int) -> bool:
         or needs_penalties(row)
         or bool(row.logit_bias)
         or bool(row.allowed_token_ids)
+        or bool(row.bad_words)
         or (generated < row.min_tokens and bool(row.min_tokens_ban))
     )
 
@@ -222,23 +276,25 @@ def needs_edits(row: SamplingOptions, generated: int) -> bool:
 def edit_logits(
     logits: torch.Tensor,  # [B, V] fp32
     rows: Sequence[SamplingOptions],
-    token_history: Sequence[torch.Tensor] | None,  # per row [L_i]; needed for penalties
+    token_history: Sequence[torch.Tensor] | None,  # per row [L_i]; needed by needs_history rows
     offsets: torch.Tensor | Sequence[int],  # [B] position of the token being sampled
-    prompt_lens: Sequence[int] | None,  # per row; needed for presence/frequency and min_tokens
+    prompt_lens: Sequence[int] | None,  # per row; needed for presence/frequency, min_tokens and
+    # bad words
     token_bitmask: torch.Tensor | None,  # [B, ceil(V / 32)] int32 grammar masks, on the device
 ) -> torch.Tensor:
     """Every edit of the logits before sampling, in the module docstring's order: penalties, bias,
-    allowed ids, the grammar's mask, the min_tokens ban. A new tensor if any applies, else
-    `logits` (the grammar's mask is applied in place on CUDA). Nothing is read back to the host
-    and nothing waits for the stream, so the fused MTP step calls it between its graphs."""
-    if token_history is None and any(needs_penalties(r) for r in rows):
-        raise ValueError("token_history: needed for penalties")
+    allowed ids, the grammar's mask, bad words, the min_tokens ban. A new tensor if any applies,
+    else `logits` (the grammar's mask is applied in place on CUDA). Nothing is read back to the
+    host and nothing waits for the stream, so the fused MTP step calls it between its graphs."""
+    if token_history is None and any(needs_history(r) for r in rows):
+        raise ValueError("token_history: needed for penalties and bad words of several tokens")
     if token_history is not None:
         logits = apply_penalties(logits, rows, token_history, prompt_lens)
     logits = apply_logit_bias(logits, rows)
     logits = apply_allowed_ids(logits, rows)
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
+    logits = apply_bad_words(logits, rows, token_history, prompt_lens)
     return apply_min_tokens(logits, rows, offsets, prompt_lens)
 
 

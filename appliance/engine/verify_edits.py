@@ -3,11 +3,11 @@
 `sampling_rows` lists, per sampled row (a plain chunk's last row, or each of a verify chunk's
 k + 1 rows), the request's options, its token history, the offset of the token it samples and the
 prompt length. A verify row j samples the token after drafts 1..j, so its history ends with them:
-penalties count them as if accepted (if one is not, the rows after it are discarded anyway), which
-keeps MTP lossless for penalised requests.
+penalties count them and bad words match them as if accepted (if one is not, the rows after it
+are discarded anyway), which keeps MTP lossless for such requests.
 
 `VerifyEdits` is the part of that the fused MTP step (engine/mtp_graphs.py) cannot do inside its
-graphs: for requests with penalties, a logit bias, allowed ids, a min_tokens ban in force or
+graphs: for requests with penalties, a logit bias, allowed ids, bad words, a min_tokens ban or
 logprobs, `apply` edits their verify rows in place between the step's forward and its sampling
 (the same edits as the eager sampler, engine/sampler.py), and `pack` gathers the logprobs of the
 samples, copied to the host with them. All of it is queued on the device; nothing is read back.
@@ -24,7 +24,7 @@ from appliance.engine.sampler import (
     edit_logits,
     log_probs,
     needs_edits,
-    needs_penalties,
+    needs_history,
     pack_logprobs,
 )
 from appliance.engine.transfer import to_device
@@ -49,7 +49,7 @@ def sampling_rows(chunks: list[ScheduledChunk], table: RequestTable) -> Sampling
         options = table.options[slot]
         known = table.known_before_sampling(chunk)
         history = table.token_ids[slot, :known]
-        drafted = chunk.num_draft and needs_penalties(options)
+        drafted = chunk.num_draft and needs_history(options)
         for j in range(chunk.num_draft + 1):
             out.options.append(options)
             if drafted and j:  # verify row j follows drafts 1..j

@@ -9,6 +9,7 @@ they do behind the HTTP server.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
@@ -236,7 +237,8 @@ class LLM:
         for sp in params_list:
             if id(sp) not in checked:
                 sp.check_vocabulary(len(self.tokenizer.hf))
-                checked[id(sp)] = structured(sp)
+                encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
+                checked[id(sp)] = structured(sp).tokenize_bad_words(encode)
         params_list = [checked[id(sp)] for sp in params_list]
         outputs: dict[str, tuple[CompletionOutput, SamplingParams]] = {}
         open_ids: set[str] = set()

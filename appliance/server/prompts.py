@@ -288,6 +288,10 @@ class PromptBuilder:
             ) from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_words(self, text: str) -> list[int]:
+        """Token ids of a word as the model would write it (no special tokens): bad_words."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 

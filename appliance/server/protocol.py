@@ -151,9 +151,10 @@ class _SamplingFields(_Schema):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's: every logprob token string of the answer is "token_id:<id>", not the token's text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: words the output never completes (SamplingParams.tokenize_bad_words)
+    bad_words: list[str] | None = None
     # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,
     # longest_edge}; checked by appliance/server/images.py (request_preprocess)
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -276,7 +277,6 @@ _ERROR_MEANINGS = {
 
 UNSUPPORTED = {
     "use_beam_search": "beam search is not supported",
-    "bad_words": "not supported; logit_bias -100 on the words' token ids bans them",
 }
 
 
@@ -404,6 +404,7 @@ def sampling_params(
             logit_bias=logit_bias(req, vocab_size),
             min_tokens=req.min_tokens or 0,
             allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
             **{k: v for k, v in fields.items() if v is not None},
         )
         params.check_vocabulary(vocab_size)

@@ -199,7 +199,7 @@ async def _admit(
         vocab_size,
         body.num_prompt_logprobs(),
         state.sampling_defaults,
-    )
+    ).tokenize_bad_words(state.prompts.encode_words)
     prompts = await endpoint.prompts(state, body)
     guide = None
     tokenizer, reasoning = state.prompts.tokenizer, state.config.reasoning

@@ -202,6 +202,32 @@ def test_the_readme_offline_example_answers_as_printed(capsys):
     assert capsys.readouterr().out.strip() == expected == "Paris"
 
 
+def test_bad_words_through_the_engine(llm):
+    """vLLM's bad_words offline: a word the free greedy answer writes (as the tokenizer spells
+    it) never appears, the answer is the same up to where it did, and a two-token word is cut
+    only where its first token came."""
+    prompt = [11, 300, 42, 7, 99]
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    [free] = llm.generate(prompt, SamplingParams(**greedy))
+    hf = llm.tokenizer.hf
+    spelled = [
+        (k, t)
+        for k, t in enumerate(free.token_ids)
+        if [t]
+        in SamplingParams(bad_words=[hf.decode([t])])
+        .tokenize_bad_words(lambda w: hf.encode(w, add_special_tokens=False))
+        .bad_words_token_ids
+    ]
+    assert spelled, free.token_ids
+    k, token = spelled[0]
+    first = free.token_ids.index(token)
+    [out] = llm.generate(prompt, SamplingParams(bad_words=[hf.decode([token])], **greedy))
+    assert token not in out.token_ids and out.token_ids[:first] == free.token_ids[:first]
+    pair = free.token_ids[3:5]
+    [cut] = llm.generate(prompt, SamplingParams(bad_words_token_ids=[pair], **greedy))
+    assert cut.token_ids[:4] == free.token_ids[:4] and cut.token_ids[4] != free.token_ids[4]
+
+
 def test_min_tokens_and_allowed_token_ids_through_the_engine(llm):
     """The router fills min_tokens' ban at admission (the stop ids, eos unless ignored): a stop
     id the greedy answer starts with cannot end it before min_tokens tokens; allowed_token_ids

@@ -184,7 +184,12 @@ def edited_params(greedy, sampled, vocab: int) -> list[SamplingParams]:
     allowed = list(range(0, vocab, 3))
     kinds = [
         dict(repetition_penalty=1.3, temperature=0),
-        dict(logprobs=2, temperature=0),
+        # bad words: a two-token word the greedy answer completes at its 7th token, one token
+        dict(
+            logprobs=2,
+            temperature=0,
+            bad_words_token_ids=[[greedy[1][5], greedy[1][6]], [(greedy[1][6] + 1) % vocab]],
+        ),
         dict(presence_penalty=0.8, frequency_penalty=0.5, logprobs=3, **seeded),
         dict(logit_bias={greedy[3][2]: -100.0, 5: 4.0, 17: 3.0}, temperature=0),
         dict(min_tokens=12, stop_token_ids=[sampled[4][3], sampled[4][5]], **seeded),
@@ -219,11 +224,12 @@ def generate_scored(llm: LLM, seqs, params) -> list[tuple]:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "host"])
 def test_edited_requests_draft_and_stay_lossless(ckpt, reference, fused, monkeypatch):
-    """Penalties, logprobs, a logit bias, min_tokens and allowed ids: such requests draft too (the
-    fused step edits their verify rows between forward and sampling, the host path samples them
-    after their drafts) and decode exactly as with MTP off: the same tokens, logprobs and top
-    logprobs. The drafts are the MTP-off output (nearly all accepted), so every verify row after
-    the first samples behind drafts that a penalty must count."""
+    """Penalties, logprobs, bad words, a logit bias, min_tokens and allowed ids: such requests
+    draft too (the fused step edits their verify rows between forward and sampling, the host path
+    samples them after their drafts) and decode exactly as with MTP off: the same tokens,
+    logprobs and top logprobs. The drafts are the MTP-off output (nearly all accepted), so every
+    verify row after the first samples behind drafts that a penalty must count and a bad word's
+    prefix must match."""
     from appliance.engine.verify_edits import VerifyEdits
 
     seqs, greedy, sampled = reference
@@ -232,6 +238,8 @@ def test_edited_requests_draft_and_stay_lossless(ckpt, reference, fused, monkeyp
     want = generate_scored(off, seqs, params)
     banned = set(params[4].stop_token_ids)
     assert not banned & set(want[4][0][:12]) and want[4][0][:3] == sampled[4][:3]
+    bad = want[1][0]  # the bad word took effect where the greedy answer completed it
+    assert bad[:6] == greedy[1][:6] and bad[6] != greedy[1][6]
     if not fused:
         monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "1")
     llm = LLM(str(ckpt), mtp_step=3, **OPTS)

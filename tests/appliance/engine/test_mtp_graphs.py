@@ -251,9 +251,9 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
-    """Requests with penalties, a bias, allowed ids, min_tokens and logprobs through the captured
-    MTP graphs (their rows edited between the forward and the sampling graph): the tokens and
-    logprobs of MTP off, and they drafted."""
+    """Requests with penalties, a bias, allowed ids, min_tokens, bad words and logprobs through
+    the captured MTP graphs (their rows edited between the forward and the sampling graph): the
+    tokens and logprobs of MTP off, and they drafted."""
     seqs = prompts(4, 200, seed=4)
     seeded = dict(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
     params = [
@@ -268,7 +268,17 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
         ),
         SamplingParams(min_tokens=10, stop_token_ids=[1, 2, 3], **dict(seeded, ignore_eos=False)),
     ]
-    want = _gpu_llm(tiny_trained, 0).generate(seqs, params)
+    off = _gpu_llm(tiny_trained, 0)
+    free = off.generate(seqs[:1], GREEDY)[0].token_ids
+    # bad words: a two-token word the greedy answer completes at its 6th token, and one token
+    single = next(t for t in free[6:] if t not in free[:6])
+    bad = SamplingParams(bad_words_token_ids=[free[4:6], [single]], logprobs=1, temperature=0)
+    params.append(dataclasses.replace(bad, max_tokens=20, ignore_eos=True))
+    seqs = [*seqs, seqs[0]]
+    want = off.generate(seqs, params)
+    cut = next(i for i in range(1, 6) if free[i - 1 : i + 1] == free[4:6])
+    assert want[4].token_ids[:cut] == free[:cut] and want[4].token_ids[cut] != free[cut]
+    assert single not in want[4].token_ids
     llm = _gpu_llm(tiny_trained, 3)
     graphs = llm.runner.mtp_graphs
     assert graphs is not None and graphs.graphs

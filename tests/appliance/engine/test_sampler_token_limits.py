@@ -108,3 +108,58 @@ def test_a_row_left_nothing_to_sample_reports_the_floor_not_nan() -> None:
     mask = torch.tensor([[1 << 2]], dtype=torch.int32)  # the grammar allows only id 2
     out = Sampler().sample(torch.zeros(1, 8), [row], None, [0], token_bitmask=mask)
     assert out.logprobs[0] == -9999.0 and all(v == -9999.0 for _, v in out.top_logprobs[0])
+
+
+def test_bad_words_ban_the_token_that_would_complete_them() -> None:
+    """vLLM's bad_words: a one-token word is never sampled; a longer word's last token only where
+    the output (not the prompt) ends with the rest of it; several words of one row at once; a ban
+    that would leave nothing to sample yields."""
+    from appliance.engine.sampler import apply_bad_words, needs_history
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0, 7.0]]).repeat(5, 1)
+    words = [[3], [1, 2, 4], [2, 5]]
+    row = SamplingOptions(temperature=0.0, bad_words=words)
+    history = [
+        torch.tensor([7, 1, 2]),  # output [1, 2]: [1, 2, 4] -> 4 banned, [2, 5] -> 5
+        torch.tensor([1, 2, 2]),  # prompt [1, 2], output [2]: [1, 2] spans the prompt; [2] -> 5
+        torch.tensor([0, 0, 0]),  # nothing matches: only the one-token word
+        torch.tensor([9, 1]),  # one output token: [1, 2, 4] cannot be completed yet
+        torch.tensor([9, 9, 1, 2]),  # output [1, 2] -> 4; the tail also ends "2" -> 5
+    ]
+    prompt_lens = [1, 2, 3, 1, 2]
+    out = apply_bad_words(logits, [row] * 5, history, prompt_lens)
+    inf = float("-inf")
+    assert out[0].tolist() == [0.0, 1.0, 2.0, inf, inf, inf]
+    assert out[1].tolist() == [0.0, 1.0, 2.0, inf, 8.0, inf]
+    assert out[2].tolist() == [0.0, 1.0, 2.0, inf, 8.0, 7.0]
+    assert out[3].tolist() == out[2].tolist()
+    assert out[4].tolist() == [0.0, 1.0, 2.0, inf, inf, inf]
+    assert (
+        logits[0, 3] == 9.0
+        and apply_bad_words(logits, [SamplingOptions()] * 5, None, None) is logits
+    )
+    assert needs_history(row) and not needs_history(SamplingOptions(bad_words=[[3]]))
+    # through the sampler (greedy: the best allowed), and nothing left to sample yields
+    sampled = Sampler().sample(logits, [row] * 5, history, [9] * 5, prompt_lens)
+    assert sampled.token_ids.tolist() == [2, 4, 4, 4, 2]
+    only = SamplingOptions(temperature=0.0, allowed_token_ids=[3], bad_words=[[3]])
+    assert Sampler().sample(logits[:1], [only], history[:1], [3], [1]).token_ids.tolist() == [3]
+    with pytest.raises(ValueError, match="token_history"):
+        Sampler().sample(logits[:1], [row], None, [3], [1])
+
+
+def test_bad_words_tokenized_as_vllm_reads_them() -> None:
+    """Each word alone and after a space (a word mid-text), when the space makes another first
+    token in as many tokens; the wire carries the sequences; not tokenized is an error."""
+    vocab = {"cat": [10], " cat": [11], "big dog": [12, 13], " big dog": [14, 13], "ox": [15]}
+    vocab[" ox"] = [16, 15]  # the space adds a token: not another spelling of the word
+    params = SamplingParams(bad_words=["cat", "  big dog", "ox"]).tokenize_bad_words(vocab.get)
+    assert params.bad_words_token_ids == [[10], [11], [12, 13], [14, 13], [15]]
+    options = params.to_options()
+    assert options.bad_words == [[10], [11], [12, 13], [14, 13], [15]]
+    assert decoder(SamplingOptions).decode(encode(options)) == options
+    assert needs_edits(options, 0)
+    with pytest.raises(ValueError, match="bad_words: not tokenized"):
+        SamplingParams(bad_words=["cat"]).to_options()
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

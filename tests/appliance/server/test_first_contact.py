@@ -401,6 +401,9 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
     options = engine.received[-1].sampling
     assert options.min_tokens == 4 and options.allowed_token_ids == [8, 9]
     assert engine.received[-1].detok.min_tokens == 4  # stop strings are held too
+    sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"bad_words": ["world"]})
+    alone = tokenizer.encode("world", add_special_tokens=False)
+    assert engine.received[-1].sampling.bad_words[0] == alone  # then " world" where it differs
     # max_tokens unset (the context's room): min_tokens alone is fine
     sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"min_tokens": 3})
     assert engine.received[-1].sampling.min_tokens == 3
@@ -408,7 +411,7 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
         ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
         ({"allowed_token_ids": [len(tokenizer)]}, "allowed_token_ids"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"bad_words": ["x"]}, "bad_words"),
+        ({"bad_words": ["  "]}, "bad_words"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # -1 or >= 1
         ({"prompt_logprobs": 21}, "prompt_logprobs"),  # top_logprobs' bound
