@@ -270,15 +270,18 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
     ]
     off = _gpu_llm(tiny_trained, 0)
     free = off.generate(seqs[:1], GREEDY)[0].token_ids
-    # bad words: a two-token word the greedy answer completes at its 6th token, and one token
+    # bad words (a second batch, so each fits one captured bucket): a two-token word the greedy
+    # answer completes at its 6th token, and one token
     single = next(t for t in free[6:] if t not in free[:6])
     bad = SamplingParams(bad_words_token_ids=[free[4:6], [single]], logprobs=1, temperature=0)
-    params.append(dataclasses.replace(bad, max_tokens=20, ignore_eos=True))
-    seqs = [*seqs, seqs[0]]
-    want = off.generate(seqs, params)
+    batches = [
+        (seqs, params),
+        (seqs[:2], [dataclasses.replace(bad, max_tokens=20, ignore_eos=True), params[2]]),
+    ]
+    wants = [off.generate(*batch) for batch in batches]
     cut = next(i for i in range(1, 6) if free[i - 1 : i + 1] == free[4:6])
-    assert want[4].token_ids[:cut] == free[:cut] and want[4].token_ids[cut] != free[cut]
-    assert single not in want[4].token_ids
+    banned = wants[1][0].token_ids
+    assert banned[:cut] == free[:cut] and banned[cut] != free[cut] and single not in banned
     llm = _gpu_llm(tiny_trained, 3)
     graphs = llm.runner.mtp_graphs
     assert graphs is not None and graphs.graphs
@@ -287,13 +290,16 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
     graphs.run = lambda chunks, mask=None, edit=None: (
         edits.append(edit is not None) or run(chunks, mask, edit)
     )
-    got = llm.generate(seqs, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for a, b in zip(got, want):
-        assert (a.logprobs is None) == (b.logprobs is None)
-        if b.logprobs is not None:
-            torch.testing.assert_close(chosen(a), chosen(b), atol=1e-4, rtol=1e-4)
-    assert any(edits) and llm.scheduler.stats().mtp_mean_accept_len > 1.5
+    for batch, want in zip(batches, wants):
+        edits.clear()
+        got = llm.generate(*batch)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        for a, b in zip(got, want):
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if b.logprobs is not None:
+                torch.testing.assert_close(chosen(a), chosen(b), atol=1e-4, rtol=1e-4)
+        assert any(edits)
+    assert llm.scheduler.stats().mtp_mean_accept_len > 1.5
 
 
 @pytest.mark.gpu
