@@ -23,7 +23,7 @@ import zmq
 
 from appliance.config import ServeConfig
 from appliance.encoder.pipeline import VisualPipeline
-from appliance.encoder.startup import plan_reservation
+from appliance.encoder.startup import describe_reservation, plan_reservation, vit_placement
 from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
@@ -144,22 +144,6 @@ class VisualServer:
             self.pipeline.on_encoded(results)
 
 
-def _device_and_dtype(config: ServeConfig):
-    import torch
-
-    name = config.engine.parallel.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)  # worker rank 0's device: the reservation is taken there
-        device = torch.device("cuda", 0)
-    dtype = config.engine.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return device, getattr(torch, dtype)
-
-
 def _raise_exit(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -173,7 +157,7 @@ def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
     signal.signal(signal.SIGTERM, _raise_exit)  # unlink the cache's segments on the way out
     link = RoleLink(addrs.launcher, "visual")
     visual = config.server.visual
-    device, dtype = _device_and_dtype(config)
+    device, dtype = vit_placement(config.engine)
     link.progress(f"loading the vision tower on {device}")
     load = config.engine.model.load_format != "dummy"
     encoder = VisionEncoder.from_pretrained(model_dir, device, dtype, load_weights=load)
@@ -181,15 +165,7 @@ def run_visual(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
         raise RuntimeError("the encoder's preprocessing settings differ from the API server's")
     link.progress("measuring the worst-case ViT activation memory")
     info = plan_reservation(encoder, visual)
-    logger.info(
-        "ViT worst case: %d x grid %s -> peak %.3f GiB, reserving %.3f GiB on %s%s",
-        info.batch_size,
-        info.worst_case_grid,
-        max(info.peak_bytes, 0) / 2**30,
-        info.reserved_bytes / 2**30,
-        info.device,
-        " (--visual-reserved-mem-gb)" if info.peak_bytes < 0 else "",
-    )
+    logger.info("%s", describe_reservation(info))
     store = UntrackedSegmentStore()
     cache = EmbeddingCache(store, visual.visual_cache_mb * MIB)
     ctx = zmq.Context.instance()

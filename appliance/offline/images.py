@@ -4,10 +4,12 @@ the workers as `ImageInput` handles. Called by offline/llm.py and offline/prompt
 
 The served path splits this over the API server (appliance/server/images.py), the visual server
 (appliance/encoder/) and the router's ReleaseImages; offline one `OfflineImages` does all three.
-The ViT loads on the first image (a text-only user pays nothing). Embeddings go where the workers
-read them: at TP=1 the runner's store, swapped for an in-process one (no copy through shared
-memory); at TP>1 shared-memory segments, written as the visual server writes them. Each entry is
-held by the requests that use it and released when the last of them ends.
+On CUDA the ViT loads with the LLM and its worst-case activation memory is held back from the
+pools, as behind the visual server (`reserve_vit`; `vision=False` opts out); on CPU it loads on the
+first image. Embeddings go where the workers read them: at TP=1 the runner's store, swapped for an
+in-process one (no copy through shared memory); at TP>1 shared-memory segments, written as the
+visual server writes them. Each entry is held by the requests that use it and released when the
+last of them ends.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import hashlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ from appliance.logging import get_logger
 from appliance.messages import ImageInput
 from appliance.server.errors import BadRequest
 from appliance.server.images import image_key, image_support, request_preprocess
+from visual.checkpoint import has_vision_tower
 from visual.image_io import ImageError, decode_image, fetch_image_bytes, parse_data_uri
 from visual.preprocess import PreprocessConfig, preprocess_image
 
@@ -53,6 +56,37 @@ class _Entry:
     pending: PromptImage | None = None  # not encoded yet
 
 
+def load_vit(model_dir: str, config: EngineConfig) -> Any:
+    """The checkpoint's vision tower on worker rank 0's device, in the model's dtype (where the
+    visual server would load it)."""
+    from appliance.encoder.startup import vit_placement
+    from visual.encoder import VisionEncoder
+
+    device, dtype = vit_placement(config)
+    load = config.model.load_format != "dummy"
+    logger.info("loading the vision tower on %s for image prompts", device)
+    return VisionEncoder.from_pretrained(model_dir, device, dtype, load_weights=load)
+
+
+def reserve_vit(model_dir: str, config: EngineConfig, vision: bool) -> tuple[Any, int]:
+    """(the ViT, the device bytes the workers leave free for its activations) when the model
+    takes images and runs on CUDA: loaded up front and its worst case measured, as the visual
+    server does before the workers size their pools, so a large image later does not run out of
+    memory. (None, 0) otherwise: on CPU nothing is sized from free memory, and the ViT loads on
+    the first image."""
+    from appliance.encoder.startup import describe_reservation, plan_reservation, vit_placement
+
+    if not image_support(model_dir, replace(VISUAL, vision=vision)).enabled:
+        return None, 0
+    device, _ = vit_placement(config)
+    if device.type != "cuda":
+        return None, 0
+    encoder = load_vit(model_dir, config)
+    info = plan_reservation(encoder, VISUAL)
+    logger.info("%s", describe_reservation(info))
+    return encoder, info.reserved_bytes
+
+
 def _pil_key(image: Any, grid: tuple[int, int, int]) -> str:
     """A decoded image's content key: its pixels, mode and size hashed, and its grid."""
     digest = hashlib.blake2b(digest_size=16)
@@ -65,13 +99,24 @@ def _pil_key(image: Any, grid: tuple[int, int, int]) -> str:
 class OfflineImages:
     """Preprocessing, the lazily loaded ViT and the embedding entries of one offline LLM."""
 
-    def __init__(self, model_dir: str, config: EngineConfig, runner: Any, tp: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        config: EngineConfig,
+        runner: Any,
+        tp: int,
+        vision: bool = True,
+        encoder: Any = None,
+    ) -> None:
+        """`vision` False: the prompts take no images (vLLM's language_model_only); `encoder`: the
+        ViT the LLM loaded up front (on CUDA, to reserve its memory), else it loads on the first
+        image."""
         self.model_dir = model_dir
         self.config = config
         self.runner = runner
         self.tp = tp
-        self.support = image_support(model_dir, VISUAL)
-        self._encoder = None
+        self.support = image_support(model_dir, replace(VISUAL, vision=vision))
+        self._encoder = encoder
         self._store = None
         self._entries: dict[str, _Entry] = {}  # content key -> entry
 
@@ -82,8 +127,10 @@ class OfflineImages:
     def check_enabled(self, where: str) -> None:
         if not self.support.enabled:
             raise ValueError(
-                f"{where}: this model ({self.model_dir}) has no vision tower; its prompts take "
-                "no images"
+                f"{where}: this LLM takes no images (vision=False)"
+                if has_vision_tower(self.model_dir)
+                else f"{where}: this model ({self.model_dir}) has no vision tower; its prompts "
+                "take no images"
             )
 
     def preprocess_config(self, kwargs: dict | None, where: str) -> PreprocessConfig:
@@ -177,32 +224,17 @@ class OfflineImages:
                 entry.pending = None
 
     def _ensure_encoder(self):
-        if self._encoder is None:
-            import torch
-
-            from appliance.engine.runner import resolve_device
-            from visual.encoder import VisionEncoder
-
+        if self._store is None:
             if self.tp == 1:
                 from appliance.engine.mm_inputs import InProcessImageStore
 
-                device, dtype = self.runner.device, self.runner.dtype
                 self.runner.mm.store = self._store = InProcessImageStore()
             else:  # the worker processes read shared memory, as behind the visual server
                 from visual.shm import UntrackedSegmentStore
 
-                device = resolve_device(self.config.parallel.device)
-                device = torch.device("cuda", 0) if device.type == "cuda" else device
-                name = self.config.model.dtype
-                if name == "auto":
-                    name = "bfloat16" if device.type == "cuda" else "float32"
-                dtype = getattr(torch, name)
                 self._store = UntrackedSegmentStore()
-            load = self.config.model.load_format != "dummy"
-            logger.info("loading the vision tower on %s for image prompts", device)
-            self._encoder = VisionEncoder.from_pretrained(
-                self.model_dir, device, dtype, load_weights=load
-            )
+        if self._encoder is None:
+            self._encoder = load_vit(self.model_dir, self.config)
         return self._encoder, self._store
 
     def _handle(self, key: str) -> str:

@@ -20,7 +20,7 @@ from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
 from appliance.messages import ImageInput, TextDelta, TokenizedRequest, TokenUpdate
 from appliance.offline.guides import GuideChecker, structured
-from appliance.offline.images import OfflineImages
+from appliance.offline.images import OfflineImages, reserve_vit
 from appliance.offline.options import build_engine_config, vllm_keywords
 from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
 from appliance.offline.prompts import OfflinePrompt, read_conversation, read_prompt, render_chat
@@ -66,6 +66,9 @@ class LLM:
         # vLLM's image resize range (min_pixels / max_pixels / size) for every image prompt
         self.mm_processor_kwargs = options.pop("mm_processor_kwargs", None)
         tp = vllm_keywords(options, tp, model)
+        # False: a vision checkpoint's prompts take no images and no ViT is loaded (vLLM's
+        # language_model_only / limit_mm_per_prompt={"image": 0} say the same)
+        self.vision = bool(options.pop("vision", True))
         rng_seed = options.get("seed")  # vLLM's seed: unseeded requests sample reproducibly too
         self.config = build_engine_config(model, tp, options)
         from appliance.assets.resolve import resolve_model_dir
@@ -96,13 +99,14 @@ class LLM:
             if problem is not None:
                 raise CheckpointMismatch(problem)
         self.sampling_defaults = generation_defaults(self.model_dir, generation_config)
+        vit, reserved = reserve_vit(str(self.model_dir), self.config, self.vision)
         if tp == 1:
-            self.runner = ModelRunner(self.config)
+            self.runner = ModelRunner(self.config, reserved_bytes=reserved)
             info = self.runner.info()
         else:
             from appliance.offline.workers import WorkerGroup
 
-            self.runner = WorkerGroup(self.config)
+            self.runner = WorkerGroup(self.config, reserved_bytes=reserved)
             info = self.runner.info
         self.eos_token_ids = tuple(info.eos_token_ids)
         self.tokenizer = TextTokenizer.from_pretrained(self.model_dir)
@@ -119,6 +123,10 @@ class LLM:
         self._ids = itertools.count()
         self._guides = GuideChecker(str(self.model_dir), list(self.eos_token_ids))
         self._images: OfflineImages | None = None  # image prompts: made on the first one
+        if vit is not None:  # loaded up front (CUDA) to reserve its memory
+            self._images = OfflineImages(
+                str(self.model_dir), self.config, self.runner, tp, True, vit
+            )
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` uses when given no SamplingParams (the generation_config defaults)."""
@@ -159,7 +167,9 @@ class LLM:
         """The image side (preprocessing, the ViT, embedding entries), made on first use."""
         if self._images is None:
             tp = self.config.parallel.tp
-            self._images = OfflineImages(str(self.model_dir), self.config, self.runner, tp)
+            self._images = OfflineImages(
+                str(self.model_dir), self.config, self.runner, tp, self.vision
+            )
         return self._images
 
     def _truncated(self, prompt: OfflinePrompt, keep: int | None) -> OfflinePrompt:

@@ -49,9 +49,9 @@ def vllm_keywords(options: dict, tp: int, model: str | None) -> int:
     foreign = translate_keywords(options)
     sections = [section.default_factory() for section in fields(EngineConfig)]
     for name, value in foreign.settings.items():
-        if any(hasattr(section, name) for section in sections):
-            options[name] = value
-        else:  # vision, reasoning: the HTTP server's (offline prompts are text, outputs raw)
+        if any(hasattr(section, name) for section in sections) or name == "vision":
+            options[name] = value  # vision: the LLM's own keyword (no images, no ViT)
+        else:  # reasoning, tool parsers ...: the HTTP server's (offline outputs are raw)
             source = foreign.sources[name]
             foreign.notes.append(f"{source}: ignored offline ({name} is a server setting)")
     for note in foreign.notes:

@@ -37,8 +37,12 @@ class WorkerGroup:
     StepPlan to every rank and reading rank 0's StepResult (the same seam the appliance uses)."""
 
     def __init__(
-        self, engine: EngineConfig, runner_path: str = "appliance.engine.runner:ModelRunner"
+        self,
+        engine: EngineConfig,
+        runner_path: str = "appliance.engine.runner:ModelRunner",
+        reserved_bytes: int = 0,
     ):
+        """`reserved_bytes`: device memory rank 0 (the ViT's device) leaves free for the ViT."""
         from appliance.engine.worker import run_worker
 
         self.tp = engine.parallel.tp
@@ -54,7 +58,7 @@ class WorkerGroup:
             ctx.Process(
                 target=run_role,
                 args=(run_worker, f"worker {r}", self.addrs.launcher)
-                + (engine, self.addrs, r, self.tp, runner_path),
+                + (engine, self.addrs, r, self.tp, runner_path, reserved_bytes if r == 0 else 0),
                 name=f"worker {r}",
                 daemon=True,
             )

@@ -103,6 +103,33 @@ def test_text_only_calls_do_not_load_the_vision_tower(llm):
     assert llm._images is None or llm._images._encoder is None
 
 
+def test_vision_off_takes_no_images_and_loads_no_vit(ckpt):
+    """vision=False (and vLLM's language_model_only / limit_mm_per_prompt image 0): text as
+    usual, image prompts a ValueError saying so, no ViT. On CPU the ViT is not loaded up front
+    either way (nothing is sized from free memory): reserve_vit holds nothing."""
+    from appliance.offline.images import reserve_vit
+
+    for off in (dict(vision=False), dict(language_model_only=True)):
+        with LLM(str(ckpt), **off, **OPTS) as text_only:
+            assert text_only.runner.reserved_bytes == 0
+            [out] = text_only.generate("Hello there", GREEDY)
+            assert len(out.token_ids) == GREEDY.max_tokens
+            image = {"prompt": prompt_text(text_only, 1, "Describe."), "multi_modal_data": {}}
+            image["multi_modal_data"]["image"] = PNG_A
+            with pytest.raises(ValueError, match=r"takes no images \(vision=False\)"):
+                text_only.generate(image, GREEDY)
+            assert text_only.images()._encoder is None
+    with LLM(str(ckpt), limit_mm_per_prompt={"image": 0}, **OPTS) as none:
+        assert none.vision is False
+    assert reserve_vit(str(ckpt), _cpu_config(ckpt), True) == (None, 0)
+
+
+def _cpu_config(ckpt):
+    from appliance.offline.options import build_engine_config
+
+    return build_engine_config(str(ckpt), 1, {"device": "cpu"})
+
+
 def test_one_image_matches_the_served_appliance_in_every_form(llm, sdk):
     messages = user("What is in the picture?", image_parts([PNG_A]))
     want = served(sdk, messages)

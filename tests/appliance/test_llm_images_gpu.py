@@ -1,6 +1,8 @@
 """The offline `LLM`'s images on CUDA (run on the GPU machine with -m gpu; needs Pillow): the ViT
-loads on the model's device on the first image, the chat and prompt-dict forms give the same
-greedy tokens, the image changes the answer, and no embedding entry outlives a call."""
+loads with the LLM on the model's device and its worst-case activation memory is held back from
+the pools (as the visual server's is), the chat and prompt-dict forms give the same greedy tokens,
+the image changes the prompt, no embedding entry outlives a call; vision=False loads no ViT and
+holds nothing back."""
 
 from __future__ import annotations
 
@@ -37,7 +39,11 @@ def test_offline_images_on_cuda(tmp_path):
     ckpt = build_tiny_qwen3_vl(tmp_path / "vl", tokenizer="bpe", seed=7)
     png_a, png_b = _png(1, 64, 48), _png(2, 40, 72)
     opts = dict(device="cuda", max_num_seqs=4, num_kv_slots=4096, max_model_len=1024)
+    with LLM(str(ckpt), vision=False, **opts) as text_only:
+        assert text_only.runner.reserved_bytes == 0 and text_only._images is None
     with LLM(str(ckpt), **opts) as llm:
+        assert llm.runner.reserved_bytes > 0  # measured before the pools were sized
+        assert llm._images._encoder.device.type == "cuda"  # loaded with the LLM
         uri = f"data:image/png;base64,{base64.b64encode(png_a).decode()}"
         messages = [
             {
@@ -49,7 +55,6 @@ def test_offline_images_on_cuda(tmp_path):
             }
         ]
         [chat] = llm.chat(messages, GREEDY, chat_template_kwargs=NO_THINK)
-        assert llm._images._encoder.device.type == "cuda"  # loaded on the first image
         text = llm.get_tokenizer().apply_chat_template(
             [
                 {

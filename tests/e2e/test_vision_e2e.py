@@ -330,20 +330,6 @@ def test_bad_mm_processor_kwargs_get_400_naming_them_and_the_server_keeps_servin
     assert chat(sdk, ONE)  # still serving image requests
 
 
-def test_afterwards_no_slot_and_no_pin_is_held(app):
-    deadline = time.monotonic() + 10
-    while True:
-        status = router(app)
-        idle = status["kv_used"] == 0 and status["state_used"] == 0
-        if (idle and status["mm_cache_pinned"] == 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert status["kv_used"] == 0 and status["state_used"] == 0
-    assert status["num_running"] == 0 and status["num_waiting"] == 0
-    assert status["mm_cache_pinned"] == 0 and status["mm_cache_entries"] >= 9
-    assert "ViT worst case: 4 x grid (1, 16, 16)" in app.log()
-
-
 def test_sglang_generate_takes_image_data(app, ckpt, sdk, offline):
     """SGLang's POST /generate with image_data (data: URI, bare base64, a batch with one entry per
     prompt) answers what the chat route answers for the same rendered prompt; a placeholder
@@ -393,3 +379,17 @@ def test_sglang_generate_takes_image_data(app, ckpt, sdk, offline):
         r = generate(**body, sampling_params=sampling)
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] in ("text", "image_data")
+
+
+def test_afterwards_no_slot_and_no_pin_is_held(app):
+    deadline = time.monotonic() + 10
+    while True:
+        status = router(app)
+        idle = status["kv_used"] == 0 and status["state_used"] == 0
+        if (idle and status["mm_cache_pinned"] == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert status["kv_used"] == 0 and status["state_used"] == 0
+    assert status["num_running"] == 0 and status["num_waiting"] == 0
+    assert status["mm_cache_pinned"] == 0 and status["mm_cache_entries"] >= 9
+    assert "ViT worst case: 4 x grid (1, 16, 16)" in app.log()
