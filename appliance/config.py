@@ -73,9 +73,15 @@ class SchedulerConfig:
     # so a prompt sharing only a long head with a cached one still hits; 0 = only at prompt and
     # generation ends. Each snapshot costs one snapshot slot (the startup log states its size).
     snapshot_interval: int = 2048
+    # fcfs: first come, first served; priority (vLLM's): requests' `priority` orders the queue,
+    # lower first, and a preemption takes the highest value first
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.snapshot_interval >= 0, "snapshot_interval", "an integer >= 0 (0: off)")
+        _check(
+            self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy", "fcfs or priority"
+        )
         _check(self.mtp_mode in ("vanilla", "eagle"), "mtp_mode", "vanilla or eagle")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "an integer >= 1")

@@ -205,6 +205,14 @@ FOREIGN_FLAGS = (
         metavar="N",
     ),
     ForeignFlag(
+        ("--enable-priority-scheduling",),
+        _SGLANG,
+        "--scheduling-policy priority (requests' priority orders the queue; /generate reads "
+        "SGLang's, higher first)",
+        lambda on: {"scheduling_policy": "priority"} if on else {},
+        takes="switch",
+    ),
+    ForeignFlag(
         ("--language-model-only",),
         _VLLM,
         "--no-vision (text only, no visual server)",

@@ -225,6 +225,7 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     # re-rendered conversation (its past replies without their <think> block) first differs after
     # it, so on a hybrid model the router snapshots the state there (a prefix-cache point)
     turn_start: int = -1
+    priority: int = 0  # lower is admitted first under --scheduling-policy priority (vLLM's)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

@@ -21,7 +21,7 @@ from appliance.generation_defaults import generation_defaults
 from appliance.messages import ImageInput, TextDelta, TokenizedRequest, TokenUpdate
 from appliance.offline.guides import GuideChecker, structured
 from appliance.offline.images import OfflineImages, reserve_vit
-from appliance.offline.options import build_engine_config, vllm_keywords
+from appliance.offline.options import build_engine_config, read_priorities, vllm_keywords
 from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
 from appliance.offline.prompts import OfflinePrompt, read_conversation, read_prompt, render_chat
 from appliance.router.engine import EngineCore
@@ -190,7 +190,12 @@ class LLM:
         return replace(prompt, token_ids=prompt.token_ids[cut:], offsets=offsets)
 
     def _request(
-        self, prompt: OfflinePrompt, params: SamplingParams, choice: int, fit: bool = False
+        self,
+        prompt: OfflinePrompt,
+        params: SamplingParams,
+        choice: int,
+        fit: bool = False,
+        priority: int = 0,
     ) -> TokenizedRequest:
         """Choice `choice` of the prompt's n: a given seed is offset so the choices differ (as the
         server's choices). `fit`: max_tokens is the generation config's cap (max_new_tokens),
@@ -216,6 +221,7 @@ class LLM:
             ignore_eos=params.ignore_eos,
             stop_token_ids=list(params.stop_token_ids),
             detok=params.to_detok(),
+            priority=priority,
         )
 
     def generate(
@@ -223,6 +229,7 @@ class LLM:
         prompts: str | list[int] | dict | list[str | list[int] | dict],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[CompletionOutput]:
         """Runs every prompt to its end; one output a prompt, its first choice, holding its `n`
         choices (SamplingParams.n) as `outputs`, as vLLM's RequestOutput. A prompt is text, token
@@ -230,7 +237,8 @@ class LLM:
         the scheduler refuses raises its error (a ValueError, or QueueFull); any error or
         interrupt (KeyboardInterrupt) drops every request of the call and frees its images, so
         the LLM serves the next call as new. `use_tqdm` is taken for vLLM's scripts; no
-        progress bar is drawn."""
+        progress bar is drawn. `priority` (vLLM's): one value a prompt, lower admitted first;
+        only with scheduling_policy="priority"."""
         del use_tqdm
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -243,6 +251,9 @@ class LLM:
                 "one a prompt)"
             )
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        priorities = read_priorities(
+            priority, len(prompts), self.config.scheduler.scheduling_policy
+        )
         checked: dict[int, SamplingParams] = {}
         for sp in params_list:
             if id(sp) not in checked:
@@ -261,7 +272,7 @@ class LLM:
                 prompt = self._truncated(prompt, sp.truncate_prompt_tokens)
                 choices: list[CompletionOutput] = []
                 for choice in range(sp.n):
-                    req = self._request(prompt, sp, choice, fit)
+                    req = self._request(prompt, sp, choice, fit, priorities[index])
                     outputs[req.req_id] = (None, sp)  # its images are held: freed at the end
                     self.engine.enqueue(req)
                     out = CompletionOutput(

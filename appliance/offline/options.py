@@ -69,3 +69,18 @@ def vllm_keywords(options: dict, tp: int, model: str | None) -> int:
             ours, _, why = hint.partition(" ")
             raise ValueError(f"{theirs}: use {keyword(ours)} {why}".rstrip())
     return tp
+
+
+def read_priorities(priority: list[int] | None, num_prompts: int, policy: str) -> list[int]:
+    """`LLM.generate`'s priority (vLLM's): one value a prompt, lower admitted first; values other
+    than 0 only under the priority scheduling policy (a ValueError otherwise, as vLLM's)."""
+    if priority is None:
+        return [0] * num_prompts
+    if len(priority) != num_prompts:
+        raise ValueError(f"priority: {len(priority)} given for {num_prompts} prompts")
+    if any(priority) and policy != "priority":
+        raise ValueError(
+            "priority: this LLM schedules first come, first served; make it with "
+            'scheduling_policy="priority" to order requests by priority'
+        )
+    return [int(p) for p in priority]

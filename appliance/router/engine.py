@@ -92,6 +92,7 @@ class EngineCore:
             ignore_eos=msg.ignore_eos,
             mm=list(msg.mm),
             turn_start=msg.turn_start,
+            priority=msg.priority,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)

@@ -66,6 +66,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     mm: list[ImageInput] = field(default_factory=list)  # prompt images (by cache handle), by offset
     turn_start: int = -1  # chat: where the generation prompt starts (a prefix-cache point)
+    priority: int = 0  # lower first under --scheduling-policy priority (vLLM's); else unused
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)
@@ -75,6 +76,7 @@ class Request:
     num_computed: int = 0  # positions whose KV/state the worker has (or is computing this step)
     num_pending: int = 0  # tokens sampled by steps in flight whose result has not arrived yet
     num_preemptions: int = 0
+    arrival_number: int = 0  # order of arrival in the wait queue (router/wait_queue.py)
     guide_ready: bool = True  # False while the worker compiles the request's grammar (guided)
     num_prompt_counted: int = (
         0  # prompt positions already counted in stats (recompute not re-counted)

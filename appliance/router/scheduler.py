@@ -3,9 +3,12 @@ with its known tokens under a per-step budget. Owns the request-slot and KV-slot
 StepPlans and consumes StepResults. Called by the router process and the offline `LLM`; no torch.
 
 Per step: decodes of running requests first (oldest first), then prefill chunks of running requests,
-then admission of waiting requests (strict FIFO) while budget, request slots and KV remain. A decode
-that cannot get a KV slot preempts the most recently admitted request (its slots are freed, it goes
-back to the front of the queue and is recomputed from prompt + generated tokens when re-admitted).
+then admission of waiting requests in queue order (router/wait_queue.py: first come, first served;
+or, with scheduling_policy "priority", lower priority values first), never past the head, while
+budget, request slots and KV remain. A decode that cannot get a KV slot preempts the most recently
+admitted request (under the priority policy the one of the highest priority value, the latest of
+those); its slots are freed, it goes back to the queue ahead of every later arrival of its
+priority and is recomputed from prompt + generated tokens when re-admitted.
 
 Prefix caching (router/prefix_cache.py): admission starts a request at its longest usable cached
 prefix (KV slots shared, the GDN state restored from a snapshot). Prompt prefill chunks end at
@@ -15,8 +18,6 @@ leaves its whole computed sequence in the tree, its state saved by the next plan
 """
 
 from __future__ import annotations
-
-import collections
 
 import msgspec
 import numpy as np
@@ -35,6 +36,7 @@ from appliance.messages import (
 from appliance.router.allocators import RefCountedSlots, SlotAllocator
 from appliance.router.prefix_cache import Cleared, PrefixCache, cache_keys
 from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
+from appliance.router.wait_queue import WaitQueue
 
 logger = get_logger(__name__)
 
@@ -102,7 +104,7 @@ class Scheduler:
         self._cache_points: dict[int, list[tuple[Request, int, int, int, str]]] = {}
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = WaitQueue(config.scheduling_policy)
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._requests: dict[str, Request] = {}  # every live (waiting or running) request
         self._released: list[int] = []  # req slots freed since the last plan
@@ -253,7 +255,8 @@ class Scheduler:
             assert req.num_kv >= req.num_computed + take, "prefill chunk without KV slots"
             chunks.append(self._prefill_chunk(req, take))
             budget -= chunks[-1].num_tokens
-        # 3. admission, strict FIFO; none after a preemption (a victim must not come straight back)
+        # 3. admission in queue order, never past its head; none after a preemption (a victim must
+        # not come straight back)
         while (
             not self._preempted_this_step
             and budget > 0
@@ -394,7 +397,7 @@ class Scheduler:
                 self.cache.evict(kv_slots=need)
                 if need <= self.kv.num_free:
                     break
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is req:
                 return False
@@ -614,6 +617,13 @@ class Scheduler:
         self.kv.free(req.take_kv())
         req.num_computed = 0
         req.num_pending = 0  # results of steps in flight are dropped (stale epoch or finished)
+
+    def _victim(self) -> Request:
+        """Whom a decode without KV preempts: the last admitted; under the priority policy the
+        running request of the highest priority value, the latest arrival of those."""
+        if self.config.scheduling_policy != "priority":
+            return self.running[-1]
+        return max(self.running, key=lambda r: (r.priority, r.arrival_number))
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -113,6 +113,7 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
         client,
         metrics,
         sampling_defaults=defaults,
+        scheduling_policy=config.engine.scheduler.scheduling_policy,
     )
 
 

@@ -153,6 +153,8 @@ class _SamplingFields(_Schema):
     return_tokens_as_token_ids: bool = False
     # vLLM's: words the output never completes (SamplingParams.tokenize_bad_words)
     bad_words: list[str] | None = None
+    # vLLM's: lower is admitted first; only with --scheduling-policy priority (else 0)
+    priority: int = 0
     # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored
     use_beam_search: bool = False
     # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,

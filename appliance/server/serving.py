@@ -133,6 +133,16 @@ def check_n(state: ServerState, body: ChatCompletionRequest | CompletionRequest)
         raise BadRequest(f"n: expected at most {state.config.max_n}, got {body.n}.", "n")
 
 
+def check_priority(state: ServerState, priority: int) -> None:
+    """vLLM's rule: a priority other than 0 needs the priority policy (else it would be ignored)."""
+    if priority and state.scheduling_policy != "priority":
+        raise BadRequest(
+            "priority: this server schedules first come, first served; start it with "
+            "--scheduling-policy priority to order requests by priority.",
+            "priority",
+        )
+
+
 async def serve(
     endpoint: Endpoint[Body],
     state: ServerState,
@@ -191,6 +201,7 @@ async def _admit(
     """Checks, prompts and choices, then the submit (last: nothing after it can fail)."""
     state.check_accepting()
     model = state.check_model(body.model)
+    check_priority(state, body.priority)
     endpoint.check(state, body)
     vocab_size = state.prompts.vocab_size
     params = sampling_params(
@@ -310,6 +321,7 @@ def choice_requests(
                 arrival_time=arrival_time,
                 images=prompt.images,  # the visual server encodes them (deduped across choices)
                 turn_start=prompt.turn_start,
+                priority=body.priority,
             )
             requests.append(request)
     return requests

@@ -61,7 +61,6 @@ REFUSED = {
     "background": "background requests are not supported",
     "require_reasoning": "not supported; the chat template's enable_thinking decides reasoning",
     "max_thinking_tokens": "thinking budgets are not supported; bound max_new_tokens",
-    "priority": "priority scheduling is not supported",
     "extra_key": "cache namespaces are not supported",
     "cache_salt": "cache namespaces are not supported",
     "multi_item_delimiter_indices": "multi-item scoring is not supported",
@@ -145,6 +144,9 @@ class GenerateRequest(_Schema):
     top_logprobs_num: int | list[int] = 0
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    # SGLang's: higher is admitted first (the router's priority is its negation); only with
+    # --scheduling-policy priority (SGLang's --enable-priority-scheduling)
+    priority: int | None = None
     # one prompt: an image or a list of them; a batch: one entry (null, an image or a list) per
     # prompt, or one image for every prompt. An image: http(s) URL, data: URI or bare base64
     image_data: str | list[str | list[str] | None] | None = None
@@ -299,6 +301,7 @@ def translate(body: GenerateRequest) -> tuple[SGLangCompletion, GenerateShape]:
         # prompt_logprobs is refused with stream); the echoed text itself is never worded here
         echo=return_logprob and start >= 0,
         logprob_start_len=start if return_logprob else -1,
+        priority=-(body.priority or 0),
     )
     shape = GenerateShape(
         single=single and sampling.n == 1,

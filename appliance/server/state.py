@@ -69,6 +69,7 @@ class ServerState:
     prompt_lanes: PromptLanes = field(default_factory=PromptLanes)  # where prompts are tokenized
     # fields a request leaves unset take these first (the model's generation_config.json)
     sampling_defaults: dict = field(default_factory=dict)
+    scheduling_policy: str = "fcfs"  # the router's (--scheduling-policy): may requests set priority
     created: int = field(default_factory=lambda: int(time.time()))
 
     @functools.cached_property

@@ -75,6 +75,8 @@ MTP_STEP = "engine.scheduler.mtp_step"
     ("argv", "where", "value"),
     [
         ("--enable-prefix-caching", "engine.scheduler.prefix_caching", True),
+        ("--enable-priority-scheduling", "engine.scheduler.scheduling_policy", "priority"),
+        ("--scheduling-policy priority", "engine.scheduler.scheduling_policy", "priority"),
         ("--no-enable-prefix-caching", "engine.scheduler.prefix_caching", False),
         ("--disable-radix-cache", "engine.scheduler.prefix_caching", False),
         ("--context-length 4096", "engine.model.max_model_len", 4096),

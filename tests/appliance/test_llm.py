@@ -281,3 +281,21 @@ def test_max_new_tokens_of_the_generation_config_fits_the_context(tiny_dense, tm
     assert len(short.token_ids) <= 3
     with pytest.raises(ValueError, match="2048"):  # asked for explicitly: still refused
         llm.generate(prompt, SamplingParams(max_tokens=2048))
+
+
+def test_priority_orders_admission_under_the_priority_policy(llm, tiny_dense):
+    """vLLM's generate(priority=...): refused on a first-come LLM (0s are fine, one a prompt);
+    with scheduling_policy="priority" the lower values are admitted first."""
+    prompts = [[11, 300, 42], [7, 99, 5], [3, 1, 4]]
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    with pytest.raises(ValueError, match='scheduling_policy="priority"'):
+        llm.generate(prompts, greedy, priority=[1, 0, 0])
+    with pytest.raises(ValueError, match="priority: 2 given for 3 prompts"):
+        llm.generate(prompts, greedy, priority=[0, 0])
+    want = [o.token_ids for o in llm.generate(prompts, greedy, priority=[0, 0, 0])]
+    ranked = LLM(str(tiny_dense), scheduling_policy="priority", max_num_seqs=1, num_kv_slots=512)
+    admitted = []
+    admit = ranked.scheduler._admit
+    ranked.scheduler._admit = lambda req: admitted.append(req.priority) or admit(req)
+    outs = ranked.generate(prompts, greedy, priority=[5, 0, -3])
+    assert admitted == [-3, 0, 5] and [o.token_ids for o in outs] == want

@@ -488,3 +488,26 @@ def test_continue_final_message_through_the_chat_route(make_server, tokenizer):
     assert counted["tokens"] == engine.received[-1].prompt_token_ids
     r = client.post("/v1/chat/completions", json={"messages": talk, "continue_final_message": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_priority_needs_the_priority_policy_and_reaches_the_router(make_server):
+    """vLLM's `priority`: a 400 naming it on a first-come server (0 is fine); under
+    --scheduling-policy priority it travels with every choice. SGLang's /generate priority is
+    read SGLang's way (higher first): the router gets its negation."""
+    client, engine, _ = make_server()
+    sdk = sdk_for(client)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"priority": 3})
+    assert info.value.body["param"] == "priority" and engine.received == []
+    assert "--scheduling-policy priority" in info.value.body["message"]
+    r = client.post("/generate", json={"text": "hi", "priority": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"priority": 0})
+    assert engine.received[-1].priority == 0
+    client, engine, state = make_server()
+    state.scheduling_policy = "priority"
+    sdk = sdk_for(client)
+    sdk.completions.create(model="tiny", prompt="hi", n=2, extra_body={"priority": -4})
+    assert [r.priority for r in engine.received] == [-4, -4]
+    assert client.post("/generate", json={"text": "hi", "priority": 7}).status_code == 200
+    assert engine.received[-1].priority == -7
