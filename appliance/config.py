@@ -24,6 +24,9 @@ def _check(cond: bool, name: str, accepted: str) -> None:
         raise ValueError(f"{name}: expected {accepted}")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_dir: str = ""  # checkpoint folder (HF layout); "" = the embedded default model
@@ -35,9 +38,14 @@ class ModelConfig:
     # checkpoint as it says) | compressed-tensors | modelopt (the checkpoint's own method, as vLLM
     # takes it)
     quantization: str = ""
+    # what logprobs report (vLLM's --logprobs-mode): raw_* the model's logits before any edit
+    # (penalties, bias, masks) or temperature; processed_* after every edit, the temperature and
+    # top-k / top-p / min-p; *_logprobs their log-softmax, *_logits the values themselves
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quantization", quant_method_name(self.quantization))
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", ", ".join(LOGPROBS_MODES))
         _check(self.load_format in ("auto", "dummy"), "load_format", "auto or dummy")
         _check(
             self.quantization in QUANTIZATION_FLAGS,

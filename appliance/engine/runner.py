@@ -194,7 +194,7 @@ class ModelRunner(RunnerMemory):
                 self.device,
                 config.scheduler.mtp_draft_vocab,
             )
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model.logprobs_mode)
         # structured outputs: grammar matchers of guided requests (xgrammar loaded on first use)
         self.guided = GuidedDecoding(
             self._load_tokenizer, self.text_config.vocab_size, self.eos_token_ids
@@ -582,7 +582,7 @@ class ModelRunner(RunnerMemory):
         scores: list[PromptScores],
     ) -> PendingStep:
         bitmask = self._grammar_bitmask(chunks) if self.guided else None
-        edits = VerifyEdits.of(chunks, self.requests)
+        edits = VerifyEdits.of(chunks, self.requests, self.sampler.mode)
         edit = None if edits is None else edits.apply
         out = self.mtp_graphs.run(chunks, bitmask, edit)  # [n, k + 2] on the device
         slots = [c.req_slot for c in chunks]

@@ -15,17 +15,16 @@ Choices, documented here once:
 - allowed_token_ids / min_tokens (vLLM's): with `allowed_token_ids` every other id is -inf (after
   the bias, before the grammar's mask); before `min_tokens` generated tokens the row's
   `min_tokens_ban` ids (eos, stop token ids) are -inf, last, unless nothing else is left to
-  sample. Logprobs are those of what can be sampled.
+  sample.
 - Structured outputs: the grammar's token bitmask (engine/guided.py) sets forbidden tokens to -inf
-  after penalties and bias; logprobs are then those of the masked distribution. A forbidden token
-  among the top logprobs (fewer allowed tokens than asked for) reads LOGPROB_FLOOR, as in vLLM:
-  JSON has no -inf.
+  after penalties and bias.
 - Bad words (vLLM's `bad_words`, as token sequences): a word's last token is -inf wherever the
   output (not the prompt) ends with the word's other tokens; a one-token word always. Applied
   after the grammar's mask, before the min_tokens ban, and, as that ban, not where it would leave
   nothing to sample.
-- Logprobs are those of the post-penalty, post-bias, pre-temperature distribution (log_softmax of
-  the edited logits): what the request's penalties and bias leave, independent of how it is sampled.
+- Logprobs report what vLLM's --logprobs-mode says (engine/logprobs_mode.py): by default the
+  model's own distribution, before the edits above and the temperature; processed_logprobs the
+  distribution the token was drawn from.
 """
 
 from __future__ import annotations
@@ -36,12 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from appliance.engine.logprobs_mode import reported
 from appliance.engine.transfer import to_device
 from appliance.messages import SamplingOptions
 from appliance_kernels.sampling import SAMPLING_EPS, sample
 from appliance_kernels.token_bitmask import apply_token_bitmask
-
-LOGPROB_FLOOR = -9999.0  # the logprob reported for a token the grammar forbids (-inf)
 
 
 @dataclass
@@ -241,18 +239,21 @@ def _matches(words: list[list[int]], history: torch.Tensor) -> tuple[torch.Tenso
 
 
 def gather_logprobs(
-    logits: torch.Tensor,  # [B, V] penalised, pre-temperature
+    raw: torch.Tensor,  # [B, V] the model's logits
+    edited: torch.Tensor,  # [B, V] after the requests' edits (pre-temperature)
     token_ids: torch.Tensor,  # [B]
     rows: Sequence[SamplingOptions],
+    mode: str = "raw_logprobs",  # ModelConfig.logprobs_mode (engine/logprobs_mode.py)
 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
     logprobs: list[float | None] = [None] * len(rows)
     tops: list[list[tuple[int, float]] | None] = [None] * len(rows)
     picked = [i for i, row in enumerate(rows) if row.logprobs is not None]
     if not picked:
         return logprobs, tops
-    index = to_device(picked, torch.long, logits.device)
+    index = to_device(picked, torch.long, edited.device)
     tops_asked = [rows[i].logprobs for i in picked]
-    packed = pack_logprobs(log_probs(logits[index]), token_ids[index], tops_asked).tolist()
+    values = reported(raw[index], edited[index], [rows[i] for i in picked], mode)
+    packed = pack_logprobs(values, token_ids[index], tops_asked).tolist()
     for i, row in zip(picked, packed):
         logprobs[i], tops[i] = unpack_logprobs(row, rows[i].logprobs)
     return logprobs, tops
@@ -298,14 +299,6 @@ def edit_logits(
     return apply_min_tokens(logits, rows, offsets, prompt_lens)
 
 
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """Log-softmax of edited logits [R, V] (fp32), clamped at LOGPROB_FLOOR: what is reported (a
-    row left nothing to sample, e.g. a grammar outside its allowed ids, reads the floor, not NaN:
-    JSON has no NaN)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.nan_to_num_(lp, nan=LOGPROB_FLOOR).clamp_(min=LOGPROB_FLOOR)
-
-
 def pack_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]) -> torch.Tensor:
     """[R, 1 + 2 * max(tops)] fp32 on lp's device: per row the logprob of token_ids[r], its tops[r]
     best logprobs, then their ids (exact in fp32: vocabularies are far below 2**24). Each row's
@@ -330,7 +323,11 @@ def unpack_logprobs(row: list[float], top: int) -> tuple[float, list[tuple[int, 
 
 
 class Sampler:
-    """Eager sampler for a batch of rows (one row per sampling request in the step)."""
+    """Eager sampler for a batch of rows (one row per sampling request in the step); `mode`:
+    what logprobs report (ModelConfig.logprobs_mode, engine/logprobs_mode.py)."""
+
+    def __init__(self, mode: str = "raw_logprobs") -> None:
+        self.mode = mode
 
     def sample(
         self,
@@ -348,9 +345,10 @@ class Sampler:
             if device.type == "cuda":  # pageable host memory would wait for the whole stream
                 token_bitmask = token_bitmask.pin_memory()
             token_bitmask = token_bitmask.to(device, non_blocking=True)
-        logits = edit_logits(
-            logits.float(), rows, token_history, offsets, prompt_lens, token_bitmask
-        )
+        raw = logits.float()
+        if token_bitmask is not None and self.mode.startswith("raw"):
+            raw = raw.clone()  # the grammar's mask is applied in place on CUDA
+        logits = edit_logits(raw, rows, token_history, offsets, prompt_lens, token_bitmask)
         if all(r.temperature < SAMPLING_EPS for r in rows):
             # all greedy, known on the host: one argmax (the sampling kernel's one pass over a
             # 248k vocabulary is 4x slower than torch's argmax on the H200, docs/benchmarks.md)
@@ -369,5 +367,5 @@ class Sampler:
                 params.seeds,
                 offsets,
             )
-        logprobs, tops = gather_logprobs(logits, token_ids, rows)
+        logprobs, tops = gather_logprobs(raw, logits, token_ids, rows, self.mode)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=tops)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from appliance.engine.logprobs_mode import reported
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import (
     edit_logits,
-    log_probs,
     needs_edits,
     needs_history,
     pack_logprobs,
@@ -69,10 +69,13 @@ class VerifyEdits:
     chunks: list[int]  # indices of the step's chunks whose rows are edited
     inputs: SamplingRows  # of those chunks' rows, in order
     scored: list[int]  # indices into `chunks` of the requests reporting logprobs
+    mode: str = "raw_logprobs"  # what they report (ModelConfig.logprobs_mode)
     lp: torch.Tensor | None = None  # [len(scored) * rows, V]: set by apply
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], table: RequestTable) -> VerifyEdits | None:
+    def of(
+        cls, chunks: list[ScheduledChunk], table: RequestTable, mode: str = "raw_logprobs"
+    ) -> VerifyEdits | None:
         """The step's edits; None when every request samples with its knobs alone."""
         picked = [
             i
@@ -88,7 +91,7 @@ class VerifyEdits:
         scored = [p for p, o in enumerate(options) if o.logprobs is not None]
         rows = chunks[picked[0]].num_draft + 1
         inputs = sampling_rows([chunks[i] for i in picked], table)
-        return cls(rows, picked, inputs, scored)
+        return cls(rows, picked, inputs, scored, mode)
 
     def row_index(self, picked: list[int]) -> list[int]:
         """The step's logits rows of the chunks at `picked` (indices into the step's chunks)."""
@@ -96,10 +99,14 @@ class VerifyEdits:
 
     def apply(self, logits: torch.Tensor, masks: torch.Tensor | None) -> None:
         """Edits the step's verify logits [n * rows, V] in place (their grammar masks [n * rows,
-        words] on the device, or None); keeps the log-softmax of the scored rows for `pack`."""
+        words] on the device, or None); keeps what the scored rows report (their logprobs, by
+        the mode: engine/logprobs_mode.py) for `pack`."""
         index = to_device(self.row_index(self.chunks), torch.long, logits.device)
         rows = self.inputs
         sub = logits[index]
+        raw = sub
+        if masks is not None and self.scored and self.mode.startswith("raw"):
+            raw = sub.clone()  # the grammar's mask is applied to `sub` in place on CUDA
         edited = edit_logits(
             sub,
             rows.options,
@@ -111,8 +118,10 @@ class VerifyEdits:
         if edited is not sub:  # only logprobs (or a mask, which the sampling graph applies)
             logits[index] = edited
         if self.scored:
-            mine = to_device(self.row_index(self.scored), torch.long, logits.device)
-            self.lp = log_probs(edited[mine])
+            picked = self.row_index(self.scored)
+            mine = to_device(picked, torch.long, logits.device)
+            options = [rows.options[k] for k in picked]
+            self.lp = reported(raw[mine], edited[mine], options, self.mode)
 
     def pack(self, samples: torch.Tensor) -> torch.Tensor | None:
         """The scored requests' logprobs of their samples [n, rows] (rows beyond the accepted run

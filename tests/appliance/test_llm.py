@@ -299,3 +299,20 @@ def test_priority_orders_admission_under_the_priority_policy(llm, tiny_dense):
     ranked.scheduler._admit = lambda req: admitted.append(req.priority) or admit(req)
     outs = ranked.generate(prompts, greedy, priority=[5, 0, -3])
     assert admitted == [-3, 0, 5] and [o.token_ids for o in outs] == want
+
+
+def test_logprobs_mode_raw_by_default_processed_on_request(llm, tiny_dense):
+    """vLLM's logprobs_mode through the engine: by default a request's bias does not move its
+    logprobs (the model's own: the banned greedy token keeps its logprob among the top); with
+    processed_logprobs they are those it was drawn from (the banned token reads the floor)."""
+    prompt = [11, 300, 42, 7, 99]
+    [free] = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=3))
+    token = free.token_ids[0]
+    banned = SamplingParams(max_tokens=1, temperature=0, logprobs=3, logit_bias={token: -100})
+    [raw] = llm.generate(prompt, banned)
+    assert raw.token_ids[0] != token
+    assert raw.logprobs[0][token].logprob == pytest.approx(free.logprobs[0][token].logprob)
+    processed = LLM(str(tiny_dense), logprobs_mode="processed_logprobs", num_kv_slots=512)
+    [out] = processed.generate(prompt, banned)
+    assert out.token_ids == raw.token_ids and token not in out.logprobs[0]
+    assert out.logprobs[0][out.token_ids[0]].logprob > raw.logprobs[0][raw.token_ids[0]].logprob

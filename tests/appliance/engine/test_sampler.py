@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from appliance.engine.sampler import LOGPROB_FLOOR, Sampler, apply_penalties, gather_logprobs
+from appliance.config import ModelConfig
+from appliance.engine.logprobs_mode import LOGPROB_FLOOR
+from appliance.engine.sampler import Sampler, apply_penalties, gather_logprobs
 from appliance.messages import SamplingOptions
 from appliance.sampling_params import SamplingParams
 
@@ -55,26 +57,42 @@ def test_all_penalties_together_and_rows_without_them_untouched() -> None:
     assert torch.allclose(out[1], expected)
 
 
-def test_logprobs_are_post_penalty_pre_temperature() -> None:
+@pytest.mark.parametrize(
+    "mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+)
+def test_logprobs_report_what_the_mode_says(mode: str) -> None:
+    """vLLM's --logprobs-mode: raw_* the model's logits (no penalty, no temperature),
+    processed_* the ones the token was drawn from (penalised, over the temperature, top-k cut);
+    *_logprobs their log-softmax, *_logits the values (-inf reads the floor)."""
     rows = [
-        SamplingOptions(temperature=0.7, seed=1, logprobs=3, repetition_penalty=2.0),
+        SamplingOptions(temperature=0.7, seed=1, logprobs=3, repetition_penalty=2.0, top_k=4),
         SamplingOptions(temperature=0.0, logprobs=0),
         SamplingOptions(temperature=0.0),
     ]
     logits = BASE.repeat(3, 1)
     history = [hist(0, 4), hist(0), hist(0)]
-    out = Sampler().sample(logits, rows, history, offsets=[5, 5, 5], prompt_lens=[1, 1, 1])
+    out = Sampler(mode).sample(logits, rows, history, offsets=[5, 5, 5], prompt_lens=[1, 1, 1])
     penalised = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.5, 0.0])
-    lp = torch.log_softmax(penalised, -1)
+    processed = penalised / 0.7
+    processed[processed < processed.topk(4).values[-1]] = float("-inf")  # top_k 4
+    values = {
+        "raw_logprobs": torch.log_softmax(BASE[0], -1),
+        "raw_logits": BASE[0],
+        "processed_logprobs": torch.log_softmax(processed, -1),
+        "processed_logits": processed.clamp(min=LOGPROB_FLOOR),
+    }[mode]
     tok = out.token_ids[0].item()
-    assert out.logprobs[0] == pytest.approx(lp[tok].item(), abs=1e-6)
-    top_ids = [i for i, _ in out.top_logprobs[0]]
-    assert top_ids[0] == 0 and set(top_ids[1:]) == {2, 4}  # 0.5 tie between ids 2 and 4
-    assert [v for _, v in out.top_logprobs[0]] == pytest.approx(sorted(lp.tolist())[::-1][:3])
-    raw = torch.log_softmax(BASE[0], -1)
-    assert out.token_ids[1] == 0 and out.logprobs[1] == pytest.approx(raw[0].item(), abs=1e-6)
+    assert processed[tok] > float("-inf")  # drawn from the processed logits
+    assert out.logprobs[0] == pytest.approx(values[tok].item(), abs=1e-5)
+    assert [v for _, v in out.top_logprobs[0]] == pytest.approx(
+        sorted(values.tolist())[::-1][:3], abs=1e-5
+    )
+    greedy = BASE[0] if mode.endswith("logits") else torch.log_softmax(BASE[0], -1)
+    assert out.token_ids[1] == 0 and out.logprobs[1] == pytest.approx(greedy[0].item(), abs=1e-6)
     assert out.top_logprobs[1] == []
     assert out.logprobs[2] is None and out.top_logprobs[2] is None
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        ModelConfig(logprobs_mode="sampled")
 
 
 def test_seeded_rows_reproduce_and_are_batch_invariant() -> None:
@@ -195,6 +213,6 @@ def test_top_logprobs_of_masked_tokens_are_finite() -> None:
     # (JSON has no -inf), the sampled token keeps its true logprob
     logits = torch.full((1, 8), float("-inf"))
     logits[0, 2], logits[0, 5] = 1.0, 1.0
-    lp, tops = gather_logprobs(logits, torch.tensor([5]), [SamplingOptions(logprobs=4)])
+    lp, tops = gather_logprobs(logits, logits, torch.tensor([5]), [SamplingOptions(logprobs=4)])
     assert lp[0] == pytest.approx(math.log(0.5))
     assert [round(v, 4) for _, v in tops[0]] == [-0.6931, -0.6931, LOGPROB_FLOOR, LOGPROB_FLOOR]

@@ -16,11 +16,15 @@ def test_bias_moves_greedy_choice_and_logprobs() -> None:
     logits = torch.tensor([[5.0, 1.0, 0.0, -1.0], [5.0, 1.0, 0.0, -1.0]])
     biased = SamplingOptions(temperature=0.0, logprobs=1, logit_bias={3: 100.0, 0: -100.0})
     plain = SamplingOptions(temperature=0.0, logprobs=1)
-    out = Sampler().sample(logits, [biased, plain], None, [0, 0])
+    out = Sampler("processed_logprobs").sample(logits, [biased, plain], None, [0, 0])
     assert out.token_ids.tolist() == [3, 0]
-    # the biased row's logprobs are those of the edited logits; the plain row is untouched
+    # processed: the biased row's logprobs are those of the edited logits; the plain row's are
+    # its own
     assert out.top_logprobs[0][0][0] == 3 and out.logprobs[0] > -1e-3
     assert abs(out.logprobs[1] - torch.log_softmax(logits[1], -1)[0].item()) < 1e-6
+    raw = Sampler().sample(logits, [biased, plain], None, [0, 0])  # vLLM's default: unbiased
+    assert raw.token_ids.tolist() == [3, 0] and raw.top_logprobs[0][0][0] == 0
+    assert abs(raw.logprobs[0] - torch.log_softmax(logits[0], -1)[3].item()) < 1e-6
 
 
 def test_bias_on_sampled_rows_and_every_row_of_a_request() -> None:

@@ -13,17 +13,20 @@ from appliance.messages import SamplingOptions, decoder, encode
 from appliance.sampling_params import SamplingParams
 
 EOS = 3
+PROCESSED = Sampler(
+    "processed_logprobs"
+)  # logprobs of what can be sampled (greedy: no temperature)
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_enough_tokens() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]]).repeat(4, 1)  # eos (3) then 4 lead
     row = SamplingOptions(temperature=0.0, logprobs=0, min_tokens=3, min_tokens_ban=[EOS, 4])
     # prompt of 10 tokens: offsets 10, 11, 12 sample generated tokens 1-3, offset 13 the 4th
-    out = Sampler().sample(logits, [row] * 4, None, [10, 11, 12, 13], prompt_lens=[10] * 4)
+    out = PROCESSED.sample(logits, [row] * 4, None, [10, 11, 12, 13], prompt_lens=[10] * 4)
     assert out.token_ids.tolist() == [2, 2, 2, EOS]
     assert out.logprobs[0] > -0.5  # of what can be sampled: eos and 4 are out
     sampled = SamplingOptions(temperature=1.0, seed=5, min_tokens=2, min_tokens_ban=[EOS, 4])
-    many = Sampler().sample(logits.repeat(8, 1)[:8], [sampled] * 8, None, list(range(8)), [0] * 8)
+    many = PROCESSED.sample(logits.repeat(8, 1)[:8], [sampled] * 8, None, list(range(8)), [0] * 8)
     assert not {EOS, 4} & set(many.token_ids[:2].tolist())
 
 
@@ -48,7 +51,7 @@ def test_a_ban_that_would_leave_nothing_yields() -> None:
         temperature=0.0, logprobs=0, allowed_token_ids=[EOS], min_tokens=4, min_tokens_ban=[EOS]
     )
     other = SamplingOptions(temperature=0.0, logprobs=0, min_tokens=4, min_tokens_ban=[EOS])
-    out = Sampler().sample(logits, [only_eos, other], None, [5, 5], prompt_lens=[5, 5])
+    out = PROCESSED.sample(logits, [only_eos, other], None, [5, 5], prompt_lens=[5, 5])
     assert out.token_ids.tolist() == [EOS, 2]
     assert all(lp == lp and lp > -1 for lp in out.logprobs)  # finite, no NaN
 
@@ -95,8 +98,8 @@ def test_top_logprobs_past_what_can_be_sampled_do_not_depend_on_the_batch() -> N
     logits = torch.randn(2, 64)
     narrow = SamplingOptions(temperature=0.0, logprobs=4, allowed_token_ids=[7, 9])
     wide = SamplingOptions(temperature=0.0, logprobs=20)
-    alone = Sampler().sample(logits[:1], [narrow], None, [0])
-    batched = Sampler().sample(logits, [narrow, wide], None, [0, 0])
+    alone = PROCESSED.sample(logits[:1], [narrow], None, [0])
+    batched = PROCESSED.sample(logits, [narrow, wide], None, [0, 0])
     assert alone.top_logprobs[0] == batched.top_logprobs[0]
     assert [v for _, v in alone.top_logprobs[0][2:]] == [-9999.0, -9999.0]
     assert len(batched.top_logprobs[1]) == 20
@@ -106,7 +109,7 @@ def test_a_row_left_nothing_to_sample_reports_the_floor_not_nan() -> None:
     """allowed ids that a grammar mask forbids: every logit is -inf; JSON has no NaN."""
     row = SamplingOptions(temperature=0.0, logprobs=2, allowed_token_ids=[1])
     mask = torch.tensor([[1 << 2]], dtype=torch.int32)  # the grammar allows only id 2
-    out = Sampler().sample(torch.zeros(1, 8), [row], None, [0], token_bitmask=mask)
+    out = PROCESSED.sample(torch.zeros(1, 8), [row], None, [0], token_bitmask=mask)
     assert out.logprobs[0] == -9999.0 and all(v == -9999.0 for _, v in out.top_logprobs[0])
 
 
