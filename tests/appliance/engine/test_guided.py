@@ -149,11 +149,16 @@ def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
     compiler = runner.guided._compiler
     submit = compiler.submit
 
+    plain_done = threading.Event()  # the plain request's 40 tokens came (set by timed_collect)
+
     def slow_submit(guide: Guide) -> Future:
         late: Future = Future()
 
         def finish() -> None:
+            # at least 1.5 s, and past the plain request's end (a loaded machine decodes slower):
+            # then only the guided request is left, waiting, and the router sends empty plans
             time.sleep(1.5)
+            plain_done.wait(60)
             late.set_result(submit(guide).result())
 
         threading.Thread(target=finish, daemon=True).start()
@@ -173,6 +178,8 @@ def test_a_compiling_grammar_holds_its_request_not_the_step_loop(tiny_dense):
         result = collect()  # (a step that waited for a compile did so in its submit)
         now = time.perf_counter()
         steps.append((now - last[0], len(result.sampled)))
+        if sum(n for _, n in steps) >= 40:
+            plain_done.set()
         if planned.pop(0):
             forward_s.append(result.forward_s)
         last[0] = now
