@@ -97,7 +97,7 @@ def _pil_key(image: Any, grid: tuple[int, int, int]) -> str:
 
 
 class OfflineImages:
-    """Preprocessing, the lazily loaded ViT and the embedding entries of one offline LLM."""
+    """Preprocessing, the ViT and the embedding entries of one offline LLM."""
 
     def __init__(
         self,
