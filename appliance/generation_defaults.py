@@ -68,3 +68,24 @@ def describe(defaults: dict[str, Any]) -> str:
     return ", ".join(
         f"max_tokens at most {v}" if k == "max_tokens" else f"{k} {v}" for k, v in defaults.items()
     )
+
+
+def end_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The ids that end generation (eos): config.json's `eos_token_id` (its text_config's, for a
+    vision checkpoint) and generation_config.json's, sorted; () without either. The worker's rule
+    (engine/runner.py) and the server's (beam search)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if not path.exists():
+            continue
+        raw = json.loads(path.read_text())
+        if name == "config.json":
+            raw = {
+                "eos_token_id": (raw.get("text_config") or {}).get(
+                    "eos_token_id", raw.get("eos_token_id")
+                )
+            }
+        eos = raw.get("eos_token_id")
+        ids.update(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    return tuple(sorted(ids))

@@ -52,6 +52,7 @@ from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
 from appliance.engine.transfer import to_device
 from appliance.engine.verify_edits import VerifyEdits, sampling_rows
+from appliance.generation_defaults import end_token_ids
 from appliance.logging import get_logger
 from appliance.messages import (
     PromptScores,
@@ -352,14 +353,7 @@ class ModelRunner(RunnerMemory):
         return AutoTokenizer.from_pretrained(str(self.model_dir))
 
     def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.text_config.eos_token_ids)
-        gen = self.model_dir / "generation_config.json"
-        if gen.exists():
-            import json
-
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return tuple(sorted(ids))
+        return end_token_ids(self.model_dir)
 
     # ------------------------------------------------------------------ steps
     @property

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
+from appliance.beam_search import BeamSearchParams
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
 from appliance.messages import ImageInput, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.offline.beams import BeamSearchOutput, beam_search
 from appliance.offline.guides import GuideChecker, structured
 from appliance.offline.images import OfflineImages, reserve_vit
 from appliance.offline.options import build_engine_config, read_priorities, vllm_keywords
@@ -307,6 +309,17 @@ class LLM:
         finally:
             self.engine.take_ended_images()
             self._images.release(req_ids)
+
+    def beam_search(
+        self,
+        prompts: str | list[int] | dict | list[str | list[int] | dict],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (offline/beams.py): per prompt its `params.beam_width` best
+        sequences, best first."""
+        del use_tqdm
+        return beam_search(self, prompts, params)
 
     def chat(
         self,

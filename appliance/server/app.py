@@ -29,6 +29,7 @@ from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from appliance.server.responses_request import ResponsesRequest
 from appliance.server.responses_store import ResponseNotFound, StoredResponse, new_store
 from appliance.server.serving import serve
+from appliance.server.serving_beam import serve_beam_search
 from appliance.server.serving_chat import CHAT
 from appliance.server.serving_completion import COMPLETION
 from appliance.server.serving_generate import generate, health_generate, model_info
@@ -167,10 +168,14 @@ def build_app(
 
     @app.post("/v1/chat/completions", responses=generation_errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if body.use_beam_search:
+            return await serve_beam_search(CHAT, state, body, request)
         return await serve(CHAT, state, body, request)
 
     @app.post("/v1/completions", responses=generation_errors)
     async def completions(body: CompletionRequest, request: Request):
+        if body.use_beam_search:
+            return await serve_beam_search(COMPLETION, state, body, request)
         return await serve(COMPLETION, state, body, request)
 
     # OpenAI's Responses API (vLLM's subset), served through the chat route's pieces; the kept

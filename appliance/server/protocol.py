@@ -155,8 +155,10 @@ class _SamplingFields(_Schema):
     bad_words: list[str] | None = None
     # vLLM's: lower is admitted first; only with --scheduling-policy priority (else 0)
     priority: int = 0
-    # vLLM's fields this server does not do: refused when set (check_unsupported), not ignored
+    # vLLM's beam search (server/serving_beam.py): n beams, length_penalty the exponent of its
+    # length normalisation (read only with use_beam_search, as vLLM reads it)
     use_beam_search: bool = False
+    length_penalty: float | None = None
     # vLLM's per-request image resize range: min_pixels / max_pixels / size {shortest_edge,
     # longest_edge}; checked by appliance/server/images.py (request_preprocess)
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -277,11 +279,6 @@ _ERROR_MEANINGS = {
 }
 
 
-UNSUPPORTED = {
-    "use_beam_search": "beam search is not supported",
-}
-
-
 # the chat route's own refusals (ChatEndpoint.check); `modalities` only when it asks for more than
 # text
 CHAT_REFUSED = {
@@ -303,7 +300,7 @@ def check_chat_output(req: ChatCompletionRequest) -> None:
         )
 
 
-def check_unsupported(req: _Schema, refused: dict[str, str] = UNSUPPORTED) -> None:
+def check_unsupported(req: _Schema, refused: dict[str, str]) -> None:
     """vLLM's sampling fields this server does not implement (or a route's own `refused` fields):
     a 400 naming the field when one is set, rather than a silent answer without it."""
     for name, why in refused.items():
@@ -359,7 +356,6 @@ def sampling_params(
     `vocab_size`: the tokenizer's, the bound of logit_bias token ids."""
     check_stream_options(req)
     check_prompt_logprobs(req)
-    check_unsupported(req)
     requested = req.requested_max_tokens()
     if requested is not None and (req.min_tokens or 0) > requested:
         raise BadRequest(

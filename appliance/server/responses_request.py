@@ -36,6 +36,7 @@ REFUSED = {
     "background": "background responses are not supported",
     "prompt": "stored prompt templates are not supported; send the text in `input`",
     "max_tool_calls": "not supported",
+    "use_beam_search": "beam search is served by /v1/chat/completions and /v1/completions",
     "top_logprobs": "logprobs are not supported on /v1/responses; /v1/chat/completions has them",
     "prompt_logprobs": "not supported on /v1/responses; /v1/chat/completions has them",
     "response_format": "the Responses API takes the output format as `text.format`",

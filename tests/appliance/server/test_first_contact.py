@@ -410,7 +410,6 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
     bad = [
         ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
         ({"allowed_token_ids": [len(tokenizer)]}, "allowed_token_ids"),
-        ({"use_beam_search": True}, "use_beam_search"),
         ({"bad_words": ["  "]}, "bad_words"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),  # -1 or >= 1

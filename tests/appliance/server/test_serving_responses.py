@@ -97,7 +97,7 @@ def test_reasoning_and_a_tool_call_then_the_next_turn(make_server, tokenizer):
         ),
         ({"tools": [{**TOOL, "name": "no spaces"}]}, "tools", "tools.0.name:"),
         ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
-        ({"use_beam_search": True}, "use_beam_search", "not supported"),
+        ({"use_beam_search": True}, "use_beam_search", "/v1/chat/completions"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
         ({"model": "other"}, "model", "does not exist"),
     ],

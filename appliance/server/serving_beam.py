@@ -1,0 +1,161 @@
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: `n` beams (the beam
+width), `length_penalty`, `max_tokens` rounds at most, eos (and `stop_token_ids`) ending a beam
+unless `ignore_eos`. The endpoint's checks and prompts are the route's own (images included);
+then appliance/beam_search.py runs over the engine, one round at a time: every live beam of every
+prompt asks for one token and its 2 x n best logprobs (the model's own), in one group of
+requests. The answer is the route's (its formatter words each beam as a choice: n per prompt,
+best first), not streamed.
+
+Called by app.py for a request with `use_beam_search`. Each round's requests go through the
+router like any (metrics count them); a client that leaves, or the request's deadline, aborts the
+round in flight and ends the search.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from appliance.beam_search import BeamSearch, BeamSearchParams
+from appliance.generation_defaults import end_token_ids
+from appliance.messages import DetokParams, SamplingOptions, TokenizedRequest
+from appliance.server.errors import BadRequest
+from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from appliance.server.serving import Endpoint, check_priority, usage
+from appliance.server.state import ServerState, abort_on_disconnect, iterate_deltas, new_request_id
+
+# fields that change what is generated or returned and that beam search does not do -> why
+_REFUSED = {
+    "stream": "beam search answers once, when every beam has ended",
+    "logprobs": "not returned with beam search",
+    "top_logprobs": "not returned with beam search",
+    "prompt_logprobs": "not returned with beam search",
+    "echo": "not with beam search",
+    "tools": "tool calls are not parsed with beam search",
+    "response_format": "structured outputs are not constrained with beam search",
+    "guided_json": "structured outputs are not constrained with beam search",
+    "guided_regex": "structured outputs are not constrained with beam search",
+    "guided_choice": "structured outputs are not constrained with beam search",
+    "guided_grammar": "structured outputs are not constrained with beam search",
+    "structured_outputs": "structured outputs are not constrained with beam search",
+    "stop": "stop strings do not end beams; stop_token_ids and eos do",
+    "bad_words": "not with beam search",
+    "logit_bias": "not with beam search (beams follow the model's own logprobs)",
+}
+
+
+def check_beam_request(body: ChatCompletionRequest | CompletionRequest) -> None:
+    for name, why in _REFUSED.items():
+        value = getattr(body, name, None)
+        if value not in (None, False, [], {}, ""):
+            raise BadRequest(f"{name}: {why}.", name)
+    if body.length_penalty is not None and not isinstance(body.length_penalty, int | float):
+        raise BadRequest("length_penalty: expected a number.", "length_penalty")
+
+
+@functools.lru_cache(maxsize=8)
+def _end_ids(model_dir: str) -> tuple[int, ...]:
+    return end_token_ids(model_dir)
+
+
+async def serve_beam_search(
+    endpoint: Endpoint, state: ServerState, body: Any, request: Request
+) -> Response:
+    """POST of a route with use_beam_search, end to end."""
+    check_beam_request(body)
+    state.check_accepting()
+    model = state.check_model(body.model)
+    check_priority(state, body.priority)
+    endpoint.check(state, body)
+    params = sampling_params(body, None, state.prompts.vocab_size, None, state.sampling_defaults)
+    prompts = await endpoint.prompts(state, body)
+    formatter = endpoint.formatter(state, body, prompts)
+    end_ids = set(_end_ids(state.model_dir)) | set(params.stop_token_ids)
+    searches = []
+    for prompt in prompts:
+        room = state.prompts.max_tokens_for(body.requested_max_tokens(), len(prompt.token_ids))
+        room = min(room, state.sampling_defaults.get("max_tokens", room))
+        beam = BeamSearchParams(body.n, room, params.ignore_eos, 0.0, body.length_penalty or 1.0)
+        searches.append(BeamSearch(prompt.token_ids, beam, sorted(end_ids)))
+    group_id = new_request_id(endpoint.id_prefix)
+    arrival = time.monotonic()
+    while not all(s.done for s in searches):
+        gone = await _round(state, request, group_id, prompts, searches, arrival, body.priority)
+        if gone:
+            return Response(status_code=499)
+    choices = []
+    completion_tokens = 0
+    for p, search in enumerate(searches):
+        for rank, beam in enumerate(search.result()):
+            tokens = beam.tokens
+            finish = "stop" if beam.finished else "length"
+            text = state.prompts.tokenizer.decode(
+                tokens[:-1] if beam.finished else tokens, skip_special_tokens=True
+            )
+            index = p * body.n + rank
+            choices.append(formatter.final_choice(index, text, None, finish))
+            completion_tokens += len(tokens)
+    head = {"id": group_id, "created": int(time.time()), "model": model}
+    return JSONResponse(
+        {
+            **head,
+            "object": endpoint.object_name,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+        }
+    )
+
+
+async def _round(
+    state: ServerState,
+    request: Request,
+    group_id: str,
+    prompts: list,
+    searches: list[BeamSearch],
+    arrival: float,
+    priority: int,
+) -> bool:
+    """One token for every live beam, in one group; True when the client went away."""
+    live = [(p, s) for p, s in enumerate(searches) if not s.done]
+    requests: list[TokenizedRequest] = []
+    for p, search in live:
+        for ids in search.prompts():
+            requests.append(
+                TokenizedRequest(
+                    req_id=f"{group_id}-r{search.rounds}-{len(requests)}",
+                    prompt_token_ids=ids,
+                    sampling=SamplingOptions(temperature=0.0, logprobs=search.num_top),
+                    max_tokens=1,
+                    ignore_eos=True,
+                    detok=DetokParams(logprobs=True, skip_special_tokens=False),
+                    arrival_time=time.time(),
+                    images=prompts[p].images,
+                    turn_start=prompts[p].turn_start,
+                    priority=priority,
+                )
+            )
+    group = state.client.submit(f"{group_id}-r{live[0][1].rounds}", requests, arrival)
+    if state.config.request_timeout:
+        group.deadline = arrival + state.config.request_timeout
+        group.timeout_s = state.config.request_timeout
+    tops: list[list[tuple[int, float]]] = [[] for _ in requests]
+    async with abort_on_disconnect(request, state.client, group):
+        async for index, delta in iterate_deltas(group):
+            for entry in delta.logprobs or []:
+                tops[index] = [
+                    (token, logprob)
+                    for token, (_, logprob, _) in zip(entry.top_ids, entry.top, strict=True)
+                ]
+    if group.abort_reason == "client_gone":
+        return True
+    first = 0
+    for _, search in live:
+        count = len(search.live)
+        search.advance(tops[first : first + count])
+        first += count
+    return False

@@ -1,0 +1,69 @@
+"""vLLM's use_beam_search through the real processes on the tiny dense checkpoint: completions
+and chat answer n beams, the offline LLM's beam search's sequences, best first; what beam search
+does not do is a 400 naming the field; afterwards nothing is held."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from appliance import LLM, BeamSearchParams
+
+
+@pytest.fixture(scope="module")
+def http(appliance):
+    with httpx.Client(base_url=f"{appliance.url}/v1", timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dense):
+    return LLM(str(tiny_dense), num_kv_slots=4096, max_num_seqs=16)
+
+
+def test_completions_and_chat_answer_the_offline_beams(http, offline):
+    prompt = [11, 300, 42, 7, 99]
+    body = {"prompt": prompt, "max_tokens": 5, "n": 3, "use_beam_search": True}
+    r = http.post("/completions", json={**body, "ignore_eos": True, "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    [want] = offline.beam_search([prompt], BeamSearchParams(3, 5, True, length_penalty=0.5))
+    assert [c["text"] for c in answer["choices"]] == [s.text for s in want.sequences]
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" for c in answer["choices"])
+    assert answer["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 15,
+        "total_tokens": 20,
+        "prompt_tokens_details": answer["usage"]["prompt_tokens_details"],
+    }
+    two = http.post("/completions", json={**body, "prompt": [prompt, prompt[:3]], "n": 2}).json()
+    assert len(two["choices"]) == 4 and [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = http.post(
+        "/chat/completions",
+        json={"messages": messages, "max_tokens": 4, "n": 2, "use_beam_search": True},
+    )
+    assert chat.status_code == 200, chat.text
+    choices = chat.json()["choices"]
+    assert len(choices) == 2 and all(c["message"]["role"] == "assistant" for c in choices)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream": True}, "stream"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"stop": ["x"]}, "stop"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ],
+)
+def test_what_beam_search_does_not_do_is_refused(http, extra, param):
+    body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}
+    r = http.post("/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_afterwards_nothing_is_held(appliance):
+    router = appliance.status()["router"]
+    assert router["kv_used"] == 0 and router["num_running"] == 0
