@@ -346,7 +346,8 @@ class Sampler:
                 token_bitmask = token_bitmask.pin_memory()
             token_bitmask = token_bitmask.to(device, non_blocking=True)
         raw = logits.float()
-        if token_bitmask is not None and self.mode.startswith("raw"):
+        scored = any(r.logprobs is not None for r in rows)
+        if token_bitmask is not None and scored and self.mode.startswith("raw"):
             raw = raw.clone()  # the grammar's mask is applied in place on CUDA
         logits = edit_logits(raw, rows, token_history, offsets, prompt_lens, token_bitmask)
         if all(r.temperature < SAMPLING_EPS for r in rows):
