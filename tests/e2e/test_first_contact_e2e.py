@@ -107,11 +107,16 @@ def _complete(sdk, model, **kw):
 
 def test_logit_bias_forces_and_bans_tokens(sdk, model, tokenizer):
     forced = tokenizer.encode("x", add_special_tokens=False)[0]
+    # the model's own logprobs of the forced tokens (the prompt + them, scored unbiased)
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False) + [forced] * 3
+    scored = sdk.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    own = scored.choices[0].logprobs.token_logprobs[-3:]
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
         choice = _complete(sdk, model, max_tokens=3, logit_bias={str(forced): 100}, **sampling)
         assert choice.text == tokenizer.decode([forced] * 3), sampling
-        # logprobs are those of the biased distribution: the forced token is near certain
-        assert all(lp > -0.01 for lp in choice.logprobs.token_logprobs), choice.logprobs
+        # logprobs are the model's own (vLLM's default --logprobs-mode raw_logprobs), not the
+        # biased distribution's
+        assert choice.logprobs.token_logprobs == pytest.approx(own, abs=1e-3), choice.logprobs
     greedy = _complete(sdk, model, max_tokens=1, temperature=0)
     first = greedy.logprobs.tokens[0]
     banned = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == first]

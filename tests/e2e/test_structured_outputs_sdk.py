@@ -57,9 +57,12 @@ TOOL = openai.pydantic_function_tool(GetWeather)
 
 @pytest.fixture(scope="module")
 def appliance(tiny_dense, tmp_path_factory):
-    """conftest's, with room for the tool prompt (346 tokens) and a ~170-token XML call."""
+    """conftest's, with room for the tool prompt (346 tokens) and a ~170-token XML call; its
+    logprobs are those of what is sampled (--logprobs-mode processed_logprobs), so a grammar's
+    forbidden tokens show."""
     log = tmp_path_factory.mktemp("so_sdk") / "appliance.log"
-    app = start_appliance(tiny_dense, log, "--max-num-seqs", "8", max_model_len=1024)
+    args = ("--max-num-seqs", "8", "--logprobs-mode", "processed_logprobs")
+    app = start_appliance(tiny_dense, log, *args, max_model_len=1024)
     yield app
     assert app.stop() == 0, app.log()[-4000:]
 
@@ -129,7 +132,8 @@ def test_response_format_stream_helper(sdk, model):
 
 
 def test_top_logprobs_under_a_grammar_are_finite(sdk, model):
-    # two allowed tokens at most per step, five alternatives asked: the forbidden ones read -9999
+    # two allowed tokens at most per step, five alternatives asked: under processed_logprobs the
+    # forbidden ones read -9999
     choices = ["alpha", "beta"]
     chat = sdk.chat.completions.create(
         model=model,
