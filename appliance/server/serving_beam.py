@@ -53,8 +53,12 @@ def check_beam_request(body: ChatCompletionRequest | CompletionRequest) -> None:
         value = getattr(body, name, None)
         if value not in (None, False, [], {}, ""):
             raise BadRequest(f"{name}: {why}.", name)
-    if body.length_penalty is not None and not isinstance(body.length_penalty, int | float):
-        raise BadRequest("length_penalty: expected a number.", "length_penalty")
+
+
+def beam_params(body: Any, max_tokens: int, ignore_eos: bool) -> BeamSearchParams:
+    """The request's beam search: n beams, length_penalty 1 when unset (0 is no normalisation)."""
+    penalty = 1.0 if body.length_penalty is None else float(body.length_penalty)
+    return BeamSearchParams(body.n, max_tokens, ignore_eos, 0.0, penalty)
 
 
 @functools.lru_cache(maxsize=8)
@@ -79,7 +83,7 @@ async def serve_beam_search(
     for prompt in prompts:
         room = state.prompts.max_tokens_for(body.requested_max_tokens(), len(prompt.token_ids))
         room = min(room, state.sampling_defaults.get("max_tokens", room))
-        beam = BeamSearchParams(body.n, room, params.ignore_eos, 0.0, body.length_penalty or 1.0)
+        beam = beam_params(body, room, params.ignore_eos)
         searches.append(BeamSearch(prompt.token_ids, beam, sorted(end_ids)))
     group_id = new_request_id(endpoint.id_prefix)
     arrival = time.monotonic()

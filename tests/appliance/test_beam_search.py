@@ -100,3 +100,16 @@ def test_offline_beam_search(tiny_dense) -> None:
         assert seq.cum_logprob == pytest.approx(own, abs=1e-3)
         assert seq.text == llm.get_tokenizer().decode(seq.tokens[5:], skip_special_tokens=True)
         assert seq.finish_reason == "length"
+
+
+def test_the_servers_reading_of_a_request() -> None:
+    from appliance.server.errors import BadRequest
+    from appliance.server.protocol import CompletionRequest
+    from appliance.server.serving_beam import beam_params, check_beam_request
+
+    body = CompletionRequest(prompt="hi", n=3, use_beam_search=True, length_penalty=0)
+    assert beam_params(body, 7, True) == BeamSearchParams(3, 7, True, 0.0, 0.0)
+    unset = CompletionRequest(prompt="hi", n=2, use_beam_search=True)
+    assert beam_params(unset, 5, False).length_penalty == 1.0
+    with pytest.raises(BadRequest, match="stream"):
+        check_beam_request(CompletionRequest(prompt="hi", stream=True, use_beam_search=True))
