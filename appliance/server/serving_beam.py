@@ -45,13 +45,21 @@ _REFUSED = {
     "stop": "stop strings do not end beams; stop_token_ids and eos do",
     "bad_words": "not with beam search",
     "logit_bias": "not with beam search (beams follow the model's own logprobs)",
+    "presence_penalty": "not with beam search (beams follow the model's own logprobs)",
+    "frequency_penalty": "not with beam search (beams follow the model's own logprobs)",
+    "repetition_penalty": "not with beam search (beams follow the model's own logprobs)",
+    "min_tokens": "not with beam search",
+    "allowed_token_ids": "not with beam search",
 }
 
 
 def check_beam_request(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """A 400 naming the first field set that beam search would otherwise leave unheeded (their
+    neutral values, 0 penalties or a repetition_penalty of 1, are fine)."""
     for name, why in _REFUSED.items():
         value = getattr(body, name, None)
-        if value not in (None, False, [], {}, ""):
+        neutral = 1 if name == "repetition_penalty" else 0
+        if value not in (None, False, [], {}, "", neutral):
             raise BadRequest(f"{name}: {why}.", name)
 
 

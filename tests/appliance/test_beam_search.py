@@ -113,3 +113,10 @@ def test_the_servers_reading_of_a_request() -> None:
     assert beam_params(unset, 5, False).length_penalty == 1.0
     with pytest.raises(BadRequest, match="stream"):
         check_beam_request(CompletionRequest(prompt="hi", stream=True, use_beam_search=True))
+    for field, value in (("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 2)):
+        with pytest.raises(BadRequest, match=field):
+            check_beam_request(
+                CompletionRequest(prompt="hi", use_beam_search=True, **{field: value})
+            )
+    neutral = dict(presence_penalty=0, repetition_penalty=1, min_tokens=0, temperature=0.7)
+    check_beam_request(CompletionRequest(prompt="hi", use_beam_search=True, **neutral))
