@@ -289,8 +289,8 @@ class PromptBuilder:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode_words(self, text: str) -> list[int]:
-        """Token ids of a word as the model would write it (no special tokens): bad_words."""
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of a word of `bad_words` (a 400 naming it for text that is not Unicode)."""
+        return self._encode(text, "bad_words")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -401,6 +401,11 @@ def test_vllm_min_tokens_and_allowed_token_ids_reach_the_worker(make_server, tok
     options = engine.received[-1].sampling
     assert options.min_tokens == 4 and options.allowed_token_ids == [8, 9]
     assert engine.received[-1].detok.min_tokens == 4  # stop strings are held too
+    lone = '{"messages": [{"role": "user", "content": "hi"}], "bad_words": ["ok", "\\ud800"]}'
+    r = client.post(
+        "/v1/chat/completions", content=lone, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words"  # not Unicode
     sdk.chat.completions.create(model="tiny", messages=MSG, extra_body={"bad_words": ["world"]})
     alone = tokenizer.encode("world", add_special_tokens=False)
     assert engine.received[-1].sampling.bad_words[0] == alone  # then " world" where it differs
