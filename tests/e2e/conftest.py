@@ -3,6 +3,7 @@ its clean SIGTERM exit (code 0) is asserted at teardown."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -29,3 +30,10 @@ def sdk(appliance):
 @pytest.fixture(scope="module")
 def model(sdk):
     return sdk.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def http(appliance):
+    """An httpx client on the module's appliance's /v1 routes (a module may define its own)."""
+    with httpx.Client(base_url=f"{appliance.url}/v1", timeout=120) as client:
+        yield client

@@ -4,16 +4,9 @@ does not do is a 400 naming the field; afterwards nothing is held."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from appliance import LLM, BeamSearchParams
-
-
-@pytest.fixture(scope="module")
-def http(appliance):
-    with httpx.Client(base_url=f"{appliance.url}/v1", timeout=120) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -16,12 +15,6 @@ from appliance.testing.oracle import hf_logits
 
 PROMPT = "def f(x):\n    return"
 MSG = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def http(appliance):
-    with httpx.Client(base_url=f"{appliance.url}/v1", timeout=60) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
