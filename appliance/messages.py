@@ -299,6 +299,24 @@ class DetokRegister(msgspec.Struct, frozen=True, array_like=True):
     params: DetokParams
 
 
+class SpecCounts(msgspec.Struct, frozen=True, array_like=True):
+    """One request's MTP verify steps so far (cumulative): what SGLang's /generate reports per
+    request in meta_info (spec_verify_ct, spec_accept_length ...). Written by the router's
+    Scheduler, carried by TokenUpdate / TextDelta, read by the server."""
+
+    draft_tokens: int  # drafts verified (a step near max_tokens drafts fewer than --mtp-step)
+    # histogram[n]: verify steps that accepted n drafts (len = --mtp-step + 1)
+    histogram: list[int]
+
+    @property
+    def verify_steps(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(n * count for n, count in enumerate(self.histogram))
+
+
 class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     """Tokens one request gained in a step, or its end. Written by router, read by detokenizer."""
 
@@ -311,6 +329,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     error_status: int = 0  # HTTP status for a rejection before any token (400, 429, 503)
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's scores, in the first update
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.cached_tokens)
+    spec: SpecCounts | None = None  # its MTP counts so far; None before its first verify step
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -445,6 +464,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     error_status: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, in the first delta
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (as in TokenUpdate)
+    spec: SpecCounts | None = None  # the request's MTP counts so far (as in TokenUpdate)
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):

@@ -97,6 +97,7 @@ class Detokenizer:
             error_status=update.error_status,
             prompt_logprobs=prompt_logprobs,
             cached_tokens=update.cached_tokens,
+            spec=update.spec,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:

@@ -161,6 +161,7 @@ class EngineCore:
                     out.top_logprobs,
                     prompt_logprobs=out.prompt_logprobs,
                     cached_tokens=out.cached_tokens,
+                    spec=out.spec,
                 )
             )
         if timed:

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from appliance.messages import ImageInput, PromptLogprobs, SamplingOptions
+from appliance.messages import ImageInput, PromptLogprobs, SamplingOptions, SpecCounts
 
 
 class RequestStatus(enum.Enum):
@@ -84,11 +84,26 @@ class Request:
     # prompt logprobs gathered until the first output carries them (sampling.prompt_logprobs)
     prompt_scores: PromptScoreBuffer | None = None
     num_cached_tokens: int = 0  # prompt positions found in the prefix cache at first admission
+    # MTP verify steps: drafts verified, and steps by accepted drafts (None before the first)
+    spec_draft_tokens: int = 0
+    spec_histogram: list[int] | None = None
     prefix_node: Any = None  # the prefix-tree node it holds locked (router/prefix_cache.py)
     prefix_match: Any = None  # its cache match between _can_admit and _admit
     cache_keys: np.ndarray | None = field(default=None, repr=False)  # tree keys of its tokens
     _kv_buf: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32), repr=False)
     _num_kv: int = 0
+
+    def count_verify(self, num_draft: int, accepted: int, mtp_step: int) -> None:
+        """One verify step of `num_draft` drafts that accepted `accepted` of them."""
+        if self.spec_histogram is None:
+            self.spec_histogram = [0] * (mtp_step + 1)
+        self.spec_draft_tokens += num_draft
+        self.spec_histogram[accepted] += 1
+
+    def spec_counts(self) -> SpecCounts | None:
+        if self.spec_histogram is None:
+            return None
+        return SpecCounts(self.spec_draft_tokens, list(self.spec_histogram))
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -189,3 +204,4 @@ class RequestOutput:
     stop_token_id: int | None = None  # the eos/stop token id that ended the request, if any
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, with the first output
     cached_tokens: int = 0  # prompt tokens the request found in the prefix cache
+    spec: SpecCounts | None = None  # its MTP verify counts so far (None: it has not verified)

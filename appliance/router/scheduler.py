@@ -306,8 +306,9 @@ class Scheduler:
             return False
         return req.num_output_tokens + req.num_pending < req.max_tokens
 
-    def _count_mtp(self, num_draft: int, num_tokens: int) -> None:
+    def _count_mtp(self, req: Request, num_draft: int, num_tokens: int) -> None:
         accepted = num_tokens - 1
+        req.count_verify(num_draft, accepted, self.config.mtp_step)
         self._mtp_drafts += 1
         self._mtp_draft_tokens += num_draft
         self._mtp_accepted_tokens += accepted
@@ -555,7 +556,7 @@ class Scheduler:
                 continue  # aborted / finished / preempted after the plan was made: drop the token
             req.num_pending -= 1
             if num_draft:
-                self._count_mtp(num_draft, len(sampled.token_ids))
+                self._count_mtp(req, num_draft, len(sampled.token_ids))
                 # rows past the accepted ones were computed for rejected drafts: give back their KV
                 rejected = num_draft + 1 - len(sampled.token_ids)
                 req.num_computed -= rejected
@@ -599,6 +600,7 @@ class Scheduler:
             stop_token_id=stop_token_id,
             prompt_logprobs=req.take_prompt_scores(),
             cached_tokens=req.num_cached_tokens,
+            spec=req.spec_counts(),
         )
 
     # ------------------------------------------------------------------ slot bookkeeping

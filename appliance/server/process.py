@@ -114,6 +114,7 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
         metrics,
         sampling_defaults=defaults,
         scheduling_policy=config.engine.scheduler.scheduling_policy,
+        mtp_step=config.engine.scheduler.mtp_step,
     )
 
 

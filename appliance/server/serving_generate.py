@@ -17,7 +17,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from appliance.messages import SamplingOptions, TextDelta, TokenizedRequest, TokenLogprob
+from appliance.messages import (
+    SamplingOptions,
+    SpecCounts,
+    TextDelta,
+    TokenizedRequest,
+    TokenLogprob,
+)
 from appliance.server.errors import (
     APIError,
     BadRequest,
@@ -138,6 +144,7 @@ class _Output:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     cached_tokens: int = 0
+    spec: SpecCounts | None = None  # its MTP counts so far
     finish: str | None = None
     finished_at: float = 0.0  # time.monotonic() when its last delta came
 
@@ -149,6 +156,7 @@ class _Output:
             self.prompt_logprobs = delta.prompt_logprobs
         self.num_tokens = delta.num_output_tokens
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        self.spec = delta.spec or self.spec
         self.finish = delta.finish_reason
         if self.finish is not None:
             self.finished_at = time.monotonic()
@@ -206,6 +214,8 @@ class GenerateReply:
         }
         if shape.return_logprob:
             meta.update(self._logprobs(out))
+        if state.mtp_step:
+            meta.update(spec_meta(out.spec, out.num_tokens))
         if out.finish is not None:
             meta["e2e_latency"] = out.finished_at - self.arrival
         return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
@@ -268,6 +278,24 @@ def _top(entry: TokenLogprob, k: int, with_text: bool) -> list | None:
     alternatives = zip(entry.top_ids[:k], entry.top[:k], strict=True)
     listed = [_entry(lp, token_id, text, with_text) for token_id, (text, lp, _) in alternatives]
     return listed or None
+
+
+def spec_meta(spec: SpecCounts | None, completion_tokens: int) -> dict[str, Any]:
+    """SGLang's per-request speculative-decoding fields of meta_info (when MTP is on): verify
+    steps, the share of drafts accepted, completion tokens per verify step (SGLang's accept
+    length: the prefill's token counts too), the counts, and verify steps by accepted drafts."""
+    meta: dict[str, Any] = {"spec_verify_ct": 0, "spec_accept_rate": 0.0, "spec_accept_length": 0}
+    if spec is None or not spec.verify_steps:
+        return meta
+    verify, drafts, accepted = spec.verify_steps, spec.draft_tokens, spec.accepted_tokens
+    return {
+        "spec_verify_ct": verify,
+        "spec_accept_rate": accepted / drafts if drafts else 0.0,
+        "spec_accept_length": completion_tokens / verify,
+        "spec_accept_token_num": accepted,
+        "spec_draft_token_num": drafts,
+        "spec_accept_histogram": list(spec.histogram),
+    }
 
 
 def _choice_ids(answer: Answer) -> list[str]:

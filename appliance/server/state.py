@@ -70,6 +70,7 @@ class ServerState:
     # fields a request leaves unset take these first (the model's generation_config.json)
     sampling_defaults: dict = field(default_factory=dict)
     scheduling_policy: str = "fcfs"  # the router's (--scheduling-policy): may requests set priority
+    mtp_step: int = 0  # the router's --mtp-step: /generate reports each request's MTP counts
     created: int = field(default_factory=lambda: int(time.time()))
 
     @functools.cached_property

@@ -63,6 +63,8 @@ UPDATE = m.TokenUpdate(
     None,
     0,
     PROMPT_LP,
+    cached_tokens=2,
+    spec=m.SpecCounts(5, [1, 1, 1]),
 )
 LOGPROB = m.TokenLogprob(
     "hé",
@@ -74,7 +76,10 @@ LOGPROB = m.TokenLogprob(
     rank=1,
 )
 FIRST = m.TokenLogprob("a", None, [97])
-DELTA = m.TextDelta("r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB])
+SPEC = m.SpecCounts(draft_tokens=5, histogram=[1, 1, 1])
+DELTA = m.TextDelta(
+    "r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB], 2, SPEC
+)
 WORKER = m.WorkerInfo(
     num_kv_slots=1024,
     max_model_len=512,
@@ -142,6 +147,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.RouterOutput: m.RouterOutput([m.DetokRegister("r1", 12, DETOK)], [UPDATE]),
     m.TokenLogprob: LOGPROB,
     m.TextDelta: DELTA,
+    m.SpecCounts: SPEC,
     m.DetokOutput: m.DetokOutput([DELTA], num_live=3),
     m.WorkerInfo: WORKER,
     m.StartupProgress: m.StartupProgress("worker", 1, "loading model"),

@@ -4,6 +4,7 @@ the appliance reports the accept length (Prometheus counters and the /debug/stat
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -108,3 +109,35 @@ def test_penalised_and_scored_streams_draft_and_match_mtp_off(mtp_appliance, tin
         before, "appliance_mtp_accepted_tokens_total"
     )
     assert drafts > 0 and 1.0 + accepted / drafts > 1.5
+
+
+def test_generate_reports_each_requests_accept_counts(mtp_appliance):
+    """SGLang's /generate meta_info with speculative decoding on: spec_verify_ct and the accept
+    length (completion tokens per verify step), rate, counts and histogram of one request,
+    consistent with its tokens; a stream's last chunk says what the whole answer says."""
+    gen = torch.Generator().manual_seed(7)
+    prompt = sample_sequences(permutation(0), 1, 10, gen).tolist()[0]
+    sampling = {"max_new_tokens": 33, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": prompt, "sampling_params": sampling}
+    r = httpx.post(f"{mtp_appliance.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    verify, hist = meta["spec_verify_ct"], meta["spec_accept_histogram"]
+    accepted, drafts = meta["spec_accept_token_num"], meta["spec_draft_token_num"]
+    assert meta["completion_tokens"] == 33 and len(hist) == 3  # --mtp-step 2: 0..2 accepted
+    assert sum(hist) == verify and sum(n * c for n, c in enumerate(hist)) == accepted
+    # the prefill's token, then accepted + 1 a verify step; at most one plain step at the end
+    # (a single token left leaves no room for a draft)
+    assert 0 <= 33 - (1 + verify + accepted) <= 1
+    assert accepted <= drafts <= 2 * verify and drafts > 2 * verify - 2
+    assert meta["spec_accept_rate"] == pytest.approx(accepted / drafts)
+    assert meta["spec_accept_length"] == pytest.approx(33 / verify) and accepted / verify > 0.5
+    with httpx.stream(
+        "POST", f"{mtp_appliance.url}/generate", json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    metas = [c["meta_info"] for c in chunks]
+    assert [m["spec_verify_ct"] for m in metas] == sorted(m["spec_verify_ct"] for m in metas)
+    spec_keys = [k for k in meta if k.startswith("spec_")]
+    assert {k: metas[-1][k] for k in spec_keys} == {k: meta[k] for k in spec_keys}

@@ -35,6 +35,7 @@ def test_generate_matches_completions_and_health_generate(http, tiny_dense):
     assert answer["output_ids"] == expected
     meta = answer["meta_info"]
     assert meta["prompt_tokens"] == len(prompt_ids) and meta["completion_tokens"] == len(expected)
+    assert not any(key.startswith("spec_") for key in meta)  # MTP is off here, as SGLang's
     assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx(
         logprobs["token_logprobs"], abs=1e-5
     )

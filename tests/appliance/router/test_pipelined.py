@@ -91,3 +91,24 @@ def test_mtp_request_waits_for_its_accept_length() -> None:
     verify = sched.schedule()
     assert verify.chunks[0].num_draft == 2
     assert sched.schedule() is None  # 1..3 tokens will come back: wait for them
+
+
+def test_mtp_request_reports_its_verify_counts() -> None:
+    """Each output carries the request's MTP counts so far (SGLang's per-request meta_info):
+    drafts verified, and verify steps by accepted drafts; a step that max_tokens clamps counts
+    the drafts it had."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2)
+    sched = Scheduler(config, 100, 100, rng_seed=0)
+    sched.add_request(req("a", prompt_of(4, salt=1), max_tokens=7, sampling=SamplingOptions()))
+    prefill = sched.schedule()
+    (out,) = sched.update(StepResult(prefill.step_id, [SampledTokens(0, [7])]))
+    assert out.spec is None  # no verify step yet
+    counts = []
+    # both drafts accepted; none of two; the one draft that fits max_tokens, accepted
+    for drafts, tokens in ((2, [8, 9, 10]), (2, [11]), (1, [12, 13])):
+        plan = sched.schedule()
+        assert plan.chunks[0].num_draft == drafts
+        (out,) = sched.update(StepResult(plan.step_id, [SampledTokens(0, tokens)]))
+        counts.append((out.spec.draft_tokens, out.spec.histogram))
+    assert counts == [(2, [0, 0, 1]), (4, [1, 0, 1]), (5, [1, 1, 1])]
+    assert out.finished and out.spec.verify_steps == 3 and out.spec.accepted_tokens == 3
