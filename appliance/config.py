@@ -223,6 +223,9 @@ class VisualConfig:
         return tuple(p for p in parts if p)
 
 
+SPEC_METRICS_LEVELS = ("none", "summary", "detailed")  # --per-request-spec-decode-metrics
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # HTTP bind address (0.0.0.0 to listen on every interface)
@@ -249,6 +252,15 @@ class ServerConfig:
     # /v1/responses kept in the server's memory for previous_response_id, GET and DELETE (LRU,
     # also at most 1 GiB of their JSON); 0 = none kept (previous_response_id is refused)
     responses_store: int = 0
+    # vLLM's: chat, completions and responses answers of one choice carry a `metrics` object
+    # (the request's queue time, TTFT, decode time, mean ITL, tokens/s; in a stream, on the usage
+    # chunk); null for n > 1 or several prompts
+    enable_per_request_metrics: bool = False
+    # vLLM's: with MTP on, `metrics.speculative_decoding` (the request's accept length, rate and
+    # histograms): none | summary | detailed (summary plus each verify step's drafted / accepted)
+    per_request_spec_decode_metrics: str = "none"
+    # vLLM's: streams end with the usage chunk even when stream_options.include_usage is unset
+    enable_force_include_usage: bool = False
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
@@ -264,6 +276,11 @@ class ServerConfig:
         _check(not self.api_key or any(keys), "api_key", "at least one key (comma-separated)")
         _check(bool(self.generation_config), "generation_config", "auto, none or a folder")
         _check(self.responses_store >= 0, "responses_store", "an integer >= 0 (0: off)")
+        _check(
+            self.per_request_spec_decode_metrics in SPEC_METRICS_LEVELS,
+            "per_request_spec_decode_metrics",
+            "none, summary or detailed",
+        )
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,9 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     # it, so on a hybrid model the router snapshots the state there (a prefix-cache point)
     turn_start: int = -1
     priority: int = 0  # lower is admitted first under --scheduling-policy priority (vLLM's)
+    # its token updates carry RequestTiming (the server's --enable-per-request-metrics, for a
+    # response of one choice)
+    report_timing: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):
@@ -300,21 +303,45 @@ class DetokRegister(msgspec.Struct, frozen=True, array_like=True):
 
 
 class SpecCounts(msgspec.Struct, frozen=True, array_like=True):
-    """One request's MTP verify steps so far (cumulative): what SGLang's /generate reports per
-    request in meta_info (spec_verify_ct, spec_accept_length ...). Written by the router's
-    Scheduler, carried by TokenUpdate / TextDelta, read by the server."""
+    """One request's MTP verify steps so far (cumulative), by draft length: what SGLang's
+    /generate meta_info (spec_verify_ct, spec_accept_length ...) and vLLM's per-request
+    `metrics.speculative_decoding` report. Written by the router's Scheduler, carried by
+    TokenUpdate / TextDelta, read by the server."""
 
-    draft_tokens: int  # drafts verified (a step near max_tokens drafts fewer than --mtp-step)
-    # histogram[n]: verify steps that accepted n drafts (len = --mtp-step + 1)
-    histogram: list[int]
+    # by_length[d - 1][a]: verify steps that drafted d tokens and accepted a of them (d = 1..k,
+    # k = --mtp-step; a step near max_tokens drafts fewer than k)
+    by_length: list[list[int]]
+
+    @property
+    def histogram(self) -> list[int]:
+        """Verify steps by accepted drafts, 0..k (whatever each drafted)."""
+        counts = [0] * (len(self.by_length) + 1)
+        for row in self.by_length:
+            for accepted, steps in enumerate(row):
+                counts[accepted] += steps
+        return counts
 
     @property
     def verify_steps(self) -> int:
-        return sum(self.histogram)
+        return sum(sum(row) for row in self.by_length)
+
+    @property
+    def draft_tokens(self) -> int:
+        return sum(d * sum(row) for d, row in enumerate(self.by_length, 1))
 
     @property
     def accepted_tokens(self) -> int:
-        return sum(n * count for n, count in enumerate(self.histogram))
+        return sum(a * steps for row in self.by_length for a, steps in enumerate(row))
+
+
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """One request's engine timing so far, in seconds, measured by the router's Scheduler (vLLM's
+    per-request metrics): queued until first scheduled, scheduled until its first token, first
+    until last token. Carried by TokenUpdate / TextDelta for requests that ask (report_timing)."""
+
+    queue_s: float
+    ttft_s: float  # 0 before the first token
+    generation_s: float
 
 
 class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
@@ -330,6 +357,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True):
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's scores, in the first update
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (usage.cached_tokens)
     spec: SpecCounts | None = None  # its MTP counts so far; None before its first verify step
+    timing: RequestTiming | None = None  # its timing so far, when the request reports it
 
 
 class SchedulerStats(msgspec.Struct, frozen=True):
@@ -465,6 +493,7 @@ class TextDelta(msgspec.Struct, frozen=True, array_like=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, in the first delta
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (as in TokenUpdate)
     spec: SpecCounts | None = None  # the request's MTP counts so far (as in TokenUpdate)
+    timing: RequestTiming | None = None  # its timing so far (as in TokenUpdate)
 
 
 class DetokOutput(msgspec.Struct, tag="detok_output", frozen=True):

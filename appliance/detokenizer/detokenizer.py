@@ -98,6 +98,7 @@ class Detokenizer:
             prompt_logprobs=prompt_logprobs,
             cached_tokens=update.cached_tokens,
             spec=update.spec,
+            timing=update.timing,
         )
 
     def _logprobs(self, update: TokenUpdate, consumed: int) -> list[TokenLogprob] | None:

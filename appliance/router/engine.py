@@ -93,6 +93,7 @@ class EngineCore:
             mm=list(msg.mm),
             turn_start=msg.turn_start,
             priority=msg.priority,
+            report_timing=msg.report_timing,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)
@@ -162,6 +163,7 @@ class EngineCore:
                     prompt_logprobs=out.prompt_logprobs,
                     cached_tokens=out.cached_tokens,
                     spec=out.spec,
+                    timing=out.timing,
                 )
             )
         if timed:

@@ -14,7 +14,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from appliance.messages import ImageInput, PromptLogprobs, SamplingOptions, SpecCounts
+from appliance.messages import (
+    ImageInput,
+    PromptLogprobs,
+    RequestTiming,
+    SamplingOptions,
+    SpecCounts,
+)
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +73,7 @@ class Request:
     mm: list[ImageInput] = field(default_factory=list)  # prompt images (by cache handle), by offset
     turn_start: int = -1  # chat: where the generation prompt starts (a prefix-cache point)
     priority: int = 0  # lower first under --scheduling-policy priority (vLLM's); else unused
+    report_timing: bool = False  # its outputs carry RequestTiming (per-request metrics)
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)
@@ -84,9 +91,12 @@ class Request:
     # prompt logprobs gathered until the first output carries them (sampling.prompt_logprobs)
     prompt_scores: PromptScoreBuffer | None = None
     num_cached_tokens: int = 0  # prompt positions found in the prefix cache at first admission
-    # MTP verify steps: drafts verified, and steps by accepted drafts (None before the first)
-    spec_draft_tokens: int = 0
-    spec_histogram: list[int] | None = None
+    # MTP verify steps by draft length and accepted drafts (SpecCounts; None before the first)
+    spec_by_length: list[list[int]] | None = None
+    # time.monotonic() when first scheduled (admitted), at its first and its last token; 0: not yet
+    scheduled_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
     prefix_node: Any = None  # the prefix-tree node it holds locked (router/prefix_cache.py)
     prefix_match: Any = None  # its cache match between _can_admit and _admit
     cache_keys: np.ndarray | None = field(default=None, repr=False)  # tree keys of its tokens
@@ -95,15 +105,25 @@ class Request:
 
     def count_verify(self, num_draft: int, accepted: int, mtp_step: int) -> None:
         """One verify step of `num_draft` drafts that accepted `accepted` of them."""
-        if self.spec_histogram is None:
-            self.spec_histogram = [0] * (mtp_step + 1)
-        self.spec_draft_tokens += num_draft
-        self.spec_histogram[accepted] += 1
+        if self.spec_by_length is None:
+            self.spec_by_length = [[0] * (d + 2) for d in range(mtp_step)]
+        self.spec_by_length[num_draft - 1][accepted] += 1
 
     def spec_counts(self) -> SpecCounts | None:
-        if self.spec_histogram is None:
+        if self.spec_by_length is None:
             return None
-        return SpecCounts(self.spec_draft_tokens, list(self.spec_histogram))
+        return SpecCounts([list(row) for row in self.spec_by_length])
+
+    def timing(self) -> RequestTiming | None:
+        """Its RequestTiming so far, if it reports one (report_timing)."""
+        if not self.report_timing or not self.scheduled_at:
+            return None
+        first = self.first_token_at
+        return RequestTiming(
+            self.scheduled_at - self.arrival_time,
+            first - self.scheduled_at if first else 0.0,
+            self.last_token_at - first if first else 0.0,
+        )
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -205,3 +225,4 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, with the first output
     cached_tokens: int = 0  # prompt tokens the request found in the prefix cache
     spec: SpecCounts | None = None  # its MTP verify counts so far (None: it has not verified)
+    timing: RequestTiming | None = None  # its timing so far (None: not asked for)

@@ -19,6 +19,8 @@ leaves its whole computed sequence in the tree, its state saved by the next plan
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import numpy as np
 
@@ -364,6 +366,7 @@ class Scheduler:
         req.append_kv(self.kv.alloc(req.num_tokens - hit))
         req.num_computed = hit
         if req.num_preemptions == 0:
+            req.scheduled_at = time.monotonic()
             req.num_cached_tokens = hit
             self._prefix_queries += req.num_prompt_tokens if self.cache is not None else 0
             self._prefix_hits += hit
@@ -586,6 +589,9 @@ class Scheduler:
                 break
         self._num_generation_tokens += len(new_tokens)
         n = len(new_tokens)
+        if n:
+            req.last_token_at = time.monotonic()
+            req.first_token_at = req.first_token_at or req.last_token_at
         logprobs = sampled.logprobs[:n] if sampled.logprobs is not None else None
         top = sampled.top_logprobs[:n] if sampled.top_logprobs is not None else None
         if reason is not None:
@@ -601,6 +607,7 @@ class Scheduler:
             prompt_logprobs=req.take_prompt_scores(),
             cached_tokens=req.num_cached_tokens,
             spec=req.spec_counts(),
+            timing=req.timing(),
         )
 
     # ------------------------------------------------------------------ slot bookkeeping

@@ -13,6 +13,7 @@ from typing import Any
 
 from appliance.messages import TextDelta
 from appliance.parsers.reasoning import reasoning_token_count
+from appliance.server.request_metrics import ChoiceMetrics, MetricsReport
 from appliance.server.responses_request import ResponsesRequest, flat_tools
 from appliance.server.serving_chat import ChoiceParser
 
@@ -134,9 +135,16 @@ class ResponseRun:
     counts, the events numbered in order and the Response object at any point."""
 
     def __init__(
-        self, shell: dict[str, Any], parser: ChoiceParser, prompt_tokens: int, think_end: int | None
+        self,
+        shell: dict[str, Any],
+        parser: ChoiceParser,
+        prompt_tokens: int,
+        think_end: int | None,
+        report: MetricsReport | None = None,  # vLLM's per-request `metrics` (request_metrics.py)
     ) -> None:
         self.shell = shell  # the Response's other fields (response_shell)
+        self.report = report
+        self.tally = ChoiceMetrics()
         self.parser = parser
         self.output = OutputItems()
         self.prompt_tokens = prompt_tokens
@@ -163,6 +171,7 @@ class ResponseRun:
         )
 
     def feed(self, delta: TextDelta) -> list[Event]:
+        self.tally.feed(delta)
         self.output_ids += delta.token_ids
         self.num_output_tokens = delta.num_output_tokens
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
@@ -194,6 +203,8 @@ class ResponseRun:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         if status != "in_progress":
             body["usage"] = self.usage()
+            if self.report is not None:
+                body.update(self.report.field([self.tally]))
         return body
 
     def usage(self) -> dict[str, Any]:

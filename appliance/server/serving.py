@@ -29,6 +29,7 @@ from appliance.server.protocol import (
     CompletionRequest,
     sampling_params,
 )
+from appliance.server.request_metrics import ChoiceMetrics
 from appliance.server.state import (
     ClientGone,
     ServerState,
@@ -247,7 +248,7 @@ async def _respond(
     if not body.stream:
         async with abort_on_disconnect(request, state.client, group):
             if reply is None:
-                answer_body = await _collect(state.client, answer)
+                answer_body = await _collect(state, answer)
             else:
                 answer_body = await reply.collect(state, request, answer)
         if group.abort_reason == "client_gone":  # nobody to send it to (nginx's 499)
@@ -261,8 +262,9 @@ async def _respond(
         stream = reply.stream(state, request, answer, first)
     else:
         options = body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        asked = bool(options and options.include_usage)
+        include_usage = asked or state.config.enable_force_include_usage
+        continuous = asked and options.continuous_usage_stats
         stream = _stream(state, request, answer, first, include_usage, continuous)
     return ReleasingStream(state.client, group, stream, media_type="text/event-stream")
 
@@ -295,6 +297,8 @@ def choice_requests(
     them. Raises the max_tokens 400 of the first prompt that leaves too little room."""
     detok = params.to_detok()
     arrival_time = time.time()
+    # the router times the request only where the answer reports it: one choice (vLLM's rule)
+    timed = state.config.enable_per_request_metrics and len(prompts) * body.n == 1
     requests: list[TokenizedRequest] = []
     for prompt in prompts:
         max_tokens = state.prompts.max_tokens_for(
@@ -322,6 +326,7 @@ def choice_requests(
                 images=prompt.images,  # the visual server encodes them (deduped across choices)
                 turn_start=prompt.turn_start,
                 priority=body.priority,
+                report_timing=timed,
             )
             requests.append(request)
     return requests
@@ -345,15 +350,17 @@ def cached_prompt_tokens(answer: Answer, cached: list[int]) -> int:
     return sum(max(cached[first : first + n]) for first in range(0, len(cached), n))
 
 
-async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
+async def _collect(state: ServerState, answer: Answer) -> dict[str, Any]:
     n = answer.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
     prompt_logprobs: list[list[TokenLogprob] | None] = [None] * n  # in a choice's first delta
     finish = ["stop"] * n
     tokens, cached = [0] * n, [0] * n
+    tallies = [ChoiceMetrics() for _ in range(n)]
     async for index, delta in iterate_deltas(answer.group):
         answer.formatter.observe(index, delta)
+        tallies[index].feed(delta)
         texts[index].append(delta.text)
         if delta.prompt_logprobs is not None:
             prompt_logprobs[index] = delta.prompt_logprobs
@@ -368,7 +375,7 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
         final(i, "".join(texts[i]), logprobs[i], finish[i], prompt_logprobs[i]) for i in range(n)
     ]
     for i, choice in enumerate(choices):
-        client.label_finish(answer.group, i, choice["finish_reason"])
+        state.client.label_finish(answer.group, i, choice["finish_reason"])
     return {
         **answer.head,
         "object": answer.endpoint.object_name,
@@ -379,6 +386,7 @@ async def _collect(client: EngineClient, answer: Answer) -> dict[str, Any]:
             **answer.formatter.usage_details(range(n)),
         },
         **answer.formatter.answer_fields(prompt_logprobs),
+        **(report.field(tallies) if (report := state.metrics_report) else {}),
     }
 
 
@@ -389,12 +397,15 @@ def sse_chunk(
     usage_: dict[str, int] | None = None,
     *,
     include_usage: bool,
+    **extra: Any,
 ) -> str:
     """One server-sent event of a stream. With include_usage every chunk carries `usage` (null but
-    in the last one), as OpenAI does."""
+    in the last one), as OpenAI does; `extra`: more top-level fields (the usage chunk's vLLM
+    per-request `metrics`)."""
     body = {**head, "object": object_name, "system_fingerprint": None, "choices": choices}
     if include_usage:
         body["usage"] = usage_
+    body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
@@ -419,6 +430,7 @@ async def _stream(
         return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
+    tallies = [ChoiceMetrics() for _ in range(answer.num_choices)]
     async with abort_on_disconnect(request, state.client, answer.group):
         try:
             for index in range(answer.num_choices):
@@ -427,6 +439,7 @@ async def _stream(
                     yield chunk([opening], index=index)
             async for index, delta in iterate_deltas(answer.group, first):
                 answer.formatter.observe(index, delta)
+                tallies[index].feed(delta)
                 tokens[index] = delta.num_output_tokens
                 cached[index] = max(cached[index], delta.cached_tokens)
                 choice = answer.formatter.delta_choice(index, delta)
@@ -438,7 +451,10 @@ async def _stream(
                 cached_tokens = cached_prompt_tokens(answer, cached)
                 usage_ = usage(answer.num_prompt_tokens, sum(tokens), cached_tokens)
                 usage_.update(answer.formatter.usage_details(range(answer.num_choices)))
-                yield chunk([], usage_)
+                report = state.metrics_report
+                metrics = report.field(tallies) if report else {}
+                name = answer.endpoint.chunk_object_name
+                yield sse_chunk(answer.head, name, [], usage_, include_usage=True, **metrics)
         except APIError as err:
             yield sse_error(err)
         yield "data: [DONE]\n\n"

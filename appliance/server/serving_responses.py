@@ -124,7 +124,11 @@ class ResponsesReply:
         formatter = answer.formatter
         assert isinstance(formatter, ChatFormatter)  # RESPONSES.formatter's
         return ResponseRun(
-            shell, formatter.parsers[0], answer.num_prompt_tokens, formatter.think_end
+            shell,
+            formatter.parsers[0],
+            answer.num_prompt_tokens,
+            formatter.think_end,
+            state.metrics_report,
         )
 
     def _keep(self, run: ResponseRun, response: dict[str, Any]) -> None:

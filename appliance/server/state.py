@@ -33,6 +33,7 @@ from appliance.server.errors import (
     error_for_status,
 )
 from appliance.server.prompts import PromptBuilder
+from appliance.server.request_metrics import MetricsReport
 
 STARTING_RETRY_AFTER_S = 5  # a 503 while the model loads: the SDKs wait this long to retry
 LARGE_PROMPT_CHARS = 65_536  # prompts over this many characters are built in the large lane
@@ -72,6 +73,11 @@ class ServerState:
     scheduling_policy: str = "fcfs"  # the router's (--scheduling-policy): may requests set priority
     mtp_step: int = 0  # the router's --mtp-step: /generate reports each request's MTP counts
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def metrics_report(self) -> MetricsReport | None:
+        """vLLM's per-request `metrics` settings (None: no answer carries them)."""
+        return MetricsReport.of(self.config, self.mtp_step)
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

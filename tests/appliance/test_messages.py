@@ -64,7 +64,8 @@ UPDATE = m.TokenUpdate(
     0,
     PROMPT_LP,
     cached_tokens=2,
-    spec=m.SpecCounts(5, [1, 1, 1]),
+    spec=m.SpecCounts([[1, 0], [0, 1, 1]]),
+    timing=m.RequestTiming(0.01, 0.2, 1.5),
 )
 LOGPROB = m.TokenLogprob(
     "hé",
@@ -76,9 +77,10 @@ LOGPROB = m.TokenLogprob(
     rank=1,
 )
 FIRST = m.TokenLogprob("a", None, [97])
-SPEC = m.SpecCounts(draft_tokens=5, histogram=[1, 1, 1])
+SPEC = m.SpecCounts(by_length=[[1, 0], [0, 1, 1]])
+TIMING = m.RequestTiming(queue_s=0.01, ttft_s=0.2, generation_s=1.5)
 DELTA = m.TextDelta(
-    "r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB], 2, SPEC
+    "r1", "hé", [4, 5], 7, "stop", [LOGPROB, LOGPROB], None, 0, [FIRST, LOGPROB], 2, SPEC, TIMING
 )
 WORKER = m.WorkerInfo(
     num_kv_slots=1024,
@@ -126,7 +128,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
-        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1
+        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1, 3, True
     ),
     m.AbortRequest: m.AbortRequest("cmpl-1-0"),
     m.ImageData: IMAGE_DATA,
@@ -148,6 +150,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.TokenLogprob: LOGPROB,
     m.TextDelta: DELTA,
     m.SpecCounts: SPEC,
+    m.RequestTiming: TIMING,
     m.DetokOutput: m.DetokOutput([DELTA], num_live=3),
     m.WorkerInfo: WORKER,
     m.StartupProgress: m.StartupProgress("worker", 1, "loading model"),

@@ -1,11 +1,13 @@
 """The appliance with `--mtp-step 2` (eagle) on a tiny model whose MTP head agrees with it: streams
 through the official `openai` SDK give the same greedy text as the offline engine without MTP, and
-the appliance reports the accept length (Prometheus counters and the /debug/status snapshot)."""
+the appliance reports the accept length (Prometheus counters and the /debug/status snapshot; per
+request: SGLang's /generate meta_info, vLLM's per-request `metrics`)."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -26,6 +28,10 @@ def mtp_appliance(tiny_trained, tmp_path_factory):
         "2",
         "--max-num-seqs",
         "8",
+        "--enable-per-request-metrics",
+        "--per-request-spec-decode-metrics",
+        "detailed",
+        "--enable-force-include-usage",
     )
     yield app
     assert app.stop() == 0, app.log()[-4000:]
@@ -141,3 +147,87 @@ def test_generate_reports_each_requests_accept_counts(mtp_appliance):
     assert [m["spec_verify_ct"] for m in metas] == sorted(m["spec_verify_ct"] for m in metas)
     spec_keys = [k for k in meta if k.startswith("spec_")]
     assert {k: metas[-1][k] for k in spec_keys} == {k: meta[k] for k in spec_keys}
+
+
+def test_per_request_metrics_reconcile_with_the_counters(mtp_appliance):
+    """vLLM's --enable-per-request-metrics and --per-request-spec-decode-metrics detailed: one
+    request's `metrics` (timing and speculative_decoding) through the SDK, non-streamed and on a
+    stream's usage chunk (forced by --enable-force-include-usage, the client did not ask); its
+    MTP counts are what the Prometheus counters grew by; several choices get `metrics: null`."""
+    client = openai.OpenAI(base_url=f"{mtp_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    gen = torch.Generator().manual_seed(11)
+    prompt = sample_sequences(permutation(0), 1, 10, gen).tolist()[0]
+    knobs = dict(model=model, prompt=prompt, max_tokens=25, temperature=0)
+    knobs |= dict(extra_body={"ignore_eos": True})
+    before = httpx.get(f"{mtp_appliance.url}/metrics").text
+    started = time.monotonic()
+    answer = client.completions.create(**knobs)
+    elapsed_ms = (time.monotonic() - started) * 1000
+    after = httpx.get(f"{mtp_appliance.url}/metrics").text
+    metrics = answer.model_extra["metrics"]
+    spec = metrics["speculative_decoding"]
+    grew = {
+        name: counter(after, f"appliance_mtp_{name}_total")
+        - counter(before, f"appliance_mtp_{name}_total")
+        for name in ("drafts", "draft_tokens", "accepted_tokens")
+    }
+    assert grew == {
+        "drafts": spec["num_spec_steps"],
+        "draft_tokens": spec["num_draft_tokens"],
+        "accepted_tokens": spec["num_accepted_draft_tokens"],
+    }
+    steps, accepted = spec["num_spec_steps"], spec["num_accepted_draft_tokens"]
+    assert spec["num_spec_tokens"] == 2 and len(spec["acceptance_histogram"]) == 3
+    assert sum(spec["acceptance_histogram"]) == steps > 0
+    assert spec["per_step_accepted"] and len(spec["per_step_drafted"]) == steps
+    assert sum(spec["per_step_accepted"]) == accepted
+    assert sum(spec["per_step_drafted"]) == spec["num_draft_tokens"]
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + accepted / steps) and accepted > 0
+    by_length = spec["acceptance_histogram_by_draft_length"]
+    assert set(by_length) <= {"1", "2"} and sum(map(sum, by_length.values())) == steps
+    tokens = answer.usage.completion_tokens
+    assert tokens == 25
+    ttft, decode = metrics["time_to_first_token_ms"], metrics["generation_time_ms"]
+    assert metrics["queue_time_ms"] >= 0 and ttft > 0 and decode > 0
+    assert metrics["queue_time_ms"] + ttft + decode < elapsed_ms
+    assert metrics["mean_itl_ms"] == pytest.approx(decode / (tokens - 1))
+    assert metrics["tokens_per_second"] == pytest.approx(tokens / ((ttft + decode) / 1000))
+
+    chunks = list(client.completions.create(**knobs, stream=True))
+    last = chunks[-1]
+    assert not last.choices and last.usage.completion_tokens == 25
+    streamed = last.model_extra["metrics"]["speculative_decoding"]
+    assert streamed["per_step_accepted"] == spec["per_step_accepted"]  # greedy: the same steps
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])
+
+    two = client.completions.create(**{**knobs, "n": 2})
+    assert "metrics" in two.model_extra and two.model_extra["metrics"] is None
+
+
+def test_chat_and_responses_carry_per_request_metrics(mtp_appliance):
+    """The chat and Responses routes carry the same `metrics` object: chat at the top level (and
+    on a stream's usage chunk), a Response at its top level and in response.completed."""
+    client = openai.OpenAI(base_url=f"{mtp_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=12, temperature=0
+    )
+    metrics = chat.model_extra["metrics"]
+    assert metrics["speculative_decoding"]["num_spec_steps"] > 0
+    assert metrics["time_to_first_token_ms"] > 0 and metrics["queue_time_ms"] >= 0
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert chunks[-1].usage is not None and chunks[-1].model_extra["metrics"]["mean_itl_ms"] > 0
+    response = client.responses.create(model=model, input="hello", max_output_tokens=12)
+    assert response.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    with client.responses.stream(model=model, input="hello", max_output_tokens=12) as stream:
+        events = list(stream)
+    final = events[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    assert final.response.model_extra["metrics"]["generation_time_ms"] > 0
+    assert all("metrics" not in e.response.model_extra for e in events[:2])  # created, in progress

@@ -112,3 +112,26 @@ def test_mtp_request_reports_its_verify_counts() -> None:
         counts.append((out.spec.draft_tokens, out.spec.histogram))
     assert counts == [(2, [0, 0, 1]), (4, [1, 0, 1]), (5, [1, 1, 1])]
     assert out.finished and out.spec.verify_steps == 3 and out.spec.accepted_tokens == 3
+
+
+def test_a_request_that_reports_timing_gets_its_times() -> None:
+    """report_timing (the server's --enable-per-request-metrics): each output carries the
+    request's queue, first-token and decode times, measured where the Scheduler admits it and
+    takes its tokens; others carry none."""
+    sched = make_scheduler(max_num_seqs=1)
+    worker = FakeWorker(100)
+    timed = req("t", prompt_of(4, salt=1), max_tokens=3)
+    timed.report_timing = True
+    sched.add_request(req("a", prompt_of(4, salt=2), max_tokens=3))
+    sched.add_request(timed)  # waits for "a"'s seat
+    outs: dict[str, list] = {"a": [], "t": []}
+    while sched.has_work():
+        for out in sched.update(worker.execute(sched.schedule())):
+            outs[out.req_id].append(out)
+    assert all(out.timing is None for out in outs["a"])
+    times = [out.timing for out in outs["t"]]
+    assert len(times) == 3 and times[0].generation_s == 0.0
+    assert times[0].queue_s > 0 and times[0].ttft_s > 0  # it queued behind "a"'s three steps
+    assert {t.queue_s for t in times} == {times[0].queue_s}
+    assert {t.ttft_s for t in times} == {times[0].ttft_s}
+    assert 0 < times[1].generation_s < times[2].generation_s
