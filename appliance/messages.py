@@ -229,6 +229,9 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     # its token updates carry RequestTiming (the server's --enable-per-request-metrics, for a
     # response of one choice)
     report_timing: bool = False
+    # vLLM's cache_salt: the request shares cached prefixes only with requests of the same salt
+    # (router/prefix_cache.py salted_key); "" = none
+    cache_salt: str = ""
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

@@ -224,6 +224,7 @@ class LLM:
             stop_token_ids=list(params.stop_token_ids),
             detok=params.to_detok(),
             priority=priority,
+            cache_salt=prompt.cache_salt,
         )
 
     def generate(

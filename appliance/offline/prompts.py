@@ -12,7 +12,13 @@ from typing import Any
 from appliance.offline.images import OfflineImages, PromptImage
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen-VL's image slot, per image
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
+PROMPT_KEYS = (
+    "prompt",
+    "prompt_token_ids",
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "cache_salt",
+)
 _PIL_URL = "offline-pil:"  # an image_pil part's stand-in url while the message is validated
 
 
@@ -24,6 +30,7 @@ class OfflinePrompt:
     text: str | None  # the prompt's text, when given as text (CompletionOutput.prompt)
     images: list[PromptImage] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # each image's first <|image_pad|>
+    cache_salt: str = ""  # vLLM's: cached prefixes shared only with prompts of the same salt
 
 
 def token_ids(tokenizer: Any, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -48,16 +55,19 @@ def read_prompt(
     """A string, token ids, or vLLM's TextPrompt {"prompt": ...} / TokensPrompt
     {"prompt_token_ids": [...]}, either with {"multi_modal_data": {"image": one or a list}} (a
     PIL.Image or an image file's bytes each; the prompt holds one `<|image_pad|>`, as a
-    PLACEHOLDER, per image) and `mm_processor_kwargs` (over the LLM's)."""
+    PLACEHOLDER, per image) and `mm_processor_kwargs` (over the LLM's), and `cache_salt`."""
     if not isinstance(prompt, dict):
         return OfflinePrompt(*token_ids(tokenizer, prompt))
     extra = sorted(set(prompt) - set(PROMPT_KEYS))
     if extra or not ({"prompt", "prompt_token_ids"} & set(prompt)):
         raise ValueError(
             f"prompt: {', '.join(extra) or 'a dict without a prompt'} is not supported: a prompt "
-            "dict holds 'prompt' (text) or 'prompt_token_ids', and may hold 'multi_modal_data' "
-            "and 'mm_processor_kwargs'"
+            "dict holds 'prompt' (text) or 'prompt_token_ids', and may hold 'multi_modal_data', "
+            "'mm_processor_kwargs' and 'cache_salt'"
         )
+    salt = prompt.get("cache_salt", "")
+    if "cache_salt" in prompt and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompt {index}: cache_salt must be a non-empty string, got {salt!r}")
     if "prompt_token_ids" in prompt:
         ids = token_ids(tokenizer, prompt["prompt_token_ids"])[0]
         text = prompt.get("prompt")
@@ -65,7 +75,7 @@ def read_prompt(
         ids, text = token_ids(tokenizer, prompt["prompt"])
     data = prompt.get("multi_modal_data")
     if not data:
-        return OfflinePrompt(ids, text)
+        return OfflinePrompt(ids, text, cache_salt=salt)
     where = f"prompt {index}"
     unknown = sorted(set(data) - {"image"})
     if unknown:
@@ -76,7 +86,7 @@ def read_prompt(
     config = store.preprocess_config(prompt.get("mm_processor_kwargs", mm_kwargs), where)
     loaded = [store.load(s, config, f"{where}: image {i}") for i, s in enumerate(sources)]
     expanded, offsets = expand(ids, store.image_token_id, loaded, where)
-    return OfflinePrompt(expanded, text, loaded, offsets)
+    return OfflinePrompt(expanded, text, loaded, offsets, salt)
 
 
 def expand(

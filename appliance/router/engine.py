@@ -94,6 +94,7 @@ class EngineCore:
             turn_start=msg.turn_start,
             priority=msg.priority,
             report_timing=msg.report_timing,
+            cache_salt=msg.cache_salt,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)

@@ -5,13 +5,15 @@ under KV or snapshot pool pressure, `clear` when an operator resets the cache.
 
 Keys are token ids, except an image's first position, keyed by the image content (a negative int
 from its hash), so the same picture in a later turn matches and a different one with the same
-token count does not. A Gated-DeltaNet state is one snapshot per position, so on a hybrid model a
-match is usable only up to the deepest snapshot at or below the matched length; every snapshot
-sits at the end of a node (insertion splits a node there). KV slots are reference counted by the
-pool (`RefCountedSlots`): the tree holds one reference per slot of its edges, each running request
-one per slot it reads, so evicting a node a request still reads frees nothing and breaks nothing.
-`lock` counts the live requests whose prefix ends in or below a node: locked nodes are not
-evicted (their snapshot may be restored by a plan in flight, and their KV is still in use).
+token count does not; a request's `cache_salt` (vLLM's) keys its first position by the salt and
+that position's key, so requests share cached prefixes only within one salt. A Gated-DeltaNet
+state is one snapshot per position, so on a hybrid model a match is usable only up to the deepest
+snapshot at or below the matched length; every snapshot sits at the end of a node (insertion
+splits a node there). KV slots are reference counted by the pool (`RefCountedSlots`): the tree
+holds one reference per slot of its edges, each running request one per slot it reads, so
+evicting a node a request still reads frees nothing and breaks nothing. `lock` counts the live
+requests whose prefix ends in or below a node: locked nodes are not evicted (their snapshot may
+be restored by a plan in flight, and their KV is still in use).
 """
 
 from __future__ import annotations
@@ -34,14 +36,29 @@ def image_key(image: ImageInput) -> int:
     return -1 - (int.from_bytes(digest, "little") >> 1)
 
 
-def cache_keys(token_ids: Sequence[int], mm: Sequence[ImageInput]) -> np.ndarray:
-    """int64 [len(token_ids)]: the tree key of each position."""
+def salted_key(salt: str, key: int) -> int:
+    """A request's first key under its cache salt (vLLM's `cache_salt`): a negative key from the
+    salt and the position's own key, so only requests with the same salt and first token share a
+    prefix, and none shares with an unsalted request (whose first key is a token id >= 0)."""
+    data = (
+        b"cache_salt\0"
+        + salt.encode("utf-8", "surrogatepass")
+        + key.to_bytes(8, "little", signed=True)
+    )
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "little") >> 1)
+
+
+def cache_keys(token_ids: Sequence[int], mm: Sequence[ImageInput], salt: str = "") -> np.ndarray:
+    """int64 [len(token_ids)]: the tree key of each position (the first one salted by `salt`)."""
     keys = np.asarray(token_ids, dtype=np.int64)
-    if mm:
+    if mm or (salt and keys.size):
         keys = keys.copy()
         for image in mm:
             if image.offset < keys.size:
                 keys[image.offset] = image_key(image)
+        if salt and keys.size:
+            keys[0] = salted_key(salt, int(keys[0]))
     return keys
 
 

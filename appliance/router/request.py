@@ -74,6 +74,7 @@ class Request:
     turn_start: int = -1  # chat: where the generation prompt starts (a prefix-cache point)
     priority: int = 0  # lower first under --scheduling-policy priority (vLLM's); else unused
     report_timing: bool = False  # its outputs carry RequestTiming (per-request metrics)
+    cache_salt: str = ""  # vLLM's: shares cached prefixes only with requests of the same salt
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)

@@ -464,7 +464,7 @@ class Scheduler:
         """The tree keys of the request's known tokens, kept on it while no token is added (a
         128k prompt's take ~10 ms: once, not at each cache point or admission attempt)."""
         if req.cache_keys is None or req.cache_keys.size != req.num_tokens:
-            req.cache_keys = cache_keys(req.all_token_ids, req.mm)
+            req.cache_keys = cache_keys(req.all_token_ids, req.mm, req.cache_salt)
         return req.cache_keys
 
     def _cache_prefix(self, req: Request, end: int, snapshot: int, kind: str = "end") -> bool:

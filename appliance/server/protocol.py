@@ -164,6 +164,9 @@ class _SamplingFields(_Schema):
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the context length); prompts.kept_tokens
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the prompt shares cached prefixes (KV, GDN state) only with requests of the same
+    # salt: no tenant can time another's prompts through prefix-cache hits
+    cache_salt: str | None = Field(None, min_length=1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False

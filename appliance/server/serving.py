@@ -327,6 +327,7 @@ def choice_requests(
                 turn_start=prompt.turn_start,
                 priority=body.priority,
                 report_timing=timed,
+                cache_salt=body.cache_salt or "",
             )
             requests.append(request)
     return requests

@@ -96,7 +96,16 @@ async def serve_beam_search(
     group_id = new_request_id(endpoint.id_prefix)
     arrival = time.monotonic()
     while not all(s.done for s in searches):
-        gone = await _round(state, request, group_id, prompts, searches, arrival, body.priority)
+        gone = await _round(
+            state,
+            request,
+            group_id,
+            prompts,
+            searches,
+            arrival,
+            body.priority,
+            body.cache_salt or "",
+        )
         if gone:
             return Response(status_code=499)
     choices = []
@@ -131,6 +140,7 @@ async def _round(
     searches: list[BeamSearch],
     arrival: float,
     priority: int,
+    salt: str,
 ) -> bool:
     """One token for every live beam, in one group; True when the client went away."""
     live = [(p, s) for p, s in enumerate(searches) if not s.done]
@@ -149,6 +159,7 @@ async def _round(
                     images=prompts[p].images,
                     turn_start=prompts[p].turn_start,
                     priority=priority,
+                    cache_salt=salt,
                 )
             )
     group = state.client.submit(f"{group_id}-r{live[0][1].rounds}", requests, arrival)

@@ -53,6 +53,24 @@ def test_prompt_dicts_and_use_tqdm(llm):
         llm.generate({"prompt": "hi", "lora_request": None}, GREEDY)
 
 
+def test_a_prompt_dicts_cache_salt_keeps_its_prefixes_to_its_salt(llm):
+    """vLLM's {"cache_salt": ...} in a prompt dict: a prompt hits the cached head of an earlier
+    one only under the same salt; an empty salt is refused."""
+    head = list(range(300, 340))
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def hits(salt: str, tail: list[int]) -> int:
+        before = llm.scheduler.stats().prefix_cache_hits
+        llm.generate({"prompt_token_ids": head + tail, "cache_salt": salt}, one, use_tqdm=False)
+        return llm.scheduler.stats().prefix_cache_hits - before
+
+    assert hits("x", []) == 0  # caches head (its prompt-end state)
+    assert hits("y", [5, 6]) == 0
+    assert hits("x", [7, 8]) == len(head)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate({"prompt": "hi", "cache_salt": ""}, GREEDY)
+
+
 def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
     prompt = [5, 6, 7]
     [out] = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))

@@ -175,6 +175,40 @@ def test_n_choices_report_each_prompt_once(apps):
     assert usage.prompt_tokens_details.cached_tokens == 2 * 2 * INTERVAL
 
 
+def test_cache_salt_shares_only_within_one_salt(apps):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for the same salt only, not for
+    another salt nor for no salt, and an unsalted entry is no hit for a salted prompt; the answers
+    are the same whatever hit. An empty salt is a 400 naming the field."""
+    sdk = sdk_of(apps[0])
+    model = sdk.models.list().data[0].id
+    head = tail(500, 2 * INTERVAL)
+
+    def complete(salt: str | None, prompt: list[int], max_tokens: int = 3):
+        extra = {**ARGS["extra_body"], **({"cache_salt": salt} if salt is not None else {})}
+        return sdk.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body=extra
+        )
+
+    def hit(warm: str | None, salt: str | None) -> tuple[int, str]:
+        """The cached tokens of head + 2 under `salt` right after head was cached under `warm`
+        (SNAPSHOTS slots keep about one prompt's states)."""
+        complete(warm, head, max_tokens=1)
+        out = complete(salt, head + [7, 8])
+        return out.usage.prompt_tokens_details.cached_tokens, out.choices[0].text
+
+    shared = hit("tenant-a", "tenant-a")
+    assert shared[0] == len(head)
+    assert hit(None, None)[0] == len(head)  # unsalted prompts still share with each other
+    for warm, salt in [("tenant-a", "tenant-b"), ("tenant-a", None), (None, "tenant-a")]:
+        missed = hit(warm, salt)
+        assert missed == (0, shared[1]), (warm, salt)  # no hit, the same answer
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(
+            model=model, prompt=head, max_tokens=1, extra_body={"cache_salt": ""}
+        )
+    assert "cache_salt" in str(err.value)
+
+
 def chat(app, turns: int = 3) -> tuple[list, list[str], list[dict]]:
     """A conversation that re-sends every earlier turn: its usages, the replies' texts and the
     messages of the next turn."""

@@ -162,6 +162,17 @@ def test_images_key_by_content_not_handle():
     assert cache_keys(tokens, [a])[2:].tolist() == [9, 9, 6]
 
 
+def test_a_cache_salt_keys_the_first_position_by_salt_and_token():
+    tokens = [5, 9, 9, 6]
+    plain = cache_keys(tokens, [])
+    salted = cache_keys(tokens, [], "tenant-a")
+    assert salted[0] < 0 and salted[1:].tolist() == plain[1:].tolist() == [9, 9, 6]
+    assert (cache_keys(tokens, [], "tenant-a") == salted).all()
+    assert cache_keys(tokens, [], "tenant-b")[0] != salted[0]
+    assert cache_keys([4, 9, 9, 6], [], "tenant-a")[0] != salted[0]  # the token still counts
+    assert plain.tolist() == tokens  # the caller's ids are not written over
+
+
 # ---------------------------------------------------------------- with the scheduler
 
 HYBRID = dict(linear_state=True, num_snapshot_slots=16)
@@ -251,6 +262,29 @@ def test_concurrent_requests_share_a_system_prompt(hybrid):
     assert_pools_empty(sched)
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_only_requests_of_one_cache_salt_share_a_prefix(hybrid):
+    """vLLM's cache_salt: a salted prompt hits only what a prompt of the same salt cached; an
+    unsalted one hits neither salted entry, and tokens stay right either way."""
+    sched = make_scheduler(budget=64, **(HYBRID if hybrid else {}))
+    # a hybrid model hits only at a snapshot below the prompt's end: one every 16 positions
+    sched.config = type(sched.config)(**{**sched.config.__dict__, "snapshot_interval": 16})
+    worker = FakeWorker(1000)
+    prompt = prompt_of(40, 4)
+    hits = []
+    for rid, salt in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("none", ""), ("b2", "b")):
+        request = req(rid, prompt, max_tokens=3)
+        request.cache_salt = salt
+        sched.add_request(request)
+        before = sched.stats().prefix_cache_hits
+        out = run(sched, worker, keep_cache=True)
+        assert out.tokens[rid] == reference_tokens(prompt, 3)
+        hits.append(sched.stats().prefix_cache_hits - before)
+    assert hits[0] == hits[1] == hits[3] == 0
+    assert hits[2] > 0 and hits[4] > 0  # the second of each salt
+    assert_pools_empty(sched)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_shared_prefixes_under_pressure_match_reference(seed):
     rng = random.Random(seed)
@@ -324,9 +358,9 @@ def test_a_prompts_keys_are_built_once(monkeypatch):
 
     calls = []
 
-    def counted(token_ids, mm):
+    def counted(token_ids, mm, salt=""):
         calls.append(len(token_ids))
-        return cache_keys(token_ids, mm)
+        return cache_keys(token_ids, mm, salt)
 
     monkeypatch.setattr(scheduler_module, "cache_keys", counted)
     sched = make_scheduler(budget=16, **HYBRID)
