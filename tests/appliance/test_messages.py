@@ -128,7 +128,7 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
-        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1, 3, True
+        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1, 3, True, "t"
     ),
     m.AbortRequest: m.AbortRequest("cmpl-1-0"),
     m.ImageData: IMAGE_DATA,
