@@ -166,7 +166,10 @@ class _SamplingFields(_Schema):
     truncate_prompt_tokens: int | None = None
     # vLLM's: the prompt shares cached prefixes (KV, GDN state) only with requests of the same
     # salt: no tenant can time another's prompts through prefix-cache hits
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: the answer carries the prompt's token ids and each choice's generated ids (a
+    # stream: the prompt's in a choice's first chunk, each chunk its new ids)
+    return_token_ids: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False

@@ -55,6 +55,10 @@ class ChoiceFormatter(Protocol):
     def opening(self, index: int) -> Choice | None:
         """The streamed choice sent before any text (None: the endpoint sends none)."""
 
+    def opening_fields(self) -> dict[str, Any]:
+        """Top-level keys of a stream's opening chunks besides OpenAI's (chat: vLLM's
+        prompt_token_ids, with return_token_ids)."""
+
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         """The streamed choice for one delta (None: nothing worth a chunk)."""
 
@@ -422,13 +426,15 @@ async def _stream(
     of that choice so far (its prompt, its tokens, as vLLM counts them); otherwise only the last
     chunk carries one, over every choice."""
 
-    def chunk(choices: list[Choice], usage_: dict[str, int] | None = None, index: int = 0) -> str:
+    def chunk(
+        choices: list[Choice], usage_: dict[str, int] | None = None, index: int = 0, **extra: Any
+    ) -> str:
         name = answer.endpoint.chunk_object_name
         if continuous and usage_ is None:
             prompt = answer.prompt_lengths[index // answer.choices_per_prompt]
             usage_ = usage(prompt, tokens[index], cached[index])
             usage_.update(answer.formatter.usage_details([index]))
-        return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage)
+        return sse_chunk(answer.head, name, choices, usage_, include_usage=include_usage, **extra)
 
     tokens, cached = [0] * answer.num_choices, [0] * answer.num_choices
     tallies = [ChoiceMetrics() for _ in range(answer.num_choices)]
@@ -437,7 +443,7 @@ async def _stream(
             for index in range(answer.num_choices):
                 opening = answer.formatter.opening(index)
                 if opening is not None:
-                    yield chunk([opening], index=index)
+                    yield chunk([opening], index=index, **answer.formatter.opening_fields())
             async for index, delta in iterate_deltas(answer.group, first):
                 answer.formatter.observe(index, delta)
                 tallies[index].feed(delta)

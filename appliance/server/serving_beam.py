@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from appliance.beam_search import BeamSearch, BeamSearchParams
 from appliance.generation_defaults import end_token_ids
-from appliance.messages import DetokParams, SamplingOptions, TokenizedRequest
+from appliance.messages import DetokParams, SamplingOptions, TextDelta, TokenizedRequest
 from appliance.server.errors import BadRequest
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from appliance.server.serving import Endpoint, check_priority, usage
@@ -118,6 +118,7 @@ async def serve_beam_search(
                 tokens[:-1] if beam.finished else tokens, skip_special_tokens=True
             )
             index = p * body.n + rank
+            formatter.observe(index, TextDelta(group_id, text, list(tokens), len(tokens)))
             choices.append(formatter.final_choice(index, text, None, finish))
             completion_tokens += len(tokens)
     head = {"id": group_id, "created": int(time.time()), "model": model}
@@ -128,6 +129,7 @@ async def serve_beam_search(
             "system_fingerprint": None,
             "choices": choices,
             "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+            **formatter.answer_fields([None] * len(choices)),  # chat's prompt_token_ids
         }
     )
 

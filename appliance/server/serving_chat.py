@@ -101,8 +101,10 @@ class ChatFormatter:
         prompt_top_k: int | None = None,
         token_ids_as_names: bool = False,
         think_end: int | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.parsers = parsers  # one per choice
+        self.prompt_ids = prompt_ids  # vLLM's return_token_ids: the prompt's (None: not asked)
         self.prompt_top_k = prompt_top_k  # vLLM's prompt_logprobs (None: the prompt unscored)
         self.as_ids = token_ids_as_names  # vLLM's return_tokens_as_token_ids
         self.think_end = think_end  # the `</think>` token id, where reasoning tokens stop
@@ -123,6 +125,9 @@ class ChatFormatter:
         delta = {"role": "assistant", "content": ""}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
+    def opening_fields(self) -> dict[str, Any]:
+        return {} if self.prompt_ids is None else {"prompt_token_ids": self.prompt_ids}
+
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         parser = self.parsers[index]
         final = delta.finish_reason is not None
@@ -135,14 +140,18 @@ class ChatFormatter:
         if calls:
             out["tool_calls"] = calls
         logprobs = chat_logprobs(delta.logprobs, self.as_ids) if delta.logprobs else None
-        if not out and not logprobs and not final:
+        ids = self.prompt_ids is not None and bool(delta.token_ids)
+        if not out and not logprobs and not final and not ids:
             return None
-        return {
+        choice = {
             "index": index,
             "delta": out,
             "logprobs": {"content": logprobs} if logprobs else None,
             "finish_reason": parser.finish_reason(delta.finish_reason) if final else None,
         }
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(delta.token_ids)
+        return choice
 
     def final_choice(
         self,
@@ -165,7 +174,7 @@ class ChatFormatter:
             message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {
+        choice = {
             "index": index,
             "message": message,
             "logprobs": (
@@ -173,13 +182,19 @@ class ChatFormatter:
             ),
             "finish_reason": parser.finish_reason(finish_reason),
         }
+        if self.prompt_ids is not None:
+            choice["token_ids"] = self.output_ids[index]
+        return choice
 
     def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
-        """vLLM's top-level prompt_logprobs: the n choices share the one rendered prompt."""
-        if self.prompt_top_k is None:
-            return {}
-        entries = next((p for p in prompt_logprobs if p is not None), [])
-        return {"prompt_logprobs": vllm_prompt_logprobs(entries, self.prompt_top_k, self.as_ids)}
+        """vLLM's top-level prompt_logprobs and prompt_token_ids: the n choices share the one
+        rendered prompt."""
+        fields = self.opening_fields()
+        if self.prompt_top_k is not None:
+            entries = next((p for p in prompt_logprobs if p is not None), [])
+            scored = vllm_prompt_logprobs(entries, self.prompt_top_k, self.as_ids)
+            fields["prompt_logprobs"] = scored
+        return fields
 
 
 class ChatEndpoint:
@@ -225,7 +240,11 @@ class ChatEndpoint:
         text, mode = prompt.text or "", state.config.reasoning
         parsers = [ChoiceParser(body, text, mode, i) for i in range(body.n)]
         return ChatFormatter(
-            parsers, body.prompt_logprobs, body.return_tokens_as_token_ids, think_end_id(state)
+            parsers,
+            body.prompt_logprobs,
+            body.return_tokens_as_token_ids,
+            think_end_id(state),
+            list(prompt.token_ids) if body.return_token_ids else None,
         )
 
 

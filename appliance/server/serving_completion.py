@@ -105,8 +105,14 @@ class CompletionFormatter:
         echo_top_k: int | None = None,
         prompt_top_k: int | None = None,
         token_ids_as_names: bool = False,
+        prompt_ids: list[list[int]] | None = None,
     ) -> None:
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
+        # vLLM's return_token_ids: per choice its prompt's ids (None: not asked), and then the
+        # ids it generated; a stream sends the prompt's in each choice's first chunk
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[list[int]] = [[] for _ in echoes]
+        self.unsent_prompt = [prompt_ids is not None] * len(echoes)
         self.pending_echo = list(echoes)  # per choice: echo not streamed yet
         self.echo_top_k = echo_top_k  # echo + logprobs: the alternatives per prompt entry
         self.prompt_top_k = prompt_top_k
@@ -126,22 +132,32 @@ class CompletionFormatter:
     def opening(self, index: int) -> None:
         return None
 
+    def opening_fields(self) -> dict[str, Any]:
+        return {}
+
     def delta_choice(self, index: int, delta: TextDelta) -> Choice | None:
         text = self.pending_echo[index] + delta.text
         self.pending_echo[index] = ""
         prompt_items, items = self._echo_entries(delta.prompt_logprobs), delta.logprobs or []
-        if not text and not prompt_items and not items and delta.finish_reason is None:
+        ids = self.prompt_ids is not None and bool(delta.token_ids)
+        if not text and not prompt_items and not items and delta.finish_reason is None and not ids:
             return None
         logprobs = None
         if prompt_items or items:
             echo = self.echoes[index]
             logprobs = self.offsets[index].scored_entries(prompt_items, items, echo)
-        return {
+        choice = {
             "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
         }
+        if self.prompt_ids is not None:
+            if self.unsent_prompt[index]:
+                choice["prompt_token_ids"] = self.prompt_ids[index]
+                self.unsent_prompt[index] = False
+            choice["token_ids"] = list(delta.token_ids)
+        return choice
 
     def final_choice(
         self,
@@ -166,13 +182,17 @@ class CompletionFormatter:
         if self.prompt_top_k is not None:
             scored = prompt_logprobs or []
             choice["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_top_k, self.as_ids)
+        if self.prompt_ids is not None:
+            choice["prompt_token_ids"] = self.prompt_ids[index]
+            choice["token_ids"] = self.output_ids[index]
         return choice
 
     def answer_fields(self, prompt_logprobs: list[list[TokenLogprob] | None]) -> dict[str, Any]:
         return {}  # each choice carries its own prompt's
 
     def observe(self, index: int, delta: TextDelta) -> None:
-        return None
+        if self.prompt_ids is not None:
+            self.output_ids[index] += delta.token_ids
 
     def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
         return {}  # OpenAI's completions usage has the token counts only
@@ -218,8 +238,13 @@ class CompletionEndpoint:
         echoes: list[str] = []
         for prompt in prompts:
             echoes += [_echo(state, body, prompt)] * body.n
+        ids = [list(p.token_ids) for p in prompts for _ in range(body.n)]
         return CompletionFormatter(
-            echoes, body.echo_logprobs(), body.prompt_logprobs, body.return_tokens_as_token_ids
+            echoes,
+            body.echo_logprobs(),
+            body.prompt_logprobs,
+            body.return_tokens_as_token_ids,
+            ids if body.return_token_ids else None,
         )
 
 

@@ -32,6 +32,10 @@ def test_completions_and_chat_answer_the_offline_beams(http, offline):
     }
     two = http.post("/completions", json={**body, "prompt": [prompt, prompt[:3]], "n": 2}).json()
     assert len(two["choices"]) == 4 and [c["index"] for c in two["choices"]] == [0, 1, 2, 3]
+    ids = http.post("/completions", json={**body, "ignore_eos": True, "return_token_ids": True})
+    beams = ids.json()["choices"]  # vLLM's return_token_ids: each beam's ids, its prompt's
+    assert [c["token_ids"] for c in beams] == [s.tokens[len(prompt) :] for s in want.sequences]
+    assert all(c["prompt_token_ids"] == prompt and len(c["token_ids"]) == 5 for c in beams)
     messages = [{"role": "user", "content": "hello"}]
     chat = http.post(
         "/chat/completions",

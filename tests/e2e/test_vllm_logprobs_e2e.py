@@ -136,3 +136,48 @@ def test_tokens_as_token_ids(http, tokenizer):
                 assert tokenizer.decode([token_id]) == spelt["token"]
     chat["return_tokens_as_token_ids"] = True
     assert stream_tokens(http, "/chat/completions", chat, "content") == content
+
+
+def sse(http, path: str, body: dict) -> list[dict]:
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: {")]
+    return [json.loads(line) for line in lines]
+
+
+def test_return_token_ids(http, tokenizer):
+    """vLLM's return_token_ids: completions choices carry their prompt's ids and the ids they
+    generated (the ids behind their logprob entries; streamed: the prompt's in each choice's
+    first chunk, every chunk its new ids, joined the same ids); chat answers carry the rendered
+    prompt's ids at the top level (streamed: on the role chunks) and each choice its ids."""
+    prompts = [tokenizer.encode(PROMPT, add_special_tokens=False), [5, 6, 7]]
+    body = {"prompt": prompts, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}
+    body |= {"return_token_ids": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+    choices = post(http, "/completions", body)["choices"]
+    assert [c["prompt_token_ids"] for c in choices] == [prompts[0]] * 2 + [prompts[1]] * 2
+    for c in choices:
+        named = [int(t.removeprefix("token_id:")) for t in c["logprobs"]["tokens"]]
+        assert c["token_ids"] == named and len(named) == 5
+    streamed: dict[int, dict] = {}
+    for chunk in sse(http, "/completions", body):
+        for c in chunk["choices"]:
+            got = streamed.setdefault(c["index"], {"prompts": [], "ids": []})
+            if "prompt_token_ids" in c:
+                got["prompts"].append(c["prompt_token_ids"])
+            got["ids"] += c["token_ids"]
+    assert [streamed[i]["prompts"] for i in range(4)] == [[c["prompt_token_ids"]] for c in choices]
+    assert [streamed[i]["ids"] for i in range(4)] == [c["token_ids"] for c in choices]
+
+    plain = post(http, "/completions", {**body, "return_token_ids": False})
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+
+    chat = {"messages": MSG, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    answer = post(http, "/chat/completions", chat)
+    rendered = tokenizer.apply_chat_template(MSG, add_generation_prompt=True, tokenize=False)
+    assert answer["prompt_token_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+    ids = answer["choices"][0]["token_ids"]
+    assert 0 < len(ids) <= 6 and answer["usage"]["completion_tokens"] == len(ids)
+    chunks = sse(http, "/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] == answer["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ids
