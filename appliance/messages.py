@@ -45,6 +45,11 @@ class SamplingOptions(msgspec.Struct, frozen=True):
     # vLLM's bad_words as token sequences: a sequence's last id is banned wherever the output
     # ends with the rest of it (a one-token word always)
     bad_words: list[list[int]] = []
+    # vLLM's thinking_token_budget: once this many tokens follow the last `think_start` token
+    # with no `think_end` after it, `think_end` is the only token sampled; -1 = no budget
+    thinking_budget: int = -1
+    think_start: int = -1  # the tokenizer's <think> and </think> ids (with a budget)
+    think_end: int = -1
 
 
 class ImageInput(msgspec.Struct, frozen=True):

@@ -72,6 +72,11 @@ class SamplingParams:
     # (tokenize_bad_words) into bad_words_token_ids, which the worker reads
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: tokens of reasoning (after <think>) before </think> is forced; None or -1 = no
+    # limit. The LLM and the server fill reasoning_token_ids (<think>, </think>) from their
+    # tokenizer (with_reasoning_tokens)
+    thinking_token_budget: int | None = None
+    reasoning_token_ids: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -161,6 +166,13 @@ class SamplingParams:
             "None or a list of words (non-blank strings)",
             self.bad_words,
         )
+        budget = self.thinking_token_budget
+        _check(
+            budget is None or (_is_int(budget) and -1 <= budget < 2**63),
+            "thinking_token_budget",
+            "None, -1 (no limit) or an integer >= 0",
+            budget,
+        )
         given = [n for n in ("guide", "structured_outputs", "guided_decoding") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: only one output constraint per request")
@@ -191,6 +203,24 @@ class SamplingParams:
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 sequences.append(spaced)
         return dataclasses.replace(self, bad_words_token_ids=sequences)
+
+    @property
+    def thinking_budget(self) -> int:
+        """The thinking_token_budget in force: -1 for none."""
+        budget = self.thinking_token_budget
+        return -1 if budget is None else budget
+
+    def with_reasoning_tokens(self, start: int | None, end: int | None) -> SamplingParams:
+        """These parameters with the tokenizer's <think> / </think> ids, which a
+        thinking_token_budget needs (ValueError naming it when the tokenizer has none)."""
+        if self.thinking_budget < 0:
+            return self
+        if start is None or end is None:
+            raise ValueError(
+                "thinking_token_budget: the model's tokenizer has no <think> and </think> "
+                "tokens, so there is no reasoning to limit"
+            )
+        return dataclasses.replace(self, reasoning_token_ids=(start, end))
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -243,7 +273,19 @@ class SamplingParams:
             min_tokens=self.min_tokens,
             allowed_token_ids=sorted(set(self.allowed_token_ids or [])),
             bad_words=self._bad_word_ids(),
+            **self._thinking_options(),
         )
+
+    def _thinking_options(self) -> dict[str, int]:
+        if self.thinking_budget < 0:
+            return {}
+        if self.reasoning_token_ids is None:
+            raise ValueError(
+                "thinking_token_budget: the <think> / </think> ids are not set "
+                "(SamplingParams.with_reasoning_tokens)"
+            )
+        start, end = self.reasoning_token_ids
+        return {"thinking_budget": self.thinking_budget, "think_start": start, "think_end": end}
 
     def _bad_word_ids(self) -> list[list[int]]:
         if self.bad_words and self.bad_words_token_ids is None:

@@ -22,6 +22,10 @@ Choices, documented here once:
   output (not the prompt) ends with the word's other tokens; a one-token word always. Applied
   after the grammar's mask, before the min_tokens ban, and, as that ban, not where it would leave
   nothing to sample.
+- Thinking budget (vLLM's `thinking_token_budget`): once a row's history holds that many tokens
+  after its last `<think>` and no `</think>` after it, `</think>` is the only token it can sample
+  (applied last, over every other edit); the markers are found on the device, nothing is read
+  back.
 - Logprobs report what vLLM's --logprobs-mode says (engine/logprobs_mode.py): by default the
   model's own distribution, before the edits above and the temperature; processed_logprobs the
   distribution the token was drawn from.
@@ -84,7 +88,11 @@ def needs_penalties(row: SamplingOptions) -> bool:
 def needs_history(row: SamplingOptions) -> bool:
     """Whether sampling the row reads its token history: penalties, or a bad word of several
     tokens (its prefix is matched against the output)."""
-    return needs_penalties(row) or any(len(word) > 1 for word in row.bad_words)
+    return (
+        needs_penalties(row)
+        or any(len(word) > 1 for word in row.bad_words)
+        or row.thinking_budget >= 0
+    )
 
 
 def apply_penalties(
@@ -226,6 +234,33 @@ def apply_bad_words(
     return out
 
 
+def apply_thinking_budget(
+    logits: torch.Tensor,  # [B, V] fp32, every other edit applied
+    rows: Sequence[SamplingOptions],
+    token_history: Sequence[torch.Tensor] | None,  # per row [L_i] prompt + output (+ drafts)
+) -> torch.Tensor:
+    """Returns logits [B, V] where each budgeted row that is reasoning (its last think_start after
+    its last think_end) with at least thinking_budget tokens after that think_start can sample
+    only think_end (a new tensor if any row has a budget, else `logits`). Decided on the device."""
+    budgeted = [i for i, r in enumerate(rows) if r.thinking_budget >= 0]
+    if not budgeted:
+        return logits
+    if token_history is None:
+        raise ValueError("token_history: needed for thinking_token_budget")
+    out = logits.clone()
+    for i in budgeted:
+        row, history = rows[i], token_history[i].to(logits.device)
+        where = torch.arange(history.numel(), device=logits.device)
+        last_start = torch.where(history == row.think_start, where, -1).amax()
+        last_end = torch.where(history == row.think_end, where, -1).amax()
+        spent = history.numel() - 1 - last_start  # tokens after the last think_start
+        force = (last_start > last_end) & (spent >= row.thinking_budget)
+        forced = torch.full_like(out[i], float("-inf"))
+        forced[row.think_end] = 0.0
+        out[i] = torch.where(force, forced, out[i])
+    return out
+
+
 def _matches(words: list[list[int]], history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(last ids [M], 1 where the history ends with the word's prefix [M] int32) of words of 2+
     tokens; prefixes right-aligned against the history's tail."""
@@ -262,8 +297,9 @@ def gather_logprobs(
 def needs_edits(row: SamplingOptions, generated: int) -> bool:
     """Whether sampling the row takes more than its knobs (temperature, top-k/p, min-p, seed) and a
     grammar mask: penalties, a logit bias, allowed ids, bad words, a min_tokens ban in force after
-    `generated` output tokens, or logprobs to report. Such rows of the fused MTP step are edited
-    (and scored) between its forward and its sampling (appliance/engine/mtp_graphs.py)."""
+    `generated` output tokens, a thinking budget, or logprobs to report. Such rows of the fused
+    MTP step are edited (and scored) between its forward and its sampling
+    (appliance/engine/mtp_graphs.py)."""
     return (
         row.logprobs is not None
         or needs_penalties(row)
@@ -271,6 +307,7 @@ def needs_edits(row: SamplingOptions, generated: int) -> bool:
         or bool(row.allowed_token_ids)
         or bool(row.bad_words)
         or (generated < row.min_tokens and bool(row.min_tokens_ban))
+        or row.thinking_budget >= 0
     )
 
 
@@ -284,9 +321,10 @@ def edit_logits(
     token_bitmask: torch.Tensor | None,  # [B, ceil(V / 32)] int32 grammar masks, on the device
 ) -> torch.Tensor:
     """Every edit of the logits before sampling, in the module docstring's order: penalties, bias,
-    allowed ids, the grammar's mask, bad words, the min_tokens ban. A new tensor if any applies,
-    else `logits` (the grammar's mask is applied in place on CUDA). Nothing is read back to the
-    host and nothing waits for the stream, so the fused MTP step calls it between its graphs."""
+    allowed ids, the grammar's mask, bad words, the min_tokens ban, the thinking budget. A new
+    tensor if any applies, else `logits` (the grammar's mask is applied in place on CUDA). Nothing
+    is read back to the host and nothing waits for the stream, so the fused MTP step calls it
+    between its graphs."""
     if token_history is None and any(needs_history(r) for r in rows):
         raise ValueError("token_history: needed for penalties and bad words of several tokens")
     if token_history is not None:
@@ -296,7 +334,8 @@ def edit_logits(
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     logits = apply_bad_words(logits, rows, token_history, prompt_lens)
-    return apply_min_tokens(logits, rows, offsets, prompt_lens)
+    logits = apply_min_tokens(logits, rows, offsets, prompt_lens)
+    return apply_thinking_budget(logits, rows, token_history)
 
 
 def pack_logprobs(lp: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]) -> torch.Tensor:

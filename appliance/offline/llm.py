@@ -26,6 +26,7 @@ from appliance.offline.images import OfflineImages, reserve_vit
 from appliance.offline.options import build_engine_config, read_priorities, vllm_keywords
 from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
 from appliance.offline.prompts import OfflinePrompt, read_conversation, read_prompt, render_chat
+from appliance.parsers.reasoning import THINK_END, THINK_START, marker_id
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
@@ -262,7 +263,11 @@ class LLM:
             if id(sp) not in checked:
                 sp.check_vocabulary(len(self.tokenizer.hf))
                 encode = functools.partial(self.tokenizer.hf.encode, add_special_tokens=False)
-                checked[id(sp)] = structured(sp).tokenize_bad_words(encode)
+                hf = self.tokenizer.hf
+                markers = marker_id(hf, THINK_START), marker_id(hf, THINK_END)
+                checked[id(sp)] = (
+                    structured(sp).tokenize_bad_words(encode).with_reasoning_tokens(*markers)
+                )
         params_list = [checked[id(sp)] for sp in params_list]
         outputs: dict[str, tuple[CompletionOutput, SamplingParams]] = {}
         open_ids: set[str] = set()

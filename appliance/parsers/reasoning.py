@@ -15,11 +15,22 @@ content after `</think>` are dropped. Partial tags at chunk edges are held until
 
 from __future__ import annotations
 
+from typing import Any
+
 from appliance.parsers.qwen3_coder import ParserFinishedError
 
 THINK_START = "<think>"
 THINK_END = "</think>"
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
+
+
+def marker_id(tokenizer: Any, marker: str) -> int | None:
+    """The tokenizer's id of `marker` (THINK_START / THINK_END) when it is one token of its
+    own, else None (a tokenizer without reasoning markers)."""
+    token_id = tokenizer.convert_tokens_to_ids(marker)
+    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == marker:
+        return token_id
+    return None
 
 
 def prompt_opens_reasoning(prompt: str) -> bool:

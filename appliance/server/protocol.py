@@ -167,6 +167,8 @@ class _SamplingFields(_Schema):
     # vLLM's: the prompt shares cached prefixes (KV, GDN state) only with requests of the same
     # salt: no tenant can time another's prompts through prefix-cache hits
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: reasoning tokens (after <think>) before </think> is forced; -1 = no limit
+    thinking_token_budget: int | None = None
     # vLLM's: the answer carries the prompt's token ids and each choice's generated ids (a
     # stream: the prompt's in a choice's first chunk, each chunk its new ids)
     return_token_ids: bool = False
@@ -409,6 +411,7 @@ def sampling_params(
             min_tokens=req.min_tokens or 0,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            thinking_token_budget=req.thinking_token_budget,
             **{k: v for k, v in fields.items() if v is not None},
         )
         params.check_vocabulary(vocab_size)

@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.messages import Guide, TextDelta, TokenizedRequest, TokenLogprob
+from appliance.parsers.reasoning import THINK_END, THINK_START, marker_id
 from appliance.sampling_params import SamplingParams
 from appliance.server.engine_client import EngineClient, RequestGroup
 from appliance.server.errors import APIError, BadRequest, RequestTimeout, sse_error
@@ -216,6 +217,7 @@ async def _admit(
         body.num_prompt_logprobs(),
         state.sampling_defaults,
     ).tokenize_bad_words(state.prompts.encode_words)
+    params = reasoning_tokens(params, state)
     prompts = await endpoint.prompts(state, body)
     guide = None
     tokenizer, reasoning = state.prompts.tokenizer, state.config.reasoning
@@ -287,6 +289,17 @@ class ReleasingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:  # open choices here: the body stopped early (the client went away)
             self.client.abort(self.group, "client_gone")
+
+
+def reasoning_tokens(params: SamplingParams, state: ServerState) -> SamplingParams:
+    """The params with the tokenizer's <think> / </think> ids a thinking_token_budget needs (a 400
+    naming the field when the tokenizer has none)."""
+    tokenizer = state.prompts.tokenizer
+    try:
+        start, end = marker_id(tokenizer, THINK_START), marker_id(tokenizer, THINK_END)
+        return params.with_reasoning_tokens(start, end)
+    except ValueError as exc:
+        raise BadRequest(str(exc), "thinking_token_budget") from None
 
 
 def choice_requests(

@@ -13,7 +13,7 @@ from typing import Any
 
 from appliance.messages import TextDelta, TokenLogprob
 from appliance.parsers import ReasoningParser, ToolCallParser, prompt_opens_reasoning
-from appliance.parsers.reasoning import THINK_END, reasoning_token_count
+from appliance.parsers.reasoning import THINK_END, marker_id, reasoning_token_count
 from appliance.server.chat_checks import (
     check_messages,
     check_tool_choice,
@@ -250,11 +250,7 @@ class ChatEndpoint:
 
 def think_end_id(state: ServerState) -> int | None:
     """The tokenizer's `</think>` token id (None: it has no such token)."""
-    tokenizer = state.prompts.tokenizer
-    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
-    if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == THINK_END:
-        return token_id
-    return None
+    return marker_id(state.prompts.tokenizer, THINK_END)
 
 
 CHAT = ChatEndpoint()

@@ -231,3 +231,34 @@ def test_chat_and_responses_carry_per_request_metrics(mtp_appliance):
     assert final.type in ("response.completed", "response.incomplete")
     assert final.response.model_extra["metrics"]["generation_time_ms"] > 0
     assert all("metrics" not in e.response.model_extra for e in events[:2])  # created, in progress
+
+
+def test_thinking_budget_with_mtp_answers_what_mtp_off_answers(mtp_appliance, tiny_trained):
+    """vLLM's thinking_token_budget through the MTP step: the verify rows are edited after their
+    drafts, so </think> comes where it comes without MTP, and the drafts go on being accepted."""
+    offline = LLM(str(tiny_trained), max_num_seqs=4, num_kv_slots=2048, max_model_len=512)
+    hf = offline.tokenizer.hf
+    think, end = hf.convert_tokens_to_ids("<think>"), hf.convert_tokens_to_ids("</think>")
+    gen = torch.Generator().manual_seed(13)
+    prompts = [p + [think] for p in sample_sequences(permutation(0), 3, 10, gen).tolist()]
+    client = openai.OpenAI(base_url=f"{mtp_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    for budget, prompt in zip((0, 3, 9), prompts):
+        params = SamplingParams(
+            max_tokens=20, temperature=0, ignore_eos=True, thinking_token_budget=budget
+        )
+        want = offline.generate(prompt, params, use_tqdm=False)[0].token_ids
+        assert want[budget] == end and end not in want[:budget]
+        got = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            extra_body={
+                "ignore_eos": True,
+                "thinking_token_budget": budget,
+                "return_token_ids": True,
+            },
+        )
+        assert got.choices[0].model_extra["token_ids"] == want, budget
+        assert got.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] > 0

@@ -304,6 +304,25 @@ def test_captured_fused_step_edits_penalised_and_scored_rows(tiny_trained):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_fused_step_forces_the_end_of_reasoning(tiny_trained):
+    """thinking_token_budget through the captured MTP graphs: </think> where MTP off puts it."""
+    off = _gpu_llm(tiny_trained, 0)
+    hf = off.tokenizer.hf
+    think, end = hf.convert_tokens_to_ids("<think>"), hf.convert_tokens_to_ids("</think>")
+    seqs = [p + [think] for p in prompts(4, 200, seed=6)]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, thinking_token_budget=n)
+        for n in (0, 2, 5, 11)
+    ]
+    want = [o.token_ids for o in off.generate(seqs, params)]
+    assert [ids.index(end) for ids in want] == [0, 2, 5, 11]
+    llm = _gpu_llm(tiny_trained, 3)
+    assert [o.token_ids for o in llm.generate(seqs, params)] == want
+    assert llm.scheduler.stats().mtp_mean_accept_len > 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_fused_step_is_lossless_on_fp8_kv(tiny_trained):
     """The draft layer's fp8 KV pool and the verify rows through the captured MTP graphs."""
     seqs = prompts(3, 200)
