@@ -209,6 +209,26 @@ class ImageData(msgspec.Struct, frozen=True, array_like=True):
     max_pixels: int = 0
 
 
+class RepetitionCheck(msgspec.Struct, frozen=True, array_like=True):
+    """vLLM's repetition_detection: the request ends ("repetition") once its output ends with a
+    pattern of min_size..max_size tokens repeated min_count times in a row. Written by server or
+    offline LLM (in a TokenizedRequest), read by the router's Scheduler."""
+
+    min_size: int
+    max_size: int
+    min_count: int
+
+    def found(self, tokens: list[int]) -> bool:
+        """Whether `tokens` end with such a repetition."""
+        for size in range(self.min_size, self.max_size + 1):
+            span = size * self.min_count
+            if span > len(tokens):
+                break
+            if tokens[-span:] == tokens[-size:] * self.min_count:
+                return True
+        return False
+
+
 class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     """A tokenized request (one choice: `n` > 1 arrives as n of these). Written by server, read by
     router — through the visual server when the model has a vision tower (it encodes `images`
@@ -234,6 +254,7 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     # its token updates carry RequestTiming (the server's --enable-per-request-metrics, for a
     # response of one choice)
     report_timing: bool = False
+    repetition: RepetitionCheck | None = None  # vLLM's repetition_detection (None: off)
     # vLLM's cache_salt: the request shares cached prefixes only with requests of the same salt
     # (router/prefix_cache.py salted_key); "" = none
     cache_salt: str = ""

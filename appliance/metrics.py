@@ -29,7 +29,7 @@ logger = get_logger(__name__)
 # "rejected": refused by the router with a client error (400 too long, 429 queue full) after
 # submission; "error": a server-side failure. Requests refused before submission (validation, auth)
 # never reach this counter: appliance_http_requests_total{status} counts them.
-FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "rejected", "error")
+FINISH_REASONS = ("stop", "length", "tool_calls", "repetition", "abort", "rejected", "error")
 IMAGE_STAGES = ("fetch_decode", "preprocess", "encode")
 
 # fmt: off

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from appliance.messages import DetokParams, Guide, SamplingOptions
+from appliance.messages import DetokParams, Guide, RepetitionCheck, SamplingOptions
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_TOKEN_ID = 2**31  # token ids travel as int32 on the worker
@@ -77,6 +77,10 @@ class SamplingParams:
     # tokenizer (with_reasoning_tokens)
     thinking_token_budget: int | None = None
     reasoning_token_ids: tuple[int, int] | None = None
+    # vLLM's: end the request ("repetition") once its output ends with a pattern repeated:
+    # {"max_pattern_size", "min_pattern_size", "min_count"} as a dict or an object with those
+    # attributes (vLLM's RepetitionDetectionParams); max_pattern_size 0 = off
+    repetition_detection: object | None = None
 
     def __post_init__(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -173,6 +177,7 @@ class SamplingParams:
             "None, -1 (no limit) or an integer >= 0",
             budget,
         )
+        self.repetition_check()  # raises on a bad repetition_detection
         given = [n for n in ("guide", "structured_outputs", "guided_decoding") if getattr(self, n)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)}: only one output constraint per request")
@@ -203,6 +208,36 @@ class SamplingParams:
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 sequences.append(spaced)
         return dataclasses.replace(self, bad_words_token_ids=sequences)
+
+    def repetition_check(self) -> RepetitionCheck | None:
+        """repetition_detection as the router checks it (None: off)."""
+        given = self.repetition_detection
+        if given is None:
+            return None
+        fields = ("max_pattern_size", "min_pattern_size", "min_count")
+        if isinstance(given, dict):
+            unknown = sorted(set(given) - set(fields))
+            _check(not unknown, "repetition_detection", f"keys among {fields}", unknown)
+            values = [given.get(name, 0) for name in fields]
+        else:
+            values = [getattr(given, name, 0) for name in fields]
+        _check(
+            all(_is_int(v) and 0 <= v < 2**31 for v in values),
+            "repetition_detection",
+            "max_pattern_size, min_pattern_size and min_count as integers >= 0",
+            values,
+        )
+        largest, smallest, count = values
+        if largest == 0:
+            return None
+        _check(
+            smallest <= largest,
+            "repetition_detection",
+            f"min_pattern_size <= max_pattern_size ({largest})",
+            smallest,
+        )
+        _check(count >= 2, "repetition_detection", "min_count >= 2", count)
+        return RepetitionCheck(max(smallest, 1), largest, count)
 
     @property
     def thinking_budget(self) -> int:

@@ -226,6 +226,7 @@ class LLM:
             detok=params.to_detok(),
             priority=priority,
             cache_salt=prompt.cache_salt,
+            repetition=params.repetition_check(),
         )
 
     def generate(
@@ -430,3 +431,5 @@ class LLM:
         if delta.finish_reason == "stop":
             full_text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
             out.stop_reason = stop_reason(out, params.stop_token_ids, params.stop, full_text)
+        elif delta.finish_reason == "repetition":
+            out.stop_reason = "repetition_detected"  # vLLM's

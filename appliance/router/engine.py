@@ -95,6 +95,7 @@ class EngineCore:
             priority=msg.priority,
             report_timing=msg.report_timing,
             cache_salt=msg.cache_salt,
+            repetition=msg.repetition,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)

@@ -17,6 +17,7 @@ import numpy as np
 from appliance.messages import (
     ImageInput,
     PromptLogprobs,
+    RepetitionCheck,
     RequestTiming,
     SamplingOptions,
     SpecCounts,
@@ -35,6 +36,7 @@ class FinishReason(str, enum.Enum):
     )
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # client went away or the owner aborted it
+    REPETITION = "repetition"  # the output repeats itself (vLLM's repetition_detection)
 
 
 class PromptScoreBuffer:
@@ -75,6 +77,7 @@ class Request:
     priority: int = 0  # lower first under --scheduling-policy priority (vLLM's); else unused
     report_timing: bool = False  # its outputs carry RequestTiming (per-request metrics)
     cache_salt: str = ""  # vLLM's: shares cached prefixes only with requests of the same salt
+    repetition: RepetitionCheck | None = None  # vLLM's repetition_detection (None: off)
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)

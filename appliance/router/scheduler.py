@@ -587,6 +587,9 @@ class Scheduler:
             if req.num_output_tokens >= req.max_tokens:
                 reason = FinishReason.LENGTH
                 break
+            if req.repetition is not None and req.repetition.found(req.output_token_ids):
+                reason = FinishReason.REPETITION
+                break
         self._num_generation_tokens += len(new_tokens)
         n = len(new_tokens)
         if n:

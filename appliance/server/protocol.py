@@ -169,6 +169,9 @@ class _SamplingFields(_Schema):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # vLLM's: reasoning tokens (after <think>) before </think> is forced; -1 = no limit
     thinking_token_budget: int | None = None
+    # vLLM's: {"max_pattern_size", "min_pattern_size", "min_count"}: the request ends with
+    # finish_reason "repetition" once its output ends with a pattern repeated min_count times
+    repetition_detection: dict[str, Any] | None = None
     # vLLM's: the answer carries the prompt's token ids and each choice's generated ids (a
     # stream: the prompt's in a choice's first chunk, each chunk its new ids)
     return_token_ids: bool = False
@@ -412,6 +415,7 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             thinking_token_budget=req.thinking_token_budget,
+            repetition_detection=req.repetition_detection,
             **{k: v for k, v in fields.items() if v is not None},
         )
         params.check_vocabulary(vocab_size)

@@ -345,6 +345,7 @@ def choice_requests(
                 priority=body.priority,
                 report_timing=timed,
                 cache_salt=body.cache_salt or "",
+                repetition=params.repetition_check(),
             )
             requests.append(request)
     return requests

@@ -45,6 +45,7 @@ _REFUSED = {
     "stop": "stop strings do not end beams; stop_token_ids and eos do",
     "bad_words": "not with beam search",
     "thinking_token_budget": "not with beam search (beams follow the model's own logprobs)",
+    "repetition_detection": "not with beam search",
     "logit_bias": "not with beam search (beams follow the model's own logprobs)",
     "presence_penalty": "not with beam search (beams follow the model's own logprobs)",
     "frequency_penalty": "not with beam search (beams follow the model's own logprobs)",

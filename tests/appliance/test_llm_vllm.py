@@ -71,6 +71,15 @@ def test_a_prompt_dicts_cache_salt_keeps_its_prefixes_to_its_salt(llm):
         llm.generate({"prompt": "hi", "cache_salt": ""}, GREEDY)
 
 
+def test_repetition_detection_offline(llm):
+    """vLLM's repetition_detection offline: finish_reason "repetition", stop_reason as vLLM's."""
+    looping = dict(max_tokens=20, temperature=0, logit_bias={42: 100.0})
+    detect = {"max_pattern_size": 2, "min_pattern_size": 1, "min_count": 5}
+    [out] = llm.generate([5, 6, 7], SamplingParams(**looping, repetition_detection=detect))
+    assert out.token_ids == [42] * 5
+    assert (out.finish_reason, out.stop_reason) == ("repetition", "repetition_detected")
+
+
 def test_max_tokens_none_runs_to_the_end_of_the_context(llm):
     prompt = [5, 6, 7]
     [out] = llm.generate(prompt, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))

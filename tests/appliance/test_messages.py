@@ -20,6 +20,9 @@ OPTS = m.SamplingOptions(
     logprobs=3,
     prompt_logprobs=2,
     guide=m.Guide("json_schema", '{"type": "object"}', after_token=11),
+    thinking_budget=64,
+    think_start=1998,
+    think_end=1999,
 )
 DETOK = m.DetokParams(
     stop=["\n\n", "END"], include_stop_str_in_output=True, skip_special_tokens=False, logprobs=True
@@ -128,8 +131,23 @@ SAMPLES: dict[type, msgspec.Struct] = {
     ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
-        "cmpl-1-0", [1, 2], OPTS, 16, True, [9], DETOK, 1.5, [IMAGE_DATA], [IMAGE], 1, 3, True, "t"
+        "cmpl-1-0",
+        [1, 2],
+        OPTS,
+        16,
+        True,
+        [9],
+        DETOK,
+        1.5,
+        [IMAGE_DATA],
+        [IMAGE],
+        1,
+        3,
+        True,
+        m.RepetitionCheck(1, 4, 3),
+        "t",
     ),
+    m.RepetitionCheck: m.RepetitionCheck(2, 5, 2),
     m.AbortRequest: m.AbortRequest("cmpl-1-0"),
     m.ImageData: IMAGE_DATA,
     m.RejectRequest: m.RejectRequest("cmpl-1-0", "bad image", 400),

@@ -113,6 +113,27 @@ def test_max_tokens_length_and_n(sdk, model):
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
+def test_repetition_detection_ends_a_loop(sdk, model, appliance):
+    """vLLM's repetition_detection: a loop the bias forces (one token again and again) ends
+    after min_count repeats with finish_reason "repetition", streamed or not; without it the
+    same request runs to max_tokens."""
+    loop = dict(model=model, prompt=[5, 6, 7], max_tokens=20, temperature=0, logit_bias={"42": 100})
+    detect = {"repetition_detection": {"max_pattern_size": 3, "min_count": 4}}
+    out = sdk.completions.create(**loop, extra_body=detect)
+    assert out.choices[0].finish_reason == "repetition" and out.usage.completion_tokens == 4
+    chunks = list(sdk.completions.create(**loop, extra_body=detect, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "repetition"
+    free = sdk.completions.create(**loop)
+    assert free.choices[0].finish_reason == "length" and free.usage.completion_tokens == 20
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(
+            **loop, extra_body={"repetition_detection": {"min_count": 1, "max_pattern_size": 2}}
+        )
+    assert "repetition_detection" in str(err.value)
+    metrics = httpx.get(f"{appliance.url}/metrics").text
+    assert 'finish_reason="repetition"' in metrics
+
+
 def test_logprobs_consistent_with_greedy(sdk, model):
     out = _greedy_chat(
         sdk,
