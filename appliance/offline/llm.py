@@ -24,12 +24,13 @@ from appliance.offline.beams import BeamSearchOutput, beam_search
 from appliance.offline.guides import GuideChecker, structured
 from appliance.offline.images import OfflineImages, reserve_vit
 from appliance.offline.options import build_engine_config, read_priorities, vllm_keywords
-from appliance.offline.outputs import CompletionOutput, logprob_dicts, stop_reason
+from appliance.offline.outputs import CompletionOutput, logprob_dicts
 from appliance.offline.prompts import OfflinePrompt, read_conversation, read_prompt, render_chat
 from appliance.parsers.reasoning import THINK_END, THINK_START, marker_id
 from appliance.router.engine import EngineCore
 from appliance.router.scheduler import Scheduler
 from appliance.sampling_params import SamplingParams
+from appliance.stop_reasons import stop_reason
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -428,8 +429,11 @@ class LLM:
             tops = update.top_logprobs
             out.logprobs += logprob_dicts(delta.logprobs, delta.token_ids, tops)
         out.finish_reason = delta.finish_reason
-        if delta.finish_reason == "stop":
-            full_text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
-            out.stop_reason = stop_reason(out, params.stop_token_ids, params.stop, full_text)
-        elif delta.finish_reason == "repetition":
-            out.stop_reason = "repetition_detected"  # vLLM's
+        out.stop_reason = stop_reason(
+            out.finish_reason,
+            out.token_ids,
+            out.text,
+            lambda: self.tokenizer.decode(out.token_ids, params.skip_special_tokens),
+            params.stop_token_ids,
+            params.stop,
+        )

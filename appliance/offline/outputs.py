@@ -79,15 +79,3 @@ def logprob_dicts(
         }
         dicts.append(chosen | {t: v for t, v in alternatives.items() if t != token_id})
     return dicts
-
-
-def stop_reason(out: CompletionOutput, stop_token_ids: list[int], stops: list[str], full_text: str):
-    """Which stop token id or stop string ended a "stop" finish (vLLM's stop_reason), found after
-    the fact: a stop id is the last token; a stop string ends the text (kept) or follows it in
-    `full_text`, the generated tokens' whole text. None for eos."""
-    if out.token_ids and out.token_ids[-1] in stop_token_ids:
-        return out.token_ids[-1]
-    return next(
-        (s for s in stops if out.text.endswith(s) or full_text[len(out.text) :].startswith(s)),
-        None,
-    )

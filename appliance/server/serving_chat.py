@@ -26,6 +26,7 @@ from appliance.server.prompts import Prompt, kept_tokens, message_chars
 from appliance.server.protocol import ChatCompletionRequest, check_chat_output
 from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
+from appliance.server.stops import ChoiceStops, choice_stops
 
 
 def call_id_seed(seed: int, index: int, prompt_text: str) -> int:
@@ -102,7 +103,9 @@ class ChatFormatter:
         token_ids_as_names: bool = False,
         think_end: int | None = None,
         prompt_ids: list[int] | None = None,
+        stops: ChoiceStops | None = None,
     ) -> None:
+        self.stops = stops  # vLLM's stop_reason of each choice (None: not reported)
         self.parsers = parsers  # one per choice
         self.prompt_ids = prompt_ids  # vLLM's return_token_ids: the prompt's (None: not asked)
         self.prompt_top_k = prompt_top_k  # vLLM's prompt_logprobs (None: the prompt unscored)
@@ -112,6 +115,8 @@ class ChatFormatter:
 
     def observe(self, index: int, delta: TextDelta) -> None:
         self.output_ids[index] += delta.token_ids
+        if self.stops is not None:
+            self.stops.observe(index, delta)
 
     def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
         """OpenAI's completion_tokens_details of these choices: their reasoning tokens."""
@@ -149,6 +154,8 @@ class ChatFormatter:
             "logprobs": {"content": logprobs} if logprobs else None,
             "finish_reason": parser.finish_reason(delta.finish_reason) if final else None,
         }
+        if final and self.stops is not None:
+            choice["stop_reason"] = self.stops.reason(index, delta.finish_reason)
         if self.prompt_ids is not None:
             choice["token_ids"] = list(delta.token_ids)
         return choice
@@ -182,6 +189,8 @@ class ChatFormatter:
             ),
             "finish_reason": parser.finish_reason(finish_reason),
         }
+        if self.stops is not None:
+            choice["stop_reason"] = self.stops.reason(index, finish_reason)
         if self.prompt_ids is not None:
             choice["token_ids"] = self.output_ids[index]
         return choice
@@ -245,6 +254,7 @@ class ChatEndpoint:
             body.return_tokens_as_token_ids,
             think_end_id(state),
             list(prompt.token_ids) if body.return_token_ids else None,
+            choice_stops(state, body, body.n),
         )
 
 

@@ -20,6 +20,7 @@ from appliance.server.prompts import Prompt, kept_tokens
 from appliance.server.protocol import CompletionRequest
 from appliance.server.serving import Choice, check_n
 from appliance.server.state import ServerState
+from appliance.server.stops import ChoiceStops, choice_stops
 
 
 def prompt_list(prompt: str | list) -> list[str | list[int]]:
@@ -106,7 +107,9 @@ class CompletionFormatter:
         prompt_top_k: int | None = None,
         token_ids_as_names: bool = False,
         prompt_ids: list[list[int]] | None = None,
+        stops: ChoiceStops | None = None,
     ) -> None:
+        self.stops = stops  # vLLM's stop_reason of each choice (None: not reported)
         self.echoes = echoes  # per choice: the prompt text to echo ("" without echo)
         # vLLM's return_token_ids: per choice its prompt's ids (None: not asked), and then the
         # ids it generated; a stream sends the prompt's in each choice's first chunk
@@ -152,6 +155,8 @@ class CompletionFormatter:
             "logprobs": logprobs,
             "finish_reason": delta.finish_reason,
         }
+        if delta.finish_reason is not None and self.stops is not None:
+            choice["stop_reason"] = self.stops.reason(index, delta.finish_reason)
         if self.prompt_ids is not None:
             if self.unsent_prompt[index]:
                 choice["prompt_token_ids"] = self.prompt_ids[index]
@@ -179,6 +184,8 @@ class CompletionFormatter:
             "logprobs": entries,
             "finish_reason": finish_reason,
         }
+        if self.stops is not None:
+            choice["stop_reason"] = self.stops.reason(index, finish_reason)
         if self.prompt_top_k is not None:
             scored = prompt_logprobs or []
             choice["prompt_logprobs"] = vllm_prompt_logprobs(scored, self.prompt_top_k, self.as_ids)
@@ -193,6 +200,8 @@ class CompletionFormatter:
     def observe(self, index: int, delta: TextDelta) -> None:
         if self.prompt_ids is not None:
             self.output_ids[index] += delta.token_ids
+        if self.stops is not None:
+            self.stops.observe(index, delta)
 
     def usage_details(self, indexes: Iterable[int]) -> dict[str, Any]:
         return {}  # OpenAI's completions usage has the token counts only
@@ -245,6 +254,7 @@ class CompletionEndpoint:
             body.prompt_logprobs,
             body.return_tokens_as_token_ids,
             ids if body.return_token_ids else None,
+            choice_stops(state, body, len(echoes)),
         )
 
 

@@ -80,6 +80,7 @@ def test_stop_string(sdk, model):
         extra_body={**NO_THINK, "ignore_eos": True},
     )
     assert out.choices[0].message.content == cut and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop  # vLLM's: what stopped it
     assert out.usage.completion_tokens < 24
     stream = sdk.chat.completions.create(
         model=model,
@@ -93,6 +94,39 @@ def test_stop_string(sdk, model):
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == cut
     assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices[0].model_extra["stop_reason"] == stop
+
+
+def test_stop_reason_names_the_stop_token_and_nothing_else(sdk, model):
+    """vLLM's stop_reason: the stop token id that ended a choice, null for a length finish (and
+    for eos); "repetition_detected" for repetition_detection (test_repetition_detection...)."""
+    free = sdk.completions.create(model=model, prompt=[5, 6, 7], max_tokens=8, temperature=0)
+    assert free.choices[0].finish_reason == "length"
+    assert free.choices[0].model_extra["stop_reason"] is None
+    ids = (
+        sdk.completions.create(
+            model=model,
+            prompt=[5, 6, 7],
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )
+    stop_id = ids[3]
+    stopped = sdk.completions.create(
+        model=model,
+        prompt=[5, 6, 7],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
+    first = ids.index(stop_id)
+    assert (
+        stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == first + 1
+    )
+    assert stopped.choices[0].model_extra["stop_reason"] == stop_id
 
 
 def test_max_tokens_length_and_n(sdk, model):
@@ -121,6 +155,7 @@ def test_repetition_detection_ends_a_loop(sdk, model, appliance):
     detect = {"repetition_detection": {"max_pattern_size": 3, "min_count": 4}}
     out = sdk.completions.create(**loop, extra_body=detect)
     assert out.choices[0].finish_reason == "repetition" and out.usage.completion_tokens == 4
+    assert out.choices[0].model_extra["stop_reason"] == "repetition_detected"
     chunks = list(sdk.completions.create(**loop, extra_body=detect, stream=True))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "repetition"
     free = sdk.completions.create(**loop)
