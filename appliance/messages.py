@@ -258,6 +258,9 @@ class TokenizedRequest(msgspec.Struct, tag="tokenized", frozen=True):
     # vLLM's cache_salt: the request shares cached prefixes only with requests of the same salt
     # (router/prefix_cache.py salted_key); "" = none
     cache_salt: str = ""
+    # its token updates carry SpecCounts (SGLang's /generate meta_info, vLLM's per-request
+    # speculative_decoding metrics); with MTP on only
+    report_spec: bool = False
 
 
 class AbortRequest(msgspec.Struct, tag="abort", frozen=True):

@@ -96,6 +96,7 @@ class EngineCore:
             report_timing=msg.report_timing,
             cache_salt=msg.cache_salt,
             repetition=msg.repetition,
+            report_spec=msg.report_spec,
         )
         if msg.mm:
             self._mm_live.add(msg.req_id)

@@ -78,6 +78,7 @@ class Request:
     report_timing: bool = False  # its outputs carry RequestTiming (per-request metrics)
     cache_salt: str = ""  # vLLM's: shares cached prefixes only with requests of the same salt
     repetition: RepetitionCheck | None = None  # vLLM's repetition_detection (None: off)
+    report_spec: bool = False  # its outputs carry SpecCounts
 
     # Scheduler-owned state.
     output_token_ids: list[int] = field(default_factory=list)
@@ -114,7 +115,8 @@ class Request:
         self.spec_by_length[num_draft - 1][accepted] += 1
 
     def spec_counts(self) -> SpecCounts | None:
-        if self.spec_by_length is None:
+        """Its SpecCounts so far, if it reports them (report_spec) and has verified."""
+        if not self.report_spec or self.spec_by_length is None:
             return None
         return SpecCounts([list(row) for row in self.spec_by_length])
 

@@ -90,6 +90,7 @@ class Endpoint(Protocol[Body]):
     """What one OpenAI route adds to the skeleton; a stateless strategy, one per route."""
 
     id_prefix: str  # of the response id: "chatcmpl" | "cmpl"
+    reports_spec: bool  # every answer reports each request's MTP counts (SGLang's /generate)
     object_name: str  # `object` of a JSON answer
     chunk_object_name: str  # `object` of a streamed chunk
 
@@ -225,7 +226,7 @@ async def _admit(
         param, guide = found
         await compile_guide(state.grammars, guide, param)  # 400 for a grammar that fails
     group_id = new_request_id(endpoint.id_prefix)
-    requests = choice_requests(state, group_id, prompts, params, body, guide)
+    requests = choice_requests(state, group_id, prompts, params, body, guide, endpoint.reports_spec)
     formatter = endpoint.formatter(state, body, prompts)
     head = {"id": group_id, "created": int(time.time()), "model": model}
     group = state.client.submit(group_id, requests, arrival, formatter.labels_stops, body.n)
@@ -309,13 +310,18 @@ def choice_requests(
     params: SamplingParams,
     body: ChatCompletionRequest | CompletionRequest,
     guide: Guide | None = None,
+    reports_spec: bool = False,  # the route reports each request's MTP counts
 ) -> list[TokenizedRequest]:
     """n choices per prompt; choice index = prompt index x n + choice number, as OpenAI numbers
     them. Raises the max_tokens 400 of the first prompt that leaves too little room."""
     detok = params.to_detok()
     arrival_time = time.time()
     # the router times the request only where the answer reports it: one choice (vLLM's rule)
-    timed = state.config.enable_per_request_metrics and len(prompts) * body.n == 1
+    single = len(prompts) * body.n == 1
+    timed = state.config.enable_per_request_metrics and single
+    # the router ships MTP counts only where the answer words them
+    spec_metrics = state.config.per_request_spec_decode_metrics != "none" and single
+    counted = bool(state.mtp_step) and (reports_spec or spec_metrics)
     requests: list[TokenizedRequest] = []
     for prompt in prompts:
         max_tokens = state.prompts.max_tokens_for(
@@ -346,6 +352,7 @@ def choice_requests(
                 report_timing=timed,
                 cache_salt=body.cache_salt or "",
                 repetition=params.repetition_check(),
+                report_spec=counted,
             )
             requests.append(request)
     return requests

@@ -210,6 +210,7 @@ class ChatEndpoint:
     """The chat route's checks, prompt and formatter for the skeleton (serving.Endpoint)."""
 
     id_prefix = "chatcmpl"
+    reports_spec = False  # only with --per-request-spec-decode-metrics (serving.choice_requests)
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 

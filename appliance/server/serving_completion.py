@@ -211,6 +211,7 @@ class CompletionEndpoint:
     """The legacy route's checks, prompts and formatter for the skeleton (serving.Endpoint)."""
 
     id_prefix = "cmpl"
+    reports_spec = False  # only with --per-request-spec-decode-metrics (serving.choice_requests)
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 

@@ -59,6 +59,7 @@ class GenerateEndpoint:
     """The completions route's checks and prompts for /generate (serving.Endpoint)."""
 
     id_prefix = "generate"
+    reports_spec = True  # meta_info's spec_* fields, as SGLang's
     object_name = "generate"  # unused: the answer is SGLang's, without `object`
     chunk_object_name = "generate"
 

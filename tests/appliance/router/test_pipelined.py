@@ -94,23 +94,32 @@ def test_mtp_request_waits_for_its_accept_length() -> None:
 
 
 def test_mtp_request_reports_its_verify_counts() -> None:
-    """Each output carries the request's MTP counts so far (SGLang's per-request meta_info):
-    drafts verified, and verify steps by accepted drafts; a step that max_tokens clamps counts
-    the drafts it had."""
+    """Each output of a request that reports them (report_spec) carries its MTP counts so far
+    (SGLang's per-request meta_info): verify steps by draft length and drafts accepted; a step
+    that max_tokens clamps counts the drafts it had. Others carry none."""
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2)
     sched = Scheduler(config, 100, 100, rng_seed=0)
-    sched.add_request(req("a", prompt_of(4, salt=1), max_tokens=7, sampling=SamplingOptions()))
+    counted = req("a", prompt_of(4, salt=1), max_tokens=7, sampling=SamplingOptions())
+    counted.report_spec = True  # the server asks where the answer words them
+    sched.add_request(counted)
+    sched.add_request(req("b", prompt_of(4, salt=2), max_tokens=7, sampling=SamplingOptions()))
     prefill = sched.schedule()
-    (out,) = sched.update(StepResult(prefill.step_id, [SampledTokens(0, [7])]))
-    assert out.spec is None  # no verify step yet
+    both = [SampledTokens(0, [7]), SampledTokens(1, [7])]
+    assert [o.spec for o in sched.update(StepResult(prefill.step_id, both))] == [None, None]
     counts = []
     # both drafts accepted; none of two; the one draft that fits max_tokens, accepted
     for drafts, tokens in ((2, [8, 9, 10]), (2, [11]), (1, [12, 13])):
         plan = sched.schedule()
-        assert plan.chunks[0].num_draft == drafts
-        (out,) = sched.update(StepResult(plan.step_id, [SampledTokens(0, tokens)]))
-        counts.append((out.spec.draft_tokens, out.spec.histogram))
-    assert counts == [(2, [0, 0, 1]), (4, [1, 0, 1]), (5, [1, 1, 1])]
+        assert [c.num_draft for c in plan.chunks] == [drafts, drafts]
+        both = [SampledTokens(0, tokens), SampledTokens(1, tokens)]
+        out, other = sched.update(StepResult(plan.step_id, both))
+        assert other.spec is None
+        counts.append((out.spec.draft_tokens, out.spec.histogram, out.spec.by_length))
+    assert counts == [
+        (2, [0, 0, 1], [[0, 0], [0, 0, 1]]),
+        (4, [1, 0, 1], [[0, 0], [1, 0, 1]]),
+        (5, [1, 1, 1], [[0, 1], [1, 0, 1]]),
+    ]
     assert out.finished and out.spec.verify_steps == 3 and out.spec.accepted_tokens == 3
 
 
