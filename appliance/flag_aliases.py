@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.sampling_params import MAX_LOGPROBS
+
 # vLLM / SGLang spellings of the same settings: accepted as aliases of this appliance's flags
 FLAG_ALIASES = {
     "tp": ("--tensor-parallel-size", "--tp-size"),
@@ -72,6 +74,23 @@ def _tool_call_parser(parser: str) -> dict[str, Any]:
             f"JSON ({', '.join(TOOL_CALL_PARSERS)})"
         )
     return {}
+
+
+def _gdn_state_dtype(dtype: str) -> dict[str, Any]:
+    if dtype.lower() not in ("auto", "float32", "fp32"):
+        raise ValueError("not supported: the Gated-DeltaNet state is kept in float32 (auto)")
+    return {}
+
+
+def _only(value: Any, accepted: tuple, what: str) -> dict[str, Any]:
+    """{} (taken, changing nothing) for an accepted value; else ValueError naming `what`."""
+    if value not in accepted:
+        return _refuse(what)
+    return {}
+
+
+def _refuse(what: str) -> dict[str, Any]:
+    raise ValueError(f"not supported: {what} is not served here")
 
 
 _VLLM, _SGLANG, _BOTH = "vLLM", "SGLang", "vLLM, SGLang"
@@ -303,6 +322,116 @@ FOREIGN_FLAGS = (
         _VLLM,
         "the periodic stats line is set by APPLIANCE_LOG_STATS_INTERVAL (0 = off)",
         takes="switch",
+    ),
+    ForeignFlag(
+        ("--enable-prompt-tokens-details",),
+        _VLLM,
+        "usage.prompt_tokens_details.cached_tokens is always reported",
+        takes="switch",
+    ),
+    ForeignFlag(
+        ("--enable-request-id-headers",),
+        _VLLM,
+        "every answer carries X-Request-Id (the client's, or a new one)",
+        takes="switch",
+    ),
+    ForeignFlag(("--enable-log-outputs",), _VLLM, _NO_BODIES, takes="switch"),
+    ForeignFlag(
+        ("--enable-expert-parallel",),
+        _VLLM,
+        "every tensor-parallel rank holds its share of every expert (no expert parallelism)",
+        takes="switch",
+    ),
+    ForeignFlag(
+        ("--mamba-ssm-cache-dtype",),
+        _VLLM,
+        "the Gated-DeltaNet recurrent state is always kept in float32",
+        _gdn_state_dtype,
+        refused="bfloat16, float16 (the state would drift)",
+        metavar="DTYPE",
+    ),
+    ForeignFlag(
+        ("--mamba-cache-dtype",),
+        _VLLM,
+        "auto: the GDN conv window in the model's dtype, its recurrent state in float32",
+        lambda value: _only(value, ("auto",), "--mamba-cache-dtype"),
+        refused="anything but auto",
+        metavar="DTYPE",
+    ),
+    ForeignFlag(
+        ("--compilation-config", "-O"),
+        _VLLM,
+        "the engine captures its own CUDA graphs (decode, prefill and MTP steps); no "
+        "torch.compile",
+        metavar="JSON",
+    ),
+    ForeignFlag(
+        ("--block-size",),
+        _VLLM,
+        "KV slots are allocated one token at a time (no blocks)",
+        type=int,
+        metavar="N",
+    ),
+    ForeignFlag(
+        ("--max-logprobs",),
+        _VLLM,
+        f"up to {MAX_LOGPROBS} logprobs a token are served (more is a 400 naming the field)",
+        type=int,
+        metavar="N",
+    ),
+    ForeignFlag(
+        ("--guided-decoding-backend", "--structured-outputs-config.backend"),
+        _VLLM,
+        "structured outputs always compile with xgrammar",
+        metavar="NAME",
+    ),
+    ForeignFlag(
+        ("--chat-template-content-format",),
+        _VLLM,
+        "message content is read as strings or OpenAI parts, whichever it is",
+        choices=("auto", "string", "openai"),
+        metavar="FORMAT",
+    ),
+    ForeignFlag(
+        ("--root-path",),
+        _VLLM,
+        "routes are served at /; a reverse proxy that strips its prefix serves them below it",
+        metavar="PATH",
+    ),
+    ForeignFlag(
+        ("--data-parallel-size", "--dp-size"),
+        _BOTH,
+        "1: one engine per appliance (run several behind a load balancer for more)",
+        lambda n: _only(n, (1,), "data parallelism"),
+        refused="above 1",
+        type=int,
+        metavar="N",
+    ),
+    ForeignFlag(
+        ("--pipeline-parallel-size", "--pp-size"),
+        _BOTH,
+        "1: the layers are not split over GPUs (--tp splits each layer)",
+        lambda n: _only(n, (1,), "pipeline parallelism"),
+        refused="above 1",
+        type=int,
+        metavar="N",
+    ),
+    ForeignFlag(
+        ("--cpu-offload-gb",),
+        _VLLM,
+        "0: the weights stay on the GPU",
+        lambda n: _only(n, (0.0,), "CPU offload"),
+        refused="above 0",
+        type=float,
+        metavar="GIB",
+    ),
+    ForeignFlag(
+        ("--ssl-keyfile", "--ssl-certfile"),
+        _BOTH,
+        "TLS is a reverse proxy's job here (docs/operations.md section 6)",
+        lambda path: _only(path, (), "TLS"),
+        refused="any file: serve TLS from a reverse proxy in front",
+        metavar="FILE",
     ),
     ForeignFlag(
         ("--log-level",),

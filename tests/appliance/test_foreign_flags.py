@@ -132,7 +132,12 @@ def test_flags_that_change_nothing_log_one_info_line_each():
         "--no-async-scheduling --trust-remote-code --enable-metrics --mm-enable-dp-encoder "
         "--mm-encoder-tp-mode data --mm-processor-cache-type shm --swap-space 4 "
         "--disable-log-requests --enable-log-requests --log-requests --disable-log-stats "
-        "--log-level debug --uvicorn-log-level warning --chunked-prefill-size -1"
+        "--log-level debug --uvicorn-log-level warning --chunked-prefill-size -1 "
+        "--enable-prompt-tokens-details --enable-request-id-headers --enable-log-outputs "
+        "--enable-expert-parallel --mamba-ssm-cache-dtype float32 --mamba-cache-dtype auto "
+        "--compilation-config {} --block-size 16 --max-logprobs 20 "
+        "--guided-decoding-backend xgrammar --chat-template-content-format openai "
+        "--root-path /api --data-parallel-size 1 --pipeline-parallel-size 1 --cpu-offload-gb 0"
     )
     config, notes = _serve(argv)
     assert config == _serve("serve /m")[0]
@@ -211,6 +216,17 @@ def test_flags_that_change_nothing_log_one_info_line_each():
             "(as --max-model-len)",
         ),
         ("--mm-encoder-tp-mode pipeline", "argument --mm-encoder-tp-mode: invalid choice"),
+        (
+            "--mamba-ssm-cache-dtype bfloat16",
+            "--mamba-ssm-cache-dtype bfloat16: not supported: the Gated-DeltaNet state is kept "
+            "in float32 (auto)",
+        ),
+        (
+            "--data-parallel-size 2",
+            "--data-parallel-size 2: not supported: data parallelism is not served here",
+        ),
+        ("--pp-size 2", "--pipeline-parallel-size 2: not supported: pipeline parallelism is not"),
+        ("--ssl-keyfile k.pem", "--ssl-keyfile k.pem: not supported: TLS is not served here"),
         ("--speculative-draft-model-path x", "--speculative-draft-model-path: use --mtp-step"),
     ],
 )
