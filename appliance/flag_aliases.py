@@ -361,8 +361,7 @@ FOREIGN_FLAGS = (
     ForeignFlag(
         ("--compilation-config", "-O"),
         _VLLM,
-        "the engine captures its own CUDA graphs (decode, prefill and MTP steps); no "
-        "torch.compile",
+        "the engine captures its own CUDA graphs (decode, prefill and MTP steps); no torch.compile",
         metavar="JSON",
     ),
     ForeignFlag(
