@@ -241,23 +241,28 @@ def apply_thinking_budget(
 ) -> torch.Tensor:
     """Returns logits [B, V] where each budgeted row that is reasoning (its last think_start after
     its last think_end) with at least thinking_budget tokens after that think_start can sample
-    only think_end (a new tensor if any row has a budget, else `logits`). Decided on the device."""
+    only think_end (a new tensor if any row has a budget, else `logits`). Decided on the device,
+    all budgeted rows at once (a few launches whatever their number)."""
     budgeted = [i for i, r in enumerate(rows) if r.thinking_budget >= 0]
     if not budgeted:
         return logits
     if token_history is None:
         raise ValueError("token_history: needed for thinking_token_budget")
+    device, vocab = logits.device, logits.shape[-1]
+    histories = [token_history[i].to(device) for i in budgeted]
+    padded = pad_sequence(histories, batch_first=True, padding_value=-1)  # [R, L]
+    knobs = [[rows[i].think_start, rows[i].think_end, rows[i].thinking_budget] for i in budgeted]
+    start, end, budget = to_device(knobs, torch.long, device).unbind(1)
+    lengths = to_device([h.numel() for h in histories], torch.long, device)
+    where = torch.arange(padded.shape[1], device=device)[None, :]
+    last_start = torch.where(padded == start[:, None], where, -1).amax(1)
+    last_end = torch.where(padded == end[:, None], where, -1).amax(1)
+    force = (last_start > last_end) & (lengths - 1 - last_start >= budget)  # [R]
+    forced = torch.full((len(budgeted), vocab), float("-inf"), device=device)
+    forced.scatter_(1, end.clamp(max=vocab - 1)[:, None], 0.0)
+    index = to_device(budgeted, torch.long, device)
     out = logits.clone()
-    for i in budgeted:
-        row, history = rows[i], token_history[i].to(logits.device)
-        where = torch.arange(history.numel(), device=logits.device)
-        last_start = torch.where(history == row.think_start, where, -1).amax()
-        last_end = torch.where(history == row.think_end, where, -1).amax()
-        spent = history.numel() - 1 - last_start  # tokens after the last think_start
-        force = (last_start > last_end) & (spent >= row.thinking_budget)
-        forced = torch.full_like(out[i], float("-inf"))
-        forced[row.think_end] = 0.0
-        out[i] = torch.where(force, forced, out[i])
+    out[index] = torch.where(force[:, None], forced, out[index])
     return out
 
 
