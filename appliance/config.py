@@ -6,6 +6,7 @@ Validation raises ValueError naming the field and the accepted values.
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass, field, fields
 
 # appliance_kernels.kv_cache.KV_CACHE_DTYPES holds the torch dtypes
@@ -224,6 +225,23 @@ class VisualConfig:
 
 
 SPEC_METRICS_LEVELS = ("none", "summary", "detailed")  # --per-request-spec-decode-metrics
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking")  # chat template switches: booleans only
+
+
+def _json_object(text: str) -> dict | None:
+    """`text` read as a JSON object ({} for ""), None when it is not one."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def chat_template_defaults(config: ServerConfig) -> dict:
+    """--default-chat-template-kwargs as a dict (checked by ServerConfig)."""
+    return _json_object(config.default_chat_template_kwargs) or {}
 
 
 @dataclass(frozen=True)
@@ -261,6 +279,9 @@ class ServerConfig:
     per_request_spec_decode_metrics: str = "none"
     # vLLM's: streams end with the usage chunk even when stream_options.include_usage is unset
     enable_force_include_usage: bool = False
+    # vLLM's and SGLang's: a JSON object of chat template arguments every chat request renders
+    # with unless it sets them itself (e.g. {"enable_thinking": false}); "" = none
+    default_chat_template_kwargs: str = ""
     # A frozen (hashable) default rather than a factory: cli.py still treats it as a nested section.
     visual: VisualConfig = VisualConfig()  # image input limits and the visual server
 
@@ -276,6 +297,13 @@ class ServerConfig:
         _check(not self.api_key or any(keys), "api_key", "at least one key (comma-separated)")
         _check(bool(self.generation_config), "generation_config", "auto, none or a folder")
         _check(self.responses_store >= 0, "responses_store", "an integer >= 0 (0: off)")
+        defaults = _json_object(self.default_chat_template_kwargs)
+        _check(
+            defaults is not None
+            and all(isinstance(defaults[k], bool) for k in TEMPLATE_SWITCHES if k in defaults),
+            "default_chat_template_kwargs",
+            'a JSON object, e.g. {"enable_thinking": false} (switches true or false)',
+        )
         _check(
             self.per_request_spec_decode_metrics in SPEC_METRICS_LEVELS,
             "per_request_spec_decode_metrics",

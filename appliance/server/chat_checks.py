@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from appliance.config import TEMPLATE_SWITCHES
 from appliance.parsers.schema import tool_name
 from appliance.server.errors import BadRequest
 from appliance.server.protocol import ChatCompletionRequest, ChatMessage
@@ -31,16 +32,19 @@ _SCHEMA_ONE = (
     "unevaluatedProperties",
     "unevaluatedItems",
 )
-SWITCHES = ("enable_thinking", "thinking")  # template switches: booleans only
+SWITCHES = TEMPLATE_SWITCHES  # template switches: booleans only
 _NUMBERS = ("minimum", "maximum", "multipleOf")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
-def template_kwargs(body: ChatCompletionRequest, trusted: bool) -> dict[str, Any]:
-    """The keyword arguments the chat template renders with: chat_template_kwargs, and a request's
-    own template (`chat_template`, or the same key inside chat_template_kwargs) only where the
-    server was started with --trust-request-chat-template: a template is code the server runs."""
-    kwargs = dict(body.chat_template_kwargs or {})
+def template_kwargs(
+    body: ChatCompletionRequest, trusted: bool, defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The keyword arguments the chat template renders with: chat_template_kwargs over the
+    server's `defaults` (--default-chat-template-kwargs), and a request's own template
+    (`chat_template`, or the same key inside chat_template_kwargs) only where the server was
+    started with --trust-request-chat-template: a template is code the server runs."""
+    kwargs = {**(defaults or {}), **(body.chat_template_kwargs or {})}
     for switch in SWITCHES:
         if switch in kwargs and not isinstance(kwargs[switch], bool):
             # the template tests `enable_thinking is false`: "false" or 0 would think anyway

@@ -220,7 +220,7 @@ class ChatEndpoint:
         check_messages(body.messages)
         check_tools(body.tools)
         check_tool_choice(body.tool_choice, body.tools)
-        template_kwargs(body, state.config.trust_request_chat_template)
+        template_kwargs(body, state.config.trust_request_chat_template, state.template_defaults)
 
     async def prompts(self, state: ServerState, body: ChatCompletionRequest) -> list[Prompt]:
         num_chars = message_chars(body.messages)
@@ -234,7 +234,9 @@ class ChatEndpoint:
             state.prompts.chat,
             body.messages,
             body.tools,
-            template_kwargs(body, state.config.trust_request_chat_template),
+            template_kwargs(
+                body, state.config.trust_request_chat_template, state.template_defaults
+            ),
             body.add_generation_prompt,
             images,
             support.image_token_id,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from appliance.config import ServerConfig
+from appliance.config import ServerConfig, chat_template_defaults
 from appliance.grammars import GrammarCompiler
 from appliance.messages import TextDelta
 from appliance.metrics import MetricsRecorder
@@ -73,6 +73,11 @@ class ServerState:
     scheduling_policy: str = "fcfs"  # the router's (--scheduling-policy): may requests set priority
     mtp_step: int = 0  # the router's --mtp-step: /generate reports each request's MTP counts
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def template_defaults(self) -> dict:
+        """--default-chat-template-kwargs: what chat requests render with unless they say."""
+        return chat_template_defaults(self.config)
 
     @functools.cached_property
     def metrics_report(self) -> MetricsReport | None:

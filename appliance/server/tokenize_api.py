@@ -63,7 +63,9 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict[str, Any]:
                     "messages",
                 )
         chars = message_chars(body.messages)
-        kwargs = template_kwargs(body, state.config.trust_request_chat_template)
+        kwargs = template_kwargs(
+            body, state.config.trust_request_chat_template, state.template_defaults
+        )
         render = functools.partial(builder.chat, continue_final_message=body.continue_final_message)
         args = (body.messages, body.tools, kwargs, body.add_generation_prompt)
         prompt = await state.prompt_lanes.run(chars, render, *args)

@@ -80,3 +80,47 @@ def test_served_chat_renders_with_the_given_template(tiny_dense, tmp_path):
         assert "(--chat-template), not the checkpoint's" in app.log()
     finally:
         assert app.stop() == 0
+
+
+def test_default_chat_template_kwargs_render_unless_a_request_says(tiny_dense, tmp_path, capsys):
+    """--default-chat-template-kwargs (vLLM's and SGLang's): chat requests (and /tokenize of
+    messages) render with them, a request's own chat_template_kwargs win; a value that is not a
+    JSON object, or a switch that is not a boolean, is one line before anything starts."""
+    for bad in ("[1]", '{"enable_thinking": "no"}', "{oops"):
+        with pytest.raises(SystemExit):
+            main(["serve", str(tiny_dense), "--default-chat-template-kwargs", bad])
+        assert "--default-chat-template-kwargs" in capsys.readouterr().err
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dense)
+
+    def rendered(**switches) -> str:
+        return tokenizer.apply_chat_template(
+            MSG, add_generation_prompt=True, tokenize=False, **switches
+        )
+
+    assert rendered(enable_thinking=False) != rendered()
+    app = start_appliance(
+        tiny_dense,
+        tmp_path / "log.txt",
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+    )
+    try:
+
+        def prompt(**body) -> str:
+            counted = httpx.post(f"{app.url}/tokenize", json={"messages": MSG, **body}, timeout=30)
+            ids = counted.json()["tokens"]
+            return httpx.post(f"{app.url}/detokenize", json={"tokens": ids}, timeout=30).json()[
+                "prompt"
+            ]
+
+        assert prompt() == rendered(enable_thinking=False)
+        on = {"chat_template_kwargs": {"enable_thinking": True}}
+        assert prompt(**on) == rendered(enable_thinking=True)
+        body = {"messages": MSG, "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{app.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        want = len(tokenizer.encode(rendered(enable_thinking=False), add_special_tokens=False))
+        assert r.json()["usage"]["prompt_tokens"] == want
+        assert r.json()["choices"][0]["message"].get("reasoning_content") is None
+    finally:
+        assert app.stop() == 0
