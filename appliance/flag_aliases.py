@@ -85,12 +85,8 @@ def _gdn_state_dtype(dtype: str) -> dict[str, Any]:
 def _only(value: Any, accepted: tuple, what: str) -> dict[str, Any]:
     """{} (taken, changing nothing) for an accepted value; else ValueError naming `what`."""
     if value not in accepted:
-        return _refuse(what)
+        raise ValueError(f"not supported: {what} is not served here")
     return {}
-
-
-def _refuse(what: str) -> dict[str, Any]:
-    raise ValueError(f"not supported: {what} is not served here")
 
 
 _VLLM, _SGLANG, _BOTH = "vLLM", "SGLang", "vLLM, SGLang"

@@ -295,6 +295,8 @@ class ReleasingStream(StreamingResponse):
 def reasoning_tokens(params: SamplingParams, state: ServerState) -> SamplingParams:
     """The params with the tokenizer's <think> / </think> ids a thinking_token_budget needs (a 400
     naming the field when the tokenizer has none)."""
+    if params.thinking_budget < 0:
+        return params
     tokenizer = state.prompts.tokenizer
     try:
         start, end = marker_id(tokenizer, THINK_START), marker_id(tokenizer, THINK_END)
@@ -480,9 +482,7 @@ async def _stream(
                 usage_ = usage(answer.num_prompt_tokens, sum(tokens), cached_tokens)
                 usage_.update(answer.formatter.usage_details(range(answer.num_choices)))
                 report = state.metrics_report
-                metrics = report.field(tallies) if report else {}
-                name = answer.endpoint.chunk_object_name
-                yield sse_chunk(answer.head, name, [], usage_, include_usage=True, **metrics)
+                yield chunk([], usage_, **(report.field(tallies) if report else {}))
         except APIError as err:
             yield sse_error(err)
         yield "data: [DONE]\n\n"
