@@ -123,7 +123,7 @@ def test_padded_step_edits_rows_of_the_shared_logits_buffer(tiny_trained):
         SamplingParams(repetition_penalty=1.4, logprobs=2, allowed_token_ids=evens, **seeded),
         SamplingParams(**seeded),
         SamplingParams(
-            frequency_penalty=2.0, logit_bias={3: 9.0, 4: 9.0}, temperature=0, max_tokens=20
+            frequency_penalty=2.0, logit_bias={3: 50.0, 4: 50.0}, temperature=0, max_tokens=20
         ),
     ]
     seqs = prompts(3, 200, seed=6)
@@ -131,7 +131,8 @@ def test_padded_step_edits_rows_of_the_shared_logits_buffer(tiny_trained):
     want = off.generate(seqs, params)
     plain = off.generate(seqs, [SamplingParams(**seeded)] * 2 + [GREEDY])
     assert all(a.token_ids != b.token_ids for a, b in zip(want[::2], plain[::2]))  # edits bite
-    assert set(want[2].token_ids[:6]) >= {3, 4} and all(t % 2 == 0 for t in want[0].token_ids)
+    # the bias puts 3 or 4 first whatever the model; the frequency penalty then turns it to the other
+    assert set(want[2].token_ids[:2]) == {3, 4} and all(t % 2 == 0 for t in want[0].token_ids)
     llm = LLM(str(tiny_trained), mtp_step=3, **OPTS)
     graphs = padded(llm.runner, max_bs=4)
     vocab = llm.runner.text_config.vocab_size
@@ -140,7 +141,8 @@ def test_padded_step_edits_rows_of_the_shared_logits_buffer(tiny_trained):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     torch.testing.assert_close(chosen(got[0]), chosen(want[0]), atol=1e-4, rtol=1e-4)
     assert graphs.logits.data_ptr() == graphs._logits_buf.data_ptr()  # the forward wrote there
-    assert llm.scheduler.stats().mtp_mean_accept_len > 1.5
+    # drafts were accepted (the biased request's seldom are: its draft head knows no bias)
+    assert llm.scheduler.stats().mtp_mean_accept_len > 1.25
 
 
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
