@@ -4,7 +4,9 @@ unless `ignore_eos`. The endpoint's checks and prompts are the route's own (imag
 then appliance/beam_search.py runs over the engine, one round at a time: every live beam of every
 prompt asks for one token and its 2 x n best logprobs (the model's own), in one group of
 requests. The answer is the route's (its formatter words each beam as a choice: n per prompt,
-best first), not streamed.
+best first). With `stream` the same choices arrive as server-sent events once the search ends
+(vLLM streams beam search the same way: its beams are known only at the end): each choice's
+opening, one chunk with its whole text and finish_reason, the usage chunk when asked, [DONE].
 
 Called by app.py for a request with `use_beam_search`. Each round's requests go through the
 router like any (metrics count them); a client that leaves, or the request's deadline, aborts the
@@ -15,22 +17,22 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from appliance.beam_search import BeamSearch, BeamSearchParams
 from appliance.generation_defaults import end_token_ids
 from appliance.messages import DetokParams, SamplingOptions, TextDelta, TokenizedRequest
 from appliance.server.errors import BadRequest
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
-from appliance.server.serving import Endpoint, check_priority, usage
+from appliance.server.serving import ChoiceFormatter, Endpoint, check_priority, sse_chunk, usage
 from appliance.server.state import ServerState, abort_on_disconnect, iterate_deltas, new_request_id
 
 # fields that change what is generated or returned and that beam search does not do -> why
 _REFUSED = {
-    "stream": "beam search answers once, when every beam has ended",
     "logprobs": "not returned with beam search",
     "top_logprobs": "not returned with beam search",
     "prompt_logprobs": "not returned with beam search",
@@ -110,30 +112,75 @@ async def serve_beam_search(
         )
         if gone:
             return Response(status_code=499)
-    choices = []
-    completion_tokens = 0
+    beams = []  # (choice index, text, tokens, finish_reason), best first per prompt
     for p, search in enumerate(searches):
         for rank, beam in enumerate(search.result()):
-            tokens = beam.tokens
-            finish = "stop" if beam.finished else "length"
+            tokens = list(beam.tokens)
             text = state.prompts.tokenizer.decode(
                 tokens[:-1] if beam.finished else tokens, skip_special_tokens=True
             )
-            index = p * body.n + rank
-            formatter.observe(index, TextDelta(group_id, text, list(tokens), len(tokens)))
-            choices.append(formatter.final_choice(index, text, None, finish))
-            completion_tokens += len(tokens)
+            beams.append((p * body.n + rank, text, tokens, "stop" if beam.finished else "length"))
     head = {"id": group_id, "created": int(time.time()), "model": model}
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    total = usage(prompt_tokens, sum(len(tokens) for _, _, tokens, _ in beams))
+    if body.stream:
+        options = body.stream_options
+        asked = bool(options and options.include_usage)
+        chunks = _chunks(
+            endpoint,
+            formatter,
+            head,
+            beams,
+            [len(prompts[index // body.n].token_ids) for index, *_ in beams],
+            total if asked or state.config.enable_force_include_usage else None,
+            bool(asked and options.continuous_usage_stats),
+        )
+        return StreamingResponse(chunks, media_type="text/event-stream")
+    choices = []
+    for index, text, tokens, finish in beams:
+        formatter.observe(index, TextDelta(group_id, text, tokens, len(tokens)))
+        choices.append(formatter.final_choice(index, text, None, finish))
     return JSONResponse(
         {
             **head,
             "object": endpoint.object_name,
             "system_fingerprint": None,
             "choices": choices,
-            "usage": usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+            "usage": total,
             **formatter.answer_fields([None] * len(choices)),  # chat's prompt_token_ids
         }
     )
+
+
+def _chunks(
+    endpoint: Endpoint,
+    formatter: ChoiceFormatter,
+    head: dict[str, Any],
+    beams: list[tuple[int, str, list[int], str]],
+    prompt_lengths: list[int],
+    total: dict[str, Any] | None,
+    continuous: bool,
+) -> Iterator[str]:
+    """The finished search as a stream: every choice's opening, then one chunk per choice with
+    its whole text and finish_reason; `total`: the usage chunk's (None: not asked for);
+    `continuous`: each choice's chunk carries that choice's usage too (vLLM's
+    continuous_usage_stats)."""
+    name, include_usage = endpoint.chunk_object_name, total is not None
+    for (index, *_), prompt_length in zip(beams, prompt_lengths, strict=True):
+        opening = formatter.opening(index)
+        if opening is not None:
+            mine = usage(prompt_length, 0) if continuous else None
+            fields = formatter.opening_fields()
+            yield sse_chunk(head, name, [opening], mine, include_usage=include_usage, **fields)
+    for (index, text, tokens, finish), prompt_length in zip(beams, prompt_lengths, strict=True):
+        delta = TextDelta(head["id"], text, tokens, len(tokens), finish)
+        formatter.observe(index, delta)
+        choice = formatter.delta_choice(index, delta)
+        mine = usage(prompt_length, len(tokens)) if continuous else None
+        yield sse_chunk(head, name, [choice], mine, include_usage=include_usage)
+    if include_usage:
+        yield sse_chunk(head, name, [], total, include_usage=True)
+    yield "data: [DONE]\n\n"
 
 
 async def _round(

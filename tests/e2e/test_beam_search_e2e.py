@@ -1,8 +1,11 @@
 """vLLM's use_beam_search through the real processes on the tiny dense checkpoint: completions
 and chat answer n beams, the offline LLM's beam search's sequences, best first; what beam search
-does not do is a 400 naming the field; afterwards nothing is held."""
+does not do is a 400 naming the field; streamed (the openai SDK), the same beams at the end, as
+vLLM streams them; afterwards nothing is held."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -49,7 +52,6 @@ def test_completions_and_chat_answer_the_offline_beams(http, offline):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"stream": True}, "stream"),
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
         ({"logit_bias": {"5": 1}}, "logit_bias"),
@@ -59,6 +61,55 @@ def test_what_beam_search_does_not_do_is_refused(http, extra, param):
     body = {"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}
     r = http.post("/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_streamed_beams_are_the_answers_beams(http, sdk, model):
+    """A stream carries each choice's opening, its whole text and finish_reason, the usage chunk
+    when asked, [DONE]; the texts and usage are those of the JSON answer."""
+    body = {"prompt": [11, 300, 42, 7, 99], "max_tokens": 5, "n": 3, "use_beam_search": True}
+    want = http.post("/completions", json={**body, "ignore_eos": True}).json()
+    streamed = {**body, "ignore_eos": True, "stream": True}
+    usage = {"stream_options": {"include_usage": True}}
+    with http.stream("POST", "/completions", json={**streamed, **usage}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["id"] == chunks[0]["id"] and c["object"] == "text_completion" for c in chunks)
+    texts = {}
+    for c in chunks[:-1]:
+        [choice] = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert choice["finish_reason"] == "length" and c["usage"] is None
+    assert [texts[i] for i in range(3)] == [c["text"] for c in want["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == want["usage"]
+    chat = sdk.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=4,
+        n=2,
+        stream=True,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    got, roles, finishes = {0: "", 1: ""}, set(), {}
+    for chunk in chat:
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.add(choice.delta.role)
+            got[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+    answer = http.post(
+        "/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+            "n": 2,
+            "use_beam_search": True,
+            "ignore_eos": True,
+        },
+    ).json()
+    assert [got[i] for i in range(2)] == [c["message"]["content"] for c in answer["choices"]]
+    assert roles == {"assistant"} and finishes == {0: "length", 1: "length"}
 
 
 def test_afterwards_nothing_is_held(appliance):
