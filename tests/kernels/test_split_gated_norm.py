@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import DEVICE, gpu, randn
+from kernel_cases import DEVICE, ON_GPU, gpu, randn
 from tolerances import ACCUMULATING, assert_close, assert_same_decode, poison
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -133,9 +133,16 @@ def test_head_norm_needs_k_steps_of_whole_heads():
         fp8_gemv(pending.y, w, s, config=config, head_norm=pending)
 
 
+GPU_ONLY = (pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="run on the GPU machine"))
+
+
 @pytest.mark.parametrize(
     "name,quantization,options",
-    [("dense", "", {"dtype": "bfloat16"}), ("dense", "fp8", {}), ("block", "", {})],
+    [  # off by default: on CPU one whole model (~20 s in the interpreter), all three on the GPU
+        pytest.param("dense", "", {"dtype": "bfloat16"}, marks=GPU_ONLY),
+        ("dense", "fp8", {}),
+        pytest.param("block", "", {}, marks=GPU_ONLY),
+    ],
 )
 def test_split_norm_gives_the_norm_kernels_logits(
     checkpoints,  # noqa: F811 - the fixture imported above
