@@ -214,10 +214,12 @@ class StatsTicker:
         interval_s: float,
         emit: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_window: Callable[[WindowStats], None] | None = None,
     ) -> None:
         self.window = window
         self.interval_s = interval_s
         self._emit = emit or logger.info
+        self._on_window = on_window  # sees every closed window, quiet ones included
         self._clock = clock
         self._last_roll = clock()
         self._last_idle = False
@@ -230,6 +232,8 @@ class StatsTicker:
             return None
         self._last_roll = now
         stats = self.window.roll(now)
+        if self._on_window is not None:
+            self._on_window(stats)
         quiet = stats.idle and self._last_idle
         self._last_idle = stats.idle
         if quiet:

@@ -28,6 +28,7 @@ from appliance.server.limits import BodyLimit, LimitedJSONRoute
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
 from appliance.server.responses_request import ResponsesRequest
 from appliance.server.responses_store import ResponseNotFound, StoredResponse, new_store
+from appliance.server.server_info import server_info
 from appliance.server.serving import serve
 from appliance.server.serving_beam import serve_beam_search
 from appliance.server.serving_chat import CHAT
@@ -227,6 +228,14 @@ def build_app(
     @app.get("/model_info", responses=error_responses(401))  # SGLang's newer name
     async def model_info_route():
         return model_info(state)
+
+    @app.get("/get_server_info", responses=error_responses(401, 500, 503))
+    @app.get("/server_info", responses=error_responses(401, 500, 503))  # SGLang's newer name
+    async def server_info_route():
+        state.check_accepting()
+        stats = (await state.client.status()).stats.scheduler
+        info = server_info(state.launch_args, state.max_model_len, stats, state.last_gen_throughput)
+        return JSONResponse(info)
 
     # vLLM's (and SGLang's) token counting, built as the two routes above build their prompts
     @app.post("/tokenize", responses=error_responses(400, 401, 404, 413, 500, 503))

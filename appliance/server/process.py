@@ -28,6 +28,7 @@ from appliance.metrics import MetricsRecorder
 from appliance.server.app import build_app
 from appliance.server.engine_client import EngineClient
 from appliance.server.prompts import PromptBuilder
+from appliance.server.server_info import launch_args
 from appliance.server.state import ServerState
 from appliance.stats import StatsTicker, StatsWindow
 
@@ -115,6 +116,7 @@ def build_state(config: ServeConfig, model_dir: str, addrs: Addresses) -> Server
         sampling_defaults=defaults,
         scheduling_policy=config.engine.scheduler.scheduling_policy,
         mtp_step=config.engine.scheduler.mtp_step,
+        launch_args=launch_args(config, name),
     )
 
 
@@ -123,7 +125,9 @@ def run_server(config: ServeConfig, model_dir: str, addrs: Addresses) -> None:
     link = RoleLink(addrs.launcher, "server")
     link.progress("loading tokenizer")
     state = build_state(config, model_dir, addrs)
-    ticker = StatsTicker(state.metrics.window, envs.APPLIANCE_LOG_STATS_INTERVAL)
+    ticker = StatsTicker(
+        state.metrics.window, envs.APPLIANCE_LOG_STATS_INTERVAL, on_window=state.note_window
+    )
     server: _Server | None = None
     app = build_app(
         state,

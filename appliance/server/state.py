@@ -34,6 +34,7 @@ from appliance.server.errors import (
 )
 from appliance.server.prompts import PromptBuilder
 from appliance.server.request_metrics import MetricsReport
+from appliance.stats import WindowStats
 
 STARTING_RETRY_AFTER_S = 5  # a 503 while the model loads: the SDKs wait this long to retry
 LARGE_PROMPT_CHARS = 65_536  # prompts over this many characters are built in the large lane
@@ -73,6 +74,15 @@ class ServerState:
     scheduling_policy: str = "fcfs"  # the router's (--scheduling-policy): may requests set priority
     mtp_step: int = 0  # the router's --mtp-step: /generate reports each request's MTP counts
     created: int = field(default_factory=lambda: int(time.time()))
+    # SGLang's /get_server_info: the launch settings (server_info.launch_args) and the generated
+    # tokens/s of the last stats window that generated any (set by the stats ticker)
+    launch_args: dict = field(default_factory=dict)
+    last_gen_throughput: float = 0.0
+
+    def note_window(self, stats: WindowStats) -> None:
+        """The stats ticker's closed window: keeps its generation rate if it generated."""
+        if stats.generation_tokens > 0:
+            self.last_gen_throughput = stats.generation_throughput
 
     @functools.cached_property
     def template_defaults(self) -> dict:

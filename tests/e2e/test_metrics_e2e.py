@@ -263,6 +263,26 @@ def test_stats_line_agrees_with_the_load(live, load):
     assert completed_prompt - slack <= prompt <= load["prompt_total"] + slack
 
 
+def test_server_info_has_the_last_generating_windows_rate(live, load):
+    """SGLang's /get_server_info: last_gen_throughput is the gen rate of the last stats line that
+    generated (later idle windows leave it); no MTP here, so no accept length."""
+    deadline = time.monotonic() + 10
+    while not (lines := _stats_lines(live.log())) or lines[-1]["running"] != "0":
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.2)
+    last_gen = [float(line["gen"]) for line in lines if float(line["gen"]) > 0][-1]
+    info = httpx.get(f"{live.url}/get_server_info", timeout=10).json()
+    [state] = info["internal_states"]
+    assert abs(state["last_gen_throughput"] - last_gen) <= 0.05 + 1e-9
+    assert state["avg_spec_accept_length"] is None and info["speculative_algorithm"] is None
+    models = httpx.get(f"{live.url}/v1/models", timeout=10).json()["data"]
+    assert info["model_path"] == info["served_model_name"] == MODEL
+    assert info["context_length"] == models[0]["max_model_len"] and info["tp_size"] == 1
+    assert not any("key" in name for name in info)  # nothing secret
+    newer = httpx.get(f"{live.url}/server_info", timeout=10).json()
+    assert newer.keys() == info.keys() and newer["model_path"] == MODEL
+
+
 def test_access_log_one_line_per_request_and_no_prompt_text(live, load):
     log = live.log()
     assert SECRET not in log

@@ -1,7 +1,8 @@
 """The appliance with `--mtp-step 2` (eagle) on a tiny model whose MTP head agrees with it: streams
 through the official `openai` SDK give the same greedy text as the offline engine without MTP, and
 the appliance reports the accept length (Prometheus counters and the /debug/status snapshot; per
-request: SGLang's /generate meta_info, vLLM's per-request `metrics`)."""
+request: SGLang's /generate meta_info, vLLM's per-request `metrics`; since start: SGLang's
+/get_server_info)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ def test_streams_match_mtp_off_and_report_accept_length(mtp_appliance, tiny_trai
     router = mtp_appliance.wait_idle()["router"]
     assert (router["kv_used"], router["state_used"]) == (0, 0)
     assert router["mtp_drafts"] == drafts and router["mtp_accepted_tokens"] == accepted
+    info = httpx.get(f"{mtp_appliance.url}/get_server_info").json()  # SGLang's, since start
+    assert info["internal_states"][0]["avg_spec_accept_length"] == 1.0 + accepted / drafts
+    assert info["speculative_algorithm"] == "NEXTN" and info["speculative_num_steps"] == 2
+    assert info["speculative_num_draft_tokens"] == 3 and info["max_running_requests"] == 8
 
 
 def test_penalised_and_scored_streams_draft_and_match_mtp_off(mtp_appliance, tiny_trained):
