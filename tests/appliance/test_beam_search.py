@@ -111,8 +111,9 @@ def test_the_servers_reading_of_a_request() -> None:
     assert beam_params(body, 7, True) == BeamSearchParams(3, 7, True, 0.0, 0.0)
     unset = CompletionRequest(prompt="hi", n=2, use_beam_search=True)
     assert beam_params(unset, 5, False).length_penalty == 1.0
-    with pytest.raises(BadRequest, match="stream"):
-        check_beam_request(CompletionRequest(prompt="hi", stream=True, use_beam_search=True))
+    check_beam_request(CompletionRequest(prompt="hi", stream=True, use_beam_search=True))  # streams
+    with pytest.raises(BadRequest, match="logprobs"):
+        check_beam_request(CompletionRequest(prompt="hi", logprobs=1, use_beam_search=True))
     for field, value in (("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 2)):
         with pytest.raises(BadRequest, match=field):
             check_beam_request(
