@@ -131,8 +131,8 @@ def test_padded_step_edits_rows_of_the_shared_logits_buffer(tiny_trained):
     want = off.generate(seqs, params)
     plain = off.generate(seqs, [SamplingParams(**seeded)] * 2 + [GREEDY])
     assert all(a.token_ids != b.token_ids for a, b in zip(want[::2], plain[::2]))  # edits bite
-    # the bias puts 3 or 4 first whatever the model; the frequency penalty then turns to the other
-    assert set(want[2].token_ids[:2]) == {3, 4} and all(t % 2 == 0 for t in want[0].token_ids)
+    # the bias outweighs the model's logits: only 3 and 4, the frequency penalty alternating them
+    assert set(want[2].token_ids[:6]) == {3, 4} and all(t % 2 == 0 for t in want[0].token_ids)
     llm = LLM(str(tiny_trained), mtp_step=3, **OPTS)
     graphs = padded(llm.runner, max_bs=4)
     vocab = llm.runner.text_config.vocab_size
