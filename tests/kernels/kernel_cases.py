@@ -9,10 +9,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 
 
+# the marks of a GPU-only case, also for one parameter set: pytest.param(..., marks=GPU_ONLY)
+GPU_ONLY = (pytest.mark.skipif(not ON_GPU, reason="full-size case needs CUDA"), pytest.mark.gpu)
+
+
 def gpu(func):
     """Full-size case: `pytest -m gpu tests/kernels` on the GPU machine; skipped on CPU."""
-    func = pytest.mark.skipif(not ON_GPU, reason="full-size case needs CUDA")(func)
-    return pytest.mark.gpu(func)
+    for mark in GPU_ONLY:
+        func = mark(func)
+    return func
 
 
 def generator(seed: int) -> torch.Generator:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import DEVICE, ON_GPU, gpu, randn
+from kernel_cases import DEVICE, GPU_ONLY, gpu, randn
 from tolerances import ACCUMULATING, assert_close, assert_same_decode, poison
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -131,9 +131,6 @@ def test_head_norm_needs_k_steps_of_whole_heads():
     config = {"block_n": 16, "block_k": 32, "num_warps": 4}
     with pytest.raises(ValueError, match="whole heads"):
         fp8_gemv(pending.y, w, s, config=config, head_norm=pending)
-
-
-GPU_ONLY = (pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="run on the GPU machine"))
 
 
 @pytest.mark.parametrize(
