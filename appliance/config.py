@@ -159,6 +159,9 @@ class GraphConfig:
     # a step that is one request's prefill chunk of fewer rows than this runs as a CUDA graph
     # (buckets 32..512; 0 = never)
     cuda_graph_max_prefill_tokens: int = 512
+    # MTP: accept drafts on the host after an eager verify instead of the fused device step
+    # (also APPLIANCE_DISABLE_MTP_FUSED_GRAPH=1)
+    disable_mtp_fused_graph: bool = False
 
     def __post_init__(self) -> None:
         _check(self.cuda_graph_max_bs >= 0, "cuda_graph_max_bs", "an integer >= 0")

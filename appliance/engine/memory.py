@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from appliance import envs
 from appliance.engine.batch import build_batch
 from appliance.engine.graphs import graph_reserve_bytes
 from appliance.engine.mtp_graphs import mtp_graph_max_bs, mtp_graph_reserve_bytes
@@ -142,7 +141,7 @@ class RunnerMemory:
         graphs += prefill_graph_reserve_bytes(
             min(self.prefill_graph_tokens, self.max_model_len), self.text_config.hidden_size, vocab
         )
-        if self.mtp_step and not envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:
+        if self.mtp_step and self.mtp_fused:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
         held = activation + self.reserved_bytes + graphs

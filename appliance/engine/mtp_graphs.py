@@ -22,7 +22,8 @@ when the step's result arrives. Nothing is read back by the host inside the step
 transfer, and its result (the k + 1 samples and the accepted count per request) goes back in one
 non-blocking copy. The same acceptance as the host path in appliance/engine/mtp.py, so either is
 lossless against MTP off; steps that mix in prefill chunks, plain decodes, images or fewer drafts
-take that host path. `APPLIANCE_DISABLE_MTP_FUSED_GRAPH=1` turns this path off.
+take that host path. `--disable-mtp-fused-graph` (or `APPLIANCE_DISABLE_MTP_FUSED_GRAPH=1`) turns
+this path off.
 """
 
 from __future__ import annotations

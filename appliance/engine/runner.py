@@ -152,6 +152,9 @@ class ModelRunner(RunnerMemory):
             )
         self.eos_token_ids = self._eos_ids()
         self.mtp_step = config.scheduler.mtp_step
+        # the fused MTP step (graphed where decode is), else acceptance on the host
+        off = config.graphs.disable_mtp_fused_graph or envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH
+        self.mtp_fused = not off
         self.draft_modules = self._build_drafts() if self.mtp_step else []
         self.pools = Pools(
             [self.model, *self.draft_modules],
@@ -314,8 +317,8 @@ class ModelRunner(RunnerMemory):
 
     def _mtp_graphs(self) -> MtpGraphs | None:
         """The device-resident MTP step: captured with the decode graphs, else run eagerly."""
-        if envs.APPLIANCE_DISABLE_MTP_FUSED_GRAPH:
-            log.info("MTP: fused step off (APPLIANCE_DISABLE_MTP_FUSED_GRAPH): accept on the host")
+        if not self.mtp_fused:
+            log.info("MTP: fused step off (--disable-mtp-fused-graph): accept on the host")
             return None
         sizes = self.pools.sizes
         max_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step) or sizes.num_req_slots

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -263,9 +262,12 @@ def build_runner(
     quantization: str = "none",
     kv_cache_dtype: str = "auto",
     max_model_len: int = 4096,
+    mtp_fused: bool = True,
 ) -> ModelRunner:
     """A runner on dummy weights from a real config.json, with pools sized for the benchmark;
-    `quantization`: none, fp8 (online, per channel) or block (the official -FP8 repos' layout)."""
+    `quantization`: none, fp8 (online, per channel) or block (the official -FP8 repos' layout);
+    `mtp_fused`: False leaves the runner without its own fused MTP step (a caller that builds
+    them per case)."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = json.loads(Path(config).read_text())
         if quantization == "block":
@@ -287,7 +289,9 @@ def build_runner(
             ),
             parallel=ParallelConfig(device=device),
             cache=CacheConfig(kv_cache_dtype=kv_cache_dtype),
-            graphs=GraphConfig(disable_cuda_graph=not graphs),
+            graphs=GraphConfig(
+                disable_cuda_graph=not graphs, disable_mtp_fused_graph=not mtp_fused
+            ),
         )
         return ModelRunner(engine)
 
@@ -489,7 +493,6 @@ def main() -> None:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     default_wide = dict(fp8_gemv.WIDE_TILE)
-    os.environ["APPLIANCE_DISABLE_MTP_FUSED_GRAPH"] = "1"  # built per (k, batch) below instead
     runner = build_runner(
         args.config,
         max(args.batch),
@@ -500,6 +503,7 @@ def main() -> None:
         args.device,
         args.quantization,
         args.kv_cache_dtype,
+        mtp_fused=False,  # built per (k, batch) below instead
     )
     bandwidth = copy_bandwidth()
     captured = runner.graphs

@@ -162,6 +162,17 @@ def test_fused_and_host_paths_accept_the_same_drafts(tiny_trained, mode, monkeyp
     assert sum(results[True][1]) > results[True][2] // 2  # drafts really were accepted
 
 
+def test_the_flag_or_the_env_variable_turns_the_fused_step_off(tiny_dense, monkeypatch):
+    """`--disable-mtp-fused-graph` (GraphConfig) and APPLIANCE_DISABLE_MTP_FUSED_GRAPH each leave
+    the runner without its fused step (and its memory unreserved); neither: the step is built."""
+    monkeypatch.delenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", raising=False)
+    assert LLM(str(tiny_dense), mtp_step=2, **OPTS).runner.mtp_graphs is not None
+    flag = LLM(str(tiny_dense), mtp_step=2, disable_mtp_fused_graph=True, **OPTS)
+    assert flag.runner.mtp_graphs is None and not flag.runner.mtp_fused
+    monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "1")
+    assert LLM(str(tiny_dense), mtp_step=2, **OPTS).runner.mtp_graphs is None
+
+
 def test_a_step_with_prefill_chunks_splits_around_the_fused_verify(tiny_dense):
     """Verify chunks of decoding requests take the fused step while another request's prefill
     chunks (and clamped verifies near max_tokens) run on the host path in the same step."""
