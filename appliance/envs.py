@@ -128,6 +128,13 @@ _register(
     "Seconds a role may go without a heartbeat (one a second) before the launcher fails the "
     "appliance naming it, as if it died (0 = off).",
 )
+_register(
+    "APPLIANCE_TORCH_PROFILER_DIR",
+    "",
+    str,
+    "Folder of the workers' torch.profiler traces (POST /start_profile without an output_dir); "
+    "empty = <tmp>/appliance-profiles.",
+)
 _register("APPLIANCE_HOME", "~/.cache/appliance", str, "Cache folder (embedded default model).")
 _register(
     "APPLIANCE_DEFAULT_MODEL",

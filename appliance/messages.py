@@ -108,6 +108,26 @@ class ScheduledChunk(msgspec.Struct, frozen=True):
     save_snapshot: int = -1
 
 
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # what ProfileAction.activities may name
+
+
+class ProfileAction(msgspec.Struct, frozen=True):
+    """Start or stop torch.profiler on every worker rank before the plan that carries it runs
+    (POST /start_profile, /stop_profile; the offline LLM's start_profile / stop_profile). Written
+    by server (inside a ProfileRequest), put in a StepPlan by router, read by worker
+    (engine/profiler.py). Each rank writes `<output_dir>/<profile_id>-TP-<rank>.trace.json.gz`."""
+
+    start: bool  # False: stop and write the traces
+    output_dir: str = ""  # absolute; made by the server
+    profile_id: str = ""  # the traces' file name stem
+    # of CPU, GPU (CUDA kernels), MEM (allocations)
+    activities: list[str] = msgspec.field(default_factory=lambda: ["CPU", "GPU"])
+    record_shapes: bool = False
+    with_stack: bool = False
+    # > 0: the router sends the stop itself after this many device steps (0: at a stop request)
+    num_steps: int = 0
+
+
 class StepPlan(msgspec.Struct, frozen=True):
     """One forward step. Written by router, broadcast to every worker rank. The worker applies
     `released_slots` before `new_requests`: a slot can be freed and reused in the same plan."""
@@ -119,6 +139,7 @@ class StepPlan(msgspec.Struct, frozen=True):
     # states of requests that ended (their prefix goes into the prefix cache): applied first,
     # before `released_slots` frees their request slots
     snapshot_saves: list[SnapshotSave] = []
+    profile: ProfileAction | None = None  # the profiler switch, applied before the step runs
 
 
 class SampledTokens(msgspec.Struct, frozen=True):
@@ -154,6 +175,16 @@ class PromptScores(msgspec.Struct, frozen=True):
     scores: PromptLogprobs
 
 
+class ProfileReport(msgspec.Struct, frozen=True):
+    """What the profiler did with a plan's ProfileAction (on every rank: a switch that failed on
+    one is undone or reported by all). Written by worker rank 0 (in StepResult), read by router."""
+
+    ok: bool
+    message: str
+    started: bool = False  # True: the profiler runs from this step on; False: it stopped
+    files: list[str] = []  # the traces written (every rank's, by the naming rule), at a stop
+
+
 class StepResult(msgspec.Struct, frozen=True):
     """Result of one StepPlan. Written by worker rank 0, read by router."""
 
@@ -164,6 +195,7 @@ class StepResult(msgspec.Struct, frozen=True):
     # structured outputs: request slots whose grammar the worker compiled since its last result
     # (the router plans no sampling row of a guided request before it is listed here)
     guides_ready: list[int] = []
+    profile: ProfileReport | None = None  # what the profiler did with the plan's action
 
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -320,6 +352,16 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", frozen=True):
     holds; answered with a PrefixCacheReset sent straight to the server."""
 
     query_id: int
+
+
+class ProfileRequest(msgspec.Struct, tag="profile_request", frozen=True):
+    """Start or stop the workers' profiler (POST /start_profile, /stop_profile). Written by
+    server, read by router (through the visual server when there is one), which puts the action
+    in its next plan (an empty one when idle); answered with a ProfileAnswer once rank 0 has
+    applied it."""
+
+    query_id: int
+    action: ProfileAction
 
 
 # ---------------------------------------------------------------- router -> detokenizer -> server
@@ -490,6 +532,16 @@ class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", frozen=True):
     kept_snapshots: int = 0
 
 
+class ProfileAnswer(msgspec.Struct, tag="profile_answer", frozen=True):
+    """Answer to a ProfileRequest: rank 0's report, or why the router refused it (a start while
+    profiling, a stop while not). Written by router, read by server (the route's JSON body)."""
+
+    query_id: int
+    ok: bool
+    message: str
+    files: list[str] = []
+
+
 class RouterOutput(msgspec.Struct, tag="router_output", frozen=True):
     """One step's worth of updates. Written by router, read by detokenizer."""
 
@@ -628,9 +680,22 @@ class Fatal(msgspec.Struct, tag="fatal", frozen=True):
 
 
 ToRouter = (
-    TokenizedRequest | AbortRequest | FinishRequest | StatusQuery | ResetPrefixCache | RejectRequest
+    TokenizedRequest
+    | AbortRequest
+    | FinishRequest
+    | StatusQuery
+    | ResetPrefixCache
+    | RejectRequest
+    | ProfileRequest
 )
-ToVisual = TokenizedRequest | AbortRequest | StatusQuery | ResetPrefixCache | ReleaseImages
-ToServer = DetokOutput | RouterStats | RouterStatus | PrefixCacheReset | VisualStats
+ToVisual = (
+    TokenizedRequest
+    | AbortRequest
+    | StatusQuery
+    | ResetPrefixCache
+    | ReleaseImages
+    | ProfileRequest
+)
+ToServer = DetokOutput | RouterStats | RouterStatus | PrefixCacheReset | VisualStats | ProfileAnswer
 ToLauncher = StartupProgress | ProcessReady | Drained | Heartbeat | StartupFailed
 ToServerControl = EngineReady | Drain | Fatal

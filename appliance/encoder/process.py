@@ -28,6 +28,7 @@ from appliance.ipc import Addresses, RoleLink, child_init, zmq_socket
 from appliance.logging import get_logger
 from appliance.messages import (
     AbortRequest,
+    ProfileRequest,
     ReleaseImages,
     ResetPrefixCache,
     StatusQuery,
@@ -124,7 +125,9 @@ class VisualServer:
                 self.pipeline.on_release(msg.req_ids)
             elif isinstance(msg, AbortRequest) and self.pipeline.on_abort(msg.req_id):
                 logger.debug("aborted %s before its images were encoded", msg.req_id)
-            elif isinstance(msg, (TokenizedRequest, AbortRequest, StatusQuery, ResetPrefixCache)):
+            elif isinstance(
+                msg, (TokenizedRequest, AbortRequest, StatusQuery, ResetPrefixCache, ProfileRequest)
+            ):
                 self.to_router.send(frame)  # relayed byte for byte, in arrival order
 
     def _collect_results(self) -> None:

@@ -47,6 +47,7 @@ from appliance.engine.prefill_graphs import (
     prefill_buckets,
     prefill_graph_reserve_bytes,
 )
+from appliance.engine.profiler import StepProfiler
 from appliance.engine.prompt_logprobs import score_prompts
 from appliance.engine.requests import RequestTable
 from appliance.engine.sampler import Sampler, SamplerOutput
@@ -55,6 +56,7 @@ from appliance.engine.verify_edits import VerifyEdits, sampling_rows
 from appliance.generation_defaults import end_token_ids
 from appliance.logging import get_logger
 from appliance.messages import (
+    ProfileReport,
     PromptScores,
     SampledTokens,
     ScheduledChunk,
@@ -218,6 +220,8 @@ class ModelRunner(RunnerMemory):
         self._pending: collections.deque[PendingStep] = collections.deque()
         self._metered: collections.deque[bool] = collections.deque()  # busy meter, per pending
         self.busy = BusyMeter(envs.APPLIANCE_GPU_BUSY_LOG if rank == 0 else 0.0, self.device)
+        self.profiler = StepProfiler(rank, world_size, self.device)
+        self._profile_reports: dict[int, ProfileReport] = {}  # step id -> its plan's action's
 
     # ------------------------------------------------------------------ startup
     def _build_model(self) -> torch.nn.Module:
@@ -402,6 +406,8 @@ class ModelRunner(RunnerMemory):
 
     def submit(self, plan: StepPlan) -> None:
         metered = bool(plan.chunks)  # an empty plan (grammars compiling) is no device step
+        if plan.profile is not None:  # before the step: a start profiles it, a stop does not
+            self._profile_reports[plan.step_id] = self.profiler.apply(plan.profile)
         if self._pending and self._pending[-1].deferred is not None:
             # (the worker collects before it submits again; other callers may not) the held-back
             # sampling writes tokens this plan's forward reads: finish the steps before it first
@@ -410,7 +416,8 @@ class ModelRunner(RunnerMemory):
             self._pending[-1].launch_deferred()
         if metered:
             self.busy.begin()
-        self._pending.append(self._launch(plan))
+        with self.profiler.step(plan.step_id, metered):
+            self._pending.append(self._launch(plan))
         self._metered.append(metered)
         if metered:
             self.busy.end()
@@ -425,10 +432,16 @@ class ModelRunner(RunnerMemory):
         if self._pending:  # a guided step's sampling waited for this result: behind its forward
             with torch.inference_mode():  # as the rest of its launch ran
                 self._pending[0].launch_deferred()
-        if self._metered.popleft():
+        metered = self._metered.popleft()
+        if metered:
             self.busy.collected()
         ready = self.guided.newly_compiled() if self.guided else []
-        return msgspec.structs.replace(result, guides_ready=ready) if ready else result
+        if ready:
+            result = msgspec.structs.replace(result, guides_ready=ready)
+        report = self._profile_reports.pop(result.step_id, None)
+        if report is not None:
+            result = msgspec.structs.replace(result, profile=report)
+        return result
 
     @torch.inference_mode()
     def _launch(self, plan: StepPlan) -> PendingStep:

@@ -19,7 +19,14 @@ from appliance.beam_search import BeamSearchParams
 from appliance.detokenizer.detokenizer import Detokenizer
 from appliance.detokenizer.tokenizer import TextTokenizer
 from appliance.generation_defaults import generation_defaults
-from appliance.messages import ImageInput, TextDelta, TokenizedRequest, TokenUpdate
+from appliance.messages import (
+    ImageInput,
+    ProfileAction,
+    ProfileAnswer,
+    TextDelta,
+    TokenizedRequest,
+    TokenUpdate,
+)
 from appliance.offline.beams import BeamSearchOutput, beam_search
 from appliance.offline.guides import GuideChecker, structured
 from appliance.offline.images import OfflineImages, reserve_vit
@@ -146,6 +153,51 @@ class LLM:
         """Empties the prefix cache (vLLM's LLM.reset_prefix_cache; between generate calls no
         request holds an entry, so everything goes). False when prefix caching is off."""
         return self.scheduler.reset_prefix_cache() is not None
+
+    def start_profile(
+        self,
+        profile_prefix: str | None = None,
+        *,
+        output_dir: str | None = None,
+        activities: list[str] | None = None,
+        num_steps: int | None = None,
+        record_shapes: bool = False,
+        with_stack: bool = False,
+    ) -> str:
+        """vLLM's LLM.start_profile: torch.profiler on every worker rank from the next step on,
+        until `stop_profile` (or `num_steps` device steps). Traces go to `output_dir`, else
+        APPLIANCE_TORCH_PROFILER_DIR, else <tmp>/appliance-profiles, one per rank
+        (`<prefix>-<id>-TP-<rank>.trace.json.gz`); `activities` of CPU, GPU (default both), MEM.
+        Returns the folder; ValueError for a bad argument, RuntimeError when already profiling."""
+        from appliance.server.errors import APIError
+        from appliance.server.profiling import StartProfileRequest, start_action
+
+        try:
+            body = StartProfileRequest(
+                output_dir=output_dir,
+                activities=activities,
+                num_steps=num_steps,
+                record_shapes=record_shapes,
+                with_stack=with_stack,
+                profile_prefix=profile_prefix,
+            )
+            action = start_action(body)
+        except (APIError, ValueError) as exc:  # (pydantic's ValidationError is a ValueError)
+            raise ValueError(f"start_profile: {exc}") from None
+        self._profile(action)
+        return action.output_dir
+
+    def stop_profile(self) -> list[str]:
+        """vLLM's LLM.stop_profile: stops the profiler, writes the traces; their paths."""
+        return self._profile(ProfileAction(start=False)).files
+
+    def _profile(self, action: ProfileAction) -> ProfileAnswer:
+        self.engine.profile(0, action)
+        while not (answers := self.engine.take_profile_answers()):
+            self.engine.step()  # the switch rides in the next plan (an empty one here)
+        if not answers[0].ok:
+            raise RuntimeError(f"profiling: {answers[0].message}")
+        return answers[0]
 
     encode = _no_pooling("encode")
     embed = _no_pooling("embed")

@@ -16,6 +16,9 @@ import msgspec
 from appliance.logging import get_logger
 from appliance.messages import (
     DetokRegister,
+    ProfileAction,
+    ProfileAnswer,
+    ProfileReport,
     RequestProgress,
     RouterOutput,
     RouterStats,
@@ -41,6 +44,8 @@ class Executor(Protocol):
     def collect(self) -> StepResult: ...
 
 
+AUTO_STOP = -1  # query id of the profiler stop the router sends itself (num_steps): no answer
+
 # Step N+1 is planned and sent while the workers still run step N: as many steps out as the
 # scheduler lets a request have sampled tokens pending.
 MAX_IN_FLIGHT = MAX_PENDING
@@ -65,6 +70,14 @@ class EngineCore:
         self._in_flight: collections.deque[tuple[int, float, bool]] = collections.deque()
         self._mm_live: set[str] = set()  # live requests whose images the visual server pins
         self._mm_ended: list[str] = []  # ended since the last take: unpin after the step
+        # the workers' profiler: a switch waiting for the next plan (query id, action), the plans
+        # in flight that carry one (step id -> query id), whether it runs, the device steps left
+        # before the router stops it (num_steps; 0: none), answers to send
+        self._profile_next: tuple[int, ProfileAction] | None = None
+        self._profile_steps: dict[int, int] = {}
+        self.profiling = False
+        self._profile_left = 0
+        self._profile_answers: list[ProfileAnswer] = []
 
     # ------------------------------------------------------------------ requests in
     def add(self, msg: TokenizedRequest) -> None:
@@ -123,7 +136,23 @@ class EngineCore:
         self._ended(req_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._in_flight)
+        return self.scheduler.has_work() or bool(self._in_flight) or self._profile_next is not None
+
+    def profile(self, query_id: int, action: ProfileAction) -> None:
+        """Starts or stops the workers' profiler with the next plan (an empty one when idle);
+        answered (`take_profile_answers`) once rank 0 has applied it, or at once when refused."""
+        if self._profile_next is not None or self._profile_steps:
+            refusal = "a profiler switch is already on its way to the workers; retry"
+        elif action.start and self.profiling:
+            refusal = "the profiler is already running: stop it first (POST /stop_profile)"
+        elif not action.start and not self.profiling:
+            refusal = "the profiler is not running"
+        else:
+            self._profile_next = (query_id, action)
+            self.profiling = action.start
+            self._profile_left = action.num_steps if action.start else 0
+            return
+        self._profile_answers.append(ProfileAnswer(query_id, False, refusal))
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
@@ -134,6 +163,15 @@ class EngineCore:
         was nothing to do."""
         start = time.perf_counter()
         plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+        if self._profile_next is not None:
+            query_id, action = self._profile_next
+            self._profile_next = None
+            plan = msgspec.structs.replace(plan or self.scheduler.empty_plan(), profile=action)
+            self._profile_steps[plan.step_id] = query_id
+        if plan is not None and plan.chunks and self._profile_left:
+            self._profile_left -= 1  # the num_steps-th profiled device step: stop after it
+            if not self._profile_left:
+                self._profile_next = (AUTO_STOP, ProfileAction(start=False))
         if plan is not None:
             if plan.new_requests:
                 self._note_admissions()
@@ -172,6 +210,23 @@ class EngineCore:
         if timed:
             self._forward_s.append(result.forward_s)
             self._router_s.append(planned + time.perf_counter() - start)
+        query_id = self._profile_steps.pop(step_id, None)
+        if query_id is not None:
+            self._profile_applied(query_id, result.profile)
+
+    def _profile_applied(self, query_id: int, report: ProfileReport | None) -> None:
+        """Rank 0's report on the switch a plan carried: the answer to its query."""
+        if report is None:  # a runner without a profiler (a test or benchmark stand-in)
+            report = ProfileReport(False, "the workers' runner does not profile")
+        self.profiling = report.started
+        if not self.profiling:
+            self._profile_left = 0
+        if query_id == AUTO_STOP:
+            log = logger.info if report.ok else logger.error
+            log("profiler stopped after its num_steps: %s; %s", report.message, report.files)
+            return
+        answer = ProfileAnswer(query_id, report.ok, report.message, report.files)
+        self._profile_answers.append(answer)
 
     def _ended(self, req_id: str) -> None:
         """A request is gone; if the visual server pinned images for it, they are unpinned after
@@ -200,6 +255,10 @@ class EngineCore:
         out = RouterOutput(registers=self._registers, updates=self._updates)
         self._registers, self._updates = [], []
         return out
+
+    def take_profile_answers(self) -> list[ProfileAnswer]:
+        answers, self._profile_answers = self._profile_answers, []
+        return answers
 
     def take_ended_images(self) -> list[str]:
         """Requests with pinned images that ended since the last call."""

@@ -1,8 +1,9 @@
 """The router process: an EngineCore (router/engine.py) between sockets. Takes tokenized requests,
 aborts and stop-string finishes in; broadcasts each StepPlan to every worker and reads rank 0's
 StepResults in order, planning and sending the next step while the workers run the current one;
-token updates go to the detokenizer, RouterStats, RouterStatus and PrefixCacheReset (the answer to
-a ResetPrefixCache) straight to the server. With a visual server, requests arrive through it
+token updates go to the detokenizer, RouterStats, RouterStatus, PrefixCacheReset (the answer to
+a ResetPrefixCache) and ProfileAnswer (to a ProfileRequest, whose action rides in the next plan)
+straight to the server. With a visual server, requests arrive through it
 (image requests carry `mm` handles); when such a request ends, the router tells the visual server
 (ReleaseImages) to unpin them.
 
@@ -24,6 +25,7 @@ from appliance.messages import (
     AbortRequest,
     FinishRequest,
     PrefixCacheReset,
+    ProfileRequest,
     RejectRequest,
     ReleaseImages,
     ResetPrefixCache,
@@ -122,6 +124,8 @@ class RouterLoop:
             self.to_server.send(encode(status))
         elif isinstance(msg, ResetPrefixCache):
             self._reset_prefix_cache(msg.query_id)
+        elif isinstance(msg, ProfileRequest):
+            self.engine.profile(msg.query_id, msg.action)
 
     def _reset_prefix_cache(self, query_id: int) -> None:
         """Safe here: the inbox is read between plans (before planning, or while waiting for a
@@ -140,6 +144,8 @@ class RouterLoop:
         out = self.engine.take_output()
         if out is not None:
             self.to_detok.send(encode(out), copy=False)
+        for answer in self.engine.take_profile_answers():
+            self.to_server.send(encode(answer))
         now = time.monotonic()
         busy = self.engine.has_work()
         if (busy and now - self._last_stats >= STATS_INTERVAL_S) or (self._was_busy and not busy):

@@ -292,6 +292,17 @@ class Scheduler:
         self._released, self._snapshot_saves = [], []
         return plan
 
+    def empty_plan(self) -> StepPlan:
+        """A plan that computes nothing (it carries what the workers do between steps: the
+        profiler's switch, the slots and snapshots released since the last plan); its result
+        updates no request."""
+        step_id = self._step_id
+        self._step_id += 1
+        self._inflight[step_id] = {}
+        plan = StepPlan(step_id, [], [], self._released, self._snapshot_saves)
+        self._released, self._snapshot_saves = [], []
+        return plan
+
     def _awaiting_guides(self) -> bool:
         """A running request waits for its grammar: an empty plan lets the worker report it
         (the worker waits a few ms for a compile to finish before answering it)."""

@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI routes, SGLang's native /generate, /health, /debug/status, the
-prefix-cache reset, /metrics, the access log.
+prefix-cache reset, the workers' profiler, /metrics, the access log.
 
 `build_app(state)` is called by process.py (under uvicorn) and by tests (TestClient). The engine
 client's sockets are opened in the app's lifespan, so they live on the serving event loop.
@@ -20,11 +20,18 @@ from fastapi.responses import JSONResponse, Response
 
 from appliance import __version__
 from appliance.logging import log_access
-from appliance.messages import RouterStats, VisualStats
+from appliance.messages import ProfileAction, RouterStats, VisualStats
 from appliance.metrics import flat_report
 from appliance.server.auth import install_auth
 from appliance.server.errors import error_response, install_error_handlers
 from appliance.server.limits import BodyLimit, LimitedJSONRoute
+from appliance.server.profiling import (
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    StartProfileRequest,
+    answer_body,
+    start_action,
+)
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
 from appliance.server.responses_request import ResponsesRequest
 from appliance.server.responses_store import ResponseNotFound, StoredResponse, new_store
@@ -57,6 +64,8 @@ _ROUTES = (
     "/debug/status",
     "/reset_prefix_cache",
     "/flush_cache",
+    "/start_profile",
+    "/stop_profile",
     "/tokenize",
     "/detokenize",
     "/version",
@@ -323,6 +332,21 @@ def build_app(
     @app.get("/flush_cache", responses=error_responses(401, 500, 503))
     async def flush_cache():
         return await reset_cache()
+
+    # torch.profiler on the workers (SGLang's and vLLM's pair, which their bench_serving --profile
+    # POSTs around a run): the traces' folder and names in the answer
+    @app.post("/start_profile", responses=error_responses(400, 401, 500, 503))
+    async def start_profile(body: StartProfileRequest | None = None):
+        state.check_accepting()
+        action = start_action(body)
+        answer = await state.client.profile(action, START_TIMEOUT_S)
+        return JSONResponse(answer_body(answer, action))
+
+    @app.post("/stop_profile", responses=error_responses(400, 401, 500, 503))
+    async def stop_profile():
+        state.check_accepting()
+        answer = await state.client.profile(ProfileAction(start=False), STOP_TIMEOUT_S)
+        return JSONResponse(answer_body(answer, None))
 
     @app.head("/metrics", include_in_schema=False)  # uptime checkers send HEAD
     @app.get("/metrics", responses=error_responses(401))

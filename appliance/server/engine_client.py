@@ -9,9 +9,12 @@ Used by the handler skeleton in serving.py; created by process.py (real sockets)
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -21,6 +24,9 @@ from appliance.messages import (
     AbortRequest,
     DetokOutput,
     PrefixCacheReset,
+    ProfileAction,
+    ProfileAnswer,
+    ProfileRequest,
     ResetPrefixCache,
     RouterStats,
     RouterStatus,
@@ -239,9 +245,14 @@ class EngineClient:
         """Empties the router's prefix cache (what live requests hold stays); its report."""
         return await self._ask(ResetPrefixCache, "the prefix-cache reset", timeout_s)
 
+    async def profile(self, action: ProfileAction, timeout_s: float) -> ProfileAnswer:
+        """Starts or stops the workers' profiler; the router's answer once rank 0 applied it."""
+        query = functools.partial(ProfileRequest, action=action)
+        return await self._ask(query, "the profiler switch", timeout_s)
+
     async def _ask(
-        self, query: type, what: str, timeout_s: float
-    ) -> RouterStatus | PrefixCacheReset:
+        self, query: Callable[[int], Any], what: str, timeout_s: float
+    ) -> RouterStatus | PrefixCacheReset | ProfileAnswer:
         """Sends `query(query_id)` to the router and waits for the answer carrying that id."""
         if self.failure is not None:
             raise EngineFailed(self.failure)
@@ -315,14 +326,16 @@ class EngineClient:
                 if self.metrics is not None:
                     self.metrics.apply_router_stats(msg.stats)
                 self._answer(msg.query_id, msg)
-            elif isinstance(msg, PrefixCacheReset):
+            elif isinstance(msg, (PrefixCacheReset, ProfileAnswer)):
                 self._answer(msg.query_id, msg)
             elif isinstance(msg, VisualStats):
                 self.visual_stats = msg
                 if self.metrics is not None:
                     self.metrics.apply_visual_stats(msg)
 
-    def _answer(self, query_id: int, answer: RouterStatus | PrefixCacheReset) -> None:
+    def _answer(
+        self, query_id: int, answer: RouterStatus | PrefixCacheReset | ProfileAnswer
+    ) -> None:
         waiter = self._waiters.get(query_id)
         if waiter is not None and not waiter.done():  # (none: it timed out already)
             waiter.set_result(answer)

@@ -112,6 +112,8 @@ IMAGE_DATA = m.ImageData("ab12cd_1x4x4", b"\x89PNG\r\n", 3, (1, 4, 4), 1024, 409
 VISUAL_STATS = m.VisualStats(3, 1, 4096, 5, 2, [0.01], [0.02, 0.03])
 VISUAL_INFO = m.VisualInfo("cuda:0", 2**30, 900_000_000, (1, 64, 64), 8)
 
+PROFILE = m.ProfileAction(True, "/t", "p", ["CPU", "MEM"], True, False, 3)
+
 SAMPLES: dict[type, msgspec.Struct] = {
     m.SamplingOptions: OPTS,
     m.Guide: OPTS.guide,
@@ -119,7 +121,11 @@ SAMPLES: dict[type, msgspec.Struct] = {
     m.NewRequest: NEW,
     m.ScheduledChunk: CHUNK,
     m.SnapshotSave: SAVE,
-    m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2], [SAVE]),
+    m.ProfileAction: PROFILE,
+    m.StepPlan: m.StepPlan(1, [NEW], [CHUNK], [1, 2], [SAVE], PROFILE),
+    m.ProfileReport: m.ProfileReport(True, "2 steps profiled", False, ["/t/p-TP-0.trace.json.gz"]),
+    m.ProfileRequest: m.ProfileRequest(7, PROFILE),
+    m.ProfileAnswer: m.ProfileAnswer(7, False, "the profiler is not running"),
     m.SampledTokens: m.SampledTokens(3, [42], [-0.5], [[(42, -0.5), (7, -1.5)]]),
     m.PromptLogprobs: PROMPT_LP,
     m.PromptScores: m.PromptScores(3, m.PromptLogprobs(4, [8], [-1.5], [[(8, -1.5)]])),
@@ -128,6 +134,8 @@ SAMPLES: dict[type, msgspec.Struct] = {
         [m.SampledTokens(3, [42], [-0.5], [[(42, -0.5)]])],
         0.01,
         [m.PromptScores(3, m.PromptLogprobs(1, [8, 9], [-1.5, -0.5], [[], []]))],
+        [4],
+        m.ProfileReport(True, "profiling CPU, CUDA", True),
     ),
     m.DetokParams: DETOK,
     m.TokenizedRequest: m.TokenizedRequest(
@@ -191,6 +199,7 @@ UNIONS = {
         m.StatusQuery,
         m.ResetPrefixCache,
         m.RejectRequest,
+        m.ProfileRequest,
     ),
     m.ToVisual: (
         m.TokenizedRequest,
@@ -198,8 +207,16 @@ UNIONS = {
         m.StatusQuery,
         m.ResetPrefixCache,
         m.ReleaseImages,
+        m.ProfileRequest,
     ),
-    m.ToServer: (m.DetokOutput, m.RouterStats, m.RouterStatus, m.PrefixCacheReset, m.VisualStats),
+    m.ToServer: (
+        m.DetokOutput,
+        m.RouterStats,
+        m.RouterStatus,
+        m.PrefixCacheReset,
+        m.VisualStats,
+        m.ProfileAnswer,
+    ),
     m.ToLauncher: (m.StartupProgress, m.ProcessReady, m.Drained, m.Heartbeat, m.StartupFailed),
     m.ToServerControl: (m.EngineReady, m.Drain, m.Fatal),
 }

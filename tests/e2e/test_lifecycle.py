@@ -1,5 +1,5 @@
 """Process lifecycle of a live appliance: TP=2 over gloo equals TP=1 (prompt logprobs included),
-SIGTERM drains in-flight work and exits 0, and a SIGKILLed worker fails open streams fast, fails
+both ranks write a trace between POST /start_profile and /stop_profile, SIGTERM drains in-flight work and exits 0, and a SIGKILLed worker fails open streams fast, fails
 /health, and makes the launcher exit non-zero naming the worker."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
             model=tiny_dense.name, prompt=prompts[1], echo=True, logprobs=2, max_tokens=0
         )
         assert_scored_like_transformers(tiny_dense, prompts[1], scored.choices[0].logprobs, 2)
+        check_profiler_on_both_ranks(app, sdk, tiny_dense.name, tmp_path / "traces")
         # SIGTERM while a request is in flight: it completes, new work is refused, exit 0.
         result: dict = {}
 
@@ -75,6 +76,39 @@ def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
         assert "drained (0 requests aborted)" in app.log()
     finally:
         app.stop()
+
+
+def check_profiler_on_both_ranks(app, sdk, model: str, folder) -> None:
+    """SGLang's / vLLM's POST /start_profile and /stop_profile: every rank writes its trace of
+    the steps between them; the switches the router cannot apply are refused with 400s."""
+    import gzip
+    import json
+
+    def post(path: str, body=None) -> httpx.Response:
+        return httpx.post(f"{app.url}{path}", json=body, timeout=60)
+
+    refused = post("/stop_profile")
+    assert refused.status_code == 400 and "not running" in refused.json()["error"]["message"]
+    bad = post("/start_profile", {"activities": ["RPD"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "activities"
+    started = post("/start_profile", {"output_dir": str(folder), "profile_id": "run1"})
+    assert started.status_code == 200, started.text
+    assert started.json()["output_dir"] == str(folder)
+    again = post("/start_profile")
+    assert again.status_code == 400 and "already running" in again.json()["error"]["message"]
+    sdk.completions.create(model=model, prompt=[5, 17, 300], max_tokens=4, temperature=0)
+    stopped = post("/stop_profile")
+    assert stopped.status_code == 200, stopped.text
+    files = stopped.json()["files"]
+    assert files == [str(folder / f"run1-TP-{rank}.trace.json.gz") for rank in (0, 1)]
+    for path in files:  # rank 1 writes its own while rank 0 answers: wait for it
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        events = json.loads(gzip.open(path).read())["traceEvents"]
+        steps = {e["name"] for e in events if str(e.get("name", "")).startswith("step ")}
+        assert len(steps) >= 4, (path, steps)  # the prefill and the decodes, at least
+    assert post("/stop_profile").status_code == 400
 
 
 def _long_stream(app, model: str):

@@ -49,7 +49,8 @@ def reset(app, method: str, path: str) -> dict:
 
 
 def test_a_reset_empties_the_cache_and_the_same_prompt_misses(app):
-    for method, path in (("POST", "/reset_prefix_cache"), ("GET", "/flush_cache")):
+    admin = ("/reset_prefix_cache", "/start_profile", "/stop_profile")
+    for method, path in (*(("POST", p) for p in admin), ("GET", "/flush_cache")):
         r = httpx.request(method, f"{app.url}{path}", timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     cached_tokens(app)
