@@ -81,7 +81,7 @@ def test_refused_switches_leave_it_off(tiny_dense, tmp_path):
 
 
 def test_every_tensor_parallel_rank_writes_its_trace(tiny_dense, tmp_path):
-    with LLM(str(tiny_dense), tp=2, **OPTS) as llm:
+    with LLM(str(tiny_dense), tp=2, device="cpu", **OPTS) as llm:  # gloo (one GPU: no NCCL pair)
         llm.start_profile("tp", output_dir=str(tmp_path), num_steps=2)
         llm.generate(PROMPTS, FIVE)  # stopped by the router after two device steps
         llm.start_profile("tp2", output_dir=str(tmp_path))
