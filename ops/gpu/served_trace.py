@@ -4,7 +4,8 @@ POST /start_profile {num_steps} (engine/profiler.py); then ops/gpu/trace_steps.p
 trace: per step, the period (= the time per token at concurrency 1, MTP off), the host's range and
 the device's busy time, so host-bound steps show as device idle.
 
-    python3 ops/gpu/served_trace.py --model-dir .cache/serve27b --out $OUT/trace -- --quantization fp8
+    python3 ops/gpu/served_trace.py --model-dir .cache/serve27b --out $OUT/trace \
+        -- --quantization fp8
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Process lifecycle of a live appliance: TP=2 over gloo equals TP=1 (prompt logprobs included),
-both ranks write a trace between POST /start_profile and /stop_profile, SIGTERM drains in-flight work and exits 0, and a SIGKILLed worker fails open streams fast, fails
-/health, and makes the launcher exit non-zero naming the worker."""
+both ranks write a trace between POST /start_profile and /stop_profile, SIGTERM drains in-flight
+work and exits 0, and a SIGKILLed worker fails open streams fast, fails /health, and makes the
+launcher exit non-zero naming the worker."""
 
 from __future__ import annotations
 
