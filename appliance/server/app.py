@@ -28,8 +28,8 @@ from appliance.server.limits import BodyLimit, LimitedJSONRoute
 from appliance.server.profiling import (
     START_TIMEOUT_S,
     STOP_TIMEOUT_S,
-    StartProfileRequest,
     answer_body,
+    read_start_body,
     start_action,
 )
 from appliance.server.protocol import ChatCompletionRequest, CompletionRequest, error_responses
@@ -336,9 +336,9 @@ def build_app(
     # torch.profiler on the workers (SGLang's and vLLM's pair, which their bench_serving --profile
     # POSTs around a run): the traces' folder and names in the answer
     @app.post("/start_profile", responses=error_responses(400, 401, 500, 503))
-    async def start_profile(body: StartProfileRequest | None = None):
+    async def start_profile(request: Request):
+        action = start_action(read_start_body(await request.body()))
         state.check_accepting()
-        action = start_action(body)
         answer = await state.client.profile(action, START_TIMEOUT_S)
         return JSONResponse(answer_body(answer, action))
 

@@ -1,10 +1,11 @@
 """POST /start_profile and /stop_profile: torch.profiler on every worker rank, as SGLang and vLLM
 serve them (their bench_serving `--profile` POSTs the pair around a run). The switch rides in the
 router's next plan; each rank writes `<output_dir>/<profile_id>-TP-<rank>.trace.json.gz`
-(appliance/engine/profiler.py). The body is optional; SGLang's fields: `output_dir` (else
-APPLIANCE_TORCH_PROFILER_DIR, else <tmp>/appliance-profiles), `num_steps` (stop by itself after so
-many device steps), `activities` (CPU, GPU, MEM; SGLang's default CPU + GPU), `record_shapes`,
-`with_stack`, `profile_id` / `profile_prefix` (the file stem). Its other fields are ignored.
+(appliance/engine/profiler.py). The body is optional JSON, whatever its Content-Type; SGLang's
+fields: `output_dir` (else APPLIANCE_TORCH_PROFILER_DIR, else <tmp>/appliance-profiles),
+`num_steps` (stop by itself after so many device steps), `activities` (CPU, GPU, MEM; SGLang's
+default CPU + GPU), `record_shapes`, `with_stack`, `profile_id` / `profile_prefix` (the file
+stem). Its other fields are ignored.
 
 Used by app.py.
 """
@@ -17,7 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-from pydantic import Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import Field, ValidationError
 
 from appliance import envs
 from appliance.messages import PROFILE_ACTIVITIES, ProfileAction, ProfileAnswer
@@ -37,6 +39,17 @@ class StartProfileRequest(_Schema):
     with_stack: bool = False
     profile_id: str | None = None
     profile_prefix: str | None = None
+
+
+def read_start_body(raw: bytes) -> StartProfileRequest | None:
+    """The optional JSON body whatever its Content-Type (`curl -d` sends a form's); its errors
+    as the app words any body's."""
+    if not raw.strip():
+        return None
+    try:
+        return StartProfileRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 def start_action(body: StartProfileRequest | None) -> ProfileAction:

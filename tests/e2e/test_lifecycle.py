@@ -5,6 +5,8 @@ launcher exit non-zero naming the worker."""
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import signal
 import threading
@@ -79,11 +81,14 @@ def test_tp2_matches_tp1_and_sigterm_drains(tiny_dense, tmp_path):
         app.stop()
 
 
+def post_raw(app, body: str) -> httpx.Response:
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    return httpx.post(f"{app.url}/start_profile", content=body, headers=form, timeout=60)
+
+
 def check_profiler_on_both_ranks(app, sdk, model: str, folder) -> None:
     """SGLang's / vLLM's POST /start_profile and /stop_profile: every rank writes its trace of
     the steps between them; the switches the router cannot apply are refused with 400s."""
-    import gzip
-    import json
 
     def post(path: str, body=None) -> httpx.Response:
         return httpx.post(f"{app.url}{path}", json=body, timeout=60)
@@ -92,7 +97,11 @@ def check_profiler_on_both_ranks(app, sdk, model: str, folder) -> None:
     assert refused.status_code == 400 and "not running" in refused.json()["error"]["message"]
     bad = post("/start_profile", {"activities": ["RPD"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "activities"
-    started = post("/start_profile", {"output_dir": str(folder), "profile_id": "run1"})
+    bad = post("/start_profile", {"num_steps": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_steps"
+    assert "Malformed JSON" in post_raw(app, "{num_steps").json()["error"]["message"]
+    # as `curl -d '{...}'` sends it: a form's Content-Type, a JSON body
+    started = post_raw(app, json.dumps({"output_dir": str(folder), "profile_id": "run1"}))
     assert started.status_code == 200, started.text
     assert started.json()["output_dir"] == str(folder)
     again = post("/start_profile")
