@@ -5,7 +5,8 @@ router's next plan; each rank writes `<output_dir>/<profile_id>-TP-<rank>.trace.
 fields: `output_dir` (else APPLIANCE_TORCH_PROFILER_DIR, else <tmp>/appliance-profiles),
 `num_steps` (stop by itself after so many device steps), `activities` (CPU, GPU, MEM; SGLang's
 default CPU + GPU), `record_shapes`, `with_stack`, `profile_id` / `profile_prefix` (the file
-stem). Its other fields are ignored.
+stem). `start_step`, `profile_by_stage` and `merge_profiles` are refused when set; other fields
+are ignored.
 
 Used by app.py.
 """
@@ -39,6 +40,10 @@ class StartProfileRequest(_Schema):
     with_stack: bool = False
     profile_id: str | None = None
     profile_prefix: str | None = None
+    # SGLang's, refused when set: an absolute step to start at, traces split by prefill / decode
+    start_step: int | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
 
 
 def read_start_body(raw: bytes) -> StartProfileRequest | None:
@@ -55,6 +60,13 @@ def read_start_body(raw: bytes) -> StartProfileRequest | None:
 def start_action(body: StartProfileRequest | None) -> ProfileAction:
     """The workers' action for a start request; BadRequest naming a field it cannot take."""
     body = body or StartProfileRequest()
+    for name in ("start_step", "profile_by_stage", "merge_profiles"):
+        if getattr(body, name) not in (None, False):
+            raise BadRequest(
+                f"{name} is not supported: POST /start_profile when the steps to trace begin "
+                "(num_steps bounds them); every rank writes one trace of every step",
+                name,
+            )
     asked = ["CPU", "GPU"] if body.activities is None else body.activities
     wanted = [_ALIASES.get(a.upper(), a.upper()) for a in asked]
     unknown = [a for a, w in zip(asked, wanted) if w not in PROFILE_ACTIVITIES]

@@ -97,8 +97,9 @@ def check_profiler_on_both_ranks(app, sdk, model: str, folder) -> None:
     assert refused.status_code == 400 and "not running" in refused.json()["error"]["message"]
     bad = post("/start_profile", {"activities": ["RPD"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "activities"
-    bad = post("/start_profile", {"num_steps": 0})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "num_steps"
+    for field, value in (("num_steps", 0), ("start_step", 5), ("profile_by_stage", True)):
+        bad = post("/start_profile", {field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field, bad.text
     assert "Malformed JSON" in post_raw(app, "{num_steps").json()["error"]["message"]
     # as `curl -d '{...}'` sends it: a form's Content-Type, a JSON body
     started = post_raw(app, json.dumps({"output_dir": str(folder), "profile_id": "run1"}))
