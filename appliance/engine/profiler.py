@@ -44,10 +44,6 @@ class StepProfiler:
         self._action: ProfileAction | None = None
         self._steps = 0  # device steps launched while profiling
 
-    @property
-    def active(self) -> bool:
-        return self._prof is not None
-
     def apply(self, action: ProfileAction) -> ProfileReport:
         """Every rank calls this for every action, whatever its own state (the sum below)."""
         if action.start:

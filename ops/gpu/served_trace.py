@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import trace_steps  # noqa: E402
 
+from appliance.engine.profiler import trace_path  # noqa: E402
+
 
 def post(url: str, body: dict | None = None, timeout: float = 600) -> dict:
     data = json.dumps(body or {}).encode()
@@ -87,7 +89,7 @@ def main() -> None:
             c.join()
         wall = time.monotonic() - start
         print(f"{args.concurrency} x {args.output_len} tokens in {wall:.2f} s", flush=True)
-        path = os.path.join(started["output_dir"], f"{started['profile_id']}-TP-0.trace.json.gz")
+        path = trace_path(started["output_dir"], started["profile_id"], 0)
         deadline = time.monotonic() + 60
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.5)
