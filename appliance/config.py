@@ -77,6 +77,10 @@ class SchedulerConfig:
     # drafts are proposed from the first N token ids only (0 = the whole vocabulary): BPE ids are
     # roughly ordered by frequency, and the draft's LM head read shrinks with N
     mtp_draft_vocab: int = 0
+    # MTP: a step with more decoding requests than this verifies no drafts (its decodes are plain
+    # rows, still drafted for the steps after); 0 = auto: the largest batch the fused verify step
+    # holds as a CUDA graph (no limit where it has none); max_num_seqs: never
+    mtp_disable_batch_size: int = 0
     prefix_caching: bool = True  # reuse the KV and GDN state of cached prompt prefixes
     # hybrid models: also snapshot the GDN state every N prompt tokens (prefill chunks end there),
     # so a prompt sharing only a long head with a cached one still hits; 0 = only at prompt and
@@ -97,6 +101,9 @@ class SchedulerConfig:
         _check(self.num_kv_slots >= 0, "num_kv_slots", "an integer >= 0")
         _check(0 <= self.mtp_step <= 3, "mtp_step", "0 (off), 1, 2 or 3")
         _check(self.mtp_draft_vocab >= 0, "mtp_draft_vocab", "an integer >= 0 (0: all)")
+        _check(
+            self.mtp_disable_batch_size >= 0, "mtp_disable_batch_size", "an integer >= 0 (0: auto)"
+        )
 
 
 @dataclass(frozen=True)

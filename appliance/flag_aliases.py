@@ -117,7 +117,7 @@ FOREIGN_FLAGS = (
         ("--speculative-config",),
         _VLLM,
         f'{{"method": "mtp", "num_speculative_tokens": k}}: --mtp-step k (method: any of '
-        f"{', '.join(MTP_METHODS)})",
+        f"{', '.join(MTP_METHODS)}); disable_by_batch_size N: --mtp-disable-batch-size N",
         refused="other methods (ngram, eagle, a draft model), other keys",
         group="vllm_speculative",
         metavar="JSON",

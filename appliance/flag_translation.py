@@ -72,14 +72,17 @@ def _whole(value: Any, what: str) -> int:
 
 
 def _vllm_speculative(given: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:
-    """--speculative-config JSON (and its dotted keys) -> --mtp-step."""
+    """--speculative-config JSON (and its dotted keys) -> --mtp-step (and its
+    disable_by_batch_size -> --mtp-disable-batch-size)."""
     flag = name("--speculative-config")
     spec = _json_object(given.get("--speculative-config", {}), flag)
     for dotted in ("--speculative-config.method", "--speculative-config.num_speculative_tokens"):
         if dotted in given:
             spec[dotted.partition(".")[2]] = given[dotted]
-    accepted = f"method ({', '.join(MTP_METHODS)}) and num_speculative_tokens"
-    if unknown := sorted(set(spec) - {"method", "num_speculative_tokens"}):
+    accepted = (
+        f"method ({', '.join(MTP_METHODS)}), num_speculative_tokens and disable_by_batch_size"
+    )
+    if unknown := sorted(set(spec) - {"method", "num_speculative_tokens", "disable_by_batch_size"}):
         raise ValueError(
             f"{flag}: {', '.join(unknown)} not taken: drafts come from the checkpoint's own MTP "
             f"head; the keys taken are {accepted}"
@@ -91,7 +94,13 @@ def _vllm_speculative(given: dict[str, Any], name: Callable[[str], str]) -> dict
             f"here ({', '.join(MTP_METHODS)}); ngram, eagle / eagle3 and draft models are not"
         )
     steps = _whole(spec.get("num_speculative_tokens", 1), f"{flag}: num_speculative_tokens")
-    return {"mtp_step": steps}
+    out = {"mtp_step": steps}
+    if spec.get("disable_by_batch_size") is not None:  # vLLM: null = never
+        limit = _whole(spec["disable_by_batch_size"], f"{flag}: disable_by_batch_size")
+        if limit < 1:
+            raise ValueError(f"{flag}: disable_by_batch_size {limit}: expected an integer >= 1")
+        out["mtp_disable_batch_size"] = limit
+    return out
 
 
 def _sglang_speculative(given: dict[str, Any], name: Callable[[str], str]) -> dict[str, Any]:

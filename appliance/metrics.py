@@ -94,6 +94,9 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
      "MTP draft tokens proposed.", (), None),
     ("mtp_accepted_tokens", "counter", "appliance_mtp_accepted_tokens",
      "MTP draft tokens accepted.", (), None),
+    ("mtp_paused_steps", "counter", "appliance_mtp_paused_steps",
+     "Steps whose decodes verified no MTP drafts (more decoding requests than "
+     "--mtp-disable-batch-size).", (), None),
     ("mtp_accepted_per_position", "counter", "appliance_mtp_accepted_tokens_per_position",
      "MTP draft tokens accepted at each draft position (0 = first draft token).", ("position",),
      None),
@@ -120,6 +123,7 @@ ROUTER_GAUGES = ("num_running", "num_waiting", "kv_usage", "state_usage", "prefi
 ROUTER_COUNTERS = {  # snapshot key -> MetricsRecorder attribute
     "mtp_drafts": "mtp_drafts", "mtp_draft_tokens": "mtp_draft_tokens",
     "mtp_accepted_tokens": "mtp_accepted_tokens", "num_preemptions": "preemptions",
+    "mtp_paused_steps": "mtp_paused_steps",
     "prefix_cache_queries": "prefix_cache_queries", "prefix_cache_hits": "prefix_cache_hits",
 }
 # fmt: on
@@ -253,7 +257,8 @@ class MetricsRecorder:
 
         Gauges: num_running, num_waiting, kv_usage, state_usage, prefix_cache_tokens,
         snapshot_usage (summed / maxed over sources).
-        Cumulative counters: mtp_drafts, mtp_draft_tokens, mtp_accepted_tokens, num_preemptions,
+        Cumulative counters: mtp_drafts, mtp_draft_tokens, mtp_accepted_tokens, mtp_paused_steps,
+        num_preemptions,
         prefix_cache_queries, prefix_cache_hits, mtp_accepted_per_position (list, one per
         position).
         New observations since the last snapshot: queue_time_s (list of seconds)."""

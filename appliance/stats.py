@@ -26,6 +26,7 @@ _WINDOW_COUNTERS = (
     "mtp_drafts",
     "mtp_draft_tokens",
     "mtp_accepted_tokens",
+    "mtp_paused_steps",
     "num_preemptions",
     "prefix_cache_queries",
     "prefix_cache_hits",
@@ -61,6 +62,7 @@ class WindowStats:
     mtp_drafts: int = 0
     mtp_draft_tokens: int = 0
     mtp_accepted_tokens: int = 0
+    mtp_paused_steps: int = 0  # steps over --mtp-disable-batch-size: no drafts verified
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in the window
     prefix_cache_hits: int = 0  # of those, found cached
@@ -200,6 +202,8 @@ def format_stats_line(stats: WindowStats) -> str:
         parts.append(f"prefix cache hit {_percent(stats.prefix_cache_hit_rate)}")
     if stats.mtp_accept_length is not None:
         parts.append(f"MTP accept len {stats.mtp_accept_length:.2f}")
+    if stats.mtp_paused_steps:
+        parts.append(f"MTP verify off {stats.mtp_paused_steps} steps")
     parts.append(f"preempted {stats.num_preemptions}")
     return " | ".join(parts)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 
+from appliance.engine.draft_graphs import DraftChain
 from appliance.engine.graphs import StagedInputs, capture_buckets, graph_batch_sizes
 from appliance.engine.pools import Pools, PoolSizes
 from appliance.engine.requests import RequestTable
@@ -102,7 +103,7 @@ class MtpGraphs:
         self.inputs = StagedInputs([pad_slot, 0] + [pad_kv] * rows, max_bs, device)
         self.row_offsets = torch.arange(rows, dtype=torch.int64, device=device)
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int64, device=device) * rows
-        self.cu_chain = torch.arange(max_bs + 1, dtype=torch.int64, device=device)
+        self.chain = DraftChain(model, self.drafts, requests, sizes, k, max_bs, draft_vocab, device)
         # persistent outputs: verify's hidden states (the draft graph's input) and the result
         self.hidden = torch.zeros(max_bs * rows, hidden_size, dtype=dtype, device=device)
         self.out = torch.zeros(max_bs, rows + 1, dtype=torch.int64, device=device)
@@ -199,7 +200,7 @@ class MtpGraphs:
         accepted = self.out[:bs, rows]
         next_ids = self.out[:bs, :rows].reshape(-1)  # the token after each row (its sample)
         hidden = self.hidden[: bs * rows]
-        last = self.cu_chain[:bs] * rows + accepted - 1  # each request's last accepted row
+        last = self.chain.cu[:bs] * rows + accepted - 1  # each request's last accepted row
         y_last = None
         with forward_context(self._verify_ctx(bs)):
             for i, module in enumerate(self.drafts):
@@ -209,41 +210,8 @@ class MtpGraphs:
         self._chain(bs, slots, start + accepted - 1, y_last)
 
     def _chain(self, bs: int, slots: torch.Tensor, last: torch.Tensor, y1: torch.Tensor) -> None:
-        """Drafts d'_1..d'_k from the last committed position P (`last`): chain row j >= 1 sits at
-        P + j with input (y_j, d'_j) and writes its draft KV to the request's scratch slot j - 1
-        (the same chain as appliance/engine/mtp.py's Drafter, on fixed shapes)."""
-        table, k = self.requests, self.k
-        draft_ids = self.model.draft_ids
-        ys, drafts = [y1], [draft_ids(y1, self.draft_vocab)]
-        written = [0] * len(self.drafts)  # chain rows each module already holds in its KV
-        scratch = self.sizes.scratch_slot(slots, 0)  # [bs] each request's first scratch slot
-        for step in range(2, k + 1):
-            m = step - 1 if len(self.drafts) > 1 else 0
-            chain_rows = list(range(written[m] + 1, step))
-            n = len(chain_rows)
-            offsets = self.row_offsets[chain_rows[0] : step]  # no host tensor inside a capture
-            pos = last[:, None] + offsets  # [bs, n]
-            kv = scratch[:, None] + offsets - 1
-            table.req_to_token[slots[:, None].expand(bs, n), pos] = kv.to(torch.int32)
-            ctx = ForwardContext(
-                req_slots=slots,
-                cu_seqlens_q=self.cu_chain[: bs + 1] * n,
-                seq_lens=last + step,
-                has_initial_state=last >= 0,
-                out_kv_slots=kv.reshape(-1),
-                req_to_token=table.req_to_token,
-                q_lens=[n] * bs,
-                all_decode=n == 1,
-                max_q_len=n,
-            )
-            ids = torch.stack([drafts[j - 1] for j in chain_rows], dim=1).reshape(-1)
-            h = torch.stack([ys[j - 1] for j in chain_rows], dim=1).reshape(bs * n, -1)
-            with forward_context(ctx):
-                y = self.drafts[m](ids, h, pos.reshape(-1))
-            written[m] = step - 1
-            ys.append(y.view(bs, n, -1)[:, -1])
-            drafts.append(draft_ids(ys[-1], self.draft_vocab))
-        table.draft_tokens[slots, :k] = torch.stack(drafts, dim=1)
+        """Drafts d'_1..d'_k from the last committed position P (`last`; engine/draft_graphs.py)."""
+        self.chain(bs, slots, last, y1)
 
     # ------------------------------------------------------------------ capture and run
     def capture(self, progress: Callable[[int, int, int], None] | None = None) -> None:

@@ -22,6 +22,7 @@ from appliance import envs
 from appliance.config import EngineConfig
 from appliance.engine.batch import StepBatch, build_batch
 from appliance.engine.busy import BusyMeter
+from appliance.engine.draft_graphs import DraftGraphs, draft_graph_reserve_bytes
 from appliance.engine.graphs import (
     DecodeGraphs,
     capture_logged,
@@ -217,6 +218,7 @@ class ModelRunner(RunnerMemory):
         self.graphs = self._decode_graphs() if self.graph_max_bs else None
         self.prefill_graphs = self._prefill_graphs() if self.prefill_graph_tokens else None
         self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
+        self.draft_graphs = self._draft_graphs()
         self._pending: collections.deque[PendingStep] = collections.deque()
         self._metered: collections.deque[bool] = collections.deque()  # busy meter, per pending
         self.busy = BusyMeter(envs.APPLIANCE_GPU_BUSY_LOG if rank == 0 else 0.0, self.device)
@@ -344,6 +346,27 @@ class ModelRunner(RunnerMemory):
             capture_logged("MTP verify + draft", graphs, reserve)
         return graphs
 
+    def _draft_graphs(self) -> DraftGraphs | None:
+        """The draft pass after decode-graph steps of MTP requests that verify no drafts (the
+        router's --mtp-disable-batch-size), captured beside the decode graphs; none without them
+        (such steps then draft on the host path)."""
+        if self.graphs is None or self.mtp_graphs is None:
+            return None
+        sched, vocab = self.config.scheduler, self.text_config.vocab_size
+        graphs = DraftGraphs(
+            self.graphs,
+            self.draft_modules,
+            self.pools.sizes,
+            self.mtp_step,
+            sched.mtp_draft_vocab,
+            self.device,
+        )
+        reserve = draft_graph_reserve_bytes(
+            graphs.max_bs, min(sched.mtp_draft_vocab or vocab, vocab)
+        )
+        capture_logged("MTP draft after decode", graphs, reserve)
+        return graphs
+
     def info(self) -> WorkerInfo:
         """What the router needs to know about this worker's pools (rank 0 reports it)."""
         return WorkerInfo(
@@ -352,6 +375,7 @@ class ModelRunner(RunnerMemory):
             list(self.eos_token_ids),
             self.num_snapshot_slots,
             self.linear_state,
+            self.mtp_graphs.max_bs if self.mtp_graphs is not None and self.graph_max_bs else 0,
         )
 
     def _load_tokenizer(self):
@@ -468,15 +492,19 @@ class ModelRunner(RunnerMemory):
                 scores = self._score_prompts(batch, hidden)
                 known = self._finish_on_host(batch, hidden, logits)
             return self._launch_mtp(plan.step_id, start, fused, known, scores)
+        drafts_on_device = False  # the step's MTP requests draft through the draft graphs
         if self._graph_step(chunks):
             batch, hidden, logits = self._replay(chunks)
+            drafts_on_device = self.draft_graphs is not None
         elif self._prefill_graph_step(chunks):
             batch, hidden, logits = self._replay_prefill(chunks[0])
         else:
             batch, hidden, logits = self._forward_eager(chunks)
             scores = self._score_prompts(batch, hidden)
-        if logits is not None and self._device_resident(batch):
-            return self._launch_sampling(plan.step_id, start, batch, logits, scores)
+        if logits is not None and self._device_resident(batch, drafts_on_device):
+            return self._launch_sampling(
+                plan.step_id, start, batch, logits, scores, drafts_on_device
+            )
         sampled = self._finish_on_host(batch, hidden, logits)
         elapsed = time.perf_counter() - start
         return PendingStep.ready(StepResult(plan.step_id, sampled, elapsed, scores))
@@ -523,13 +551,13 @@ class ModelRunner(RunnerMemory):
             for pending in self._pending:
                 pending.result()
 
-    def _device_resident(self, batch: StepBatch) -> bool:
+    def _device_resident(self, batch: StepBatch, drafts_on_device: bool) -> bool:
         """The step's tokens can stay on the device (written into the request table there) with
-        one non-blocking copy to the host: no MTP request in it (their drafts follow on the host
-        path), no logprobs. Guided requests' matchers read their tokens when the result is
-        collected (_launch_sampling)."""
+        one non-blocking copy to the host: no MTP request in it unless the draft graphs draft
+        for it (else its drafts follow on the host path), no logprobs. Guided requests' matchers
+        read their tokens when the result is collected (_launch_sampling)."""
         table = self.requests
-        if any(table.uses_mtp(c.req_slot) for c in batch.chunks):
+        if not drafts_on_device and any(table.uses_mtp(c.req_slot) for c in batch.chunks):
             return False
         return all(table.options[c.req_slot].logprobs is None for c in batch.sample_chunks)
 
@@ -540,8 +568,10 @@ class ModelRunner(RunnerMemory):
         batch: StepBatch,
         logits: torch.Tensor,
         scores: list[PromptScores],
+        drafts_on_device: bool = False,
     ) -> PendingStep:
         chunks = batch.sample_chunks
+        draft = drafts_on_device and any(self.requests.uses_mtp(c.req_slot) for c in chunks)
         slots = [c.req_slot for c in chunks]
         guided = bool(self.guided) and any(slot in self.guided for slot in slots)
         committed = self._guided_on_collect(slots) if guided else None
@@ -550,6 +580,8 @@ class ModelRunner(RunnerMemory):
             out = self._sample(logits, batch)  # [S] on the device, one row per (plain) chunk
             self._write_plain(chunks, out.token_ids)
             pending.start_copy(out.token_ids)
+            if draft:  # behind the copy: the host waits for the tokens, not for the drafts
+                self.draft_graphs.run(len(chunks))
 
         pending = PendingStep(step_id, start, slots=slots, scores=scores, committed=committed)
         if guided and any(p.done is None for p in self._pending):

@@ -127,6 +127,7 @@ class LLM:
             info.max_model_len,
             num_snapshot_slots=info.num_snapshot_slots,
             linear_state=info.linear_state,
+            mtp_verify_max_bs=info.mtp_verify_max_bs,
             rng_seed=rng_seed,
         )
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)

@@ -165,6 +165,7 @@ def run_router(
         worker.max_model_len,
         num_snapshot_slots=worker.num_snapshot_slots,
         linear_state=worker.linear_state,
+        mtp_verify_max_bs=worker.mtp_verify_max_bs,
     )
     ctx = zmq.Context.instance()
     loop = RouterLoop(

@@ -83,6 +83,7 @@ class Scheduler:
         rng_seed: int | None = None,  # seeds the draw of per-request sampling seeds (tests)
         num_snapshot_slots: int = 0,  # the worker's prefix-cache snapshot pool (WorkerInfo)
         linear_state: bool = False,  # the model has GDN layers: hits need snapshots
+        mtp_verify_max_bs: int = 0,  # the worker's largest graphed MTP verify batch (WorkerInfo)
     ) -> None:
         if num_kv_slots < 1:
             raise ValueError(f"num_kv_slots: expected an integer >= 1, got {num_kv_slots}")
@@ -128,6 +129,10 @@ class Scheduler:
         self._mtp_draft_tokens = 0
         self._mtp_accepted_tokens = 0
         self._mtp_accepted_per_position = [0] * config.mtp_step
+        # MTP steps verify drafts only up to this many decoding requests (0: no limit)
+        self.mtp_max_verify = config.mtp_disable_batch_size or mtp_verify_max_bs
+        self._mtp_paused_steps = 0  # steps whose decodes verified no drafts (over the limit)
+        self._verify_drafts = True  # this step's decodes verify drafts (schedule())
 
     # ------------------------------------------------------------------ owner API
 
@@ -203,6 +208,7 @@ class Scheduler:
             mtp_draft_tokens=self._mtp_draft_tokens,
             mtp_accepted_tokens=self._mtp_accepted_tokens,
             mtp_accepted_per_position=list(self._mtp_accepted_per_position),
+            mtp_paused_steps=self._mtp_paused_steps,
             prefix_cache_queries=self._prefix_queries,
             prefix_cache_hits=self._prefix_hits,
             prefix_cache_nodes=self.cache.num_nodes if self.cache else 0,
@@ -225,6 +231,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
         self._preempted_this_step = False
+        self._verify_drafts = self._may_verify()
         # 1. decodes, oldest first
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -274,6 +281,8 @@ class Scheduler:
                 budget -= chunks[-1].num_tokens
         if not chunks and not new_requests and not self._awaiting_guides():
             return None
+        if self._mtp and not self._verify_drafts and any(c.num_tokens == 1 for c in chunks):
+            self._mtp_paused_steps += 1
         step_id = self._step_id
         self._step_id += 1
         self._inflight[step_id] = {
@@ -334,11 +343,28 @@ class Scheduler:
         worker edits the verify rows of those with penalties, logprobs ...)."""
         return self.config.mtp_step > 0
 
+    def _may_verify(self) -> bool:
+        """This step's decodes verify their drafts: MTP is on and no more requests decode than
+        the limit (SchedulerConfig.mtp_disable_batch_size). Past it a verify costs more than its
+        accepted tokens gain (its rows and GDN candidate states grow k + 1-fold), so the step
+        decodes one row per request; the worker still drafts after it, and a later step within
+        the limit verifies those drafts."""
+        if not self._mtp:
+            return False
+        if not self.mtp_max_verify:
+            return True
+        decoding = sum(
+            1
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.num_output_tokens and r.guide_ready
+        )
+        return decoding <= self.mtp_max_verify
+
     def _num_draft(self, req: Request) -> int:
         """MTP draft rows for this decode: mtp_step, clamped so no draft lands past max_tokens (or,
         by validation, past max_model_len); 0 before the worker has drafted (prefill not
-        sampled)."""
-        if not self._mtp or req.num_output_tokens == 0:
+        sampled) and in a step over the verify limit (_may_verify)."""
+        if not self._verify_drafts or req.num_output_tokens == 0:
             return 0
         return max(0, min(self.config.mtp_step, req.max_tokens - req.num_output_tokens - 1))
 

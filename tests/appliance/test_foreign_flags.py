@@ -99,6 +99,11 @@ MTP_STEP = "engine.scheduler.mtp_step"
             MTP_STEP,
             2,
         ),
+        (
+            """--speculative-config '{"method": "mtp", "disable_by_batch_size": 8}'""",
+            "engine.scheduler.mtp_disable_batch_size",
+            8,
+        ),
         ("--speculative-algorithm EAGLE --speculative-num-steps 1", MTP_STEP, 1),
         (
             "--speculative-algorithm nextn --speculative-num-steps 2 --speculative-eagle-topk 1",
@@ -162,8 +167,12 @@ def test_flags_that_change_nothing_log_one_info_line_each():
         (
             """--speculative-config '{"method": "eagle3", "model": "x/y"}'""",
             "--speculative-config: model not taken: drafts come from the checkpoint's own MTP "
-            "head; the keys taken are method (mtp, qwen3_next_mtp, qwen3_5_mtp) and "
-            "num_speculative_tokens",
+            "head; the keys taken are method (mtp, qwen3_next_mtp, qwen3_5_mtp), "
+            "num_speculative_tokens and disable_by_batch_size",
+        ),
+        (
+            """--speculative-config '{"method": "mtp", "disable_by_batch_size": 0}'""",
+            "--speculative-config: disable_by_batch_size 0: expected an integer >= 1",
         ),
         ("--speculative-config mtp", "--speculative-config: not JSON (Expecting value"),
         (

@@ -111,6 +111,7 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             "mtp_draft_tokens": 30,
             "mtp_accepted_tokens": 18,
             "mtp_accepted_per_position": [9, 6, 3],
+            "mtp_paused_steps": 4,
             "num_preemptions": 1,
             "queue_time_s": [0.1, 0.2],
         }
@@ -126,6 +127,7 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
             "mtp_draft_tokens": 36,
             "mtp_accepted_tokens": 22,
             "mtp_accepted_per_position": [11, 7, 4],
+            "mtp_paused_steps": 9,
             "num_preemptions": 1,
             "queue_time_s": [0.3],
             "prefix_cache_queries": 500,
@@ -142,6 +144,7 @@ def test_router_snapshots_set_gauges_and_keep_counters_monotonic() -> None:
     assert value(s, "appliance_mtp_drafts_total") == 12
     assert value(s, "appliance_mtp_draft_tokens_total") == 36
     assert value(s, "appliance_mtp_accepted_tokens_total") == 22
+    assert value(s, "appliance_mtp_paused_steps_total") == 9
     for position, expected in enumerate([11, 7, 4]):
         assert (
             value(s, "appliance_mtp_accepted_tokens_per_position_total", position=str(position))

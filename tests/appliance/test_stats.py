@@ -118,6 +118,7 @@ def test_format_stats_line() -> None:
         state_usage=0.04,
         mtp_drafts=100,
         mtp_accepted_tokens=171,
+        mtp_paused_steps=40,
         num_preemptions=1,
         prefix_cache_queries=2000,
         prefix_cache_hits=1500,
@@ -125,7 +126,7 @@ def test_format_stats_line() -> None:
     assert format_stats_line(stats) == (
         "window 10.0s | running 3, waiting 2 | prompt 1234.5 tok/s, gen 456.7 tok/s | "
         "finished 5 (aborted 1) | KV 12.3%, state 4.0% | prefix cache hit 75.0% | "
-        "MTP accept len 2.71 | preempted 1"
+        "MTP accept len 2.71 | MTP verify off 40 steps | preempted 1"
     )
     empty = WindowStats(duration_s=5.0, prompt_tokens=0, generation_tokens=0, finished=0, aborted=0)
     assert format_stats_line(empty) == (

@@ -11,6 +11,8 @@ import re
 import pytest
 import torch
 
+from appliance.engine.draft_graphs import DraftGraphs
+from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.mtp import Drafter
 from appliance.engine.mtp_graphs import (
     MtpGraphs,
@@ -205,6 +207,60 @@ def test_a_draft_vocabulary_limits_the_drafts_not_the_output(tiny_dense, fused, 
     assert drafted.max() < 40 and drafted.sum() > 0
 
 
+def with_draft_graphs(runner, verify_bs: int, decode_bs: int) -> DraftGraphs:
+    """padded(), then what the runner builds beside it on CUDA: the decode graphs and the draft
+    graphs after them (here run eagerly)."""
+    padded(runner, verify_bs)
+    cfg, sizes = runner.text_config, runner.pools.sizes
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.requests,
+        sizes,
+        decode_bs,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        runner.dtype,
+        runner.device,
+    )
+    runner.draft_graphs = DraftGraphs(
+        runner.graphs, runner.draft_modules, sizes, sizes.mtp_step, 0, runner.device
+    )
+    return runner.draft_graphs
+
+
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_steps_over_the_batch_limit_verify_nothing_and_keep_drafting(
+    tiny_trained, mode, monkeypatch
+):
+    """--mtp-disable-batch-size 2 with five requests that end one after another: the steps with
+    more than two decoding requests verify no drafts, yet draft after their one-row decodes (on
+    the device after graphed decodes, else on the host), so the verify steps after them accept
+    drafts as with no limit; the tokens are MTP off's. The draft graphs' path and the host path
+    accept exactly the same drafts."""
+    seqs = prompts(5, 64, seed=3)
+    params = [
+        SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(5)
+    ]
+    want = [o.token_ids for o in LLM(str(tiny_trained), **OPTS).generate(seqs, params)]
+    opts = dict(OPTS, mtp_step=3, mtp_mode=mode, mtp_disable_batch_size=2)
+    results = []
+    for on_device in (True, False):
+        monkeypatch.setenv("APPLIANCE_DISABLE_MTP_FUSED_GRAPH", "" if on_device else "1")
+        llm = LLM(str(tiny_trained), **opts)
+        drafted = []
+        if on_device:
+            graphs = with_draft_graphs(llm.runner, verify_bs=4, decode_bs=8)
+            graphs.run = lambda n, run=graphs.run, seen=drafted: seen.append(n) or run(n)
+        assert [o.token_ids for o in llm.generate(seqs, params)] == want
+        stats = llm.scheduler.stats()
+        assert stats.mtp_paused_steps >= 5 and stats.mtp_drafts > 0
+        assert (set(drafted) == {3, 4, 5}) == on_device  # the draft graphs drafted those steps
+        # the verifies after the pause accept: the drafts were kept up to date through it
+        assert stats.mtp_accepted_tokens > 0.6 * stats.mtp_draft_tokens
+        results.append((stats.mtp_accepted_per_position, stats.mtp_drafts))
+    assert results[0] == results[1]
+
+
 def test_lm_head_argmax_over_a_prefix_of_the_vocabulary():
     from appliance.models.layers.embedding import LMHead
 
@@ -259,6 +315,31 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
     assert 3 in runs  # the three requests decoded together through the captured graphs
     stats = llm.scheduler.stats()
     assert (stats.kv_used, stats.state_used, stats.num_running) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_draft_graphs_keep_drafting_past_the_verify_graphs(tiny_trained):
+    """By default a step verifies drafts only while its requests fit the largest captured verify
+    batch (16 // (k + 1) = 4 here); seven requests that end one after another decode through the
+    decode graphs with the captured draft graphs after them, then verify: MTP off's tokens, and
+    the verifies after the pause accept drafts."""
+    seqs = prompts(7, 64, seed=3)
+    params = (
+        [GREEDY] * 2
+        + [SEEDED]
+        + [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
+    )
+    want = [o.token_ids for o in _gpu_llm(tiny_trained, 0).generate(seqs, params)]
+    llm = _gpu_llm(tiny_trained, 3)
+    graphs = llm.runner.draft_graphs
+    assert graphs is not None and graphs.graphs and llm.scheduler.mtp_max_verify == 4
+    drafted = []
+    graphs.run = lambda n, run=graphs.run: drafted.append(n) or run(n)
+    assert [o.token_ids for o in llm.generate(seqs, params)] == want
+    stats = llm.scheduler.stats()
+    assert stats.mtp_paused_steps > 0 and set(drafted) >= {5, 6, 7}
+    assert stats.mtp_accepted_tokens > 0.5 * stats.mtp_draft_tokens
 
 
 @pytest.mark.gpu

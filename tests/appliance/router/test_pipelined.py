@@ -93,6 +93,39 @@ def test_mtp_request_waits_for_its_accept_length() -> None:
     assert sched.schedule() is None  # 1..3 tokens will come back: wait for them
 
 
+@pytest.mark.parametrize("limit,worker_limit", [(2, 0), (0, 2), (2, 8)])
+def test_mtp_steps_over_the_batch_limit_verify_no_drafts(limit, worker_limit) -> None:
+    """--mtp-disable-batch-size (else, at 0, the worker's largest graphed verify batch): a step
+    with more decoding requests than the limit plans one-row decodes (counted as paused steps);
+    once few enough decode, the next step verifies drafts again."""
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2, mtp_disable_batch_size=limit
+    )
+    sched = Scheduler(config, 100, 100, rng_seed=0, mtp_verify_max_bs=worker_limit)
+    ends = {"a": 3, "b": 6, "c": 9}
+    for i, (rid, max_tokens) in enumerate(ends.items()):
+        sched.add_request(req(rid, prompt_of(4, salt=i), max_tokens=max_tokens))
+    prefill = sched.schedule()
+    three = [SampledTokens(slot, [7]) for slot in range(3)]
+    sched.update(StepResult(prefill.step_id, three))
+    drafts, paused = [], 0
+    while sched.has_work():
+        plan = sched.schedule()
+        drafts.append(sorted({c.num_draft for c in plan.chunks}))
+        if len(plan.chunks) > 2:
+            assert drafts[-1] == [0] and all(c.num_tokens == 1 for c in plan.chunks)
+            paused += 1
+        else:  # two or one decoding: drafts verified (clamped to max_tokens near the end)
+            assert drafts[-1] != [0] or all(c.num_tokens == 1 for c in plan.chunks)
+        # every draft rejected: one token per request and step
+        got = [SampledTokens(c.req_slot, [8]) for c in plan.chunks]
+        sched.update(StepResult(plan.step_id, got))
+    assert paused == 2  # "a" (3 tokens) decodes twice beside the others, then ends
+    assert drafts[2] == [2]  # the step after: "b" and "c" verify 2 drafts each
+    stats = sched.stats()
+    assert stats.mtp_paused_steps == 2 and stats.mtp_drafts > 0
+
+
 def test_mtp_request_reports_its_verify_counts() -> None:
     """Each output of a request that reports them (report_spec) carries its MTP counts so far
     (SGLang's per-request meta_info): verify steps by draft length and drafts accepted; a step
