@@ -221,12 +221,15 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Plans one step; None when no request has anything to compute, or while an MTP
-        decode is in flight: its accepted length (so its next chunk) is known only with its
+        verify is in flight: its accepted length (so its next chunk) is known only with its
         result, and a step planned meanwhile would leave it out, splitting the MTP requests into
         two alternating halves that each advance every other step. Waiting keeps them in one
-        batch; the device idles for the result's round trip instead."""
+        batch; the device idles for the result's round trip instead. Steps over the verify
+        limit (_may_verify) decode one row per request, like plain decodes: while only such
+        steps are in flight the next one is planned at once if it is one too."""
         if self._mtp and any(r.num_pending for r in self.running):
-            return None
+            if self._verify_in_flight() or self._may_verify():
+                return None
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
@@ -342,6 +345,10 @@ class Scheduler:
         """Every decoding request drafts when MTP is on, whatever its sampling options (the
         worker edits the verify rows of those with penalties, logprobs ...)."""
         return self.config.mtp_step > 0
+
+    def _verify_in_flight(self) -> bool:
+        """A step in flight carries a verify chunk (its accepted lengths are still unknown)."""
+        return any(drafts for step in self._inflight.values() for _, _, drafts in step.values())
 
     def _may_verify(self) -> bool:
         """This step's decodes verify their drafts: MTP is on and no more requests decode than

@@ -126,6 +126,46 @@ def test_mtp_steps_over_the_batch_limit_verify_no_drafts(limit, worker_limit) ->
     assert stats.mtp_paused_steps == 2 and stats.mtp_drafts > 0
 
 
+def test_steps_over_the_mtp_verify_limit_overlap_like_plain_decodes() -> None:
+    """Driven as the engine loop drives it: a step over the verify limit is planned while the
+    previous one is in flight when both are one-row decodes; a verify never is, and no step is
+    planned while one is in flight. Every token is the reference's, no slot leaks."""
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, mtp_step=2, mtp_disable_batch_size=2
+    )
+    sched = Scheduler(config, 1000, 1000, rng_seed=0)
+    prompts = {f"r{i}": prompt_of(4 + i, salt=i) for i in range(5)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        sched.add_request(req(rid, prompt, max_tokens=4 + 6 * i, sampling=SamplingOptions()))
+    worker = FakeWorker(1000)
+    overlapped, verified = [], []
+    execute = worker.execute
+
+    def spy(plan):
+        drafts = {c.num_draft for c in plan.chunks}
+        (verified if drafts - {0} else overlapped).append(len(sched._inflight))
+        return execute(plan)
+
+    worker.execute = spy
+    out = run_pipelined(sched, worker)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        assert out.tokens[rid] == reference_tokens(prompt, 4 + 6 * i)
+    assert verified and max(verified) == 1  # a verify is planned with nothing else in flight
+    assert max(overlapped) == 2  # one-row steps were planned with another in flight
+    assert sched.stats().mtp_paused_steps > 0
+    # a verify in flight when the batch grows past the limit: nothing is planned until it lands
+    for i in range(2):
+        sched.add_request(req(f"v{i}", prompt_of(4, salt=20 + i), max_tokens=9))
+    prefill = sched.schedule()
+    sched.update(
+        StepResult(prefill.step_id, [SampledTokens(c.req_slot, [7]) for c in prefill.chunks])
+    )
+    verify = sched.schedule()
+    assert {c.num_draft for c in verify.chunks} == {2}
+    sched.add_request(req("late", prompt_of(4, salt=30), max_tokens=3))
+    assert sched.schedule() is None
+
+
 def test_mtp_request_reports_its_verify_counts() -> None:
     """Each output of a request that reports them (report_spec) carries its MTP counts so far
     (SGLang's per-request meta_info): verify steps by draft length and drafts accepted; a step
