@@ -254,7 +254,7 @@ def test_steps_over_the_batch_limit_verify_nothing_and_keep_drafting(
         assert [o.token_ids for o in llm.generate(seqs, params)] == want
         stats = llm.scheduler.stats()
         assert stats.mtp_paused_steps >= 5 and stats.mtp_drafts > 0
-        assert (set(drafted) == {3, 4, 5}) == on_device  # the draft graphs drafted those steps
+        assert (set(drafted) >= {3, 4, 5}) == on_device  # the draft graphs drafted those steps
         # the verifies after the pause accept: the drafts were kept up to date through it
         assert stats.mtp_accepted_tokens > 0.6 * stats.mtp_draft_tokens
         results.append((stats.mtp_accepted_per_position, stats.mtp_drafts))
