@@ -133,6 +133,14 @@ class Scheduler:
         self.mtp_max_verify = config.mtp_disable_batch_size or mtp_verify_max_bs
         self._mtp_paused_steps = 0  # steps whose decodes verified no drafts (over the limit)
         self._verify_drafts = True  # this step's decodes verify drafts (schedule())
+        if config.mtp_step and self.mtp_max_verify:
+            logger.info(
+                "MTP: steps with more than %d decoding requests verify no drafts (%s)",
+                self.mtp_max_verify,
+                "--mtp-disable-batch-size"
+                if config.mtp_disable_batch_size
+                else "auto: the largest graphed verify batch",
+            )
 
     # ------------------------------------------------------------------ owner API
 

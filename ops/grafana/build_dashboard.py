@@ -174,6 +174,13 @@ ROWS = [
                 ],
                 "1 (bonus token) + accepted draft tokens per draft.",
             ),
+            (
+                "MTP steps with verify off / s",
+                "short",
+                [(rate("appliance_mtp_paused_steps_total"), "steps verifying no drafts")],
+                "Steps whose decodes verified no drafts: more decoding requests than "
+                "--mtp-disable-batch-size.",
+            ),
         ],
     ),
     (
