@@ -605,6 +605,9 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     # the largest batch of MTP verify requests the fused step holds as a CUDA graph (0: no graph:
     # CPU, --disable-cuda-graph, MTP off); the router's default --mtp-disable-batch-size
     mtp_verify_max_bs: int = 0
+    # {verify batch: verify step time / (plain decode + draft pass) time}, measured on the
+    # captured graphs at startup (empty without them); the router's MTP verify policy
+    mtp_verify_costs: dict[int, float] = {}
 
 
 class StartupProgress(msgspec.Struct, tag="progress", frozen=True):

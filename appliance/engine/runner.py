@@ -33,6 +33,7 @@ from appliance.engine.guided import GuidedDecoding
 from appliance.engine.memory import RunnerMemory
 from appliance.engine.mm_inputs import MultimodalInputs
 from appliance.engine.mtp import Drafter, accept_and_commit, extend_rows
+from appliance.engine.mtp_costs import verify_costs
 from appliance.engine.mtp_graphs import (
     MtpGraphs,
     is_full_verify,
@@ -219,6 +220,7 @@ class ModelRunner(RunnerMemory):
         self.prefill_graphs = self._prefill_graphs() if self.prefill_graph_tokens else None
         self.mtp_graphs = self._mtp_graphs() if self.drafter is not None else None
         self.draft_graphs = self._draft_graphs()
+        self.mtp_verify_costs = self._verify_costs()
         self._pending: collections.deque[PendingStep] = collections.deque()
         self._metered: collections.deque[bool] = collections.deque()  # busy meter, per pending
         self.busy = BusyMeter(envs.APPLIANCE_GPU_BUSY_LOG if rank == 0 else 0.0, self.device)
@@ -367,6 +369,15 @@ class ModelRunner(RunnerMemory):
         capture_logged("MTP draft after decode", graphs, reserve)
         return graphs
 
+    def _verify_costs(self) -> dict[int, float]:
+        """Verify over paused step time per captured verify batch (engine/mtp_costs.py)."""
+        if self.draft_graphs is None or not self.draft_graphs.graphs:
+            return {}
+        costs = verify_costs(self.mtp_graphs, self.graphs, self.draft_graphs)
+        shown = ", ".join(f"{bs}: {cost:.2f}" for bs, cost in costs.items())
+        log.info("MTP verify step time over a plain decode + draft pass, by batch: %s", shown)
+        return costs
+
     def info(self) -> WorkerInfo:
         """What the router needs to know about this worker's pools (rank 0 reports it)."""
         return WorkerInfo(
@@ -376,6 +387,7 @@ class ModelRunner(RunnerMemory):
             self.num_snapshot_slots,
             self.linear_state,
             self.mtp_graphs.max_bs if self.mtp_graphs is not None and self.graph_max_bs else 0,
+            self.mtp_verify_costs,
         )
 
     def _load_tokenizer(self):

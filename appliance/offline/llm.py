@@ -128,6 +128,7 @@ class LLM:
             num_snapshot_slots=info.num_snapshot_slots,
             linear_state=info.linear_state,
             mtp_verify_max_bs=info.mtp_verify_max_bs,
+            mtp_verify_costs=info.mtp_verify_costs,
             rng_seed=rng_seed,
         )
         self.engine = EngineCore(self.scheduler, list(self.eos_token_ids), self.runner)

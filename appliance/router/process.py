@@ -166,6 +166,7 @@ def run_router(
         num_snapshot_slots=worker.num_snapshot_slots,
         linear_state=worker.linear_state,
         mtp_verify_max_bs=worker.mtp_verify_max_bs,
+        mtp_verify_costs=worker.mtp_verify_costs,
     )
     ctx = zmq.Context.instance()
     loop = RouterLoop(

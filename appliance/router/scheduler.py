@@ -36,6 +36,7 @@ from appliance.messages import (
     StepResult,
 )
 from appliance.router.allocators import RefCountedSlots, SlotAllocator
+from appliance.router.mtp_policy import VerifyPolicy
 from appliance.router.prefix_cache import Cleared, PrefixCache, cache_keys
 from appliance.router.request import FinishReason, Request, RequestOutput, RequestStatus
 from appliance.router.wait_queue import WaitQueue
@@ -84,6 +85,7 @@ class Scheduler:
         num_snapshot_slots: int = 0,  # the worker's prefix-cache snapshot pool (WorkerInfo)
         linear_state: bool = False,  # the model has GDN layers: hits need snapshots
         mtp_verify_max_bs: int = 0,  # the worker's largest graphed MTP verify batch (WorkerInfo)
+        mtp_verify_costs: dict[int, float] | None = None,  # verify / paused step time (WorkerInfo)
     ) -> None:
         if num_kv_slots < 1:
             raise ValueError(f"num_kv_slots: expected an integer >= 1, got {num_kv_slots}")
@@ -129,18 +131,14 @@ class Scheduler:
         self._mtp_draft_tokens = 0
         self._mtp_accepted_tokens = 0
         self._mtp_accepted_per_position = [0] * config.mtp_step
-        # MTP steps verify drafts only up to this many decoding requests (0: no limit)
-        self.mtp_max_verify = config.mtp_disable_batch_size or mtp_verify_max_bs
-        self._mtp_paused_steps = 0  # steps whose decodes verified no drafts (over the limit)
+        # which steps verify drafts: --mtp-disable-batch-size, else the worker's measured costs
+        # (else its largest graphed verify batch; else every step)
+        limit = config.mtp_disable_batch_size or (0 if mtp_verify_costs else mtp_verify_max_bs)
+        self.verify_policy = VerifyPolicy(limit, mtp_verify_costs)
+        self._mtp_paused_steps = 0  # steps whose decodes verified no drafts
         self._verify_drafts = True  # this step's decodes verify drafts (schedule())
-        if config.mtp_step and self.mtp_max_verify:
-            logger.info(
-                "MTP: steps with more than %d decoding requests verify no drafts (%s)",
-                self.mtp_max_verify,
-                "--mtp-disable-batch-size"
-                if config.mtp_disable_batch_size
-                else "auto: the largest graphed verify batch",
-            )
+        if config.mtp_step:
+            logger.info("MTP: %s", self.verify_policy.describe())
 
     # ------------------------------------------------------------------ owner API
 
@@ -235,14 +233,16 @@ class Scheduler:
         batch; the device idles for the result's round trip instead. Steps over the verify
         limit (_may_verify) decode one row per request, like plain decodes: while only such
         steps are in flight the next one is planned at once if it is one too."""
-        if self._mtp and any(r.num_pending for r in self.running):
-            if self._verify_in_flight() or self._may_verify():
-                return None
+        pending = self._mtp and any(r.num_pending for r in self.running)
+        if pending and self._verify_in_flight():
+            return None
+        self._verify_drafts = self._may_verify()
+        if pending and self._verify_drafts:
+            return None
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
         self._preempted_this_step = False
-        self._verify_drafts = self._may_verify()
         # 1. decodes, oldest first
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -359,21 +359,19 @@ class Scheduler:
         return any(drafts for step in self._inflight.values() for _, _, drafts in step.values())
 
     def _may_verify(self) -> bool:
-        """This step's decodes verify their drafts: MTP is on and no more requests decode than
-        the limit (SchedulerConfig.mtp_disable_batch_size). Past it a verify costs more than its
-        accepted tokens gain (its rows and GDN candidate states grow k + 1-fold), so the step
-        decodes one row per request; the worker still drafts after it, and a later step within
-        the limit verifies those drafts."""
+        """This step's decodes verify their drafts: MTP is on and the policy (router/mtp_policy.py)
+        finds it pays at this many decoding requests. A verify's rows and GDN candidate states
+        grow k + 1-fold per request, so at large batches or a low accept length it costs more
+        than its accepted tokens gain; the step then decodes one row per request, the worker
+        still drafts after it, and a later step that verifies finds current drafts."""
         if not self._mtp:
             return False
-        if not self.mtp_max_verify:
-            return True
         decoding = sum(
             1
             for r in self.running
             if r.status is RequestStatus.RUNNING and r.num_output_tokens and r.guide_ready
         )
-        return decoding <= self.mtp_max_verify
+        return self.verify_policy.verify(decoding)
 
     def _num_draft(self, req: Request) -> int:
         """MTP draft rows for this decode: mtp_step, clamped so no draft lands past max_tokens (or,
@@ -599,6 +597,7 @@ class Scheduler:
             if (req := self._running_by_slot.get(slot)) is not None:
                 req.guide_ready = True
         outputs: list[RequestOutput] = []
+        verified = accepted = 0  # this step's verify chunks and the draft tokens they accepted
         for sampled in result.sampled:
             entry = inflight.pop(sampled.req_slot, None)
             if entry is None:
@@ -612,11 +611,14 @@ class Scheduler:
             req.num_pending -= 1
             if num_draft:
                 self._count_mtp(req, num_draft, len(sampled.token_ids))
+                verified += 1
+                accepted += len(sampled.token_ids) - 1
                 # rows past the accepted ones were computed for rejected drafts: give back their KV
                 rejected = num_draft + 1 - len(sampled.token_ids)
                 req.num_computed -= rejected
                 self.kv.free(req.pop_kv(rejected))
             outputs.append(self._append_tokens(req, sampled))
+        self.verify_policy.observe(verified, accepted)
         for req, epoch, _ in inflight.values():
             if req.status is RequestStatus.RUNNING and req.num_preemptions == epoch:
                 raise SchedulerError(

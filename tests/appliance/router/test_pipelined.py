@@ -126,6 +126,35 @@ def test_mtp_steps_over_the_batch_limit_verify_no_drafts(limit, worker_limit) ->
     assert stats.mtp_paused_steps == 2 and stats.mtp_drafts > 0
 
 
+def test_by_default_the_worker_costs_and_the_accept_length_decide() -> None:
+    """No --mtp-disable-batch-size and the worker's measured verify costs: steps verify while
+    the accept length seen pays for the cost at their batch; drafts that are never accepted
+    pause the verifies (all but a probe now and then)."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2)
+    costs = {1: 1.1, 2: 1.2, 4: 2.0}
+    sched = Scheduler(config, 1000, 1000, rng_seed=0, mtp_verify_max_bs=4, mtp_verify_costs=costs)
+    for i in range(2):
+        sched.add_request(req(f"r{i}", prompt_of(4, salt=i), max_tokens=60))
+    prefill = sched.schedule()
+    sched.update(StepResult(prefill.step_id, [SampledTokens(s, [7]) for s in (0, 1)]))
+    kinds = []
+    for _ in range(40):
+        plan = sched.schedule()
+        verify = {c.num_draft for c in plan.chunks} == {2}
+        kinds.append(verify)
+        # a verify accepts both drafts in the first two steps, none after
+        tokens = [8, 9, 10] if verify and len(kinds) <= 2 else [8]
+        sched.update(
+            StepResult(plan.step_id, [SampledTokens(c.req_slot, tokens) for c in plan.chunks])
+        )
+    assert kinds[:2] == [True, True]  # unmeasured, then accept length 3 > 1.2
+    # 3, then decaying by a fifth of the way to 1 per verify that accepts nothing: 2.6, 2.28,
+    # 2.02, 1.82, 1.66, 1.52, 1.42, 1.34, 1.27, 1.21 (each still >= 1.2, the cost at two
+    # requests), then 1.17: eleven more verifies, then a probe every 16th step
+    assert kinds[2:13] == [True] * 11 and not any(kinds[13:28]) and kinds[28]
+    assert sched.stats().mtp_paused_steps == kinds.count(False)
+
+
 def test_steps_over_the_mtp_verify_limit_overlap_like_plain_decodes() -> None:
     """Driven as the engine loop drives it: a step over the verify limit is planned while the
     previous one is in flight when both are one-row decodes; a verify never is, and no step is
