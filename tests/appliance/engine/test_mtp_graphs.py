@@ -289,9 +289,11 @@ def test_lengths_reach_the_host_mirror_only_for_the_same_admission():
 
 
 def _gpu_llm(model_dir, k: int, **extra) -> LLM:
-    """fp32 on the GPU: MTP is exactly lossless only where verify and plain rows round alike."""
+    """fp32 on the GPU: MTP is exactly lossless only where verify and plain rows round alike.
+    Every step verifies (the limit at max_num_seqs) unless `extra` sets the policy."""
     opts = dict(OPTS, max_num_seqs=16, device="cuda", dtype="float32", cuda_graph_max_bs=16)
-    return LLM(str(model_dir), mtp_step=k, **opts, **extra)
+    opts.setdefault("mtp_disable_batch_size", 16)
+    return LLM(str(model_dir), mtp_step=k, **{**opts, **extra})
 
 
 @pytest.mark.gpu
@@ -320,10 +322,11 @@ def test_captured_fused_step_is_lossless(family, k, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_captured_draft_graphs_keep_drafting_past_the_verify_graphs(tiny_trained):
-    """By default a step verifies drafts only while its requests fit the largest captured verify
-    batch (16 // (k + 1) = 4 here); seven requests that end one after another decode through the
-    decode graphs with the captured draft graphs after them, then verify: MTP off's tokens, and
-    the verifies after the pause accept drafts."""
+    """With a limit of 4 (the largest captured verify batch here, 16 // (k + 1)), seven requests
+    that end one after another decode through the decode graphs with the captured draft graphs
+    after them, then verify: MTP off's tokens, and the verifies after the pause accept drafts.
+    Then the default policy (the costs measured at startup against the accept length): this
+    model's drafts are accepted, so it verifies, losslessly."""
     seqs = prompts(7, 64, seed=3)
     params = (
         [GREEDY] * 2
@@ -331,15 +334,24 @@ def test_captured_draft_graphs_keep_drafting_past_the_verify_graphs(tiny_trained
         + [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(4)]
     )
     want = [o.token_ids for o in _gpu_llm(tiny_trained, 0).generate(seqs, params)]
-    llm = _gpu_llm(tiny_trained, 3)
+    llm = _gpu_llm(tiny_trained, 3, mtp_disable_batch_size=4)
     graphs = llm.runner.draft_graphs
-    assert graphs is not None and graphs.graphs and llm.scheduler.mtp_max_verify == 4
+    assert graphs is not None and graphs.graphs and llm.scheduler.verify_policy.limit == 4
+    # measured at startup for the default policy: a verify step per captured verify batch
+    costs = llm.runner.mtp_verify_costs
+    assert sorted(costs) == [1, 2, 4] and all(0.3 < c < 20 for c in costs.values()), costs
     drafted = []
     graphs.run = lambda n, run=graphs.run: drafted.append(n) or run(n)
     assert [o.token_ids for o in llm.generate(seqs, params)] == want
     stats = llm.scheduler.stats()
     assert stats.mtp_paused_steps > 0 and set(drafted) >= {5, 6, 7}
     assert stats.mtp_accepted_tokens > 0.5 * stats.mtp_draft_tokens
+    few = seqs[:3]
+    llm = _gpu_llm(tiny_trained, 3, mtp_disable_batch_size=0)
+    assert llm.scheduler.verify_policy.buckets == [1, 2, 4]
+    assert [o.token_ids for o in llm.generate(few, params[:3])] == want[:3]
+    trained = llm.scheduler.stats()  # accepted drafts pay: verifies past the first
+    assert trained.mtp_drafts > 3 and trained.mtp_mean_accept_len > 1.5
 
 
 @pytest.mark.gpu
