@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -267,3 +268,60 @@ def test_thinking_budget_with_mtp_answers_what_mtp_off_answers(mtp_appliance, ti
         )
         assert got.choices[0].model_extra["token_ids"] == want, budget
         assert got.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def limited_appliance(tiny_trained, tmp_path_factory):
+    app = start_appliance(
+        tiny_trained,
+        tmp_path_factory.mktemp("mtp_limited") / "appliance.log",
+        "--mtp-step",
+        "2",
+        "--mtp-disable-batch-size",
+        "1",
+        "--max-num-seqs",
+        "8",
+    )
+    yield app
+    assert app.stop() == 0, app.log()[-4000:]
+
+
+def test_steps_past_the_verify_limit_pause_and_are_counted(limited_appliance, tiny_trained):
+    """--mtp-disable-batch-size 1: three prompts of one request decode together without
+    verifying (their drafts still made), then the last one alone verifies; the text is MTP
+    off's, the paused steps are counted in /metrics and the status snapshot, and the router
+    logs the rule."""
+    gen = torch.Generator().manual_seed(21)
+    prompts = sample_sequences(permutation(0), 3, 10, gen).tolist()
+    lengths = [6, 12, 30]
+    offline = LLM(str(tiny_trained), max_num_seqs=4, num_kv_slots=2048, max_model_len=512)
+    want = [
+        offline.generate(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0].text
+        for p, n in zip(prompts, lengths)
+    ]
+    client = openai.OpenAI(base_url=f"{limited_appliance.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    with ThreadPoolExecutor(3) as pool:
+        got = list(
+            pool.map(
+                lambda pn: (
+                    client.completions.create(
+                        model=model,
+                        prompt=pn[0],
+                        max_tokens=pn[1],
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    .choices[0]
+                    .text
+                ),
+                zip(prompts, lengths),
+            )
+        )
+    assert got == want
+    router = limited_appliance.wait_idle()["router"]
+    metrics = httpx.get(f"{limited_appliance.url}/metrics").text
+    paused = counter(metrics, "appliance_mtp_paused_steps_total")
+    assert paused > 0 and router["mtp_paused_steps"] == paused
+    assert counter(metrics, "appliance_mtp_accepted_tokens_total") > 0  # the last one verified
+    assert "more than 1 decoding requests verify no drafts" in limited_appliance.log()
