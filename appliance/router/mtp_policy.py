@@ -17,7 +17,8 @@ class VerifyPolicy:
     request for `cost` times a paused step's time, so it verifies while the batch fits a graphed
     verify and L >= the cost of the smallest batch holding it. L is a running mean of the verify
     steps' (starting optimistic: unmeasured acceptance verifies); while the rule pauses, every
-    PROBE_EVERY-th step verifies anyway, so a rising acceptance is seen. Neither: always."""
+    PROBE_EVERY-th step verifies anyway, so a rising acceptance is seen. Neither: always.
+    `verify` only answers; `planned` records the steps of decodes really planned."""
 
     def __init__(self, limit: int = 0, costs: dict[int, float] | None = None) -> None:
         self.limit = limit
@@ -52,13 +53,12 @@ class VerifyPolicy:
         if cost is None:
             return False
         if self.accept_len is None or self.accept_len >= cost:
-            self._paused = 0
             return True
-        self._paused += 1
-        if self._paused >= PROBE_EVERY:
-            self._paused = 0
-            return True
-        return False
+        return self._paused >= PROBE_EVERY - 1  # a probe
+
+    def planned(self, verified: bool) -> None:
+        """A step of decodes was planned, verifying drafts or not."""
+        self._paused = 0 if verified else self._paused + 1
 
     def observe(self, verify_chunks: int, accepted_tokens: int) -> None:
         """One verify step's result: its chunks and the draft tokens they accepted."""

@@ -243,6 +243,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequest] = []
         self._preempted_this_step = False
+        decodes = 0  # decode chunks of generated tokens planned
         # 1. decodes, oldest first
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -262,6 +263,7 @@ class Scheduler:
                 chunks.append(self._prefill_chunk(req, rows))
             else:
                 chunks.append(self._make_chunk(req, rows, num_draft))
+                decodes += 1
             budget -= rows
         # 2. prefill chunks (including recompute after re-admission), oldest first
         for req in list(self.running):
@@ -292,8 +294,9 @@ class Scheduler:
                 budget -= chunks[-1].num_tokens
         if not chunks and not new_requests and not self._awaiting_guides():
             return None
-        if self._mtp and not self._verify_drafts and any(c.num_tokens == 1 for c in chunks):
-            self._mtp_paused_steps += 1
+        if self._mtp and decodes:
+            self.verify_policy.planned(self._verify_drafts)
+            self._mtp_paused_steps += not self._verify_drafts
         step_id = self._step_id
         self._step_id += 1
         self._inflight[step_id] = {

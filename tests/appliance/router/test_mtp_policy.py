@@ -39,7 +39,11 @@ def test_the_cost_rule_weighs_the_accept_length_against_the_batch_cost():
 def test_paused_steps_probe_with_a_verify_now_and_then():
     policy = VerifyPolicy(costs=COSTS)
     policy.observe(2, 0)  # accept length 1: nothing pays
-    decisions = [policy.verify(8) for _ in range(3 * PROBE_EVERY)]
+    decisions = []
+    for _ in range(3 * PROBE_EVERY):
+        decisions.append(policy.verify(8))
+        assert policy.verify(8) == decisions[-1]  # asking again changes nothing
+        policy.planned(decisions[-1])
     assert decisions.count(True) == 3 and decisions[PROBE_EVERY - 1]
     policy.observe(8, 24)  # the probe saw full acceptance (1 + 3): 1 + 0.2 * 3 = 1.6
     assert policy.accept_len == 1.6 and policy.verify(8)

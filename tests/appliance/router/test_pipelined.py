@@ -155,6 +155,35 @@ def test_by_default_the_worker_costs_and_the_accept_length_decide() -> None:
     assert sched.stats().mtp_paused_steps == kinds.count(False)
 
 
+def test_probes_verify_while_paused_steps_overlap() -> None:
+    """Drafts never accepted (the fake worker rejects them all): after the first verify the cost
+    rule pauses, the paused steps are planned while others are in flight, and still every 16th
+    step verifies (it waits for the steps in flight): acceptance keeps being measured."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, mtp_step=2)
+    costs = {1: 1.1, 2: 1.2, 4: 2.0}
+    sched = Scheduler(config, 1000, 1000, rng_seed=0, mtp_verify_max_bs=4, mtp_verify_costs=costs)
+    prompts = {f"r{i}": prompt_of(4 + i, salt=i) for i in range(3)}
+    for rid, prompt in prompts.items():
+        sched.add_request(req(rid, prompt, max_tokens=70, sampling=SamplingOptions()))
+    worker = FakeWorker(1000)
+    verifies, overlapped = [], []
+    execute = worker.execute
+
+    def spy(plan):
+        if any(c.num_draft for c in plan.chunks):
+            verifies.append(len(sched._inflight))
+        elif len(plan.chunks) > 1 and all(c.num_tokens == 1 for c in plan.chunks):
+            overlapped.append(len(sched._inflight))
+        return execute(plan)
+
+    worker.execute = spy
+    out = run_pipelined(sched, worker)
+    for rid, prompt in prompts.items():
+        assert out.tokens[rid] == reference_tokens(prompt, 70)
+    assert max(overlapped) == 2 and set(verifies) == {1}
+    assert len(verifies) >= 4  # the first, then probes in about 68 paused steps
+
+
 def test_steps_over_the_mtp_verify_limit_overlap_like_plain_decodes() -> None:
     """Driven as the engine loop drives it: a step over the verify limit is planned while the
     previous one is in flight when both are one-row decodes; a verify never is, and no step is
