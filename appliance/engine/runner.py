@@ -350,8 +350,8 @@ class ModelRunner(RunnerMemory):
 
     def _draft_graphs(self) -> DraftGraphs | None:
         """The draft pass after decode-graph steps of MTP requests that verify no drafts (the
-        router's --mtp-disable-batch-size), captured beside the decode graphs; none without them
-        (such steps then draft on the host path)."""
+        router's verify policy), captured beside the decode graphs; none without them, or if the
+        capture fails (such steps then draft on the host path)."""
         if self.graphs is None or self.mtp_graphs is None:
             return None
         sched, vocab = self.config.scheduler, self.text_config.vocab_size
@@ -366,14 +366,22 @@ class ModelRunner(RunnerMemory):
         reserve = draft_graph_reserve_bytes(
             graphs.max_bs, min(sched.mtp_draft_vocab or vocab, vocab)
         )
-        capture_logged("MTP draft after decode", graphs, reserve)
+        try:
+            capture_logged("MTP draft after decode", graphs, reserve)
+        except RuntimeError as exc:  # (an op that cannot be captured: report, draft on the host)
+            log.warning("MTP draft graphs off, their capture failed: %s", exc)
+            return None
         return graphs
 
     def _verify_costs(self) -> dict[int, float]:
         """Verify over paused step time per captured verify batch (engine/mtp_costs.py)."""
         if self.draft_graphs is None or not self.draft_graphs.graphs:
             return {}
-        costs = verify_costs(self.mtp_graphs, self.graphs, self.draft_graphs)
+        try:
+            costs = verify_costs(self.mtp_graphs, self.graphs, self.draft_graphs)
+        except RuntimeError as exc:  # the router then verifies up to the largest verify graph
+            log.warning("MTP verify costs not measured: %s", exc)
+            return {}
         shown = ", ".join(f"{bs}: {cost:.2f}" for bs, cost in costs.items())
         log.info("MTP verify step time over a plain decode + draft pass, by batch: %s", shown)
         return costs
