@@ -261,6 +261,24 @@ def test_steps_over_the_batch_limit_verify_nothing_and_keep_drafting(
     assert results[0] == results[1]
 
 
+def test_a_draft_graph_capture_that_fails_leaves_the_host_path(tiny_dense, monkeypatch, caplog):
+    """As on CUDA: the runner builds the draft graphs beside the decode graphs and captures them;
+    a capture that raises leaves none (paused steps then draft on the host path) and no costs."""
+    from appliance.engine import runner as runner_module
+
+    llm = LLM(str(tiny_dense), mtp_step=2, **OPTS)
+    with_draft_graphs(llm.runner, verify_bs=4, decode_bs=8)
+
+    def fail(name, graphs, reserved):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner_module, "capture_logged", fail)
+    assert llm.runner._draft_graphs() is None
+    assert "MTP draft graphs off, their capture failed" in caplog.text
+    llm.runner.draft_graphs = None
+    assert llm.runner._verify_costs() == {}
+
+
 def test_lm_head_argmax_over_a_prefix_of_the_vocabulary():
     from appliance.models.layers.embedding import LMHead
 
