@@ -21,7 +21,8 @@
 # grouped decode MoE
 # (MOE_PROBE_S, MOE_PROBE_ARGS, e.g. "--static --config ... --batch 1 16 --moe-pairs 16 256");
 # serve: ops/gpu/serve_bench.sh (SERVE_S; TAG, SERVE_ARGS,
-# CONCURRENCY pass through);
+# CONCURRENCY pass through); mtp_limit: ops/gpu/mtp_batch_limit.sh (MTP_LIMIT_S; VARIANTS,
+# CONCURRENCY, OUTPUT_LEN pass through: served MTP with its verify policy against verify always);
 # static_fp8: the 27B step with QUANT=fp8|block weights);
 # profile: PROFILE_CONFIG, PROFILE_BATCH, PROFILE_ARGS (e.g. "--modes graphs --top 25");
 # PROBE_ARGS, BENCH_ARGS and PYTEST_ARGS pass through. The vision steps also need the wheels in
@@ -121,6 +122,8 @@ for s in ${STEPS:-probe tests bench}; do
       --batches 1,16,64 ${KV_FP8_ARGS:-} ;;  # KV_FP8_ARGS last: its --batches / --layouts win
     serve) step "serve_${TAG:-serve}" "${SERVE_S:-300}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
       bash ops/gpu/serve_bench.sh ;;
+    mtp_limit) step mtp_limit "${MTP_LIMIT_S:-420}" env MODEL_DIR="${MODEL_DIR:-.cache/serve27b}" \
+      OUT="$OUT" bash ops/gpu/mtp_batch_limit.sh ;;
     profile) step profile "${PROFILE_S:-200}" python3 ops/gpu/profile_step.py \
       --config "${PROFILE_CONFIG:-ops/bench/configs/qwen3_5_27b.json}" --batch ${PROFILE_BATCH:-1 16 64} \
       --out "$OUT" ${PROFILE_ARGS:-} ;;
