@@ -1,9 +1,12 @@
-"""The MTP verify step's time over a paused step's (plain decode + draft pass) at each captured
-verify batch, measured by the runner once its graphs are captured (CUDA only) and sent to the
-router in WorkerInfo, whose verify policy (router/mtp_policy.py) weighs it against the accept
-length it sees."""
+"""The MTP verify step's time over a paused step's (plain decode + draft pass) at each verify
+batch, measured by the runner once its graphs are captured (CUDA) and sent to the router in
+WorkerInfo, whose verify policy (router/mtp_policy.py) weighs it against the accept length it
+sees. Uncaptured (tests on CPU) the same programs are timed eagerly."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -12,18 +15,38 @@ from appliance.engine.graphs import DecodeGraphs
 from appliance.engine.mtp_graphs import MtpGraphs
 
 
-def _replay_ms(replays: list[torch.cuda.CUDAGraph], reps: int) -> float:
-    """Mean device milliseconds of one replay of `replays` in order (after one warm-up)."""
-    for graph in replays:
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def _time_ms(programs: list[Callable[[], None]], device: torch.device, reps: int) -> float:
+    """Mean milliseconds of one run of `programs` in order (after one warm-up run)."""
+    for run in programs:
+        run()
+    cuda = device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        began = time.perf_counter()
     for _ in range(reps):
-        for graph in replays:
-            graph.replay()
+        for run in programs:
+            run()
+    if not cuda:
+        return (time.perf_counter() - began) * 1e3 / reps
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def _verify_programs(verify: MtpGraphs, bs: int) -> list[Callable[[], None]]:
+    if bs in verify.graphs:
+        return [graph.replay for graph in verify.graphs[bs]]
+    return [lambda: verify._verify_forward(bs), lambda: verify._verify_sample(bs)] + [
+        lambda: verify._draft(bs)
+    ]
+
+
+def _paused_programs(decode: DecodeGraphs, draft: DraftGraphs, bs: int) -> list[Callable[[], None]]:
+    programs = [decode.graphs[bs].replay if bs in decode.graphs else lambda: decode._forward(bs)]
+    programs.append(draft.graphs[bs].replay if bs in draft.graphs else lambda: draft._draft(bs))
+    return programs
 
 
 @torch.inference_mode()
@@ -32,14 +55,11 @@ def verify_costs(
 ) -> dict[int, float]:
     """{verify bucket: verify step ms / (decode + draft pass) ms}, on padding rows (every input at
     its padding value: the same weights, state and KV traffic per row as live requests, over a
-    short context). Empty unless all three are captured."""
-    if not (verify.graphs and decode.graphs and draft.graphs):
-        return {}
+    short context)."""
     verify.inputs.stage([[] for _ in verify.inputs.pad])  # every column padding
     decode.inputs.stage([[] for _ in decode.inputs.pad])
     costs = {}
     for bs in verify.batch_sizes:
-        plain_bs = decode.bucket(bs)  # the bucket a plain step of bs requests replays
-        plain = _replay_ms([decode.graphs[plain_bs], draft.graphs[plain_bs]], reps)
-        costs[bs] = _replay_ms(verify.graphs[bs], reps) / plain
+        paused = _time_ms(_paused_programs(decode, draft, decode.bucket(bs)), verify.device, reps)
+        costs[bs] = _time_ms(_verify_programs(verify, bs), verify.device, reps) / paused
     return costs

@@ -261,6 +261,28 @@ def test_steps_over_the_batch_limit_verify_nothing_and_keep_drafting(
     assert results[0] == results[1]
 
 
+def test_verify_costs_time_each_verify_bucket_on_padding_rows(tiny_trained):
+    """The startup measurement (run eagerly here): one verify-over-paused ratio per verify
+    bucket, each paused step timed at the decode bucket holding it; it touches only padding rows,
+    so generation afterwards is MTP off's, and the router takes the costs as its policy."""
+    from appliance.engine.mtp_costs import verify_costs
+    from appliance.router import Scheduler
+
+    seqs = prompts(3, 64, seed=8)
+    want = [o.token_ids for o in LLM(str(tiny_trained), **OPTS).generate(seqs, GREEDY)]
+    llm = LLM(str(tiny_trained), mtp_step=2, **OPTS)
+    draft = with_draft_graphs(llm.runner, verify_bs=4, decode_bs=8)
+    timed = []
+    decode_forward = llm.runner.graphs._forward
+    llm.runner.graphs._forward = lambda bs: timed.append(bs) or decode_forward(bs)
+    costs = verify_costs(llm.runner.mtp_graphs, llm.runner.graphs, draft, reps=1)
+    assert sorted(costs) == [1, 2, 4] and all(c > 0 for c in costs.values())
+    assert sorted(set(timed)) == [1, 2, 4]  # (the decode buckets 1, 2, 4, 8 hold them)
+    assert [o.token_ids for o in llm.generate(seqs, GREEDY)] == want
+    sched = Scheduler(llm.config.scheduler, 100, 100, mtp_verify_max_bs=4, mtp_verify_costs=costs)
+    assert sched.verify_policy.buckets == [1, 2, 4] and sched.verify_policy.limit == 0
+
+
 def test_a_draft_graph_capture_that_fails_leaves_the_host_path(tiny_dense, monkeypatch, caplog):
     """As on CUDA: the runner builds the draft graphs beside the decode graphs and captures them;
     a capture that raises leaves none (paused steps then draft on the host path) and no costs."""
