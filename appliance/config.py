@@ -78,8 +78,9 @@ class SchedulerConfig:
     # roughly ordered by frequency, and the draft's LM head read shrinks with N
     mtp_draft_vocab: int = 0
     # MTP: a step with more decoding requests than this verifies no drafts (its decodes are plain
-    # rows, still drafted for the steps after); 0 = auto: the largest batch the fused verify step
-    # holds as a CUDA graph (no limit where it has none); max_num_seqs: never
+    # rows, still drafted for the steps after); 0 = auto: verify while the accept length pays for
+    # the verify's cost measured at startup, up to the largest graphed verify batch (no limit
+    # without graphs); max_num_seqs: every step verifies
     mtp_disable_batch_size: int = 0
     prefix_caching: bool = True  # reuse the KV and GDN state of cached prompt prefixes
     # hybrid models: also snapshot the GDN state every N prompt tokens (prefill chunks end there),

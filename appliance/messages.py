@@ -454,7 +454,7 @@ class SchedulerStats(msgspec.Struct, frozen=True):
     mtp_draft_tokens: int = 0  # draft tokens proposed
     mtp_accepted_tokens: int = 0  # draft tokens accepted
     mtp_accepted_per_position: list[int] = []  # accepted count per draft position
-    mtp_paused_steps: int = 0  # steps whose decodes verified no drafts (--mtp-disable-batch-size)
+    mtp_paused_steps: int = 0  # steps whose decodes verified no drafts (router/mtp_policy.py)
     prefix_cache_queries: int = 0  # prompt tokens of admitted requests (first admission)
     prefix_cache_hits: int = 0  # of those, tokens found in the prefix cache (not computed)
     prefix_cache_nodes: int = 0  # nodes of the prefix tree
@@ -603,7 +603,7 @@ class WorkerInfo(msgspec.Struct, frozen=True):
     num_snapshot_slots: int = 0  # prefix-cache linear-state snapshot slots (0: none)
     linear_state: bool = False  # the model has GDN layers: a prefix hit must restore a snapshot
     # the largest batch of MTP verify requests the fused step holds as a CUDA graph (0: no graph:
-    # CPU, --disable-cuda-graph, MTP off); the router's default --mtp-disable-batch-size
+    # CPU, --disable-cuda-graph, MTP off); the router's verify limit when no costs came
     mtp_verify_max_bs: int = 0
     # {verify batch: verify step time / (plain decode + draft pass) time}, measured on the
     # captured graphs at startup (empty without them); the router's MTP verify policy

@@ -95,7 +95,7 @@ METRICS: tuple[tuple[str, str, str, str, tuple[str, ...], tuple[float, ...] | No
     ("mtp_accepted_tokens", "counter", "appliance_mtp_accepted_tokens",
      "MTP draft tokens accepted.", (), None),
     ("mtp_paused_steps", "counter", "appliance_mtp_paused_steps",
-     "Steps whose decodes verified no MTP drafts (more decoding requests than "
+     "Steps whose decodes verified no MTP drafts (the verify policy paused them: "
      "--mtp-disable-batch-size).", (), None),
     ("mtp_accepted_per_position", "counter", "appliance_mtp_accepted_tokens_per_position",
      "MTP draft tokens accepted at each draft position (0 = first draft token).", ("position",),

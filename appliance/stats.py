@@ -62,7 +62,7 @@ class WindowStats:
     mtp_drafts: int = 0
     mtp_draft_tokens: int = 0
     mtp_accepted_tokens: int = 0
-    mtp_paused_steps: int = 0  # steps over --mtp-disable-batch-size: no drafts verified
+    mtp_paused_steps: int = 0  # steps the MTP verify policy paused: no drafts verified
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache in the window
     prefix_cache_hits: int = 0  # of those, found cached

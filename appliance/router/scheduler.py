@@ -379,7 +379,7 @@ class Scheduler:
     def _num_draft(self, req: Request) -> int:
         """MTP draft rows for this decode: mtp_step, clamped so no draft lands past max_tokens (or,
         by validation, past max_model_len); 0 before the worker has drafted (prefill not
-        sampled) and in a step over the verify limit (_may_verify)."""
+        sampled) and in a step the verify policy pauses (_may_verify)."""
         if not self._verify_drafts or req.num_output_tokens == 0:
             return 0
         return max(0, min(self.config.mtp_step, req.max_tokens - req.num_output_tokens - 1))

@@ -178,8 +178,8 @@ ROWS = [
                 "MTP steps with verify off / s",
                 "short",
                 [(rate("appliance_mtp_paused_steps_total"), "steps verifying no drafts")],
-                "Steps whose decodes verified no drafts: more decoding requests than "
-                "--mtp-disable-batch-size.",
+                "Steps whose decodes verified no drafts, paused by the verify policy "
+                "(--mtp-disable-batch-size).",
             ),
         ],
     ),
