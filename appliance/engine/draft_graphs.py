@@ -103,7 +103,9 @@ class DraftGraphs:
         meta = self.decode.meta
         slots, positions = meta[0, :bs], meta[1, :bs]
         next_ids = self.requests.token_ids[slots, positions + 1]  # the token each row sampled
-        ctx = self.decode.contexts[bs]  # the decode step's rows: the same slots and positions
+        # the decode step's rows, derived afresh: a context made inside the decode graph's capture
+        # holds values only once that graph has replayed
+        ctx = self.decode.context(bs)
         hidden = self.decode.hidden[:bs]
         y1 = None
         with forward_context(ctx):

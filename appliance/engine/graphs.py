@@ -177,22 +177,28 @@ class DecodeGraphs:
         self.pool_bytes = 0
 
     # ------------------------------------------------------------------ the captured step
-    def _forward(self, bs: int) -> None:
+    def context(self, bs: int) -> ForwardContext:
+        """The step's rows as a forward context, derived on the device from the staged inputs
+        (also the draft graphs', engine/draft_graphs.py)."""
         slots, positions, kv_slots = self.meta[0, :bs], self.meta[1, :bs], self.meta[2, :bs]
-        table = self.requests
-        input_ids = table.token_ids[slots, positions]
-        table.req_to_token[slots, positions] = kv_slots.to(torch.int32)
-        ctx = ForwardContext(
+        return ForwardContext(
             req_slots=slots,
             cu_seqlens_q=self.cu_seqlens[: bs + 1],
             seq_lens=positions + 1,
             has_initial_state=positions > 0,
             out_kv_slots=kv_slots,
-            req_to_token=table.req_to_token,
+            req_to_token=self.requests.req_to_token,
             q_lens=[1] * bs,
             all_decode=True,
             max_q_len=1,
         )
+
+    def _forward(self, bs: int) -> None:
+        slots, positions, kv_slots = self.meta[0, :bs], self.meta[1, :bs], self.meta[2, :bs]
+        table = self.requests
+        input_ids = table.token_ids[slots, positions]
+        table.req_to_token[slots, positions] = kv_slots.to(torch.int32)
+        ctx = self.context(bs)
         self.contexts[bs] = ctx
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
