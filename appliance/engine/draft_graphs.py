@@ -107,12 +107,9 @@ class DraftGraphs:
         # holds values only once that graph has replayed
         ctx = self.decode.context(bs)
         hidden = self.decode.hidden[:bs]
-        y1 = None
-        with forward_context(ctx):
-            for module in self.drafts:  # vanilla: every module extends its own KV
-                y = module(next_ids, hidden, positions)
-                y1 = y if y1 is None else y1
-        self.chain(bs, slots, positions, y1)
+        with forward_context(ctx):  # vanilla: every module extends its own KV
+            ys = [module(next_ids, hidden, positions) for module in self.drafts]
+        self.chain(bs, slots, positions, ys[0])  # the first module's output proposes d'_1
 
     def capture(self, progress: Callable[[int, int, int], None] | None = None) -> None:
         graphs, self.capture_s, self.pool_bytes = capture_buckets(
@@ -132,8 +129,9 @@ class DraftGraphs:
             self._draft(bs)
 
 
-def draft_graph_reserve_bytes(max_bs: int, draft_vocab: int) -> int:
+def draft_graph_reserve_bytes(max_bs: int, vocab_size: int, draft_vocab: int) -> int:
     """Device memory held back for the draft graphs: a chain step's draft logits (16-bit and their
-    fp32 argmax input) for the largest bucket, plus a margin for the draft module's activations;
-    logged against the pool measured after capture."""
-    return max_bs * draft_vocab * 6 + 128 * 2**20 if max_bs else 0
+    fp32 argmax input) over the first `draft_vocab` ids (0: all) for the largest bucket, plus a
+    margin for the draft module's activations; logged against the pool measured after capture."""
+    ids = min(draft_vocab or vocab_size, vocab_size)
+    return max_bs * ids * 6 + 128 * 2**20 if max_bs else 0

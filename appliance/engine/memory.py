@@ -145,8 +145,7 @@ class RunnerMemory:
         if self.mtp_step and self.mtp_fused:
             mtp_bs = mtp_graph_max_bs(self.graph_max_bs, self.mtp_step)
             graphs += mtp_graph_reserve_bytes(mtp_bs, self.mtp_step, vocab)
-            draft_vocab = min(sched.mtp_draft_vocab or vocab, vocab)
-            graphs += draft_graph_reserve_bytes(self.graph_max_bs, draft_vocab)
+            graphs += draft_graph_reserve_bytes(self.graph_max_bs, vocab, sched.mtp_draft_vocab)
         held = activation + self.reserved_bytes + graphs
         pool = self._pool_bytes(free, held)
         snapshots = self._num_snapshots(pool - state)

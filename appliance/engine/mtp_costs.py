@@ -38,8 +38,10 @@ def _time_ms(programs: list[Callable[[], None]], device: torch.device, reps: int
 def _verify_programs(verify: MtpGraphs, bs: int) -> list[Callable[[], None]]:
     if bs in verify.graphs:
         return [graph.replay for graph in verify.graphs[bs]]
-    return [lambda: verify._verify_forward(bs), lambda: verify._verify_sample(bs)] + [
-        lambda: verify._draft(bs)
+    return [
+        lambda: verify._verify_forward(bs),
+        lambda: verify._verify_sample(bs),
+        lambda: verify._draft(bs),
     ]
 
 

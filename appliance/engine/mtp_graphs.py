@@ -85,7 +85,6 @@ class MtpGraphs:
         draft_vocab: int = 0,  # drafts from the first N ids (0: all; SchedulerConfig)
         vocab_size: int = 0,  # > 0: verify rows take grammar masks (structured outputs)
     ) -> None:
-        self.draft_vocab = draft_vocab
         self.model, self.pools = model, pools
         self.requests, self.sizes, self.device = requests, sizes, device
         self.k = k = k or sizes.mtp_step

@@ -363,9 +363,7 @@ class ModelRunner(RunnerMemory):
             sched.mtp_draft_vocab,
             self.device,
         )
-        reserve = draft_graph_reserve_bytes(
-            graphs.max_bs, min(sched.mtp_draft_vocab or vocab, vocab)
-        )
+        reserve = draft_graph_reserve_bytes(graphs.max_bs, vocab, sched.mtp_draft_vocab)
         try:
             capture_logged("MTP draft after decode", graphs, reserve)
         except RuntimeError as exc:  # (an op that cannot be captured: report, draft on the host)

@@ -211,7 +211,7 @@ def test_steps_over_the_mtp_verify_limit_overlap_like_plain_decodes() -> None:
     assert verified and max(verified) == 1  # a verify is planned with nothing else in flight
     assert max(overlapped) == 2  # one-row steps were planned with another in flight
     assert sched.stats().mtp_paused_steps > 0
-    # a verify in flight when the batch grows past the limit: nothing is planned until it lands
+    # a verify in flight: nothing more is planned (not even a new request's prefill) until it lands
     for i in range(2):
         sched.add_request(req(f"v{i}", prompt_of(4, salt=20 + i), max_tokens=9))
     prefill = sched.schedule()
